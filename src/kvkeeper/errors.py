@@ -1,0 +1,54 @@
+"""Errors raised by kvkeeper.
+
+Every error says what was wrong and how to fix it.  They all derive from
+:class:`KVKeeperError`, so a caller (the CLI, the server) can turn any of them
+into a clean message instead of a stack trace.
+"""
+
+
+class KVKeeperError(Exception):
+    """Base class of every error kvkeeper raises on purpose."""
+
+
+class ModelNotFoundError(KVKeeperError):
+    """The model id is not known and is not a path to an existing file or folder."""
+
+
+class ModelFormatError(KVKeeperError):
+    """A model file or folder exists but is corrupt, truncated or incomplete."""
+
+
+class UnsupportedArchitectureError(KVKeeperError):
+    """The model's architecture is not one kvkeeper implements."""
+
+
+class InvalidRequestError(KVKeeperError, ValueError):
+    """A request's parameters or messages are invalid (empty conversation, bad sampling value...)."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """A prompt (plus the tokens asked for) does not fit in the model's context window."""
+
+    def __init__(self, prompt_tokens: int, context_length: int, max_tokens: int = 0):
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+        self.max_tokens = max_tokens
+        if max_tokens:
+            msg = (
+                f"prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}, "
+                f"together {prompt_tokens + max_tokens} tokens, but the model's context window is "
+                f"{context_length} tokens; shorten the prompt or lower max_tokens"
+            )
+        else:
+            msg = (
+                f"prompt is {prompt_tokens} tokens but the model's context window is "
+                f"{context_length} tokens; shorten the prompt (or trim earlier turns)"
+            )
+        super().__init__(msg)
+
+
+class SessionNotFoundError(KVKeeperError, KeyError):
+    """No open session has this id."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else "session not found"

@@ -1,0 +1,62 @@
+"""Tokenizer and chat template, read from the same source as the weights.
+
+A GGUF file carries its vocabulary, merges and chat template; transformers'
+``AutoTokenizer`` converts them into a fast tokenizer.  The conversion takes a
+few seconds, so the result is cached as a tokenizer folder under
+``$KVKEEPER_CACHE`` (default ``~/.cache/kvkeeper``), keyed by the GGUF file's
+size and modification time.  A Hugging Face folder is read directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from ..errors import ModelFormatError
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVKEEPER_CACHE", Path.home() / ".cache" / "kvkeeper"))
+
+
+def _gguf_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()
+    return h[:16]
+
+
+def load_tokenizer(model_path: str | os.PathLike):
+    """Load the tokenizer (with its chat template) for a GGUF file or HF folder.
+
+    Returns a ``transformers`` fast tokenizer.  Raises :class:`ModelFormatError`
+    when the source holds no usable tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(model_path)
+    try:
+        if path.is_dir():
+            return AutoTokenizer.from_pretrained(str(path))
+        cached = cache_dir() / "tokenizers" / _gguf_key(path)
+        if (cached / "tokenizer_config.json").exists():
+            try:
+                return AutoTokenizer.from_pretrained(str(cached))
+            except Exception:  # a damaged cache is rebuilt below
+                log.warning("tokenizer cache %s unreadable; rebuilding", cached)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+            tok.save_pretrained(str(tmp))
+            os.replace(tmp, cached) if not cached.exists() else None
+        except OSError as e:  # cache is an optimisation only
+            log.warning("could not cache tokenizer: %s", e)
+        return tok
+    except Exception as e:  # transformers raises many kinds
+        raise ModelFormatError(
+            f"could not read a tokenizer from {path}: {e}. A GGUF file must carry tokenizer.ggml.* "
+            "metadata; a Hugging Face folder needs tokenizer.json or tokenizer.model plus tokenizer_config.json"
+        ) from e
