@@ -1,0 +1,291 @@
+"""The engine: model + paged KV cache + scheduler + sampler + detokenizer, stepped in one process.
+
+Typical use::
+
+    from kvkeeper import LLMEngine, SamplingParams
+    eng = LLMEngine()                      # embedded SmolLM2-135M-Instruct, fp32, CPU
+    out = eng.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0]
+    s = eng.new_session()                  # multi-turn with KV reuse across turns
+    r = s.send("Hi!")                      # r.cached_tokens, r.ttft_s, r.decode_tok_per_s
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ContextLengthError, InvalidRequestError
+from ..kvcache.block_pool import BlockPool
+from ..kvcache.manager import KVCacheManager
+from ..kvcache.namespace import Namespace
+from ..model.loader import load_weights
+from ..model.registry import resolve_model_path
+from ..model.runner import ModelRunner, parse_dtype
+from ..sampling.sampler import make_generator, sample
+from ..text.detokenizer import IncrementalDetokenizer
+from ..text.tokenizer import load_tokenizer
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import SeqStatus, Sequence
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request.
+
+    token_ids: generated ids (incl. a final EOS or the token that completed a stop string).
+    text: generated text, stop string excluded.  Times are in seconds; decode speed in tokens/s.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    cached_tokens: int
+    ttft_s: float | None
+    decode_tok_per_s: float | None
+    num_preemptions: int = 0
+    logprobs: list = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def from_seq(cls, seq: Sequence) -> "RequestOutput":
+        ttft = None if seq.t_first_token is None else seq.t_first_token - seq.t_arrival
+        speed = None
+        if seq.t_first_token is not None and seq.t_last_token and seq.num_output_tokens > 1:
+            dt = seq.t_last_token - seq.t_first_token
+            speed = (seq.num_output_tokens - 1) / dt if dt > 0 else None
+        return cls(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], list(seq.output_token_ids), seq.text,
+                   seq.finish_reason, max(seq.num_cached_tokens, 0), ttft, speed, seq.num_preemptions,
+                   list(seq.logprobs), seq.error)
+
+
+class LLMEngine:
+    """Paged-KV inference engine.
+
+    model: a known id (see ``kvkeeper.model.registry``) or a path to a GGUF file / HF folder.
+    dtype: weights and activations ("float32" default, "bfloat16" selectable).
+    block_size: tokens per KV block.  KV budget: ``num_kv_blocks`` or ``kv_cache_bytes``
+    (default 1 GiB).  ``max_num_batched_tokens``: the per-step token budget (chunked prefill).
+    Raises ModelNotFoundError / ModelFormatError / UnsupportedArchitectureError while loading.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "float32", device: str = "cpu",
+                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True, max_model_len: int | None = None, num_threads: int | None = None):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.model_path = resolve_model_path(model)
+        self.model_name = model or "smollm2-135m-instruct"
+        cfg, state = load_weights(self.model_path)
+        self.config = cfg
+        self.tokenizer = load_tokenizer(self.model_path)
+        torch_dtype = parse_dtype(dtype)
+        bytes_per_token = cfg.kv_bytes_per_token(torch.empty(0, dtype=torch_dtype).element_size())
+        if num_kv_blocks is None:
+            budget = kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+            num_kv_blocks = budget // (bytes_per_token * block_size)
+            if num_kv_blocks < 1:
+                raise InvalidRequestError(f"kv_cache_bytes={budget} is smaller than one block ({bytes_per_token * block_size} bytes)")
+        self.block_size = block_size
+        self.runner = ModelRunner(cfg, state, num_kv_blocks, block_size, dtype=torch_dtype, device=device)
+        del state
+        self.pool = BlockPool(num_kv_blocks, block_size, enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+                                   reclaim=self._reclaim_from_sessions)
+        self.context_length = min(cfg.context_length, max_model_len or cfg.context_length)
+        self.namespace = Namespace(cfg.revision, kv_dtype=str(torch_dtype).removeprefix("torch."))
+        eos = set(cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = eos
+        self._req_ids = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+        self.sessions: dict[str, "Session"] = {}  # noqa: F821  (sessions register themselves)
+        self.num_steps = 0
+
+    # ---- requests ----------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.runner.kv_bytes_per_token
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation, exactly as the model's chat template renders it."""
+        if not messages:
+            raise InvalidRequestError("the conversation is empty: give at least one message")
+        text = self.render_chat(messages, add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    namespace: Namespace | None = None) -> Sequence:
+        """Queue a request; returns its :class:`Sequence`.
+
+        Raises :class:`InvalidRequestError` for an empty prompt and
+        :class:`ContextLengthError` when the prompt leaves no room for a token.
+        """
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty: give at least one token of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if len(ids) >= self.context_length:
+            raise ContextLengthError(len(ids), self.context_length)
+        request_id = request_id or f"req-{next(self._req_ids)}"
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, namespace or self.namespace)
+        max_new = self.context_length - len(ids)
+        seq.max_total_tokens = len(ids) + min(max_new, params.max_tokens or max_new)
+        seq.generator = make_generator(params)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is not None and not seq.finished:
+            seq.finish_reason = "abort"
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if not seq.keep_blocks:
+            self.kv.free(seq)
+        self._seqs.pop(seq.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Schedule, run the model once, sample; returns sequences that finished in this step."""
+        out = self.scheduler.schedule()
+        finished: list[Sequence] = []
+        for seq in out.rejected:
+            seq.finish_reason = "error"
+            self._finish(seq)
+            finished.append(seq)
+        if not out.scheduled:
+            return finished
+        self.num_steps += 1
+        logits, seqs = self.runner.execute(out.scheduled)
+        for seq, n in out.scheduled:
+            seq.num_computed += n
+            self.kv.commit(seq)
+        if logits is None:
+            return finished
+        ids, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        now = time.perf_counter()
+        for seq, tok, lp in zip(seqs, ids, logps):
+            seq.token_ids.append(tok)
+            if seq.t_first_token is None:
+                seq.t_first_token = now
+            seq.t_last_token = now
+            if lp is not None:
+                k = seq.params.logprobs or 0
+                top = torch.topk(lp, k) if k else None
+                seq.logprobs.append({
+                    "token_id": tok, "logprob": float(lp[tok]),
+                    "top": [] if top is None else list(zip(top.indices.tolist(), top.values.tolist())),
+                })
+            delta = seq.detokenizer.add(tok)
+            seq.text += delta
+            reason = None
+            if seq.detokenizer.stopped:
+                reason, seq.stop_string = "stop", seq.detokenizer.stop_string
+            elif (tok in self.eos_token_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids:
+                reason = "stop"
+            elif len(seq.token_ids) >= seq.max_total_tokens:
+                reason = "length"
+            if reason:
+                if not seq.detokenizer.stopped:
+                    seq.text += seq.detokenizer.flush()
+                seq.finish_reason = reason
+                self._finish(seq)
+                finished.append(seq)
+        return finished
+
+    def run_until_done(self, seqs: list[Sequence]) -> None:
+        while any(not s.finished for s in seqs):
+            self.step()
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (batched together); returns one :class:`RequestOutput` each, in order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        self.run_until_done(seqs)
+        return [RequestOutput.from_seq(s) for s in seqs]
+
+    # ---- sessions ------------------------------------------------------------
+    def new_session(self, system: str | None = None, session_id: str | None = None, **kw):
+        from ..sessions.session import Session
+
+        return Session(self, system=system, session_id=session_id, **kw)
+
+    def list_sessions(self) -> list[dict]:
+        return [s.info() for s in self.sessions.values()]
+
+    def close_session(self, session_id: str) -> None:
+        from ..errors import SessionNotFoundError
+
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise SessionNotFoundError(f"no open session {session_id!r}; open ones: {sorted(self.sessions)}")
+        s.close()
+
+    def _reclaim_from_sessions(self, n_blocks: int) -> int:
+        """Unpin idle sessions' blocks, least recently used first (their full blocks stay in the prefix cache)."""
+        freed = 0
+        for s in sorted(self.sessions.values(), key=lambda s: s.last_used):
+            if freed >= n_blocks:
+                break
+            freed += s.unpin()
+        return freed
+
+    def stats(self) -> dict:
+        return {
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_cached": self.pool.num_cached,
+            "kv_usage": self.pool.usage(),
+            "prefix_query_tokens": self.kv.query_tokens,
+            "prefix_hit_tokens": self.kv.hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "sessions": len(self.sessions),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+        }

@@ -1,0 +1,137 @@
+"""Continuous batching with chunked prefill and preemption by recomputation.
+
+Each step spends a token budget (``max_num_batched_tokens``): running
+sequences first, oldest first (one token each when decoding, a chunk of their
+prompt while prefilling), then waiting sequences are admitted, their prompt
+cut into chunks that fit what is left.  When the pool runs out of blocks the
+newest running sequence is preempted: its blocks are released (full ones stay
+in the prefix cache) and it goes back to the head of the queue to be
+recomputed later, as vLLM does in its v1 scheduler.  Nothing crashes for want
+of blocks; a request that could never fit even in an empty pool is finished
+with an error.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..kvcache.manager import KVCacheManager
+from .sequence import SeqStatus, Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+    rejected: list[Sequence] = field(default_factory=list)  # can never fit; finished with an error
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 enable_chunked_prefill: bool = True, reclaim: Callable[[int], int] | None = None):
+        """reclaim(n_blocks) is called when admission lacks blocks; it may release idle sessions' blocks and returns how many it freed."""
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.reclaim = reclaim
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _chunk(self, remaining: int, budget: int, first: bool) -> int:
+        if self.enable_chunked_prefill:
+            return min(remaining, budget)
+        # without chunking a prompt goes in whole; an oversized one only as the step's first item
+        return remaining if (remaining <= budget or first) else 0
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq.num_uncomputed, budget, not out.scheduled)
+            if n == 0:
+                i += 1
+                continue
+            while not self.kv.allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                budget -= max(n, 0)
+                i += 1
+                continue
+            break  # seq itself was preempted: it was the last running one
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                hit = self.kv.match_prefix(seq)
+                if seq.num_cached_tokens < 0:
+                    seq.num_cached_tokens = hit
+            elif seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed  # a session handed its blocks over
+            n = self._chunk(seq.num_uncomputed, budget, not out.scheduled)
+            if n == 0:
+                break
+            if not self.kv.allocate(seq, n):
+                short = self.kv.blocks_needed(seq, n) - self.kv.pool.num_free
+                if not (self.reclaim is not None and self.reclaim(short) > 0 and self.kv.allocate(seq, n)):
+                    if not self.running and not out.scheduled:
+                        # nothing else holds blocks that could be waited for: this request can never fit
+                        self.waiting.popleft()
+                        total_need = -(-len(seq.token_ids) // self.kv.block_size)
+                        seq.error = (
+                            f"request needs {total_need} KV blocks ({len(seq.token_ids)} tokens of "
+                            f"{self.kv.block_size}) but only {self.kv.pool.num_free + len(seq.block_table)} of the "
+                            f"pool's {self.kv.pool.num_blocks} blocks can be had; raise the KV budget or close sessions"
+                        )
+                        self.kv.free(seq)
+                        out.rejected.append(seq)
+                        continue
+                    self.kv.free(seq)  # do not hold prefix hits while waiting
+                    if seq.num_preemptions == 0:
+                        seq.num_cached_tokens = -1
+                    break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED

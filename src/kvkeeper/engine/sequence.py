@@ -1,0 +1,76 @@
+"""A sequence: one request's tokens, its progress and its block table."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kvcache.namespace import Namespace
+from .sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Tokens (prompt then output), how many have KV in the cache, and where.
+
+    num_computed: tokens whose K/V are in the cache (positions 0..num_computed-1).
+    block_table: block ids holding those tokens, in order.
+    block_hashes: chained prefix-cache hashes of the full blocks at the head of block_table.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    namespace: Namespace
+    num_prompt_tokens: int = 0
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = -1  # prefix reused at first admission (tokens); -1 until admitted
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    error: str | None = None
+    stop_string: str | None = None
+    max_total_tokens: int = 0  # prompt + output may not exceed this
+    generator: torch.Generator | None = None
+    detokenizer: object | None = None
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    keep_blocks: bool = False  # a session takes the blocks over when the request finishes
+    num_preemptions: int = 0
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first_token: float | None = None
+    t_last_token: float | None = None
+
+    def __post_init__(self):
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED

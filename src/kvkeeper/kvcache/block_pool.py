@@ -1,0 +1,206 @@
+"""The KV block pool: fixed-size blocks with refcounts, a free list and a prefix cache.
+
+Every KV block belongs to the pool; sequences only hold block ids in their
+block tables.  A block is *free* when its refcount is 0.  A free block may
+still hold valid KV of a full block registered in the prefix cache (*cached*):
+it is reused by a later prefix hit, or evicted (least recently freed first)
+when an allocation finds no never-cached free block.  This follows vLLM's v1
+block pool and nano-vllm's block manager; hits compare the stored token ids
+and namespace too, so a hash collision can never hand out wrong KV.
+
+Prefix-cache keys are chained: ``hash(parent_hash, namespace, token_ids)``
+(blake2b, 64 bits), so a block matches only when every block before it did.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .namespace import Namespace
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool has fewer free blocks than asked for (the scheduler preempts instead of crashing)."""
+
+
+def block_hash(parent: int | None, namespace: Namespace, token_ids) -> int:
+    """Chained 64-bit content hash of one full block."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack("<q", -1 if parent is None else parent))
+    h.update(namespace.key.encode())
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set while registered in the prefix cache
+    token_ids: tuple[int, ...] | None = None
+    namespace: Namespace | None = None
+
+
+class BlockPool:
+    """``num_blocks`` blocks of ``block_size`` token slots each.
+
+    Counters (monotonic): ``hits`` / ``queries`` in blocks, ``evictions``.
+    Raises :class:`NoFreeBlocksError` when an allocation cannot be met.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_plain: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
+        self._by_hash: dict[int, int] = {}
+        self.queries = 0
+        self.hits = 0
+        self.evictions = 0
+
+    # ---- sizes -----------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks with refcount 0 (allocatable), including evictable cached ones."""
+        return len(self._free_plain) + len(self._free_cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered in the prefix cache (referenced or not)."""
+        return len(self._by_hash)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._free_cached)
+
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some sequence or session (0..1)."""
+        return self.num_used / self.num_blocks
+
+    # ---- allocation ------------------------------------------------------
+    def _evict(self, bid: int) -> None:
+        b = self.blocks[bid]
+        if b.hash is not None and self._by_hash.get(b.hash) == bid:
+            del self._by_hash[b.hash]
+        b.hash = b.token_ids = b.namespace = None
+        self.evictions += 1
+
+    def allocate(self, n: int = 1) -> list[int]:
+        """Take ``n`` free blocks (refcount becomes 1); never-cached blocks go first, then LRU cached ones."""
+        if n > self.num_free:
+            raise NoFreeBlocksError(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks}")
+        out = []
+        for _ in range(n):
+            if self._free_plain:
+                bid, _ = self._free_plain.popitem(last=False)
+            else:
+                bid, _ = self._free_cached.popitem(last=False)
+                self._evict(bid)
+            self.blocks[bid].ref_count = 1
+            out.append(bid)
+        return out
+
+    def incref(self, bid: int) -> None:
+        """Add a reference (fork, prefix hit, session pin)."""
+        b = self.blocks[bid]
+        if b.ref_count == 0:
+            if b.hash is not None:
+                del self._free_cached[bid]
+            else:
+                del self._free_plain[bid]
+        b.ref_count += 1
+
+    def free(self, bid: int) -> None:
+        """Drop one reference; at zero the block becomes free (kept as cached if registered)."""
+        b = self.blocks[bid]
+        if b.ref_count <= 0:
+            raise RuntimeError(f"block {bid} freed with refcount {b.ref_count}: double free")
+        b.ref_count -= 1
+        if b.ref_count == 0:
+            if b.hash is not None:
+                self._free_cached[bid] = None  # most recently used at the end
+            else:
+                self._free_plain[bid] = None
+
+    def free_all(self, bids) -> None:
+        # free in reverse so that a sequence's tail blocks are evicted before its head
+        for bid in reversed(list(bids)):
+            self.free(bid)
+
+    def fork(self, bids) -> list[int]:
+        """Share blocks with another owner: one more reference each; returns the same ids."""
+        for bid in bids:
+            self.incref(bid)
+        return list(bids)
+
+    # ---- prefix cache ----------------------------------------------------
+    def lookup(self, parent: int | None, namespace: Namespace, token_ids) -> tuple[int | None, int]:
+        """Find the cached block for this chained key; returns (block id or None, its hash).
+
+        Does not add a reference: call :meth:`incref` to keep it.
+        """
+        h = block_hash(parent, namespace, token_ids)
+        if not self.enable_prefix_caching:
+            return None, h
+        bid = self._by_hash.get(h)
+        if bid is None:
+            return None, h
+        b = self.blocks[bid]
+        if b.namespace != namespace or b.token_ids != tuple(token_ids):
+            return None, h  # hash collision: never hand out foreign KV
+        return bid, h
+
+    def register(self, bid: int, parent: int | None, namespace: Namespace, token_ids) -> int:
+        """Mark a full, computed, referenced block as reusable under its chained hash; returns the hash."""
+        b = self.blocks[bid]
+        if len(token_ids) != self.block_size:
+            raise ValueError(f"only full blocks ({self.block_size} tokens) are cached, got {len(token_ids)}")
+        if b.ref_count <= 0:
+            raise RuntimeError(f"block {bid} registered while free")
+        h = block_hash(parent, namespace, token_ids)
+        if not self.enable_prefix_caching or b.hash is not None:
+            return h
+        if h not in self._by_hash:
+            self._by_hash[h] = bid
+            b.hash, b.token_ids, b.namespace = h, tuple(token_ids), namespace
+        return h
+
+    def evict_cached(self, n: int | None = None) -> int:
+        """Evict up to ``n`` (default all) unreferenced cached blocks, LRU first; returns how many."""
+        k = 0
+        while self._free_cached and (n is None or k < n):
+            bid, _ = self._free_cached.popitem(last=False)
+            self._evict(bid)
+            self._free_plain[bid] = None
+            k += 1
+        return k
+
+    def reset_prefix_cache(self) -> None:
+        self.evict_cached()
+
+    # ---- invariants --------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool's bookkeeping is inconsistent."""
+        free_ids = set(self._free_plain) | set(self._free_cached)
+        assert not (set(self._free_plain) & set(self._free_cached)), "block in both free lists"
+        for b in self.blocks:
+            assert b.ref_count >= 0, f"block {b.block_id} refcount {b.ref_count}"
+            assert (b.ref_count == 0) == (b.block_id in free_ids), f"block {b.block_id} free-list mismatch"
+            if b.block_id in self._free_cached:
+                assert b.hash is not None
+            if b.hash is not None:
+                assert self._by_hash.get(b.hash) == b.block_id
+        for h, bid in self._by_hash.items():
+            assert self.blocks[bid].hash == h
+        assert self.num_free + self.num_used == self.num_blocks

@@ -1,0 +1,103 @@
+"""Block tables of sequences on top of the :class:`BlockPool`: prefix matching, slot allocation, caching full blocks."""
+
+from __future__ import annotations
+
+from .block_pool import BlockPool
+
+
+class KVCacheManager:
+    """Gives sequences blocks for their tokens and shares full blocks through the prefix cache.
+
+    A sequence here is anything with ``token_ids``, ``num_computed``,
+    ``block_table``, ``block_hashes`` and ``namespace`` (see ``engine.sequence``).
+    Prefix-cache statistics are counted in tokens: ``query_tokens``, ``hit_tokens``.
+    """
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    def blocks_needed(self, seq, num_new_tokens: int) -> int:
+        total = seq.num_computed + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def match_prefix(self, seq) -> int:
+        """On first scheduling, take cached full blocks matching the sequence's head.
+
+        At least one token is always left to compute (its logits are needed).
+        Returns the number of tokens reused.
+        """
+        bs = self.block_size
+        if seq.block_table:
+            return 0
+        limit = (len(seq.token_ids) - 1) // bs
+        parent = None
+        hits: list[int] = []
+        hashes: list[int] = []
+        for i in range(limit):
+            bid, h = self.pool.lookup(parent, seq.namespace, seq.token_ids[i * bs : (i + 1) * bs])
+            if bid is None:
+                break
+            self.pool.incref(bid)
+            hits.append(bid)
+            hashes.append(h)
+            parent = h
+        seq.block_table = hits
+        seq.block_hashes = hashes
+        seq.num_computed = len(hits) * bs
+        self.query_tokens += len(seq.token_ids)
+        self.hit_tokens += seq.num_computed
+        return seq.num_computed
+
+    def allocate(self, seq, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens; False (nothing taken) if the pool is short."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        if need > self.pool.num_free:
+            return False
+        if need:
+            seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def slot(self, seq, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def commit(self, seq) -> None:
+        """Register blocks that became full and computed in the prefix cache."""
+        bs = self.block_size
+        full = seq.num_computed // bs
+        for i in range(len(seq.block_hashes), full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = self.pool.register(seq.block_table[i], parent, seq.namespace, seq.token_ids[i * bs : (i + 1) * bs])
+            seq.block_hashes.append(h)
+
+    def free(self, seq) -> None:
+        """Release every block of the sequence (cached ones stay reusable until evicted)."""
+        self.pool.free_all(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed = 0
+
+    def truncate(self, seq, keep_tokens: int) -> None:
+        """Keep KV for the first ``keep_tokens`` tokens only (a later turn diverges there).
+
+        Full blocks inside the kept range stay; the block holding position
+        ``keep_tokens`` is kept only if this sequence owns it alone and it is
+        not in the prefix cache (it will be overwritten), else it is dropped and
+        its tokens recomputed.  Sets ``num_computed`` to what remains valid.
+        """
+        bs = self.block_size
+        keep_tokens = min(keep_tokens, seq.num_computed)
+        nfull = keep_tokens // bs
+        keep_blocks = nfull
+        if keep_tokens % bs and nfull < len(seq.block_table):
+            b = self.pool.blocks[seq.block_table[nfull]]
+            if b.ref_count == 1 and b.hash is None and len(seq.block_hashes) <= nfull:
+                keep_blocks = nfull + 1
+            else:
+                keep_tokens = nfull * bs
+        self.pool.free_all(seq.block_table[keep_blocks:])
+        del seq.block_table[keep_blocks:]
+        del seq.block_hashes[nfull:]
+        seq.num_computed = keep_tokens

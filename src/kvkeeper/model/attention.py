@@ -1,0 +1,122 @@
+"""Paged attention in plain PyTorch (the reference path; device-agnostic).
+
+The KV cache of one layer is a pair of tensors ``(num_blocks, block_size,
+num_kv_heads, head_dim)``.  A token's *slot* is ``block_id * block_size +
+offset``.  Each step the model runner builds one :class:`AttentionMetadata`
+and passes it explicitly to every layer (no global context object).
+
+Tokens of all sequences in a step are packed along one axis (``T`` tokens in
+all).  Sequences that add exactly one token (decode) are batched into one
+padded attention call over their gathered blocks; sequences that add several
+tokens (prefill or a prefill chunk) run one causal attention call each.  GQA
+is handled by ``scaled_dot_product_attention(enable_gqa=True)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence adding ``q_len`` tokens at positions ``[context_len - q_len, context_len)``."""
+
+    start: int  # index of its first token in the packed batch
+    q_len: int
+    context_len: int  # tokens in its KV cache after this step (cached + new)
+    block_table: torch.Tensor  # (num_blocks_of_seq,) int64
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once by the runner and shared by all layers.
+
+    slot_mapping: (T,) int64, where each new token's K/V is written.
+    decode_indices: (B_d,) int64, packed-token indices of decode tokens.
+    decode_block_tables: (B_d, max_blocks) int64, padded with 0.
+    decode_context_lens: (B_d,) int64, KV length of each decode sequence (incl. the new token).
+    prefills: one :class:`PrefillSpan` per sequence adding more than one token.
+    """
+
+    slot_mapping: torch.Tensor
+    decode_indices: torch.Tensor | None = None
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None  # (B_d, 1, 1, L) bool, built lazily once per step
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+    def get_decode_mask(self, block_size: int) -> torch.Tensor:
+        if self.decode_mask is None:
+            L = self.decode_block_tables.shape[1] * block_size
+            ar = torch.arange(L, device=self.decode_context_lens.device)
+            self.decode_mask = (ar[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
+        return self.decode_mask
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store new keys/values: k, v (T, KVH, D) into their slots (T,) of the paged cache."""
+    nb, bs, kvh, d = k_cache.shape
+    k_cache.view(nb * bs, kvh, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """K or V of one sequence: (length, KVH, D) gathered from its blocks."""
+    nb, bs, kvh, d = cache.shape
+    return cache.index_select(0, block_table).reshape(-1, kvh, d)[:length]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their sequences' cached plus new K/V.
+
+    q: (T, H, D); k, v: (T, KVH, D) for the new tokens (RoPE already applied).
+    The new K/V are first written into the cache.  Returns (T, H, D) in q's dtype.
+    """
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    T, H, D = q.shape
+    bs = k_cache.shape[1]
+    for p in meta.prefills:
+        qs = q[p.start : p.start + p.q_len].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
+        if p.context_len == p.q_len:  # nothing cached before: attend to the new tokens only
+            ks = k[p.start : p.start + p.q_len]
+            vs = v[p.start : p.start + p.q_len]
+            o = F.scaled_dot_product_attention(
+                qs, ks.transpose(0, 1).unsqueeze(0).to(q.dtype), vs.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                is_causal=True, scale=scale, enable_gqa=True,
+            )
+        else:
+            ks = gather_kv(k_cache, p.block_table, p.context_len).to(q.dtype)
+            vs = gather_kv(v_cache, p.block_table, p.context_len).to(q.dtype)
+            offset = p.context_len - p.q_len
+            qpos = torch.arange(p.q_len, device=q.device)[:, None] + offset
+            kpos = torch.arange(p.context_len, device=q.device)[None, :]
+            mask = kpos <= qpos  # (q, L)
+            o = F.scaled_dot_product_attention(
+                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, scale=scale, enable_gqa=True,
+            )
+        out[p.start : p.start + p.q_len] = o[0].transpose(0, 1)
+    if meta.decode_indices is not None and meta.decode_indices.numel():
+        bt = meta.decode_block_tables  # (B, nb)
+        B, nb = bt.shape
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
+        ks = k_cache.index_select(0, bt.reshape(-1)).view(B, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)
+        vs = v_cache.index_select(0, bt.reshape(-1)).view(B, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)
+        qd = q.index_select(0, meta.decode_indices).unsqueeze(2)  # (B, H, 1, D)
+        o = F.scaled_dot_product_attention(
+            qd, ks, vs, attn_mask=meta.get_decode_mask(bs), scale=scale, enable_gqa=True
+        )
+        out.index_copy_(0, meta.decode_indices, o.squeeze(2))
+    return out

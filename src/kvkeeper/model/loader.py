@@ -1,0 +1,181 @@
+"""Load weights and configuration from a GGUF file or a Hugging Face folder.
+
+Both paths produce a :class:`ModelConfig` and a state dict in Hugging Face
+naming (``model.layers.{i}.self_attn.q_proj.weight`` ...), dequantised to
+float32 tensors; the model casts them to its dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ModelFormatError, ModelNotFoundError
+from .config import ModelConfig
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _file_revision(path: Path) -> str:
+    """A short content id of a weights file: sha256 of size, head and tail (fast on large files)."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > 1 << 20:
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's converter permutation of q/k rows (interleaved -> half-split RoPE layout).
+
+    ``w``: (n_head * head_dim, ...).  llama.cpp stores q and k so that RoPE
+    pairs adjacent dims; Hugging Face pairs dim i with i + head_dim/2.
+    """
+    shape = w.shape
+    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a GGUF file with the ``gguf`` package and dequantise every tensor to float32.
+
+    Raises :class:`ModelFormatError` for an unreadable or truncated file and
+    :class:`UnsupportedArchitectureError` for an architecture we do not implement.
+    """
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ModelFormatError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    arch_name = field("general.architecture")
+    if arch_name is None:
+        raise ModelFormatError(f"{path} has no general.architecture metadata; is it a GGUF model file?")
+    arch = ModelConfig.check_architecture(arch_name)
+    p = arch_name
+    n_heads = int(field(f"{p}.attention.head_count"))
+    n_kv = int(field(f"{p}.attention.head_count_kv", n_heads))
+    hidden = int(field(f"{p}.embedding_length"))
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = field(f"{p}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    rope_scaling = None
+    stype = field(f"{p}.rope.scaling.type")
+    if stype and stype not in ("none",):
+        rope_scaling = {"rope_type": stype, "factor": float(field(f"{p}.rope.scaling.factor", 1.0))}
+        if stype == "yarn":
+            rope_scaling["original_max_position_embeddings"] = int(
+                field(f"{p}.rope.scaling.original_context_length", field(f"{p}.context_length"))
+            )
+    eos = field("tokenizer.ggml.eos_token_id")
+    cfg = ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(field(f"{p}.feed_forward_length")),
+        num_layers=int(field(f"{p}.block_count")),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=int(field(f"{p}.attention.key_length", hidden // n_heads)),
+        rms_norm_eps=float(field(f"{p}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field(f"{p}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(field(f"{p}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+        revision=_file_revision(path),
+    )
+    state: dict[str, torch.Tensor] = {}
+    try:
+        for name, t in tensors.items():
+            arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            if name in _GGUF_TOP_NAMES:
+                hf = _GGUF_TOP_NAMES[name]
+            else:
+                parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
+                if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+                    continue  # e.g. rope_freqs: recomputed from metadata
+                hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+                if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
+                    arr = _unpermute_rope(arr, n_heads if parts[2] == "attn_q" else n_kv)
+            state[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+    except Exception as e:
+        raise ModelFormatError(f"{path}: could not read tensor data ({type(e).__name__}: {e}); the file may be truncated") from e
+    return cfg, state
+
+
+def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read ``config.json`` and every ``*.safetensors`` file of a Hugging Face folder.
+
+    Raises :class:`ModelFormatError` when either is missing or unreadable.
+    """
+    from safetensors.torch import load_file
+
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise ModelFormatError(f"{path} is a folder without config.json; a Hugging Face model folder needs config.json plus *.safetensors")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{cfg_path} is not valid JSON: {e}") from e
+    cfg = ModelConfig.from_hf_dict(raw)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"{path} has config.json but no *.safetensors weight files")
+    state: dict[str, torch.Tensor] = {}
+    h = hashlib.sha256(cfg_path.read_bytes())
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:
+            raise ModelFormatError(f"{f} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+        h.update(_file_revision(f).encode())
+    cfg.revision = h.hexdigest()[:16]
+    if "model.embed_tokens.weight" not in state:
+        raise ModelFormatError(f"{path}: weights lack model.embed_tokens.weight; is this a Llama-family checkpoint?")
+    if "lm_head.weight" not in state:
+        cfg.tie_word_embeddings = True
+    return cfg, {k: v.float() for k, v in state.items()}
+
+
+def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dispatch on the path: a folder is a Hugging Face checkpoint, a file must be GGUF."""
+    if not path.exists():
+        raise ModelNotFoundError(f"no model file or folder at {path}")
+    if path.is_dir():
+        return load_hf_folder(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf file or a Hugging Face folder")
+    return load_gguf(path)

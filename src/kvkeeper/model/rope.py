@@ -1,0 +1,91 @@
+"""Rotary position embeddings (RoPE) with the scaling variants of Hugging Face configs.
+
+Su et al., "RoFormer" (2021); Llama 3 frequency scaling (Meta, 2024); YaRN
+(Peng et al., 2023); linear position interpolation (Chen et al., 2023).  The
+half-split layout (dim i pairs with i + head_dim/2) matches Hugging Face.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import ModelConfig
+
+
+def inv_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Return (inverse frequencies, shape (head_dim/2,) float32; attention scaling factor for cos/sin)."""
+    dim = cfg.head_dim
+    base = cfg.rope_theta
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = cfg.rope_scaling or {}
+    rtype = sc.get("rope_type", "default")
+    if rtype == "default":
+        return inv, 1.0
+    if rtype == "linear":
+        return inv / float(sc["factor"]), 1.0
+    if rtype == "llama3":
+        factor = float(sc["factor"])
+        low = float(sc.get("low_freq_factor", 1.0))
+        high = float(sc.get("high_freq_factor", 4.0))
+        old_ctx = float(sc.get("original_max_position_embeddings", 8192))
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        return torch.where(medium, smoothed, out), 1.0
+    if rtype == "yarn":
+        factor = float(sc["factor"])
+        old_ctx = float(sc.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+        beta_fast = float(sc.get("beta_fast") or 32)
+        beta_slow = float(sc.get("beta_slow") or 1)
+        mscale = sc.get("attention_factor")
+        if mscale is None:
+            mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        def corr_dim(rot):
+            return (dim * math.log(old_ctx / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        low = corr_dim(beta_fast)
+        high = corr_dim(beta_slow)
+        if sc.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrap_factor = 1 - ramp
+        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extrap_factor) + (1.0 / pos_freqs) * extrap_factor
+        return inv, float(mscale)
+    raise ValueError(f"unsupported rope type {rtype!r}")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Precomputed cos/sin tables; ``forward(q, k, positions)`` rotates q and k in place of copies.
+
+    q: (T, H, D), k: (T, KVH, D), positions: (T,) int64 -> rotated q, k of the same shapes and dtype.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        inv, scale = inv_frequencies(cfg)
+        n = max_positions or cfg.max_position_embeddings
+        t = torch.arange(n, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

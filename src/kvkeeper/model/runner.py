@@ -1,0 +1,108 @@
+"""Model runner: owns the weights and the paged KV tensors, turns a scheduled batch into logits.
+
+Each step it packs the scheduled tokens of all sequences along one axis,
+computes their positions and slots, builds one :class:`AttentionMetadata`,
+runs the model and returns the logits of the last token of every sequence
+that needs a new token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata, PrefillSpan
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+class ModelRunner:
+    """Weights plus KV cache on one device.
+
+    kv_caches: per layer (k, v), each (num_blocks, block_size, num_kv_heads, head_dim) in ``kv_dtype``.
+    """
+
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: torch.dtype | None = None):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        model = model.to_empty(device=self.device)
+        model.rope = type(model.rope)(cfg).to(self.device)  # buffers computed, not loaded
+        model.load_weights(state)
+        self.model = model.to(dtype).eval()
+        self.model.rope.to(torch.float32)
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.cfg.kv_bytes_per_token(torch.empty(0, dtype=self.kv_dtype).element_size())
+
+    def build_batch(self, scheduled):
+        """scheduled: list of (seq, num_new_tokens).  Returns (input_ids, positions, meta, logits_rows, sample_seqs)."""
+        bs = self.block_size
+        ids, pos, slots = [], [], []
+        prefills = []
+        dec_idx, dec_bt, dec_len = [], [], []
+        logit_rows, sample_seqs = [], []
+        start = 0
+        for seq, n in scheduled:
+            c = seq.num_computed
+            ids.extend(seq.token_ids[c : c + n])
+            p = torch.arange(c, c + n)
+            pos.append(p)
+            bt = torch.tensor(seq.block_table, dtype=torch.int64)
+            slots.append(bt[p // bs] * bs + p % bs)
+            if n == 1:
+                dec_idx.append(start)
+                dec_bt.append(bt)
+                dec_len.append(c + 1)
+            else:
+                prefills.append(PrefillSpan(start, n, c + n, bt.to(self.device)))
+            if c + n == len(seq.token_ids):
+                logit_rows.append(start + n - 1)
+                sample_seqs.append(seq)
+            start += n
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills)
+        if dec_idx:
+            width = max(len(b) for b in dec_bt)
+            table = torch.zeros(len(dec_bt), width, dtype=torch.int64)
+            for i, b in enumerate(dec_bt):
+                table[i, : len(b)] = b
+            meta.decode_indices = torch.tensor(dec_idx, dtype=torch.int64, device=dev)
+            meta.decode_block_tables = table.to(dev)
+            meta.decode_context_lens = torch.tensor(dec_len, dtype=torch.int64, device=dev)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.cat(pos).to(dev)
+        return input_ids, positions, meta, logit_rows, sample_seqs
+
+    @torch.inference_mode()
+    def execute(self, scheduled) -> tuple[torch.Tensor | None, list]:
+        """Run one step; returns (float32 logits (N, vocab) for sequences that need a token, those sequences)."""
+        input_ids, positions, meta, rows, seqs = self.build_batch(scheduled)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not rows:
+            return None, []
+        h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device))
+        return self.model.compute_logits(h).cpu(), seqs

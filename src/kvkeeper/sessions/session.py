@@ -1,0 +1,164 @@
+"""Sessions: one conversation whose KV stays in the pool between turns.
+
+Each turn appends the user's message, renders the chat template over the
+whole conversation and turns it into token ids.  When the rendered text
+starts with the text the session's KV already covers (the previous prompt plus
+the model's reply), the new ids are the old ids followed by the tokens of the
+new text only, so turn N prefills just its new tokens (the llama.cpp server
+does the same with its slot cache).  Otherwise the session falls back to the
+template's own tokenisation and reuses the longest common token prefix.
+
+Between turns the session pins its blocks (holds a reference).  Under memory
+pressure the engine may unpin an idle session: its full blocks stay in the
+prefix cache and are usually found again on the next turn.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+from ..engine.sampling_params import SamplingParams
+from ..engine.sequence import Sequence
+from ..errors import InvalidRequestError, KVKeeperError
+
+
+@dataclass
+class TurnResult:
+    """Stats and output of one turn.  Times in seconds, speed in tokens/s."""
+
+    turn: int
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float | None
+    decode_tok_per_s: float | None
+    finish_reason: str | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Session:
+    """A multi-turn conversation on an :class:`LLMEngine` (created by ``engine.new_session``).
+
+    reuse=False makes every turn recompute the whole conversation (a baseline for tests and benchmarks).
+    """
+
+    def __init__(self, engine, system: str | None = None, session_id: str | None = None, reuse: bool = True,
+                 params: SamplingParams | None = None):
+        self.engine = engine
+        self.id = session_id or f"sess-{uuid.uuid4().hex[:12]}"
+        if self.id in engine.sessions:
+            raise InvalidRequestError(f"session id {self.id!r} is already open")
+        self.messages: list[dict] = []
+        if system is not None:
+            self.messages.append({"role": "system", "content": system})
+        self.reuse = reuse
+        self.params = params or SamplingParams()
+        self.turns: list[TurnResult] = []
+        self.last_used = time.monotonic()
+        self.closed = False
+        # KV state carried between turns (a detached Sequence holding the blocks)
+        self._state: Sequence | None = None
+        self._text = ""  # the text whose tokens are in _state.token_ids
+        engine.sessions[self.id] = self
+
+    # ---- bookkeeping -----------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self._state.token_ids) if self._state else 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._state.block_table) if self._state else 0
+
+    def info(self) -> dict:
+        return {"id": self.id, "turns": len(self.turns), "tokens": self.num_tokens, "blocks": self.num_blocks,
+                "messages": len(self.messages)}
+
+    def unpin(self) -> int:
+        """Release the pinned blocks (full ones stay in the prefix cache); returns how many were held."""
+        if self._state is None or not self._state.block_table:
+            return 0
+        n = len(self._state.block_table)
+        self.engine.kv.free(self._state)
+        return n
+
+    def close(self) -> None:
+        """Free the session's blocks and forget it."""
+        self.unpin()
+        self._state = None
+        self.closed = True
+        self.engine.sessions.pop(self.id, None)
+
+    # ---- turns ---------------------------------------------------------------
+    def _prompt_ids(self) -> list[int]:
+        eng = self.engine
+        text = eng.render_chat(self.messages, add_generation_prompt=True)
+        st = self._state
+        if self.reuse and st is not None and self._text and text.startswith(self._text):
+            return list(st.token_ids) + eng.tokenizer.encode(text[len(self._text):], add_special_tokens=False)
+        return eng.tokenizer.encode(text, add_special_tokens=False)
+
+    def send(self, content: str, params: SamplingParams | None = None, role: str = "user") -> TurnResult:
+        """Add a message, generate the reply, keep the KV; returns the turn's :class:`TurnResult`.
+
+        Raises :class:`InvalidRequestError` for an empty message or a closed session and
+        :class:`ContextLengthError` when the conversation no longer fits the context
+        (the message is then not kept, so the session can go on after trimming).
+        """
+        if self.closed:
+            raise InvalidRequestError(f"session {self.id} is closed")
+        if not isinstance(content, str) or not content.strip():
+            raise InvalidRequestError("the message is empty: give some text")
+        eng = self.engine
+        params = params or self.params
+        self.messages.append({"role": role, "content": content})
+        try:
+            ids = self._prompt_ids()
+            seq = eng.add_request(ids, params, request_id=f"{self.id}-t{len(self.turns) + 1}")
+        except KVKeeperError:
+            self.messages.pop()
+            raise
+        st = self._state
+        if st is not None and st.block_table:
+            if self.reuse:
+                keep = min(_common_prefix(st.token_ids[: st.num_computed], ids), len(ids) - 1)
+                eng.kv.truncate(st, keep)
+                seq.block_table, seq.block_hashes, seq.num_computed = st.block_table, st.block_hashes, st.num_computed
+                st.block_table, st.block_hashes, st.num_computed = [], [], 0
+            else:
+                eng.kv.free(st)
+        seq.keep_blocks = True
+        if not self.reuse:
+            seq.namespace = type(seq.namespace)(**{**seq.namespace.__dict__, "tenant_salt": f"noreuse-{uuid.uuid4().hex}"})
+        eng.run_until_done([seq])
+        self._state = seq
+        if not self.reuse:
+            eng.kv.free(seq)
+        reply = seq.text
+        self._text = eng.render_chat(self.messages, add_generation_prompt=True) + eng.tokenizer.decode(
+            seq.output_token_ids, skip_special_tokens=False)
+        self.messages.append({"role": "assistant", "content": reply})
+        self.last_used = time.monotonic()
+        from ..engine.llm_engine import RequestOutput
+
+        r = RequestOutput.from_seq(seq)
+        res = TurnResult(len(self.turns) + 1, reply, r.token_ids, r.prompt_tokens, r.cached_tokens,
+                         r.completion_tokens, r.ttft_s, r.decode_tok_per_s, r.finish_reason)
+        if seq.finish_reason == "error":
+            raise KVKeeperError(seq.error or "request failed")
+        self.turns.append(res)
+        return res
