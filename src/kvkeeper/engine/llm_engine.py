@@ -122,6 +122,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self.sessions: dict[str, "Session"] = {}  # noqa: F821  (sessions register themselves)
         self.num_steps = 0
+        self.capture_first_logits = False  # tests and audits: keep each request's first-token logits
 
     # ---- requests ----------------------------------------------------------
     @property
@@ -209,7 +210,9 @@ class LLMEngine:
             return finished
         ids, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         now = time.perf_counter()
-        for seq, tok, lp in zip(seqs, ids, logps):
+        for row, (seq, tok, lp) in enumerate(zip(seqs, ids, logps)):
+            if self.capture_first_logits and seq.first_logits is None:
+                seq.first_logits = logits[row].clone()
             seq.token_ids.append(tok)
             if seq.t_first_token is None:
                 seq.t_first_token = now

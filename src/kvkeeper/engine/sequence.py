@@ -49,6 +49,7 @@ class Sequence:
     detokenizer: object | None = None
     text: str = ""
     logprobs: list = field(default_factory=list)
+    first_logits: torch.Tensor | None = None  # (vocab,) float32, kept when the engine captures logits
     keep_blocks: bool = False  # a session takes the blocks over when the request finishes
     num_preemptions: int = 0
     t_arrival: float = field(default_factory=time.perf_counter)

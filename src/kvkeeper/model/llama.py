@@ -8,13 +8,15 @@ as is.  Nothing here assumes a CPU: tensors follow the weights' device.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -26,44 +28,46 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return self.weight * xf.to(x.dtype)
 
 
 class Attention(nn.Module):
+    """Grouped-query attention (Ainslie et al., 2023) with one fused q/k/v projection."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        b = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=b)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=b)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=b)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, self.head_dim), *cos_sin)
+        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), *cos_sin)
+        o = paged_attention(q, k, v.view(T, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(T, -1))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer, 2020)."""
+    """SwiGLU feed-forward (Shazeer, 2020) with one fused gate/up projection."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -74,8 +78,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+    def forward(self, x, cos_sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -85,6 +89,20 @@ class _Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@contextlib.contextmanager
+def skip_init():
+    """Build modules without running their random initialisers (the weights are loaded next)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -104,20 +122,33 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy a HF-named state dict in; raises :class:`ModelFormatError` naming missing or misshaped tensors."""
+    def load_weights(self, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32) -> None:
+        """Copy a HF-named state dict in (q/k/v and gate/up are fused here).
+
+        Raises :class:`ModelFormatError` naming missing or misshaped tensors.
+        """
         from ..errors import ModelFormatError
 
+        state = dict(state)
+        for i in range(self.config.num_layers):
+            pre = f"model.layers.{i}."
+            for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                                 ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))):
+                for kind in ("weight", "bias"):
+                    names = [f"{pre}{p}.{kind}" for p in parts]
+                    if all(n in state for n in names):
+                        state[f"{pre}{fused}.{kind}"] = torch.cat([state.pop(n) for n in names], dim=0)
         own = dict(self.named_parameters())
         missing = [n for n in own if n not in state]
         if missing:
             raise ModelFormatError(f"weights lack {len(missing)} tensors, e.g. {missing[:3]}")
-        with torch.no_grad():
-            for n, p in own.items():
-                t = state[n]
-                if tuple(t.shape) != tuple(p.shape):
-                    raise ModelFormatError(f"tensor {n} has shape {tuple(t.shape)}, config expects {tuple(p.shape)}")
-                p.copy_(t)
+        for n, p in own.items():
+            t = state[n]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ModelFormatError(f"tensor {n} has shape {tuple(t.shape)}, config expects {tuple(p.shape)}")
+            mod_name, _, leaf = n.rpartition(".")
+            # take the tensor over (no copy when device and dtype already match)
+            setattr(self.get_submodule(mod_name), leaf, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
 
     @property
     def lm_weight(self) -> torch.Tensor:
@@ -125,8 +156,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)  # once per step, shared by all layers
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv, meta)
+            x = layer(x, cos_sin, kv, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

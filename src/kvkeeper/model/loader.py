@@ -168,8 +168,47 @@ def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, {k: v.float() for k, v in state.items()}
 
 
+def _cached_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """GGUF weights, dequantised once and kept as safetensors under the kvkeeper cache folder.
+
+    The cache is keyed by the file's content id; a damaged cache file is rebuilt.
+    """
+    import dataclasses
+    import logging
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from ..text.tokenizer import cache_dir
+
+    rev = _file_revision(path)
+    folder = cache_dir() / "weights"
+    st_path, cfg_path = folder / f"{rev}.safetensors", folder / f"{rev}.json"
+    if st_path.exists() and cfg_path.exists():
+        try:
+            cfg = ModelConfig(**json.loads(cfg_path.read_text()))
+            return cfg, load_file(str(st_path))
+        except Exception as e:  # rebuilt below
+            logging.getLogger(__name__).warning("weights cache %s unreadable (%s); rebuilding", st_path, e)
+    cfg, state = load_gguf(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = st_path.with_name(f"{st_path.name}.tmp{os.getpid()}")
+        save_file(state, str(tmp))
+        os.replace(tmp, st_path)
+        tmp = cfg_path.with_name(f"{cfg_path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(dataclasses.asdict(cfg)))
+        os.replace(tmp, cfg_path)
+    except OSError as e:  # the cache is an optimisation only
+        logging.getLogger(__name__).warning("could not cache dequantised weights: %s", e)
+    return cfg, state
+
+
 def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Dispatch on the path: a folder is a Hugging Face checkpoint, a file must be GGUF."""
+    """Dispatch on the path: a folder is a Hugging Face checkpoint, a file must be GGUF.
+
+    GGUF weights are dequantised once and cached (see :func:`_cached_gguf`).
+    """
     if not path.exists():
         raise ModelNotFoundError(f"no model file or folder at {path}")
     if path.is_dir():
@@ -178,4 +217,4 @@ def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf file or a Hugging Face folder")
-    return load_gguf(path)
+    return _cached_gguf(path)

@@ -65,7 +65,7 @@ def inv_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin tables; ``forward(q, k, positions)`` rotates q and k in place of copies.
+    """Precomputed cos/sin tables (max_positions, head_dim) float32; ``forward(q, k, positions)`` returns rotated copies.
 
     q: (T, H, D), k: (T, KVH, D), positions: (T,) int64 -> rotated q, k of the same shapes and dtype.
     """
@@ -80,12 +80,16 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions: each (T, 1, head_dim) in ``dtype``."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (T, heads, D) by cos/sin (T, 1, D), half-split layout."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

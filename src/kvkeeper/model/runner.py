@@ -12,7 +12,7 @@ import torch
 
 from .attention import AttentionMetadata, PrefillSpan
 from .config import ModelConfig
-from .llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM, skip_init
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -41,13 +41,11 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        with torch.device("meta"):
+        with skip_init(), torch.device("meta"):
             model = LlamaForCausalLM(cfg)
-        model = model.to_empty(device=self.device)
         model.rope = type(model.rope)(cfg).to(self.device)  # buffers computed, not loaded
-        model.load_weights(state)
-        self.model = model.to(dtype).eval()
-        self.model.rope.to(torch.float32)
+        model.load_weights(state, device=self.device, dtype=dtype)
+        self.model = model.eval()
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))

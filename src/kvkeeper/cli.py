@@ -1,0 +1,473 @@
+"""Command-line interface: ``kvkeeper generate | chat | converse``.
+
+Run as ``kvkeeper ...``, ``python -m kvkeeper ...`` or ``python -m kvkeeper.cli ...``.
+
+* ``generate``  one prompt (raw text, or one user message through the chat template with ``--chat``).
+* ``chat``      an interactive REPL on one session (works with piped stdin too); ``/reset``, ``/exit``.
+* ``converse``  scripted multi-turn conversations from a JSONL file (MT-Bench or Topical-Chat
+                format), one session per line, with a per-turn table of prompt / cached /
+                completion tokens, TTFT and decode speed.
+
+Results go to stdout; logging, progress and per-turn stats go to stderr, so ``--json``
+output stays parseable.  Any kvkeeper error (unknown model, empty prompt, bad input
+file...) prints ``error: <message>`` on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .engine.sampling_params import SamplingParams
+from .errors import ContextLengthError, KVKeeperError
+from .model.registry import DEFAULT_MODEL
+
+EXIT_OK = 0
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+class CLIError(Exception):
+    """A usage or input problem found by the CLI itself (bad input file, empty prompt...)."""
+
+
+# ---- consoles ----------------------------------------------------------------
+
+
+def _err_console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _out_console():
+    from rich.console import Console
+
+    # When stdout is not a terminal rich assumes 80 columns and would squeeze the table.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _stderr(msg: str, style: str | None = "dim") -> None:
+    _err_console().print(msg, style=style, markup=False)
+
+
+# ---- argument types ----------------------------------------------------------------
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _non_negative_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _size(s: str) -> int:
+    """Bytes: a number with an optional binary suffix (512M, 1G, 1.5GiB)."""
+    m = _SIZE_RE.match(s)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 536870912, 512M or 1G, got {s!r}")
+    v = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {s!r}")
+    return v
+
+
+# ---- parser ---------------------------------------------------------------------
+
+
+def _engine_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("engine options")
+    g.add_argument("--model", default=DEFAULT_MODEL, metavar="ID_OR_PATH",
+                   help=f"known model id or path to a .gguf file / Hugging Face folder (default: {DEFAULT_MODEL})")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights and activations dtype (default: float32)")
+    g.add_argument("--block-size", type=_positive_int, default=16, metavar="N", help="tokens per KV block (default: 16)")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-bytes", type=_size, metavar="N",
+                    help="KV cache budget in bytes, suffixes K/M/G allowed (default: 1G)")
+    kv.add_argument("--kv-blocks", type=_positive_int, metavar="N", help="KV cache size in blocks (overrides the byte budget)")
+    g.add_argument("--max-batched-tokens", type=_positive_int, default=512, metavar="N",
+                   help="token budget per engine step, i.e. the prefill chunk size (default: 512)")
+    g.add_argument("--threads", type=_positive_int, metavar="N", help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("-v", "--verbose", action="store_true", help="log engine activity (INFO) to stderr")
+    return p
+
+
+def _add_sampling(p: argparse.ArgumentParser, max_tokens: int, temperature: float, top: bool = False) -> None:
+    g = p.add_argument_group("sampling options")
+    g.add_argument("--max-tokens", type=_positive_int, default=max_tokens, metavar="N",
+                   help=f"new tokens at most per reply (default: {max_tokens})")
+    g.add_argument("--temperature", type=float, default=temperature, metavar="T",
+                   help=f"sampling temperature, 0 = greedy (default: {temperature:g})")
+    if top:
+        g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1] (default: 1)")
+        g.add_argument("--top-k", type=_non_negative_int, default=0, metavar="K", help="keep the K most likely tokens, 0 = off")
+    g.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for reproducible sampling")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvkeeper",
+        description="kvkeeper: an LLM inference engine whose first-class object is the KV cache of a conversation.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvkeeper {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    parent = _engine_parent()
+
+    g = sub.add_parser("generate", parents=[parent], help="complete one prompt",
+                       description="Complete one prompt.  Raw text by default; --chat sends it as one user message "
+                                   "through the model's chat template.")
+    g.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt text ('-' reads it from stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message with the chat template")
+    g.add_argument("--system", metavar="TEXT", help="system message (implies --chat)")
+    _add_sampling(g, max_tokens=128, temperature=0.0, top=True)
+    g.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
+                   help="strings that end generation (not included in the text)")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token ids, token counts, timings) instead of the text")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", parents=[parent], help="interactive multi-turn chat (one session, KV kept between turns)",
+                       description="Chat on one session: each line read from stdin is a user message.  "
+                                   "Commands: /reset starts a new session, /exit (or end of input) quits.")
+    c.add_argument("--system", metavar="TEXT", help="system message")
+    _add_sampling(c, max_tokens=256, temperature=0.7)
+    c.set_defaults(func=cmd_chat)
+
+    v = sub.add_parser("converse", parents=[parent], help="run scripted multi-turn conversations from a JSONL file",
+                       description="Run scripted conversations, one session per JSONL line.  A line holds a list of "
+                                   "user turns under 'turns': strings (MT-Bench) or objects with 'text' (Topical-Chat).  "
+                                   "The id is 'question_id', else 'id', else the line number.")
+    v.add_argument("file", metavar="FILE.jsonl", help="conversations, one JSON object per line")
+    v.add_argument("--system", metavar="TEXT", help="system message for every conversation")
+    _add_sampling(v, max_tokens=128, temperature=0.0)
+    v.add_argument("--limit", type=_non_negative_int, metavar="K", help="run only the first K conversations")
+    v.add_argument("--json", metavar="OUT", dest="json_out", help="write one JSON record per turn to OUT")
+    v.add_argument("--no-reuse", action="store_true",
+                   help="recompute the whole conversation every turn (baseline without KV reuse)")
+    v.set_defaults(func=cmd_converse)
+    return parser
+
+
+# ---- shared helpers -------------------------------------------------------------
+
+
+def _sampling(args: argparse.Namespace, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, **extra)
+
+
+def _load_engine(args: argparse.Namespace):
+    from .engine.llm_engine import LLMEngine
+    from .model.registry import resolve_model_path
+
+    resolve_model_path(args.model)  # fail fast (and listing the known ids) before anything slow
+    kw: dict[str, Any] = {"dtype": args.dtype, "block_size": args.block_size,
+                          "max_num_batched_tokens": args.max_batched_tokens}
+    if args.kv_blocks is not None:
+        kw["num_kv_blocks"] = args.kv_blocks
+    if args.kv_cache_bytes is not None:
+        kw["kv_cache_bytes"] = args.kv_cache_bytes
+    if args.threads is not None:
+        kw["num_threads"] = args.threads
+    t0 = time.perf_counter()
+    # Keep stdout clean for results: anything a library prints while loading goes to stderr.
+    with _err_console().status(f"loading {args.model} ..."), contextlib.redirect_stdout(sys.stderr):
+        engine = LLMEngine(args.model, **kw)
+    _stderr(f"loaded {engine.model_name} ({args.dtype}, {engine.pool.num_blocks} KV blocks of {engine.block_size} "
+            f"tokens, context {engine.context_length}) in {time.perf_counter() - t0:.1f} s")
+    return engine
+
+
+def _fmt_s(x: float | None, nd: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+def _stats_line(r) -> str:
+    speed = "n/a tok/s" if r.decode_tok_per_s is None else f"{r.decode_tok_per_s:.1f} tok/s"
+    return (f"[turn {r.turn}] prompt {r.prompt_tokens} tok, cached {r.cached_tokens} tok, "
+            f"completion {r.completion_tokens} tok, TTFT {_fmt_s(r.ttft_s)} s, {speed}")
+
+
+# ---- generate -------------------------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise CLIError("the prompt is empty: give some text with --prompt TEXT (or --prompt - to read stdin)")
+    chat = args.chat or args.system is not None
+    params = _sampling(args, top_p=args.top_p, top_k=args.top_k, stop=args.stop)  # validate before loading
+    engine = _load_engine(args)
+    if chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+        messages.append({"role": "user", "content": prompt})
+        ids: str | list[int] = engine.encode_chat(messages)
+    else:
+        ids = prompt
+    out = engine.generate([ids], params)[0]
+    if out.finish_reason == "error":
+        raise KVKeeperError(out.error or "the request failed")
+    if args.json:
+        rec = {
+            "model": engine.model_name,
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens,
+            "finish_reason": out.finish_reason,
+            "ttft_s": out.ttft_s,
+            "decode_tok_per_s": out.decode_tok_per_s,
+        }
+        print(json.dumps(rec))
+    else:
+        print(out.text, flush=True)
+        speed = "n/a" if out.decode_tok_per_s is None else f"{out.decode_tok_per_s:.1f}"
+        _stderr(f"prompt {out.prompt_tokens} tok, cached {out.cached_tokens} tok, completion "
+                f"{out.completion_tokens} tok ({out.finish_reason}), TTFT {_fmt_s(out.ttft_s)} s, {speed} tok/s")
+    return EXIT_OK
+
+
+# ---- chat -----------------------------------------------------------------------
+
+_CHAT_HELP = "commands: /reset (new conversation), /exit (quit), /help"
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    engine = _load_engine(args)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        _stderr(_CHAT_HELP)
+    session = engine.new_session(system=args.system, params=params)
+    try:
+        while True:
+            if interactive:
+                sys.stderr.write("you> ")
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+            if not line:  # EOF
+                break
+            text = line.strip()
+            if not text:
+                continue
+            cmd = text.lower()
+            if cmd in ("/exit", "/quit"):
+                break
+            if cmd == "/reset":
+                session.close()
+                session = engine.new_session(system=args.system, params=params)
+                _stderr("(new session)")
+                continue
+            if cmd in ("/help", "/?"):
+                _stderr(_CHAT_HELP)
+                continue
+            try:
+                r = session.send(text)
+            except ContextLengthError as e:
+                _stderr(f"error: {e}; type /reset to start a new conversation", style="red")
+                continue
+            except KVKeeperError as e:
+                _stderr(f"error: {e}", style="red")
+                continue
+            print(r.text, flush=True)
+            _stderr(_stats_line(r))
+    finally:
+        session.close()
+    return EXIT_OK
+
+
+# ---- converse -------------------------------------------------------------------
+
+
+def load_conversations(path: str | Path, limit: int | None = None) -> list[tuple[Any, list[str]]]:
+    """Read ``(id, [user turn texts])`` from a JSONL file.
+
+    Raises :class:`FileNotFoundError` for a missing file and :class:`CLIError` naming the
+    line for a line that is not a JSON object or has no non-empty list of turns.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise CLIError(f"{path} is a folder, not a JSONL file")
+    convs: list[tuple[Any, list[str]]] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(convs) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{path} line {lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CLIError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise CLIError(f"{where}: expected a JSON object with a 'turns' list, got {type(obj).__name__}")
+            if "turns" not in obj:
+                raise CLIError(f"{where}: no 'turns' key; expected e.g. "
+                               '{"question_id": 1, "turns": ["first message", "second message"]}')
+            turns = obj["turns"]
+            if not isinstance(turns, list) or not turns:
+                raise CLIError(f"{where}: 'turns' must be a non-empty list of user messages, got {turns!r}")
+            texts: list[str] = []
+            for i, t in enumerate(turns, 1):
+                text = t.get("text") if isinstance(t, dict) else t
+                if not isinstance(text, str) or not text.strip():
+                    raise CLIError(f"{where}: turn {i} must be a non-empty string or an object with a non-empty "
+                                   f"'text' string, got {t!r}")
+                texts.append(text)
+            cid = obj["question_id"] if "question_id" in obj else obj["id"] if "id" in obj else lineno
+            convs.append((cid, texts))
+    return convs
+
+
+def _turn_record(cid: Any, r) -> dict:
+    return {"id": cid, "turn": r.turn, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+            "completion_tokens": r.completion_tokens, "ttft_s": r.ttft_s, "decode_tok_per_s": r.decode_tok_per_s,
+            "finish_reason": r.finish_reason, "text": r.text, "token_ids": r.token_ids, "error": None}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def cmd_converse(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    convs = load_conversations(args.file, args.limit)
+    if not convs:
+        raise CLIError(f"{args.file}: no conversations to run" + (" (--limit 0)" if args.limit == 0 else ""))
+    out_path = Path(args.json_out) if args.json_out else None
+    if out_path is not None and not out_path.resolve().parent.is_dir():
+        raise CLIError(f"cannot write --json {out_path}: folder {out_path.resolve().parent} does not exist")
+    params = _sampling(args)
+    engine = _load_engine(args)
+
+    records: list[dict] = []
+    n_turns = sum(len(t) for _, t in convs)
+    err = _err_console()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task("turns", total=n_turns)
+        for cid, turns in convs:
+            session = engine.new_session(system=args.system, reuse=not args.no_reuse, params=params)
+            try:
+                for i, text in enumerate(turns, 1):
+                    progress.update(task, description=f"{cid} turn {i}")
+                    try:
+                        r = session.send(text)
+                    except ContextLengthError as e:
+                        progress.console.print(f"conversation {cid} turn {i}: {e}; skipping the rest of it",
+                                               style="yellow", markup=False)
+                        records.append({"id": cid, "turn": i, "prompt_tokens": e.prompt_tokens, "cached_tokens": None,
+                                        "completion_tokens": None, "ttft_s": None, "decode_tok_per_s": None,
+                                        "finish_reason": "error", "text": None, "token_ids": None,
+                                        "error": str(e)})
+                        progress.advance(task, len(turns) - i + 1)
+                        break
+                    records.append(_turn_record(cid, r))
+                    progress.advance(task)
+            finally:
+                session.close()
+
+    table = Table(title=f"{engine.model_name}: {len(convs)} conversations, {len(records)} turns"
+                        + (" (no KV reuse)" if args.no_reuse else ""))
+    table.add_column("id", overflow="fold")
+    table.add_column("turn", justify="right")
+    for name in ("prompt tok", "cached tok", "completion tok", "TTFT s", "decode tok/s"):
+        table.add_column(name, justify="right")
+    for rec in records:
+        if rec["error"]:
+            table.add_row(escape(str(rec["id"])), str(rec["turn"]), str(rec["prompt_tokens"]),
+                          "[red]context full[/red]", "-", "-", "-")
+            continue
+        speed = "n/a" if rec["decode_tok_per_s"] is None else f"{rec['decode_tok_per_s']:.1f}"
+        table.add_row(escape(str(rec["id"])), str(rec["turn"]), str(rec["prompt_tokens"]), str(rec["cached_tokens"]),
+                      str(rec["completion_tokens"]), _fmt_s(rec["ttft_s"]), speed)
+    out = _out_console()
+    out.print(table)
+
+    ok = [r for r in records if not r["error"]]
+    first = [r["ttft_s"] for r in ok if r["turn"] == 1 and r["ttft_s"] is not None]
+    later = [r["ttft_s"] for r in ok if r["turn"] > 1 and r["ttft_s"] is not None]
+    cached = sum(r["cached_tokens"] for r in ok)
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    m1, m2 = _mean(first), _mean(later)
+    summary = (f"mean TTFT: turn 1 {_fmt_s(m1)} s ({len(first)} turns), later turns {_fmt_s(m2)} s "
+               f"({len(later)} turns)")
+    if m1 and m2:
+        summary += f", {m1 / m2:.1f}x faster" if m2 < m1 else f", {m2 / m1:.1f}x slower"
+    summary += f"; cached tokens: {cached} of {prompt} prompt tokens"
+    if prompt:
+        summary += f" ({100 * cached / prompt:.1f}%)"
+    failed = len(records) - len(ok)
+    if failed:
+        summary += f"; {failed} turn(s) did not fit the context"
+    out.print(summary, markup=False)
+
+    if out_path is not None:
+        out_path.write_text(json.dumps(records, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        _stderr(f"wrote {len(records)} turn records to {out_path}")
+    return EXIT_OK
+
+
+# ---- entry point ----------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdout.reconfigure(errors="replace")  # a reply with odd characters must not crash the CLI
+    try:
+        return args.func(args)
+    except (KVKeeperError, CLIError) as e:
+        msg = str(e)
+    except FileNotFoundError as e:
+        msg = f"no such file: {e.filename}" if e.filename else str(e)
+    except OSError as e:
+        if isinstance(e, BrokenPipeError):  # e.g. `kvkeeper ... | head`
+            with contextlib.suppress(Exception):
+                sys.stdout = open(__import__("os").devnull, "w")
+            return EXIT_OK
+        msg = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted\n")
+        return EXIT_INTERRUPTED
+    sys.stderr.write(f"error: {msg}\n")
+    sys.stderr.flush()
+    return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
