@@ -113,6 +113,8 @@ def _engine_parent() -> argparse.ArgumentParser:
     kv.add_argument("--kv-blocks", type=_positive_int, metavar="N", help="KV cache size in blocks (overrides the byte budget)")
     g.add_argument("--max-batched-tokens", type=_positive_int, default=512, metavar="N",
                    help="token budget per engine step, i.e. the prefill chunk size (default: 512)")
+    g.add_argument("--max-model-len", type=_positive_int, metavar="N",
+                   help="cap the context window at N tokens (default: the model's own)")
     g.add_argument("--threads", type=_positive_int, metavar="N", help="CPU threads for torch (default: torch's choice)")
     g.add_argument("-v", "--verbose", action="store_true", help="log engine activity (INFO) to stderr")
     return p
@@ -193,6 +195,8 @@ def _load_engine(args: argparse.Namespace):
         kw["num_kv_blocks"] = args.kv_blocks
     if args.kv_cache_bytes is not None:
         kw["kv_cache_bytes"] = args.kv_cache_bytes
+    if args.max_model_len is not None:
+        kw["max_model_len"] = args.max_model_len
     if args.threads is not None:
         kw["num_threads"] = args.threads
     t0 = time.perf_counter()

@@ -245,14 +245,22 @@ class LLMEngine:
         while any(not s.finished for s in seqs):
             self.step()
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 namespace: Namespace | None = None) -> list[RequestOutput]:
         """Run prompts to completion (batched together); returns one :class:`RequestOutput` each, in order."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        seqs = [self.add_request(p, sp, namespace=namespace) for p, sp in zip(prompts, plist)]
         self.run_until_done(seqs)
         return [RequestOutput.from_seq(s) for s in seqs]
 
     # ---- sessions ------------------------------------------------------------
+    def isolated_namespace(self, tag: str = "") -> Namespace:
+        """A fresh namespace that shares no cached blocks with any other (recompute baselines, tests)."""
+        import uuid
+
+        return Namespace(self.namespace.model_revision, tenant_salt=f"isolated-{tag}-{uuid.uuid4().hex}",
+                         kv_dtype=self.namespace.kv_dtype)
+
     def new_session(self, system: str | None = None, session_id: str | None = None, **kw):
         from ..sessions.session import Session
 

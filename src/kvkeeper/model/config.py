@@ -36,6 +36,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # {"rope_type": ..., "factor": ...}
+    rope_freq_factors: list[float] | None = None  # GGUF rope_freqs (Llama 3.x scaling baked per frequency)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q, k and v projections (Qwen2)

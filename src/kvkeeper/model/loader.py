@@ -123,8 +123,11 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
                 hf = _GGUF_TOP_NAMES[name]
             else:
                 parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
+                if name == "rope_freqs.weight":
+                    cfg.rope_freq_factors = [float(x) for x in arr.reshape(-1)]
+                    continue
                 if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
-                    continue  # e.g. rope_freqs: recomputed from metadata
+                    continue
                 hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
                 if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
                     arr = _unpermute_rope(arr, n_heads if parts[2] == "attn_q" else n_kv)
@@ -150,6 +153,16 @@ def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         raise ModelFormatError(f"{cfg_path} is not valid JSON: {e}") from e
     cfg = ModelConfig.from_hf_dict(raw)
     files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # only the shards it names (Mistral folders also ship consolidated.safetensors)
+        try:
+            names = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise ModelFormatError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e})") from e
+        files = [path / n for n in sorted(names)]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelFormatError(f"{path}: shards named in {index.name} are missing: {', '.join(missing)}")
     if not files:
         raise ModelFormatError(f"{path} has config.json but no *.safetensors weight files")
     state: dict[str, torch.Tensor] = {}

@@ -19,6 +19,8 @@ def inv_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     dim = cfg.head_dim
     base = cfg.rope_theta
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if cfg.rope_freq_factors:  # llama.cpp's rope_freqs: theta_i / factor_i, scaling already applied
+        return inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32), 1.0
     sc = cfg.rope_scaling or {}
     rtype = sc.get("rope_type", "default")
     if rtype == "default":
@@ -29,7 +31,7 @@ def inv_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         factor = float(sc["factor"])
         low = float(sc.get("low_freq_factor", 1.0))
         high = float(sc.get("high_freq_factor", 4.0))
-        old_ctx = float(sc.get("original_max_position_embeddings", 8192))
+        old_ctx = float(sc.get("original_max_position_embeddings") or cfg.max_position_embeddings)  # as transformers
         low_wl, high_wl = old_ctx / low, old_ctx / high
         wavelen = 2 * math.pi / inv
         out = torch.where(wavelen > low_wl, inv / factor, inv)
@@ -42,9 +44,14 @@ def inv_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         old_ctx = float(sc.get("original_max_position_embeddings") or cfg.max_position_embeddings)
         beta_fast = float(sc.get("beta_fast") or 32)
         beta_slow = float(sc.get("beta_slow") or 1)
+
+        def get_mscale(scale, m=1.0):
+            return 0.1 * m * math.log(scale) + 1.0 if scale > 1 else 1.0
+
         mscale = sc.get("attention_factor")
-        if mscale is None:
-            mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        if mscale is None:  # as transformers: mscale / mscale_all_dim (DeepSeek-style configs) when both given
+            m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
+            mscale = get_mscale(factor, m) / get_mscale(factor, m_all) if (m and m_all) else get_mscale(factor)
 
         def corr_dim(rot):
             return (dim * math.log(old_ctx / (rot * 2 * math.pi))) / (2 * math.log(base))

@@ -31,6 +31,7 @@ class TurnResult:
     turn: int
     text: str
     token_ids: list[int]
+    prompt_token_ids: list[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -143,7 +144,7 @@ class Session:
                 eng.kv.free(st)
         seq.keep_blocks = True
         if not self.reuse:
-            seq.namespace = type(seq.namespace)(**{**seq.namespace.__dict__, "tenant_salt": f"noreuse-{uuid.uuid4().hex}"})
+            seq.namespace = eng.isolated_namespace("noreuse")
         eng.run_until_done([seq])
         self._state = seq
         if not self.reuse:
@@ -156,7 +157,7 @@ class Session:
         from ..engine.llm_engine import RequestOutput
 
         r = RequestOutput.from_seq(seq)
-        res = TurnResult(len(self.turns) + 1, reply, r.token_ids, r.prompt_tokens, r.cached_tokens,
+        res = TurnResult(len(self.turns) + 1, reply, r.token_ids, r.prompt_token_ids, r.prompt_tokens, r.cached_tokens,
                          r.completion_tokens, r.ttft_s, r.decode_tok_per_s, r.finish_reason)
         if seq.finish_reason == "error":
             raise KVKeeperError(seq.error or "request failed")

@@ -1,0 +1,32 @@
+import json
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+@pytest.fixture(scope="session")
+def mt_bench():
+    """MT-Bench questions (data/mt_bench/question.jsonl, Apache-2.0, lm-sys/FastChat)."""
+    return [json.loads(line) for line in (DATA / "mt_bench" / "question.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The embedded SmolLM2-135M-Instruct on a 1 GiB fp32 paged KV cache."""
+    from kvkeeper import LLMEngine
+
+    return LLMEngine()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(engine):
+    """transformers' own model for the same GGUF file (its own dequantisation), fp32: the reference."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    p = engine.model_path
+    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
