@@ -103,6 +103,14 @@ class Scheduler:
             n = self._chunk(seq.num_uncomputed, budget, not out.scheduled)
             if n == 0:
                 break
+            # admit only with headroom: one free block per running sequence to grow into, so that an
+            # admission does not force a preemption on the next step (vLLM keeps a watermark likewise)
+            headroom = len(self.running)
+            if self.kv.blocks_needed(seq, n) + headroom > self.kv.pool.num_free and self.running:
+                self.kv.free(seq)  # do not hold prefix hits while waiting
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = -1
+                break
             if not self.kv.allocate(seq, n):
                 short = self.kv.blocks_needed(seq, n) - self.kv.pool.num_free
                 if not (self.reclaim is not None and self.reclaim(short) > 0 and self.kv.allocate(seq, n)):

@@ -5,8 +5,9 @@ block tables.  A block is *free* when its refcount is 0.  A free block may
 still hold valid KV of a full block registered in the prefix cache (*cached*):
 it is reused by a later prefix hit, or evicted (least recently freed first)
 when an allocation finds no never-cached free block.  This follows vLLM's v1
-block pool and nano-vllm's block manager; hits compare the stored token ids
-and namespace too, so a hash collision can never hand out wrong KV.
+block pool and nano-vllm's block manager; a hit also compares the stored token
+ids, namespace and parent hash, so handing out wrong KV would need a 64-bit
+collision of the parent chain's hash on top of identical tokens.
 
 Prefix-cache keys are chained: ``hash(parent_hash, namespace, token_ids)``
 (blake2b, 64 bits), so a block matches only when every block before it did.
@@ -40,6 +41,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None  # set while registered in the prefix cache
+    parent: int | None = None  # hash of the previous block in the chain (None for the first)
     token_ids: tuple[int, ...] | None = None
     namespace: Namespace | None = None
 
@@ -47,7 +49,8 @@ class Block:
 class BlockPool:
     """``num_blocks`` blocks of ``block_size`` token slots each.
 
-    Counters (monotonic): ``hits`` / ``queries`` in blocks, ``evictions``.
+    Counter (monotonic): ``evictions`` (cached blocks dropped for reuse).  Prefix-cache
+    hit statistics are kept in tokens by :class:`~kvkeeper.kvcache.manager.KVCacheManager`.
     Raises :class:`NoFreeBlocksError` when an allocation cannot be met.
     """
 
@@ -61,8 +64,6 @@ class BlockPool:
         self._free_plain: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
         self._by_hash: dict[int, int] = {}
-        self.queries = 0
-        self.hits = 0
         self.evictions = 0
 
     # ---- sizes -----------------------------------------------------------
@@ -93,7 +94,7 @@ class BlockPool:
         b = self.blocks[bid]
         if b.hash is not None and self._by_hash.get(b.hash) == bid:
             del self._by_hash[b.hash]
-        b.hash = b.token_ids = b.namespace = None
+        b.hash = b.parent = b.token_ids = b.namespace = None
         self.evictions += 1
 
     def allocate(self, n: int = 1) -> list[int]:
@@ -157,7 +158,7 @@ class BlockPool:
         if bid is None:
             return None, h
         b = self.blocks[bid]
-        if b.namespace != namespace or b.token_ids != tuple(token_ids):
+        if b.namespace != namespace or b.parent != parent or b.token_ids != tuple(token_ids):
             return None, h  # hash collision: never hand out foreign KV
         return bid, h
 
@@ -173,7 +174,7 @@ class BlockPool:
             return h
         if h not in self._by_hash:
             self._by_hash[h] = bid
-            b.hash, b.token_ids, b.namespace = h, tuple(token_ids), namespace
+            b.hash, b.parent, b.token_ids, b.namespace = h, parent, tuple(token_ids), namespace
         return h
 
     def evict_cached(self, n: int | None = None) -> int:

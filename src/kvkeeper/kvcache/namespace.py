@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 
 
@@ -22,4 +24,4 @@ class Namespace:
 
     @property
     def key(self) -> str:
-        return f"{self.model_revision}|{self.adapter}|{self.tenant_salt}|{self.kv_dtype}"
+        return json.dumps([self.model_revision, self.adapter, self.tenant_salt, self.kv_dtype])
