@@ -34,7 +34,9 @@ class ModelRunner:
     """
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: torch.dtype | None = None):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: torch.dtype | None = None,
+                 transposed_weights: bool | None = None):
+        """transposed_weights: keep W^T copies for fast few-row products (default: on for fp32 on CPU)."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -46,6 +48,10 @@ class ModelRunner:
         model.rope = type(model.rope)(cfg).to(self.device)  # buffers computed, not loaded
         model.load_weights(state, device=self.device, dtype=dtype)
         self.model = model.eval()
+        if transposed_weights is None:
+            transposed_weights = self.device.type == "cpu" and dtype == torch.float32
+        if transposed_weights:
+            self.model.add_transposed_copies()
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
