@@ -182,3 +182,22 @@ def test_stop_strings_and_max_tokens(engine):
     assert cut.finish_reason == "stop" and "5" not in cut.text and full.text.startswith(cut.text)
     short = engine.generate([p], SamplingParams(max_tokens=3))[0]
     assert short.finish_reason == "length" and short.completion_tokens == 3
+
+
+def test_bfloat16_engine_runs_close_to_fp32(engine):
+    p = engine.tokenizer.encode("The capital of France is")
+    engine.capture_first_logits = True
+    bf = LLMEngine(dtype="bfloat16", num_kv_blocks=64)
+    bf.capture_first_logits = True
+    try:
+        ref = engine.add_request(p, SamplingParams(max_tokens=1))
+        engine.run_until_done([ref])
+        got = bf.add_request(p, SamplingParams(max_tokens=1))
+        bf.run_until_done([got])
+    finally:
+        engine.capture_first_logits = False
+    assert bf.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert bf.kv_bytes_per_token * 2 == engine.kv_bytes_per_token
+    assert got.output_token_ids == ref.output_token_ids
+    diff = (got.first_logits - ref.first_logits).abs().max().item()
+    assert 0 < diff < 1.0, diff  # bf16 differs from fp32, but only by rounding

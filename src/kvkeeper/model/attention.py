@@ -84,9 +84,11 @@ def paged_attention(
     The new K/V are first written into the cache.  Returns (T, H, D) in q's dtype.
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
     T, H, D = q.shape
     bs = k_cache.shape[1]
+    if not meta.prefills and meta.decode_indices is not None and meta.decode_indices.numel() == T:
+        return _decode_attention(q, k_cache, v_cache, meta, scale, bs)  # decode-only step: no scatter
+    out = torch.empty_like(q)
     for p in meta.prefills:
         qs = q[p.start : p.start + p.q_len].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
         if p.context_len == p.q_len:  # nothing cached before: attend to the new tokens only
@@ -109,14 +111,19 @@ def paged_attention(
             )
         out[p.start : p.start + p.q_len] = o[0].transpose(0, 1)
     if meta.decode_indices is not None and meta.decode_indices.numel():
-        bt = meta.decode_block_tables  # (B, nb)
-        B, nb = bt.shape
-        kvh, d = k_cache.shape[2], k_cache.shape[3]
-        ks = k_cache.index_select(0, bt.reshape(-1)).view(B, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)
-        vs = v_cache.index_select(0, bt.reshape(-1)).view(B, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)
-        qd = q.index_select(0, meta.decode_indices).unsqueeze(2)  # (B, H, 1, D)
-        o = F.scaled_dot_product_attention(
-            qd, ks, vs, attn_mask=meta.get_decode_mask(bs), scale=scale, enable_gqa=True
-        )
-        out.index_copy_(0, meta.decode_indices, o.squeeze(2))
+        qd = q.index_select(0, meta.decode_indices)
+        out.index_copy_(0, meta.decode_indices, _decode_attention(qd, k_cache, v_cache, meta, scale, bs))
     return out
+
+
+def _decode_attention(qd, k_cache, v_cache, meta: AttentionMetadata, scale: float, bs: int) -> torch.Tensor:
+    """One query token per decode sequence: qd (B, H, D) over gathered blocks -> (B, H, D)."""
+    bt = meta.decode_block_tables  # (B, nb)
+    B, nb = bt.shape
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    ks = k_cache.index_select(0, bt.reshape(-1)).view(B, nb * bs, kvh, d).transpose(1, 2).to(qd.dtype)
+    vs = v_cache.index_select(0, bt.reshape(-1)).view(B, nb * bs, kvh, d).transpose(1, 2).to(qd.dtype)
+    o = F.scaled_dot_product_attention(
+        qd.unsqueeze(2), ks, vs, attn_mask=meta.get_decode_mask(bs), scale=scale, enable_gqa=True
+    )
+    return o.squeeze(2)
