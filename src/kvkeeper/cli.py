@@ -1,4 +1,4 @@
-"""Command-line interface: ``kvkeeper generate | chat | converse``.
+"""Command-line interface: ``kvkeeper generate | chat | converse | serve``.
 
 Run as ``kvkeeper ...``, ``python -m kvkeeper ...`` or ``python -m kvkeeper.cli ...``.
 
@@ -7,6 +7,7 @@ Run as ``kvkeeper ...``, ``python -m kvkeeper ...`` or ``python -m kvkeeper.cli 
 * ``converse``  scripted multi-turn conversations from a JSONL file (MT-Bench or Topical-Chat
                 format), one session per line, with a per-turn table of prompt / cached /
                 completion tokens, TTFT and decode speed.
+* ``serve``     the OpenAI-compatible HTTP server (``kvkeeper.api``).
 
 Results go to stdout; logging, progress and per-turn stats go to stderr, so ``--json``
 output stays parseable.  Any kvkeeper error (unknown model, empty prompt, bad input
@@ -174,6 +175,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-reuse", action="store_true",
                    help="recompute the whole conversation every turn (baseline without KV reuse)")
     v.set_defaults(func=cmd_converse)
+
+    s = sub.add_parser("serve", parents=[parent], help="run the OpenAI-compatible HTTP server",
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /v1/sessions, "
+                                   "/health and /metrics over HTTP.")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    s.add_argument("--port", type=_positive_int, default=8000, help="TCP port (default: 8000)")
+    s.add_argument("--served-model-name", metavar="NAME",
+                   help="the model id clients send and /v1/models lists (default: the --model value)")
+    s.add_argument("--max-queue", type=_positive_int, default=256, metavar="N",
+                   help="requests that may wait before new ones get 503 (default: 256)")
+    s.add_argument("--max-body-bytes", type=_size, default=4 << 20, metavar="N",
+                   help="larger request bodies get 413, suffixes K/M/G allowed (default: 4M)")
+    s.set_defaults(func=cmd_serve)
     return parser
 
 
@@ -440,6 +454,20 @@ def cmd_converse(args: argparse.Namespace) -> int:
     if out_path is not None:
         out_path.write_text(json.dumps(records, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
         _stderr(f"wrote {len(records)} turn records to {out_path}")
+    return EXIT_OK
+
+
+# ---- serve -----------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .api.server import run_server
+
+    engine = _load_engine(args)
+    name = args.served_model_name or args.model
+    _stderr(f"serving {name} on http://{args.host}:{args.port}/v1")
+    run_server(engine, host=args.host, port=args.port, max_queue=args.max_queue, served_model_name=name,
+               max_body_bytes=args.max_body_bytes, log_level="info" if args.verbose else "warning")
     return EXIT_OK
 
 

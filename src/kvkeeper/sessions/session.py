@@ -104,6 +104,51 @@ class Session:
         self.closed = True
         self.engine.sessions.pop(self.id, None)
 
+    # ---- KV hand-over (also used by the HTTP server, which renders prompts itself) ----------
+    def hand_over(self, seq: Sequence) -> int:
+        """Give the session's pinned KV to ``seq``, a request just added to the engine and not yet scheduled.
+
+        Keeps the longest common token prefix of the pinned tokens and ``seq``'s
+        prompt (at least one prompt token is left to compute) and frees the rest;
+        KV computed under another namespace (tenant salt) is freed, never handed
+        over.  Marks ``seq`` so the engine leaves its blocks for :meth:`keep`.
+        Returns the number of tokens handed over.
+        """
+        eng = self.engine
+        st = self._state
+        seq.keep_blocks = True
+        if st is None or not st.block_table:
+            return 0
+        if not self.reuse or st.namespace != seq.namespace:
+            eng.kv.free(st)
+            return 0
+        ids = seq.token_ids
+        keep = min(_common_prefix(st.token_ids[: st.num_computed], ids), len(ids) - 1)
+        eng.kv.truncate(st, keep)
+        seq.block_table, seq.block_hashes, seq.num_computed = st.block_table, st.block_hashes, st.num_computed
+        st.block_table, st.block_hashes, st.num_computed = [], [], 0
+        return seq.num_computed
+
+    def keep(self, seq: Sequence) -> None:
+        """Pin a finished request's blocks as the session's state (frees any older pinned state).
+
+        On a closed session the blocks are freed instead.
+        """
+        eng = self.engine
+        if self.closed:
+            eng.kv.free(seq)
+            return
+        if self._state is not None and self._state is not seq and self._state.block_table:
+            eng.kv.free(self._state)
+        self._state = seq
+        self.last_used = time.monotonic()
+        from ..engine.llm_engine import RequestOutput
+
+        r = RequestOutput.from_seq(seq)
+        self.turns.append(TurnResult(len(self.turns) + 1, r.text, r.token_ids, r.prompt_token_ids, r.prompt_tokens,
+                                     r.cached_tokens, r.completion_tokens, r.ttft_s, r.decode_tok_per_s,
+                                     r.finish_reason))
+
     # ---- turns ---------------------------------------------------------------
     def _prompt_ids(self) -> list[int]:
         eng = self.engine
@@ -133,16 +178,7 @@ class Session:
         except KVKeeperError:
             self.messages.pop()
             raise
-        st = self._state
-        if st is not None and st.block_table:
-            if self.reuse:
-                keep = min(_common_prefix(st.token_ids[: st.num_computed], ids), len(ids) - 1)
-                eng.kv.truncate(st, keep)
-                seq.block_table, seq.block_hashes, seq.num_computed = st.block_table, st.block_hashes, st.num_computed
-                st.block_table, st.block_hashes, st.num_computed = [], [], 0
-            else:
-                eng.kv.free(st)
-        seq.keep_blocks = True
+        self.hand_over(seq)
         if not self.reuse:
             seq.namespace = eng.isolated_namespace("noreuse")
         eng.run_until_done([seq])

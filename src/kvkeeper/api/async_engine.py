@@ -1,0 +1,407 @@
+"""The engine loop thread: the only thread that touches the :class:`LLMEngine`.
+
+The HTTP handlers run on an asyncio event loop.  They never call the engine (or
+its tokenizer, which is not safe to share between threads); they put commands on
+a thread-safe queue instead:
+
+* ``submit(GenerationRequest)`` -- the engine thread renders and tokenizes the
+  prompt, checks it against the context window, adds one sequence per choice
+  (``n``; seeds ``seed, seed+1, ...`` when a seed is given), and answers with a
+  :class:`RequestStream`; errors (:class:`KVKeeperError`) are raised to the caller.
+* ``abort(request_id)`` -- a client went away: every sequence of the request is
+  aborted at once, which frees its blocks.
+* ``call(fn)`` -- run ``fn(engine)`` on the engine thread (session listing and deletion).
+
+While there is work the thread calls ``engine.step()``; after each step it pushes
+per-request :class:`StepOutput` objects (text deltas, token ids, logprobs, finish
+reasons, and usage once all choices finished) to the request's ``asyncio.Queue``
+with ``loop.call_soon_threadsafe``.
+
+Sessions (``X-Session-ID``) reuse :class:`kvkeeper.sessions.session.Session`:
+the first choice of a request receives the session's pinned KV
+(``Session.hand_over``) and, when finished, its blocks become the new pinned
+state (``Session.keep``).  The prompt is always exactly ``engine.encode_chat``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..engine.sampling_params import SamplingParams
+from ..engine.sequence import Sequence
+from ..errors import ContextLengthError, InvalidRequestError, KVKeeperError
+from ..kvcache.namespace import Namespace
+from .errors import QueueFullError
+from .metrics import ServerMetrics
+from .token_text import TokenText
+
+log = logging.getLogger(__name__)
+
+_LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed or stopped; requests in flight are ended with this error."""
+
+
+@dataclass
+class GenerationRequest:
+    """One HTTP request: ``messages`` (chat) or ``prompt`` (text or token ids), ``n`` sampling params."""
+
+    request_id: str
+    params: list[SamplingParams]
+    messages: list[dict] | None = None
+    prompt: str | list[int] | None = None
+    namespace: Namespace | None = None
+    session_id: str | None = None
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice produced since the last :class:`StepOutput`.
+
+    logprobs: entries ``{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}``.
+    finish_reason: "stop", "length", "abort" or "error" (then ``error`` says why), None while running.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Usage:
+    """Token counts of a whole request (the prompt counted once whatever ``n``)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class StepOutput:
+    deltas: list[ChoiceDelta]
+    finished: bool = False
+    usage: Usage | None = None
+
+
+class RequestStream:
+    """The asynchronous output of one accepted request: iterate for :class:`StepOutput` objects."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, q: asyncio.Queue, engine: "AsyncEngine"):
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.finished = False
+        self._q = q
+        self._engine = engine
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._q.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+@dataclass
+class _Tracked:
+    req: GenerationRequest
+    seqs: list[Sequence]
+    loop: asyncio.AbstractEventLoop
+    q: asyncio.Queue
+    session: Any = None
+    emitted: list[list[int]] = field(default_factory=list)  # per choice: [text chars, logprob entries, reported]
+
+
+def _put(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item) -> None:
+    try:
+        loop.call_soon_threadsafe(q.put_nowait, item)
+    except RuntimeError:  # the loop is closed (shutdown)
+        pass
+
+
+def _resolve(fut: asyncio.Future, result=None, exc: BaseException | None = None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class AsyncEngine:
+    """Owns an :class:`LLMEngine` on a background thread; thread-safe entry points for asyncio code.
+
+    max_queue: requests that may wait (not yet admitted to run) before :meth:`submit`
+    raises :class:`QueueFullError` (HTTP 503).
+    """
+
+    def __init__(self, engine, max_queue: int = 256, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.metrics = metrics or ServerMetrics()
+        self.model_name = engine.model_name
+        self.context_length = engine.context_length
+        self._inbox: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending_adds = 0  # submitted, not yet taken by the engine thread
+        self._engine_waiting = 0  # snapshot of the scheduler's waiting queue
+        self._tracked: dict[str, _Tracked] = {}
+        self._token_text = TokenText(engine.tokenizer)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self.error: BaseException | None = None
+        self._publish_stats()
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvkeeper-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_waiting(self) -> int:
+        return self._pending_adds + self._engine_waiting
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{time.time_ns() % 10**9:09d}"
+
+    # ---- entry points (event loop side) -----------------------------------------------
+    async def submit(self, req: GenerationRequest) -> RequestStream:
+        """Queue a request; returns its stream once the engine has accepted it.
+
+        Raises :class:`QueueFullError` when ``max_queue`` requests already wait,
+        :class:`KVKeeperError` subclasses for invalid input (bad prompt, context overflow),
+        :class:`EngineDeadError` when the engine thread is gone.
+        """
+        if not self.alive:
+            raise EngineDeadError("the engine thread is not running")
+        with self._lock:
+            if self.num_waiting >= self.max_queue:
+                raise QueueFullError(self.max_queue)
+            self._pending_adds += 1
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        q: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(("add", req, loop, fut, q))
+        try:
+            prompt_tokens = await fut
+        except asyncio.CancelledError:
+            self.abort(req.request_id)  # processed after the add: the queue keeps order
+            raise
+        return RequestStream(req.request_id, prompt_tokens, q, self)
+
+    def abort(self, request_id: str) -> None:
+        """Abort every sequence of a request (no-op if it already finished); frees its blocks."""
+        self._inbox.put(("abort", request_id))
+
+    async def call(self, fn: Callable[[Any], Any]):
+        """Run ``fn(engine)`` on the engine thread and return its result (exceptions propagate)."""
+        if not self.alive:
+            raise EngineDeadError("the engine thread is not running")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._inbox.put(("call", fn, loop, fut))
+        return await fut
+
+    # ---- engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished()
+                self._drain(block=not busy)
+                if self.engine.has_unfinished():
+                    try:
+                        self.engine.step()
+                    except Exception as e:  # a bug: end what is in flight, keep serving
+                        log.exception("engine step failed")
+                        self._fail_all(e)
+                    self._publish()
+                self._publish_stats()
+        except BaseException as e:  # pragma: no cover - last resort
+            log.exception("engine thread died")
+            self.error = e
+            self._fail_all(e)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, req, loop, fut, q = cmd
+            with self._lock:
+                self._pending_adds -= 1
+            try:
+                n_prompt = self._add(req, loop, q)
+            except KVKeeperError as e:
+                loop.call_soon_threadsafe(_resolve, fut, None, e)
+            except Exception as e:
+                log.exception("could not add request %s", req.request_id)
+                loop.call_soon_threadsafe(_resolve, fut, None, e)
+            else:
+                loop.call_soon_threadsafe(_resolve, fut, n_prompt)
+        elif kind == "abort":
+            t = self._tracked.get(cmd[1])
+            if t is not None:
+                for s in t.seqs:
+                    self.engine.abort(s.request_id)
+                self._publish()
+        elif kind == "call":
+            _, fn, loop, fut = cmd
+            try:
+                res = fn(self.engine)
+            except Exception as e:
+                loop.call_soon_threadsafe(_resolve, fut, None, e)
+            else:
+                loop.call_soon_threadsafe(_resolve, fut, res)
+
+    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+        eng = self.engine
+        if req.messages is not None:
+            return eng.encode_chat(req.messages)
+        if isinstance(req.prompt, str):
+            if not req.prompt:
+                raise InvalidRequestError("the prompt is empty: give at least one token of text")
+            return eng.tokenizer.encode(req.prompt)
+        return [int(t) for t in req.prompt or []]
+
+    def _add(self, req: GenerationRequest, loop, q) -> int:
+        eng = self.engine
+        ids = self._prompt_ids(req)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        ctx = eng.context_length
+        if len(ids) >= ctx:
+            raise ContextLengthError(len(ids), ctx)
+        max_tokens = req.params[0].max_tokens
+        if max_tokens is not None and len(ids) + max_tokens > ctx:
+            raise ContextLengthError(len(ids), ctx, max_tokens)
+        if req.request_id in self._tracked:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+        session = None
+        if req.session_id is not None:
+            session = eng.sessions.get(req.session_id)
+            if session is None:
+                session = eng.new_session(session_id=req.session_id)
+        seqs: list[Sequence] = []
+        try:
+            for i, p in enumerate(req.params):
+                seqs.append(eng.add_request(ids, p, request_id=f"{req.request_id}-{i}", namespace=req.namespace))
+        except BaseException:
+            for s in seqs:
+                eng.abort(s.request_id)
+            raise
+        if session is not None:
+            session.hand_over(seqs[0])
+        self._tracked[req.request_id] = _Tracked(req, seqs, loop, q, session, [[0, 0, 0] for _ in seqs])
+        return len(ids)
+
+    def _logprob_entries(self, entries: list[dict]) -> list[dict]:
+        tt = self._token_text
+        out = []
+        for e in entries:
+            tok, raw = tt(e["token_id"])
+            top = []
+            for tid, lp in e["top"]:
+                s, b = tt(tid)
+                top.append({"token": s, "logprob": max(float(lp), _LOGPROB_FLOOR), "bytes": b})
+            out.append({"token": tok, "logprob": max(float(e["logprob"]), _LOGPROB_FLOOR), "bytes": raw,
+                        "top_logprobs": top})
+        return out
+
+    def _publish(self) -> None:
+        """Push what each tracked request produced since the last call; retire finished requests."""
+        now = time.perf_counter()
+        for rid in list(self._tracked):
+            t = self._tracked[rid]
+            deltas = []
+            for i, (seq, em) in enumerate(zip(t.seqs, t.emitted)):
+                text = seq.text[em[0]:]
+                lps = seq.logprobs[em[1]:]
+                done_now = seq.finished and not em[2]
+                if not text and not lps and not done_now:
+                    continue
+                em[0] += len(text)
+                em[1] += len(lps)
+                d = ChoiceDelta(i, text, [e["token_id"] for e in lps] if lps else [], self._logprob_entries(lps)
+                                if seq.params.logprobs is not None else [])
+                if done_now:
+                    d.finish_reason, d.error = seq.finish_reason, seq.error
+                    em[2] = 1
+                    self.metrics.observe_sequence(seq, now)
+                deltas.append(d)
+            finished = all(s.finished for s in t.seqs)
+            usage = None
+            if finished:
+                usage = Usage(t.seqs[0].num_prompt_tokens, sum(s.num_output_tokens for s in t.seqs),
+                              max(t.seqs[0].num_cached_tokens, 0))
+                del self._tracked[rid]
+                if t.session is not None:
+                    t.session.keep(t.seqs[0])
+            if deltas or finished:
+                _put(t.loop, t.q, StepOutput(deltas, finished, usage))
+
+    def _fail_all(self, e: BaseException) -> None:
+        for rid, t in list(self._tracked.items()):
+            for s in t.seqs:
+                try:
+                    self.engine.abort(s.request_id)
+                except Exception:  # pragma: no cover
+                    log.exception("abort failed")
+            _put(t.loop, t.q, EngineDeadError(f"the engine failed: {type(e).__name__}"))
+            del self._tracked[rid]
+
+    def _publish_stats(self) -> None:
+        st = self.engine.stats()
+        self._engine_waiting = st["num_waiting"]
+        st["num_waiting"] += self._pending_adds
+        st["pinned_blocks"] = sum(s.num_blocks for s in self.engine.sessions.values())
+        self.metrics.update(st)

@@ -1,0 +1,68 @@
+"""Fast checks of the HTTP layer on a fake engine (no model): 503 on a full queue, no stack traces on 500."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from kvkeeper.api.app import create_app  # noqa: E402
+from kvkeeper.api.async_engine import AsyncEngine  # noqa: E402
+from kvkeeper.kvcache.namespace import Namespace  # noqa: E402
+
+
+class FakeEngine:
+    """Just enough of LLMEngine for the server to start; every chat prompt fails with a bug."""
+
+    model_name = "fake"
+    context_length = 64
+    namespace = Namespace("rev0")
+    tokenizer = None
+
+    def __init__(self, waiting: int = 0):
+        self.sessions = {}
+        self.waiting = waiting
+
+    def stats(self) -> dict:
+        return {"kv_usage": 0.0, "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "num_preemptions": 0,
+                "num_running": 0, "num_waiting": self.waiting, "sessions": 0}
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def encode_chat(self, messages):
+        raise RuntimeError("secret internal detail")
+
+
+BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_queue_full_is_503_with_retry_after():
+    app = create_app(AsyncEngine(FakeEngine(waiting=3), max_queue=2))
+    with TestClient(app) as c:
+        r = c.post("/v1/chat/completions", json=BODY)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+        assert c.get("/metrics").text.count("kvkeeper:num_requests_waiting 3.0") == 1
+
+
+def test_internal_error_is_generic_500():
+    app = create_app(AsyncEngine(FakeEngine(), max_queue=2))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        r = c.post("/v1/chat/completions", json=BODY)
+        assert r.status_code == 500
+        assert "secret" not in r.text and "Traceback" not in r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert c.get("/health").status_code == 200  # the engine thread survived
+
+
+def test_validation_and_model_errors():
+    app = create_app(AsyncEngine(FakeEngine(), max_queue=2))
+    with TestClient(app) as c:
+        r = c.post("/v1/chat/completions", json={**BODY, "top_p": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+        assert c.post("/v1/chat/completions", json={**BODY, "model": "other"}).status_code == 404
+        assert c.post("/v1/completions", json={"prompt": "x"}, headers={"content-length": "99999999"}).status_code == 413
+        assert c.delete("/v1/sessions/nope").status_code == 404
