@@ -8,62 +8,31 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
+from serverproc import running_server
 
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
+CTX = 1024  # the server runs with --max-model-len 1024 so that a full-context prompt stays cheap
 LONG_PROMPT = ("Here is a long note about the history of cartography, maps, globes and the people who drew them. " * 8
                + "Summarise it in one sentence.")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log_file = open(log_path, "w")  # a file, not a pipe: a full pipe would block the server
-    proc = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--threads", "2"], stdout=log_file, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {log_path.read_text()}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become healthy in time")
-            time.sleep(0.5)
+    with running_server(log_path, "--threads", "2", "--max-model-len", str(CTX)) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log_file.close()
-        out = log_path.read_text()
-        assert "Traceback" not in out, out
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +62,7 @@ def _chat(client, content: str, **kw):
 def test_models_and_health(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
-    assert models[0].model_extra["context_length"] == 8192
+    assert models[0].model_extra["context_length"] == CTX
     assert httpx.get(server + "/health").json() == {"status": "ok"}
 
 
@@ -199,7 +168,7 @@ def test_context_overflow_is_400_with_numbers(client):
         _chat(client, "Hello", max_tokens=100_000)
     err = ei.value.body
     msg = err["message"] if "message" in err else err["error"]["message"]
-    assert "100000" in msg and "8192" in msg
+    assert "100000" in msg and str(CTX) in msg
     assert _chat(client, "Hello", max_tokens=2).usage.completion_tokens >= 1  # still serving
 
 
@@ -245,3 +214,140 @@ def test_disconnect_mid_stream_frees_blocks(server):
     # e2e histogram saw the aborted request finish well before its 400 tokens
     assert m["kvkeeper:e2e_request_latency_seconds_count"] > base["kvkeeper:e2e_request_latency_seconds_count"]
     assert m["kvkeeper:num_requests_waiting"] == 0
+
+
+# ---- prompts: exactly the chat template's tokens ---------------------------------------
+
+EDGE_CONVERSATIONS = {
+    "no system": [{"role": "user", "content": "Hi there"}],
+    "empty system": [{"role": "system", "content": ""}, {"role": "user", "content": "Hi there"}],
+    "two users in a row": [{"role": "user", "content": "First question."}, {"role": "user", "content": "Second one."}],
+    "full turn": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}],
+}
+
+
+@pytest.fixture(scope="module")
+def ref_tokenizer():
+    """transformers' tokenizer read straight from the embedded GGUF file: the reference chat template."""
+    from transformers import AutoTokenizer
+
+    from kvkeeper.model.registry import resolve_model_path
+
+    p = resolve_model_path(MODEL)
+    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_CONVERSATIONS))
+def test_prompt_tokens_equal_reference_chat_template(server, client, ref_tokenizer, case):
+    msgs = EDGE_CONVERSATIONS[case]
+    ref = ref_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ref = list(ref["input_ids"] if isinstance(ref, dict) else ref)
+    got = httpx.post(server + "/tokenize", json={"messages": msgs}).json()
+    assert got["tokens"] == ref
+    assert got["count"] == len(ref) and got["max_model_len"] == CTX
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens == len(ref)
+
+
+def test_prompt_of_exactly_the_context_length(server, client):
+    text = "The quick brown fox jumps over the lazy dog near the river bank. " * 120
+    ids = httpx.post(server + "/tokenize", json={"prompt": text}).json()["tokens"][:CTX]
+    assert len(ids) == CTX
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0)
+    assert f"{CTX} tokens" in str(ei.value) or str(CTX) in str(ei.value)
+    with pytest.raises(openai.BadRequestError):  # omitted max_tokens: no room left either
+        client.completions.create(model=MODEL, prompt=ids, temperature=0)
+    # one token short of the window: max_tokens omitted means "the rest", which is exactly one token
+    r = client.completions.create(model=MODEL, prompt=ids[:-1], temperature=0)
+    assert r.usage.prompt_tokens == CTX - 1 and r.usage.completion_tokens == 1
+    assert r.choices[0].finish_reason == "length"
+    assert _chat(client, "Hello", max_tokens=2).usage.completion_tokens >= 1  # still serving
+
+
+# ---- n > 1: one shared prompt prefix ------------------------------------------------------
+
+
+def test_n2_is_served_from_one_shared_prefix(server, client):
+    salt = f"n2-{uuid.uuid4().hex}"
+    before = _metrics(server)
+    r = _chat(client, LONG_PROMPT, n=2, max_tokens=4, extra_body={"cache_salt": salt})
+    after = _metrics(server)
+    assert r.choices[0].message.content == r.choices[1].message.content  # greedy, same prompt KV
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # nothing was cached before this request
+    hits = after["kvkeeper:prefix_cache_hits_total"] - before["kvkeeper:prefix_cache_hits_total"]
+    assert hits == (r.usage.prompt_tokens - 1) // 16 * 16  # the second choice reused every full prompt block
+
+
+# ---- streaming text: UTF-8 and stop strings ----------------------------------------------
+
+
+def _stream_text(client, messages, **kw) -> list[str]:
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, stream=True, **kw)
+    return [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+
+
+def test_stream_deltas_are_whole_characters_for_emoji_and_cjk(client):
+    msgs = [{"role": "user", "content": "Translate to Chinese and add emoji: I love 🍎 apples and 🐱 cats. 我爱苹果和猫。"}]
+    kw = dict(max_tokens=48, temperature=0)
+    full = client.chat.completions.create(model=MODEL, messages=msgs, **kw).choices[0].message.content
+    deltas = _stream_text(client, msgs, **kw)
+    assert "".join(deltas) == full
+    assert any(ord(ch) > 0xFFFF for ch in full) and any("\u4e00" <= ch <= "\u9fff" for ch in full), full
+    for d in deltas:
+        assert "\ufffd" not in d
+        d.encode("utf-8")  # no lone surrogates
+    lp = client.chat.completions.create(model=MODEL, messages=msgs, logprobs=True, **kw).choices[0].logprobs.content
+    # the tokenizer really splits some character across tokens (a token that is not valid UTF-8 alone)
+    assert any(_invalid_utf8(bytes(e.bytes)) for e in lp)
+
+
+def _invalid_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def test_stop_strings_inside_and_across_tokens_are_never_partly_emitted(client):
+    msgs = [{"role": "user", "content": "Describe the city of Paris in two sentences."}]
+    kw = dict(max_tokens=32, temperature=0)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, logprobs=True, **kw)
+    full = r.choices[0].message.content
+    toks = [e.token for e in r.choices[0].logprobs.content]
+    starts, pos = [], 0
+    for t in toks:
+        starts.append(pos)
+        pos += len(t)
+    inside = across = None
+    for i, t in enumerate(toks[:-1]):
+        word = t.lstrip()
+        cand = word[1:4]  # three characters strictly inside one token
+        if inside is None and len(word) >= 5 and full.find(cand) == starts[i] + len(t) - len(word) + 1:
+            inside = cand
+        cand = t[-2:] + toks[i + 1][:2]  # two characters on each side of a token boundary
+        if across is None and len(t) >= 2 and len(toks[i + 1]) >= 2 and full.find(cand) == starts[i] + len(t) - 2:
+            across = cand
+    assert inside and across, toks
+    for stop in (inside, across):
+        cut = full[: full.index(stop)]
+        deltas = _stream_text(client, msgs, stop=[stop], **kw)
+        assert "".join(deltas) == cut, (stop, deltas)
+        non_stream = client.chat.completions.create(model=MODEL, messages=msgs, stop=[stop], **kw)
+        assert non_stream.choices[0].message.content == cut and non_stream.choices[0].finish_reason == "stop"
+
+
+# ---- load: 32 streaming clients, a fifth hanging up ---------------------------------------
+
+
+def test_bounded_load_with_hangups_returns_to_idle(server):
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_load.py"
+    out = subprocess.run([sys.executable, str(script), "--base-url", server, "--clients", "32", "--max-tokens", "12",
+                          "--time-limit", "120"], capture_output=True, text=True, timeout=200)
+    summary = json.loads(out.stdout)
+    assert out.returncode == 0 and summary["ok"], summary["problems"]
+    assert summary["hung_up"] == 6 and summary["hung_up_with_n2"] >= 1
+    assert summary["finished_clients"] == 26 and summary["status_codes"] == [200]
+    assert summary["running_after"] == 0 and summary["kv_usage_after"] == summary["kv_usage_before"]

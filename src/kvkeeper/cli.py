@@ -187,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait before new ones get 503 (default: 256)")
     s.add_argument("--max-body-bytes", type=_size, default=4 << 20, metavar="N",
                    help="larger request bodies get 413, suffixes K/M/G allowed (default: 4M)")
+    s.add_argument("--max-new-tokens", type=_positive_int, metavar="N",
+                   help="most tokens one choice may generate; larger or omitted max_tokens are cut to N "
+                        "(default: the rest of the context)")
+    s.add_argument("--otel-traces", choices=["none", "console", "otlp"], default="none",
+                   help="OpenTelemetry request traces: none (default), console (stdout) or otlp (OTLP/HTTP)")
+    s.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="OTLP/HTTP traces endpoint, e.g. http://127.0.0.1:4318/v1/traces (implies --otel-traces otlp)")
     s.set_defaults(func=cmd_serve)
     return parser
 
@@ -463,11 +470,19 @@ def cmd_converse(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .api.server import run_server
 
+    exporter = "otlp" if args.otlp_traces_endpoint else args.otel_traces
+    if exporter == "otlp":
+        try:
+            import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+        except ImportError:
+            _stderr("error: --otel-traces otlp needs the OTLP exporter: pip install 'kvkeeper[otlp]'", None)
+            return EXIT_ERROR
     engine = _load_engine(args)
     name = args.served_model_name or args.model
     _stderr(f"serving {name} on http://{args.host}:{args.port}/v1")
     run_server(engine, host=args.host, port=args.port, max_queue=args.max_queue, served_model_name=name,
-               max_body_bytes=args.max_body_bytes, log_level="info" if args.verbose else "warning")
+               max_body_bytes=args.max_body_bytes, log_level="info" if args.verbose else "warning",
+               max_new_tokens=args.max_new_tokens, trace_exporter=exporter, otlp_endpoint=args.otlp_traces_endpoint)
     return EXIT_OK
 
 

@@ -7,6 +7,7 @@ Endpoints::
     GET    /v1/models               the served model, with context_length (tokens)
     POST   /v1/chat/completions     chat (messages through the model's chat template), SSE with stream=true
     POST   /v1/completions          raw text or token-id prompt
+    POST   /tokenize                prompt token ids of a text or of messages (what a request would prefill)
     GET    /v1/sessions             open sessions: id, tokens, blocks, turns
     DELETE /v1/sessions/{id}        close a session and free its blocks (404 if unknown)
 
@@ -35,7 +36,7 @@ from ..kvcache.namespace import Namespace
 from .async_engine import AsyncEngine, ChoiceDelta, EngineDeadError, GenerationRequest, RequestStream, Usage
 from .errors import APIError, BodyTooLargeError, error_body, from_kvkeeper_error
 from .metrics import CONTENT_TYPE
-from .schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from .schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest, _SamplingFields
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def _finish_reason(r: str | None) -> str | None:
     return r if r in (None, "stop", "length") else ("abort" if r == "abort" else "stop")
 
 
-def _messages(body: ChatCompletionRequest) -> list[dict]:
+def _messages(body: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
     out = []
     for i, m in enumerate(body.messages):
         c = m.content
@@ -372,6 +373,21 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
                 "choices": [{"index": i, "text": texts[i], "logprobs": legacy_logprobs(lps[i]) if want_lp else None,
                              "finish_reason": _finish_reason(reasons[i])} for i in range(body.n)],
                 "usage": usage.to_dict() if usage else None}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt (text) or messages (chat)", param="prompt")
+        if body.messages is not None:
+            if not body.messages:
+                raise APIError(400, "messages is empty: give at least one message", param="messages")
+            msgs, agp = _messages(body), body.add_generation_prompt
+            ids = await engine.call(lambda eng: eng.encode_chat(msgs, add_generation_prompt=agp))
+        else:
+            text = body.prompt
+            ids = await engine.call(lambda eng: eng.tokenizer.encode(text))
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.context_length}
 
     @app.get("/v1/sessions")
     async def list_sessions():

@@ -26,6 +26,7 @@ state (``Session.keep``).  The prompt is always exactly ``engine.encode_chat``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -138,6 +139,8 @@ class _Tracked:
     q: asyncio.Queue
     session: Any = None
     emitted: list[list[int]] = field(default_factory=list)  # per choice: [text chars, logprob entries, reported]
+    prompt_ids: list[int] = field(default_factory=list)
+    pending: list[SamplingParams] = field(default_factory=list)  # choices 1..n-1 until choice 0 has its prompt's KV
 
 
 def _put(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item) -> None:
@@ -163,9 +166,16 @@ class AsyncEngine:
     raises :class:`QueueFullError` (HTTP 503).
     """
 
-    def __init__(self, engine, max_queue: int = 256, metrics: ServerMetrics | None = None):
+    def __init__(self, engine, max_queue: int = 256, metrics: ServerMetrics | None = None,
+                 tracer=None, max_new_tokens: int | None = None):
+        """tracer: a :class:`kvkeeper.api.tracing.RequestTracer` (None: no traces).
+        max_new_tokens: the most tokens one choice may generate (an operator cap, like llama.cpp's
+        ``--n-predict``); larger or omitted ``max_tokens`` are cut to it after the context check.
+        """
         self.engine = engine
         self.max_queue = max_queue
+        self.tracer = tracer
+        self.max_new_tokens = max_new_tokens
         self.metrics = metrics or ServerMetrics()
         self.model_name = engine.model_name
         self.context_length = engine.context_length
@@ -254,6 +264,7 @@ class AsyncEngine:
                     except Exception as e:  # a bug: end what is in flight, keep serving
                         log.exception("engine step failed")
                         self._fail_all(e)
+                    self._release_siblings()
                     self._publish()
                 self._publish_stats()
         except BaseException as e:  # pragma: no cover - last resort
@@ -291,6 +302,7 @@ class AsyncEngine:
         elif kind == "abort":
             t = self._tracked.get(cmd[1])
             if t is not None:
+                t.pending = []
                 for s in t.seqs:
                     self.engine.abort(s.request_id)
                 self._publish()
@@ -326,23 +338,38 @@ class AsyncEngine:
             raise ContextLengthError(len(ids), ctx, max_tokens)
         if req.request_id in self._tracked:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+        if self.max_new_tokens is not None:
+            cap = self.max_new_tokens
+            req.params = [dataclasses.replace(p, max_tokens=min(p.max_tokens or cap, cap)) for p in req.params]
         session = None
         if req.session_id is not None:
             session = eng.sessions.get(req.session_id)
             if session is None:
                 session = eng.new_session(session_id=req.session_id)
-        seqs: list[Sequence] = []
-        try:
-            for i, p in enumerate(req.params):
-                seqs.append(eng.add_request(ids, p, request_id=f"{req.request_id}-{i}", namespace=req.namespace))
-        except BaseException:
-            for s in seqs:
-                eng.abort(s.request_id)
-            raise
+        # Choice 0 runs first; choices 1..n-1 join once its prompt KV is computed, so that they take
+        # the prompt's full blocks from the prefix cache instead of prefilling it n times.
+        seqs = [eng.add_request(ids, req.params[0], request_id=f"{req.request_id}-0", namespace=req.namespace)]
         if session is not None:
             session.hand_over(seqs[0])
-        self._tracked[req.request_id] = _Tracked(req, seqs, loop, q, session, [[0, 0, 0] for _ in seqs])
+        n = len(req.params)
+        self._tracked[req.request_id] = _Tracked(req, seqs, loop, q, session, [[0, 0, 0] for _ in range(n)],
+                                                 prompt_ids=ids, pending=list(req.params[1:]))
         return len(ids)
+
+    def _release_siblings(self) -> None:
+        """Add the waiting choices of requests whose first choice has computed its prompt."""
+        for rid, t in self._tracked.items():
+            lead = t.seqs[0]
+            if not t.pending or not (lead.finished or lead.num_output_tokens > 0):
+                continue
+            if lead.finish_reason in ("abort", "error"):
+                t.pending = []  # the request ends with its first choice
+                continue
+            for p in t.pending:
+                i = len(t.seqs)
+                t.seqs.append(self.engine.add_request(t.prompt_ids, p, request_id=f"{rid}-{i}",
+                                                      namespace=t.req.namespace))
+            t.pending = []
 
     def _logprob_entries(self, entries: list[dict]) -> list[dict]:
         tt = self._token_text
@@ -378,7 +405,10 @@ class AsyncEngine:
                     em[2] = 1
                     self.metrics.observe_sequence(seq, now)
                 deltas.append(d)
-            finished = all(s.finished for s in t.seqs)
+            finished = not t.pending and all(s.finished for s in t.seqs)
+            if finished and len(t.seqs) < len(t.emitted):  # aborted or failed before the other choices began
+                for i in range(len(t.seqs), len(t.emitted)):
+                    deltas.append(ChoiceDelta(i, "", [], [], t.seqs[0].finish_reason, t.seqs[0].error))
             usage = None
             if finished:
                 usage = Usage(t.seqs[0].num_prompt_tokens, sum(s.num_output_tokens for s in t.seqs),
@@ -386,6 +416,12 @@ class AsyncEngine:
                 del self._tracked[rid]
                 if t.session is not None:
                     t.session.keep(t.seqs[0])
+                if self.tracer is not None:
+                    try:
+                        self.tracer.record(rid, "chat" if t.req.messages is not None else "text_completion",
+                                           t.seqs, usage, t.req.session_id, t.req.namespace is not None)
+                    except Exception:  # tracing must never take a request down
+                        log.exception("could not record the trace of %s", rid)
             if deltas or finished:
                 _put(t.loop, t.q, StepOutput(deltas, finished, usage))
 

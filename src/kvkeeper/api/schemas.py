@@ -63,3 +63,13 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (as in vLLM): exactly one of ``prompt`` (text) or ``messages`` (chat)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True

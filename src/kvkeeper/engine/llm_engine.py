@@ -140,7 +140,13 @@ class LLMEngine:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja2.TemplateError: the template rejects this conversation (raise_exception)
+            if type(e).__module__.startswith("jinja2"):
+                raise InvalidRequestError(f"the model's chat template rejected the conversation: {e}") from e
+            raise
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     namespace: Namespace | None = None) -> Sequence:
@@ -182,6 +188,7 @@ class LLMEngine:
             self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
+        seq.t_finished = time.perf_counter()
         self.scheduler.finish(seq)
         if not seq.keep_blocks:
             self.kv.free(seq)

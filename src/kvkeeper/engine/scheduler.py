@@ -13,6 +13,7 @@ with an error.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -132,6 +133,8 @@ class Scheduler:
                     break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
+            if seq.t_scheduled is None:
+                seq.t_scheduled = time.perf_counter()
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n

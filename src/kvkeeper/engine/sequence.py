@@ -53,8 +53,10 @@ class Sequence:
     keep_blocks: bool = False  # a session takes the blocks over when the request finishes
     num_preemptions: int = 0
     t_arrival: float = field(default_factory=time.perf_counter)
+    t_scheduled: float | None = None  # first admission by the scheduler (perf_counter s)
     t_first_token: float | None = None
     t_last_token: float | None = None
+    t_finished: float | None = None
 
     def __post_init__(self):
         if not self.num_prompt_tokens:

@@ -1,0 +1,52 @@
+"""Start ``kvkeeper serve`` as a subprocess on a free 127.0.0.1 port (shared by the server tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(log_path: Path, *extra_args: str, timeout_s: float = 300):
+    """Yield the base URL of a healthy server; terminate it on exit and fail if its log holds a traceback."""
+    port = free_port()
+    log_file = open(log_path, "w")  # a file, not a pipe: a full pipe would block the server
+    proc = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             *extra_args], stdout=log_file, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}: {log_path.read_text()}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become healthy in time")
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log_file.close()
+        out = log_path.read_text()
+        assert "Traceback" not in out, out
