@@ -29,7 +29,7 @@ def test_generated_requests_get_no_5xx(tmp_path):
         out = subprocess.run([exe, "run", base + "/openapi.json", "--checks", "not_a_server_error",
                               "--max-examples", "15", "--max-time", "45", "--workers", "1", "--seed", "1",
                               "--generation-database", "none", "--request-timeout", "30", "--no-color"],
-                             capture_output=True, text=True, timeout=240)
+                             capture_output=True, text=True, timeout=240, cwd=tmp_path)
         report = out.stdout + out.stderr
         assert out.returncode == 0, report[-4000:]
         m = re.search(r"(\d+) generated, (\d+) passed", report)
