@@ -107,6 +107,9 @@ def _engine_parent() -> argparse.ArgumentParser:
                    help=f"known model id or path to a .gguf file / Hugging Face folder (default: {DEFAULT_MODEL})")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weights and activations dtype (default: float32)")
+    g.add_argument("--kv-dtype", choices=["fp32", "bf16", "fp16", "int8", "fp8"], default=None,
+                   help="KV cache storage; int8 and fp8 (e4m3) are quantized per token and KV head "
+                        "(default: the --dtype)")
     g.add_argument("--block-size", type=_positive_int, default=16, metavar="N", help="tokens per KV block (default: 16)")
     kv = g.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-bytes", type=_size, metavar="N",
@@ -195,6 +198,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--otlp-traces-endpoint", metavar="URL",
                    help="OTLP/HTTP traces endpoint, e.g. http://127.0.0.1:4318/v1/traces (implies --otel-traces otlp)")
     s.set_defaults(func=cmd_serve)
+
+    e = sub.add_parser("eval", help="quality under KV quantization: perplexity of a long text",
+                       description="Evaluate the model through kvkeeper's own KV cache.")
+    esub = e.add_subparsers(dest="eval_command", metavar="TASK")
+    esub.required = True
+    pp = esub.add_parser("perplexity", parents=[parent], help="perplexity of the first N tokens of a UTF-8 text",
+                         description="Run the first --context tokens of --text as one sequence (prefilled in chunks "
+                                     "through the paged KV cache) and report its perplexity.")
+    pp.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file")
+    pp.add_argument("--context", type=_positive_int, required=True, metavar="N", help="tokens to score")
+    pp.add_argument("--skip-tokens", type=_non_negative_int, default=0, metavar="N",
+                    help="start N tokens into the text (e.g. past a title page)")
+    pp.add_argument("--chunk", type=_positive_int, default=512, metavar="N", help="prefill chunk in tokens (default: 512)")
+    pp.add_argument("--json", action="store_true", help="print one JSON object: ppl, tokens, kv_bytes_per_token, ...")
+    pp.set_defaults(func=cmd_eval_perplexity)
     return parser
 
 
@@ -220,11 +238,14 @@ def _load_engine(args: argparse.Namespace):
         kw["max_model_len"] = args.max_model_len
     if args.threads is not None:
         kw["num_threads"] = args.threads
+    if args.kv_dtype is not None:
+        kw["kv_dtype"] = args.kv_dtype
     t0 = time.perf_counter()
     # Keep stdout clean for results: anything a library prints while loading goes to stderr.
     with _err_console().status(f"loading {args.model} ..."), contextlib.redirect_stdout(sys.stderr):
         engine = LLMEngine(args.model, **kw)
-    _stderr(f"loaded {engine.model_name} ({args.dtype}, {engine.pool.num_blocks} KV blocks of {engine.block_size} "
+    _stderr(f"loaded {engine.model_name} ({args.dtype}, KV {engine.runner.kv_format.name} at "
+            f"{engine.kv_bytes_per_token:,} bytes/token, {engine.pool.num_blocks} KV blocks of {engine.block_size} "
             f"tokens, context {engine.context_length}) in {time.perf_counter() - t0:.1f} s")
     return engine
 
@@ -483,6 +504,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     run_server(engine, host=args.host, port=args.port, max_queue=args.max_queue, served_model_name=name,
                max_body_bytes=args.max_body_bytes, log_level="info" if args.verbose else "warning",
                max_new_tokens=args.max_new_tokens, trace_exporter=exporter, otlp_endpoint=args.otlp_traces_endpoint)
+    return EXIT_OK
+
+
+# ---- eval ------------------------------------------------------------------------
+
+
+def cmd_eval_perplexity(args: argparse.Namespace) -> int:
+    from .eval.perplexity import perplexity, read_text_tokens
+
+    engine = _load_engine(args)
+    ids = read_text_tokens(engine, args.text, args.context, args.skip_tokens)
+    r = perplexity(engine, ids, chunk=args.chunk)
+    r["text"] = str(args.text)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        _out_console().print(f"perplexity {r['ppl']:.4f} over {r['scored_tokens']} predicted tokens "
+                             f"(KV {r['kv_dtype']}, {r['kv_bytes_per_token']:,} bytes/token, {r['seconds']:.1f} s)")
     return EXIT_OK
 
 

@@ -15,6 +15,7 @@ kvkeeper:num_requests_waiting              gauge      sequences queued (engine q
 kvkeeper:num_preemptions_total             counter    sequences preempted for lack of blocks
 kvkeeper:sessions_open                     gauge      open sessions (``X-Session-ID``)
 kvkeeper:pinned_blocks                     gauge      KV blocks pinned by idle sessions (blocks)
+kvkeeper:kv_cache_bytes_per_token          gauge      KV bytes per token, all layers, values plus scales (bytes)
 kvkeeper:time_to_first_token_seconds       histogram  arrival to first token (s)
 kvkeeper:time_per_output_token_seconds     histogram  mean gap between output tokens of a request (s)
 kvkeeper:e2e_request_latency_seconds       histogram  arrival to finish (s)
@@ -41,6 +42,8 @@ _FROM_SNAPSHOT = {
     "num_waiting": ("kvkeeper:num_requests_waiting", "gauge", "Sequences waiting to be scheduled."),
     "num_preemptions": ("kvkeeper:num_preemptions", "counter", "Sequences preempted for lack of KV blocks."),
     "sessions": ("kvkeeper:sessions_open", "gauge", "Open sessions."),
+    "kv_bytes_per_token": ("kvkeeper:kv_cache_bytes_per_token", "gauge",
+                           "KV cache bytes per token across all layers, values plus scales (bytes)."),
     "pinned_blocks": ("kvkeeper:pinned_blocks", "gauge", "KV blocks pinned by idle sessions (blocks)."),
 }
 

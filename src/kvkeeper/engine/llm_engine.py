@@ -22,6 +22,7 @@ from ..errors import ContextLengthError, InvalidRequestError
 from ..kvcache.block_pool import BlockPool
 from ..kvcache.manager import KVCacheManager
 from ..kvcache.namespace import Namespace
+from ..kvcache.quant import parse_kv_format
 from ..model.loader import load_weights
 from ..model.registry import resolve_model_path
 from ..model.runner import ModelRunner, parse_dtype
@@ -82,6 +83,8 @@ class LLMEngine:
 
     model: a known id (see ``kvkeeper.model.registry``) or a path to a GGUF file / HF folder.
     dtype: weights and activations ("float32" default, "bfloat16" selectable).
+    kv_dtype: KV cache storage: "fp32", "bf16", "fp16", "int8" or "fp8" (default: ``dtype``); int8 and
+    fp8 are quantized per token and KV head on write (see ``kvkeeper.kvcache.quant``).
     block_size: tokens per KV block.  KV budget: ``num_kv_blocks`` or ``kv_cache_bytes``
     (default 1 GiB).  ``max_num_batched_tokens``: the per-step token budget (chunked prefill).
     Raises ModelNotFoundError / ModelFormatError / UnsupportedArchitectureError while loading.
@@ -90,7 +93,8 @@ class LLMEngine:
     def __init__(self, model: str | None = None, *, dtype: str = "float32", device: str = "cpu",
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = True, max_model_len: int | None = None, num_threads: int | None = None):
+                 enable_prefix_caching: bool = True, max_model_len: int | None = None, num_threads: int | None = None,
+                 kv_dtype: str | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_path = resolve_model_path(model)
@@ -99,21 +103,26 @@ class LLMEngine:
         self.config = cfg
         self.tokenizer = load_tokenizer(self.model_path)
         torch_dtype = parse_dtype(dtype)
-        bytes_per_token = cfg.kv_bytes_per_token(torch.empty(0, dtype=torch_dtype).element_size())
+        try:
+            kv_format = parse_kv_format(kv_dtype if kv_dtype is not None else torch_dtype)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        bytes_per_token = kv_format.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         if num_kv_blocks is None:
             budget = kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
             num_kv_blocks = budget // (bytes_per_token * block_size)
             if num_kv_blocks < 1:
                 raise InvalidRequestError(f"kv_cache_bytes={budget} is smaller than one block ({bytes_per_token * block_size} bytes)")
         self.block_size = block_size
-        self.runner = ModelRunner(cfg, state, num_kv_blocks, block_size, dtype=torch_dtype, device=device)
+        self.runner = ModelRunner(cfg, state, num_kv_blocks, block_size, dtype=torch_dtype, device=device,
+                                  kv_dtype=kv_format)
         del state
         self.pool = BlockPool(num_kv_blocks, block_size, enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
                                    reclaim=self._reclaim_from_sessions)
         self.context_length = min(cfg.context_length, max_model_len or cfg.context_length)
-        self.namespace = Namespace(cfg.revision, kv_dtype=str(torch_dtype).removeprefix("torch."))
+        self.namespace = Namespace(cfg.revision, kv_dtype=kv_format.name)
         eos = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))

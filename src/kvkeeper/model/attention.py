@@ -1,7 +1,8 @@
 """Paged attention in plain PyTorch (the reference path; device-agnostic).
 
-The KV cache of one layer is a pair of tensors ``(num_blocks, block_size,
-num_kv_heads, head_dim)``.  A token's *slot* is ``block_id * block_size +
+The KV cache of one layer is a :class:`~kvkeeper.kvcache.quant.PagedKV`: K and V
+tensors ``(num_blocks, block_size, num_kv_heads, head_dim)`` (plus scales when
+quantized).  A token's *slot* is ``block_id * block_size +
 offset``.  Each step the model runner builds one :class:`AttentionMetadata`
 and passes it explicitly to every layer (no global context object).
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from ..kvcache.quant import PagedKV
 
 
 @dataclass
@@ -56,25 +59,11 @@ class AttentionMetadata:
         return self.decode_mask
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store new keys/values: k, v (T, KVH, D) into their slots (T,) of the paged cache."""
-    nb, bs, kvh, d = k_cache.shape
-    k_cache.view(nb * bs, kvh, d).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, kvh, d).index_copy_(0, slots, v.to(v_cache.dtype))
-
-
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """K or V of one sequence: (length, KVH, D) gathered from its blocks."""
-    nb, bs, kvh, d = cache.shape
-    return cache.index_select(0, block_table).reshape(-1, kvh, d)[:length]
-
-
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: PagedKV,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
@@ -82,16 +71,19 @@ def paged_attention(
 
     q: (T, H, D); k, v: (T, KVH, D) for the new tokens (RoPE already applied).
     The new K/V are first written into the cache.  Returns (T, H, D) in q's dtype.
+    With a quantized cache every token, new ones included, is attended to as the
+    cache holds it (dequantized), so a prompt gives the same result whether it is
+    prefilled in one piece or in chunks.
     """
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    cache.write(k, v, meta.slot_mapping)
     T, H, D = q.shape
-    bs = k_cache.shape[1]
+    bs = cache.block_size
     if not meta.prefills and meta.decode_indices is not None and meta.decode_indices.numel() == T:
-        return _decode_attention(q, k_cache, v_cache, meta, scale, bs)  # decode-only step: no scatter
+        return _decode_attention(q, cache, meta, scale, bs)  # decode-only step: no scatter
     out = torch.empty_like(q)
     for p in meta.prefills:
         qs = q[p.start : p.start + p.q_len].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
-        if p.context_len == p.q_len:  # nothing cached before: attend to the new tokens only
+        if p.context_len == p.q_len and not cache.fmt.quantized:  # nothing cached: attend to the new tokens only
             ks = k[p.start : p.start + p.q_len]
             vs = v[p.start : p.start + p.q_len]
             o = F.scaled_dot_product_attention(
@@ -99,8 +91,7 @@ def paged_attention(
                 is_causal=True, scale=scale, enable_gqa=True,
             )
         else:
-            ks = gather_kv(k_cache, p.block_table, p.context_len).to(q.dtype)
-            vs = gather_kv(v_cache, p.block_table, p.context_len).to(q.dtype)
+            ks, vs = cache.gather(p.block_table, p.context_len, q.dtype)
             offset = p.context_len - p.q_len
             qpos = torch.arange(p.q_len, device=q.device)[:, None] + offset
             kpos = torch.arange(p.context_len, device=q.device)[None, :]
@@ -112,17 +103,13 @@ def paged_attention(
         out[p.start : p.start + p.q_len] = o[0].transpose(0, 1)
     if meta.decode_indices is not None and meta.decode_indices.numel():
         qd = q.index_select(0, meta.decode_indices)
-        out.index_copy_(0, meta.decode_indices, _decode_attention(qd, k_cache, v_cache, meta, scale, bs))
+        out.index_copy_(0, meta.decode_indices, _decode_attention(qd, cache, meta, scale, bs))
     return out
 
 
-def _decode_attention(qd, k_cache, v_cache, meta: AttentionMetadata, scale: float, bs: int) -> torch.Tensor:
+def _decode_attention(qd, cache: PagedKV, meta: AttentionMetadata, scale: float, bs: int) -> torch.Tensor:
     """One query token per decode sequence: qd (B, H, D) over gathered blocks -> (B, H, D)."""
-    bt = meta.decode_block_tables  # (B, nb)
-    B, nb = bt.shape
-    kvh, d = k_cache.shape[2], k_cache.shape[3]
-    ks = k_cache.index_select(0, bt.reshape(-1)).view(B, nb * bs, kvh, d).transpose(1, 2).to(qd.dtype)
-    vs = v_cache.index_select(0, bt.reshape(-1)).view(B, nb * bs, kvh, d).transpose(1, 2).to(qd.dtype)
+    ks, vs = cache.gather_padded(meta.decode_block_tables, qd.dtype)  # (B, KVH, nb * bs, D) each
     o = F.scaled_dot_product_attention(
         qd.unsqueeze(2), ks, vs, attn_mask=meta.get_decode_mask(bs), scale=scale, enable_gqa=True
     )

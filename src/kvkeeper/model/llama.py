@@ -81,7 +81,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(T, self.num_heads, self.head_dim), *cos_sin)
         k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), *cos_sin)
-        o = paged_attention(q, k, v.view(T, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta, self.scale)
+        o = paged_attention(q, k, v.view(T, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, -1))
 
 
@@ -140,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
     ``forward(input_ids (T,) int64, positions (T,) int64, kv_caches, meta)``
     returns hidden states (T, hidden_size); ``compute_logits(h (N, hidden))``
     returns float32 logits (N, vocab_size).  ``kv_caches`` is one
-    ``(k_cache, v_cache)`` pair per layer, each (num_blocks, block_size, KVH, D).
+    ``PagedKV`` per layer (K and V, each (num_blocks, block_size, KVH, D), plus scales when quantized).
     """
 
     def __init__(self, cfg: ModelConfig):

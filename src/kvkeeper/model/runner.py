@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kvcache.quant import KVFormat, PagedKV, parse_kv_format
 from .attention import AttentionMetadata, PrefillSpan
 from .config import ModelConfig
 from .llama import LlamaForCausalLM, skip_init
@@ -30,17 +31,20 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 class ModelRunner:
     """Weights plus KV cache on one device.
 
-    kv_caches: per layer (k, v), each (num_blocks, block_size, num_kv_heads, head_dim) in ``kv_dtype``.
+    kv_caches: one :class:`PagedKV` per layer: K and V (num_blocks, block_size, num_kv_heads, head_dim)
+    in the KV format's storage dtype, plus per-token per-head scales when quantized.
     """
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: torch.dtype | None = None,
-                 transposed_weights: bool | None = None):
-        """transposed_weights: keep W^T copies for fast few-row products (default: on for fp32 on CPU)."""
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 kv_dtype: str | torch.dtype | KVFormat | None = None, transposed_weights: bool | None = None):
+        """kv_dtype: KV storage format (fp32, bf16, fp16, int8, fp8; default: the model dtype).
+        transposed_weights: keep W^T copies for fast few-row products (default: on for fp32 on CPU)."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
-        self.kv_dtype = kv_dtype or dtype
+        self.kv_format = parse_kv_format(kv_dtype if kv_dtype is not None else dtype)
+        self.kv_dtype = self.kv_format.storage
         self.block_size = block_size
         self.num_blocks = num_blocks
         with skip_init(), torch.device("meta"):
@@ -52,15 +56,13 @@ class ModelRunner:
             transposed_weights = self.device.type == "cpu" and dtype == torch.float32
         if transposed_weights:
             self.model.add_transposed_copies()
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = [PagedKV(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.device)
+                          for _ in range(cfg.num_layers)]
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.cfg.kv_bytes_per_token(torch.empty(0, dtype=self.kv_dtype).element_size())
+        """Bytes of KV (values plus scales) per token across all layers."""
+        return self.kv_format.bytes_per_token(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
 
     def build_batch(self, scheduled):
         """scheduled: list of (seq, num_new_tokens).  Returns (input_ids, positions, meta, logits_rows, sample_seqs)."""

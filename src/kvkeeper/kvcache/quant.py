@@ -1,0 +1,156 @@
+"""Storage formats of the paged KV cache: plain fp32 / bf16 / fp16, or quantized int8 / fp8 with scales.
+
+One layer's cache is a :class:`PagedKV`: K and V tensors of shape
+``(num_blocks, block_size, num_kv_heads, head_dim)`` in the storage dtype and, for
+the quantized formats, one scale per token per KV head for K and for V, shape
+``(num_blocks, block_size, num_kv_heads)``, stored as float16.
+
+Quantization is symmetric, per token and per KV head (as in KIVI's per-token
+keys/values and vLLM's per-token-head int8 KV): ``scale = max|x| / qmax`` over the
+head dimension, ``q = x / scale`` rounded to int8 in [-127, 127] (``qmax`` 127) or
+cast to ``torch.float8_e4m3fn`` (``qmax`` 448, its largest finite value).  Tokens
+are quantized when written and dequantized (``q * scale``) when attention reads
+them, in the compute dtype.  RoPE is applied before the cache, so keys are stored
+rotated.
+
+Bytes per token for SmolLM2-135M (30 layers, 3 KV heads, head_dim 64), K plus V:
+fp32 46,080; bf16/fp16 23,040; int8 and fp8 11,880 (11,520 of values plus 360 of
+fp16 scales: 25.8% of fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_SCALE_DTYPE = torch.float16
+_MIN_SCALE = 2.0 ** -14  # smallest normal float16: a scale never underflows to zero
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """A KV storage format.  name: canonical name; storage: element dtype; qmax: 0 when not quantized."""
+
+    name: str
+    storage: torch.dtype
+    qmax: float = 0.0
+
+    @property
+    def quantized(self) -> bool:
+        return self.qmax > 0
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of K plus V (values plus scales) for one token across all layers."""
+        elem = torch.empty(0, dtype=self.storage).element_size()
+        per_head = head_dim * elem + (torch.empty(0, dtype=_SCALE_DTYPE).element_size() if self.quantized else 0)
+        return 2 * num_layers * num_kv_heads * per_head
+
+
+FORMATS = {
+    "float32": KVFormat("float32", torch.float32),
+    "bfloat16": KVFormat("bfloat16", torch.bfloat16),
+    "float16": KVFormat("float16", torch.float16),
+    "int8": KVFormat("int8", torch.int8, 127.0),
+    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0),
+}
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp8": "fp8_e4m3",
+            "float8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3"}
+KV_DTYPE_CHOICES = ("fp32", "bf16", "fp16", "int8", "fp8")
+
+
+def parse_kv_format(name: str | torch.dtype | KVFormat) -> KVFormat:
+    """The KV format for a name (fp32, bf16, fp16, int8, fp8 and long forms) or a plain torch dtype.
+
+    Raises ValueError naming the choices for anything else.
+    """
+    if isinstance(name, KVFormat):
+        return name
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    key = _ALIASES.get(name.lower(), name.lower())
+    try:
+        return FORMATS[key]
+    except KeyError:
+        raise ValueError(f"unknown KV cache dtype {name!r}; choose one of {', '.join(KV_DTYPE_CHOICES)}") from None
+
+
+def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) float -> (values (..., D) in fmt.storage, scales (...) float16)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / fmt.qmax).clamp_min(_MIN_SCALE).to(_SCALE_DTYPE)
+    y = xf / scale.float().unsqueeze(-1)
+    if fmt.storage == torch.int8:
+        q = y.round_().clamp_(-fmt.qmax, fmt.qmax).to(torch.int8)
+    else:
+        q = y.clamp_(-fmt.qmax, fmt.qmax).to(fmt.storage)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """values (..., D) and scales (...) -> (..., D) in ``dtype``."""
+    return (q.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
+
+
+class PagedKV:
+    """One layer's paged K/V storage (see the module docstring for shapes and formats)."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 fmt: KVFormat, device: torch.device | str = "cpu"):
+        self.fmt = fmt
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=fmt.storage, device=device)
+        self.v = torch.zeros(shape, dtype=fmt.storage, device=device)
+        if fmt.quantized:
+            self.k_scale = torch.ones(shape[:3], dtype=_SCALE_DTYPE, device=device)
+            self.v_scale = torch.ones(shape[:3], dtype=_SCALE_DTYPE, device=device)
+        else:
+            self.k_scale = self.v_scale = None
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store new keys/values k, v (T, KVH, D) into their slots (T,) int64."""
+        nb, bs, kvh, d = self.k.shape
+        if not self.fmt.quantized:
+            self.k.view(nb * bs, kvh, d).index_copy_(0, slots, k.to(self.k.dtype))
+            self.v.view(nb * bs, kvh, d).index_copy_(0, slots, v.to(self.v.dtype))
+            return
+        for data, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, s = quantize(x, self.fmt)
+            if q.dtype.itemsize == 1 and q.dtype != torch.int8:  # float8: copy the bytes (no float8 index_copy on CPU)
+                data, q = data.view(torch.uint8), q.view(torch.uint8)
+            data.view(nb * bs, kvh, d).index_copy_(0, slots, q)
+            scales.view(nb * bs, kvh).index_copy_(0, slots, s)
+
+    def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one sequence: each (length, KVH, D) in ``dtype``, from its blocks (nb,) int64."""
+        out = []
+        for data, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            kvh, d = data.shape[2], data.shape[3]
+            x = data.index_select(0, block_table).reshape(-1, kvh, d)[:length]
+            if scales is not None:
+                x = dequantize(x, scales.index_select(0, block_table).reshape(-1, kvh)[:length], dtype)
+            out.append(x.to(dtype))
+        return out[0], out[1]
+
+    def gather_padded(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a batch: block_tables (B, nb) int64 -> each (B, KVH, nb * block_size, D) in ``dtype``."""
+        B, nb = block_tables.shape
+        flat = block_tables.reshape(-1)
+        out = []
+        for data, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            bs, kvh, d = data.shape[1], data.shape[2], data.shape[3]
+            x = data.index_select(0, flat).view(B, nb * bs, kvh, d)
+            if scales is not None:
+                x = dequantize(x, scales.index_select(0, flat).view(B, nb * bs, kvh), dtype)
+            out.append(x.transpose(1, 2).to(dtype))
+        return out[0], out[1]
+
+    def nbytes(self) -> int:
+        n = self.k.nbytes + self.v.nbytes
+        if self.k_scale is not None:
+            n += self.k_scale.nbytes + self.v_scale.nbytes
+        return n
