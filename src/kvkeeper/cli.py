@@ -211,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--skip-tokens", type=_non_negative_int, default=0, metavar="N",
                     help="start N tokens into the text (e.g. past a title page)")
     pp.add_argument("--chunk", type=_positive_int, default=512, metavar="N", help="prefill chunk in tokens (default: 512)")
+    pp.add_argument("--policy", choices=["streaming_llm", "h2o", "snapkv", "knorm"],
+                    help="compress the context's KV with this policy, then score --score-tokens more tokens")
+    pp.add_argument("--ratio", type=float, default=0.5, metavar="R",
+                    help="fraction of the context's tokens the policy drops, in [0, 1) (default: 0.5)")
+    pp.add_argument("--score-tokens", type=_positive_int, metavar="M",
+                    help="score only the M tokens after the --context tokens (continuation perplexity; "
+                         "default 256 with --policy, else every position of the context is scored)")
     pp.add_argument("--json", action="store_true", help="print one JSON object: ppl, tokens, kv_bytes_per_token, ...")
     pp.set_defaults(func=cmd_eval_perplexity)
     return parser
@@ -513,15 +520,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_eval_perplexity(args: argparse.Namespace) -> int:
     from .eval.perplexity import perplexity, read_text_tokens
 
+    from .kvcache.compression import KVCompression
+
+    comp = KVCompression(args.policy, args.ratio) if args.policy else None
+    score = args.score_tokens or (256 if comp is not None else None)
     engine = _load_engine(args)
-    ids = read_text_tokens(engine, args.text, args.context, args.skip_tokens)
-    r = perplexity(engine, ids, chunk=args.chunk)
+    ids = read_text_tokens(engine, args.text, args.context + (score or 0), args.skip_tokens)
+    r = perplexity(engine, ids, chunk=args.chunk, compression=comp, score_tokens=score)
     r["text"] = str(args.text)
     if args.json:
         print(json.dumps(r))
     else:
+        pol = f", {r['policy']} at ratio {r['ratio']}: {r['kv_tokens']} of {args.context} context tokens kept" \
+            if r["policy"] else ""
         _out_console().print(f"perplexity {r['ppl']:.4f} over {r['scored_tokens']} predicted tokens "
-                             f"(KV {r['kv_dtype']}, {r['kv_bytes_per_token']:,} bytes/token, {r['seconds']:.1f} s)")
+                             f"(KV {r['kv_dtype']}, {r['kv_bytes_per_token']:,} bytes/token{pol}, {r['seconds']:.1f} s)")
     return EXIT_OK
 
 

@@ -22,6 +22,7 @@ from ..errors import ContextLengthError, InvalidRequestError
 from ..kvcache.block_pool import BlockPool
 from ..kvcache.manager import KVCacheManager
 from ..kvcache.namespace import Namespace
+from ..kvcache.compression import KVCompression, PrefillObserver, select
 from ..kvcache.quant import parse_kv_format
 from ..model.loader import load_weights
 from ..model.registry import resolve_model_path
@@ -158,8 +159,11 @@ class LLMEngine:
             raise
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    namespace: Namespace | None = None) -> Sequence:
+                    namespace: Namespace | None = None, compression: KVCompression | None = None) -> Sequence:
         """Queue a request; returns its :class:`Sequence`.
+
+        compression: drop prompt tokens from the KV cache at the end of prefill
+        (see :mod:`kvkeeper.kvcache.compression`); None keeps everything.
 
         Raises :class:`InvalidRequestError` for an empty prompt and
         :class:`ContextLengthError` when the prompt leaves no room for a token.
@@ -182,6 +186,7 @@ class LLMEngine:
         if request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params, namespace or self.namespace)
+        seq.compression = compression
         max_new = self.context_length - len(ids)
         seq.max_total_tokens = len(ids) + min(max_new, params.max_tokens or max_new)
         seq.generator = make_generator(params)
@@ -218,6 +223,10 @@ class LLMEngine:
         if not out.scheduled:
             return finished
         self.num_steps += 1
+        for seq, _ in out.scheduled:
+            if seq.compression is not None and seq.observer is None and not seq.compressed:
+                seq.observer = PrefillObserver(seq.compression, len(seq.token_ids) - seq.kv_offset,
+                                               self.config.num_layers, self.config.num_kv_heads)
         logits, seqs = self.runner.execute(out.scheduled)
         for seq, n in out.scheduled:
             seq.num_computed += n
@@ -255,17 +264,52 @@ class LLMEngine:
                 seq.finish_reason = reason
                 self._finish(seq)
                 finished.append(seq)
+        for seq, _ in out.scheduled:
+            obs = seq.observer
+            if obs is not None and not seq.finished and seq.num_computed - seq.kv_offset >= obs.length:
+                self._compress(seq)
         return finished
+
+    @torch.inference_mode()
+    def _compress(self, seq: Sequence) -> None:
+        """Apply the sequence's KV compression now that its prefill is complete (see kvcache.compression)."""
+        obs, comp = seq.observer, seq.compression
+        seq.observer, seq.compressed = None, True
+        L = obs.length
+        k = comp.n_keep(L)
+        if k >= L:
+            return
+        bs = self.block_size
+        need = -(-k // bs)
+        if need > self.pool.num_free and not (self._reclaim_from_sessions(need - self.pool.num_free) > 0
+                                              and need <= self.pool.num_free):
+            log.warning("no free blocks to compress %s into; its KV stays whole", seq.request_id)
+            return
+        new = self.pool.allocate(need)
+        old = torch.tensor(seq.block_table[: -(-L // bs)], dtype=torch.int64)
+        j = torch.arange(k)
+        dst = torch.tensor(new, dtype=torch.int64)[j // bs] * bs + j % bs
+        for layer, cache in enumerate(self.runner.kv_caches):
+            keys, _ = cache.gather(old, L, torch.float32)
+            idx = select(comp, obs, layer, keys)  # (KVH, k)
+            cache.copy_tokens(old[idx // bs] * bs + idx % bs, dst)
+        self.pool.free_all(seq.block_table)
+        seq.block_table, seq.block_hashes = new, []
+        seq.kv_offset = L - k
+        seq.num_kv_dropped += L - k
 
     def run_until_done(self, seqs: list[Sequence]) -> None:
         while any(not s.finished for s in seqs):
             self.step()
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 namespace: Namespace | None = None) -> list[RequestOutput]:
-        """Run prompts to completion (batched together); returns one :class:`RequestOutput` each, in order."""
+                 namespace: Namespace | None = None, compression: KVCompression | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (batched together); returns one :class:`RequestOutput` each, in order.
+
+        compression: applied to every prompt's KV at the end of its prefill (None: keep everything).
+        """
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        seqs = [self.add_request(p, sp, namespace=namespace) for p, sp in zip(prompts, plist)]
+        seqs = [self.add_request(p, sp, namespace=namespace, compression=compression) for p, sp in zip(prompts, plist)]
         self.run_until_done(seqs)
         return [RequestOutput.from_seq(s) for s in seqs]
 

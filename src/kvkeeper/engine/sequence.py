@@ -25,7 +25,8 @@ class SeqStatus(enum.Enum):
 class Sequence:
     """Tokens (prompt then output), how many have KV in the cache, and where.
 
-    num_computed: tokens whose K/V are in the cache (positions 0..num_computed-1).
+    num_computed: tokens processed (positions 0..num_computed-1); their K/V fill the first
+        ``num_computed - kv_offset`` slots of the block table (kv_offset > 0 after KV compression).
     block_table: block ids holding those tokens, in order.
     block_hashes: chained prefix-cache hashes of the full blocks at the head of block_table.
     """
@@ -51,6 +52,11 @@ class Sequence:
     logprobs: list = field(default_factory=list)
     first_logits: torch.Tensor | None = None  # (vocab,) float32, kept when the engine captures logits
     keep_blocks: bool = False  # a session takes the blocks over when the request finishes
+    compression: object | None = None  # kvcache.compression.KVCompression applied at the end of prefill
+    observer: object | None = None  # its PrefillObserver while the prompt is being prefilled
+    kv_offset: int = 0  # prompt tokens dropped by compression: KV index = token index - kv_offset
+    compressed: bool = False  # compression was applied to the current KV
+    num_kv_dropped: int = 0  # tokens dropped by compression over the request's life
     num_preemptions: int = 0
     t_arrival: float = field(default_factory=time.perf_counter)
     t_scheduled: float | None = None  # first admission by the scheduler (perf_counter s)

@@ -41,11 +41,42 @@ def read_text_tokens(engine, path: str | Path, context: int, skip_tokens: int = 
     return ids[skip_tokens: skip_tokens + context]
 
 
+def _run_chunks(engine, seq, upto: int, chunk: int, targets: torch.Tensor | None, score_from: int) -> tuple[float, int]:
+    """Prefill seq's tokens up to index ``upto`` in chunks; sum -log p of targets[t] for positions t >= score_from."""
+    runner = engine.runner
+    nll, scored = 0.0, 0
+    if not engine.kv.allocate(seq, upto - seq.num_computed):
+        raise InvalidRequestError(f"{upto - seq.num_computed} more tokens do not fit the {engine.pool.num_free} free "
+                                  "KV blocks; raise --kv-cache-bytes")
+    while seq.num_computed < upto:
+        m = min(chunk, upto - seq.num_computed)
+        start = seq.num_computed
+        input_ids, positions, meta, _, _ = runner.build_batch([(seq, m)])
+        hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
+        seq.num_computed += m
+        a = max(start, score_from)
+        b = min(start + m, len(targets)) if targets is not None else a
+        if b > a:
+            logits = runner.model.compute_logits(hidden[a - start: b - start]).float().cpu()
+            lp = torch.log_softmax(logits, dim=-1)
+            nll -= float(lp.gather(1, targets[a:b, None]).sum().double())
+            scored += b - a
+    return nll, scored
+
+
 @torch.inference_mode()
-def perplexity(engine, token_ids: list[int], chunk: int = 512) -> dict:
+def perplexity(engine, token_ids: list[int], chunk: int = 512, compression=None,
+               score_tokens: int | None = None) -> dict:
     """Perplexity of ``token_ids`` (one sequence) through ``engine``'s model and KV cache.
 
-    Returns ``{"ppl", "nll_mean", "tokens", "scored_tokens", "kv_bytes_per_token", "kv_dtype", "seconds"}``.
+    Without ``score_tokens``: every position but the first is scored (``len - 1`` predictions).
+    With ``score_tokens = M``: the first ``len - M`` tokens are the context, prefilled and then
+    compressed by ``compression`` (a :class:`~kvkeeper.kvcache.compression.KVCompression`, or None
+    for the uncompressed baseline); the last M tokens are scored with that cache, as a continuation
+    (the first of them is predicted from the context's last position, before compression).
+
+    Returns ``{"ppl", "nll_mean", "tokens", "scored_tokens", "kv_tokens", "kv_bytes_per_token",
+    "kv_dtype", "policy", "ratio", "seconds"}``; ``kv_tokens`` is the context's KV length after compression.
     Raises InvalidRequestError when the text does not fit the context window or the KV pool.
     """
     n = len(token_ids)
@@ -53,30 +84,34 @@ def perplexity(engine, token_ids: list[int], chunk: int = 512) -> dict:
         raise InvalidRequestError("perplexity needs at least 2 tokens")
     if n > engine.config.context_length:
         raise InvalidRequestError(f"{n} tokens exceed the model's context window of {engine.config.context_length}")
+    if score_tokens is not None and not (1 <= score_tokens < n):
+        raise InvalidRequestError(f"score_tokens must be between 1 and {n - 1}, got {score_tokens}")
+    if compression is not None and score_tokens is None:
+        raise InvalidRequestError("a compression policy needs score_tokens: the tokens scored after the compressed context")
+    from ..kvcache.compression import PrefillObserver
+
     seq = Sequence("ppl-eval", list(token_ids), SamplingParams(max_tokens=1), engine.isolated_namespace("ppl"))
-    if not engine.kv.allocate(seq, n):
-        need = -(-n // engine.block_size)
-        raise InvalidRequestError(f"{n} tokens need {need} KV blocks but only {engine.pool.num_free} are free; "
-                                  "raise --kv-cache-bytes")
-    runner = engine.runner
     targets = torch.tensor(token_ids[1:], dtype=torch.int64)
-    nll = torch.zeros((), dtype=torch.float64)
+    ctx = n if score_tokens is None else n - score_tokens
     t0 = time.perf_counter()
     try:
-        while seq.num_computed < n:
-            m = min(chunk, n - seq.num_computed)
-            start = seq.num_computed
-            input_ids, positions, meta, _, _ = runner.build_batch([(seq, m)])
-            hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
-            seq.num_computed += m
-            rows = min(m, n - 1 - start)  # the last token of the text predicts nothing
-            if rows > 0:
-                logits = runner.model.compute_logits(hidden[:rows]).float().cpu()
-                lp = torch.log_softmax(logits, dim=-1)
-                nll -= lp.gather(1, targets[start: start + rows, None]).sum().double()
+        if score_tokens is None:
+            nll, scored = _run_chunks(engine, seq, n, chunk, targets, 0)
+            kv_tokens = n
+        else:
+            if compression is not None:
+                seq.compression = compression
+                seq.observer = PrefillObserver(compression, ctx, engine.config.num_layers, engine.config.num_kv_heads)
+            nll, scored = _run_chunks(engine, seq, ctx, chunk, targets, ctx - 1)
+            if compression is not None:
+                engine._compress(seq)
+            kv_tokens = ctx - seq.kv_offset
+            more, k = _run_chunks(engine, seq, n - 1, chunk, targets, ctx)  # the last token predicts nothing
+            nll, scored = nll + more, scored + k
     finally:
         engine.kv.free(seq)
-    mean = float(nll) / (n - 1)
-    return {"ppl": math.exp(mean), "nll_mean": mean, "tokens": n, "scored_tokens": n - 1,
-            "kv_bytes_per_token": engine.kv_bytes_per_token, "kv_dtype": runner.kv_format.name,
-            "seconds": time.perf_counter() - t0}
+    mean = nll / scored
+    return {"ppl": math.exp(mean), "nll_mean": mean, "tokens": n, "scored_tokens": scored, "kv_tokens": kv_tokens,
+            "kv_bytes_per_token": engine.kv_bytes_per_token, "kv_dtype": engine.runner.kv_format.name,
+            "policy": compression.policy if compression is not None else None,
+            "ratio": compression.ratio if compression is not None else 0.0, "seconds": time.perf_counter() - t0}

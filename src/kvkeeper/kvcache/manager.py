@@ -20,7 +20,7 @@ class KVCacheManager:
         self.hit_tokens = 0
 
     def blocks_needed(self, seq, num_new_tokens: int) -> int:
-        total = seq.num_computed + num_new_tokens
+        total = seq.num_computed - seq.kv_offset + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
     def match_prefix(self, seq) -> int:
@@ -32,6 +32,9 @@ class KVCacheManager:
         bs = self.block_size
         if seq.block_table:
             return 0
+        comp = getattr(seq, "compression", None)
+        if comp is not None and comp.needs_attention:
+            return 0  # h2o / snapkv score with the attention of prompt queries: the whole prompt is computed
         limit = (len(seq.token_ids) - 1) // bs
         parent = None
         hits: list[int] = []
@@ -60,11 +63,10 @@ class KVCacheManager:
             seq.block_table.extend(self.pool.allocate(need))
         return True
 
-    def slot(self, seq, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
-
     def commit(self, seq) -> None:
         """Register blocks that became full and computed in the prefix cache."""
+        if seq.kv_offset:  # compressed KV is never shared
+            return
         bs = self.block_size
         full = seq.num_computed // bs
         for i in range(len(seq.block_hashes), full):
@@ -78,6 +80,9 @@ class KVCacheManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0
+        seq.kv_offset = 0
+        seq.observer = None  # a recomputed prefill is observed (and compressed) afresh
+        seq.compressed = False
 
     def truncate(self, seq, keep_tokens: int) -> None:
         """Keep KV for the first ``keep_tokens`` tokens only (a later turn diverges there).

@@ -96,8 +96,9 @@ class PagedKV:
     """One layer's paged K/V storage (see the module docstring for shapes and formats)."""
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 fmt: KVFormat, device: torch.device | str = "cpu"):
+                 fmt: KVFormat, device: torch.device | str = "cpu", layer_idx: int = 0):
         self.fmt = fmt
+        self.layer_idx = layer_idx
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=fmt.storage, device=device)
         self.v = torch.zeros(shape, dtype=fmt.storage, device=device)
@@ -148,6 +149,22 @@ class PagedKV:
                 x = dequantize(x, scales.index_select(0, flat).view(B, nb * bs, kvh), dtype)
             out.append(x.transpose(1, 2).to(dtype))
         return out[0], out[1]
+
+    def copy_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per KV head, copy the token in slot ``src[h, j]`` to slot ``dst[j]``: src (KVH, n), dst (n,) int64.
+
+        Raw values and scales are copied (no re-quantization).  Used by KV compression,
+        where each head keeps its own tokens.
+        """
+        nb, bs, kvh, d = self.k.shape
+        heads = torch.arange(kvh)
+        for data, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            raw = data.view(torch.uint8) if data.dtype.itemsize == 1 and data.dtype != torch.int8 else data
+            flat = raw.view(nb * bs, kvh, d)
+            flat[dst] = flat[src.t(), heads]  # (n, KVH, D)
+            if scales is not None:
+                fs = scales.view(nb * bs, kvh)
+                fs[dst] = fs[src.t(), heads]
 
     def nbytes(self) -> int:
         n = self.k.nbytes + self.v.nbytes

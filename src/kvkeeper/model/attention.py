@@ -31,6 +31,7 @@ class PrefillSpan:
     q_len: int
     context_len: int  # tokens in its KV cache after this step (cached + new)
     block_table: torch.Tensor  # (num_blocks_of_seq,) int64
+    observer: object | None = None  # a kvcache.compression.PrefillObserver collecting attention statistics
 
 
 @dataclass
@@ -90,6 +91,8 @@ def paged_attention(
                 qs, ks.transpose(0, 1).unsqueeze(0).to(q.dtype), vs.transpose(0, 1).unsqueeze(0).to(q.dtype),
                 is_causal=True, scale=scale, enable_gqa=True,
             )
+            if p.observer is not None:
+                p.observer.observe(cache.layer_idx, q[p.start : p.start + p.q_len], ks, 0, scale)
         else:
             ks, vs = cache.gather(p.block_table, p.context_len, q.dtype)
             offset = p.context_len - p.q_len
@@ -100,6 +103,8 @@ def paged_attention(
                 qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
                 attn_mask=mask, scale=scale, enable_gqa=True,
             )
+            if p.observer is not None:
+                p.observer.observe(cache.layer_idx, q[p.start : p.start + p.q_len], ks, offset, scale)
         out[p.start : p.start + p.q_len] = o[0].transpose(0, 1)
     if meta.decode_indices is not None and meta.decode_indices.numel():
         qd = q.index_select(0, meta.decode_indices)

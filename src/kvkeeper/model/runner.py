@@ -56,8 +56,8 @@ class ModelRunner:
             transposed_weights = self.device.type == "cpu" and dtype == torch.float32
         if transposed_weights:
             self.model.add_transposed_copies()
-        self.kv_caches = [PagedKV(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.device)
-                          for _ in range(cfg.num_layers)]
+        self.kv_caches = [PagedKV(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.device,
+                                  layer_idx=i) for i in range(cfg.num_layers)]
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -73,18 +73,20 @@ class ModelRunner:
         logit_rows, sample_seqs = [], []
         start = 0
         for seq, n in scheduled:
-            c = seq.num_computed
+            c = seq.num_computed  # token index of the first new token (its RoPE position)
+            off = seq.kv_offset  # tokens dropped by KV compression: KV index = token index - off
             ids.extend(seq.token_ids[c : c + n])
             p = torch.arange(c, c + n)
             pos.append(p)
             bt = torch.tensor(seq.block_table, dtype=torch.int64)
-            slots.append(bt[p // bs] * bs + p % bs)
-            if n == 1:
+            kv_i = p - off
+            slots.append(bt[kv_i // bs] * bs + kv_i % bs)
+            if n == 1 and seq.observer is None:
                 dec_idx.append(start)
                 dec_bt.append(bt)
-                dec_len.append(c + 1)
+                dec_len.append(c + 1 - off)
             else:
-                prefills.append(PrefillSpan(start, n, c + n, bt.to(self.device)))
+                prefills.append(PrefillSpan(start, n, c + n - off, bt.to(self.device), seq.observer))
             if c + n == len(seq.token_ids):
                 logit_rows.append(start + n - 1)
                 sample_seqs.append(seq)

@@ -119,8 +119,8 @@ class Session:
         seq.keep_blocks = True
         if st is None or not st.block_table:
             return 0
-        if not self.reuse or st.namespace != seq.namespace:
-            eng.kv.free(st)
+        if not self.reuse or st.namespace != seq.namespace or st.kv_offset:
+            eng.kv.free(st)  # another tenant's KV, or compressed KV: never given to a request expecting the full one
             return 0
         ids = seq.token_ids
         keep = min(_common_prefix(st.token_ids[: st.num_computed], ids), len(ids) - 1)
