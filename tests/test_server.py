@@ -351,3 +351,21 @@ def test_bounded_load_with_hangups_returns_to_idle(server):
     assert summary["hung_up"] == 6 and summary["hung_up_with_n2"] >= 1
     assert summary["finished_clients"] == 26 and summary["status_codes"] == [200]
     assert summary["running_after"] == 0 and summary["kv_usage_after"] == summary["kv_usage_before"]
+
+
+# ---- KV compression per request (extension) ------------------------------------------------
+
+
+def test_kv_compression_extension(server, client):
+    salt = {"cache_salt": f"comp-{uuid.uuid4().hex}"}
+    full = _chat(client, LONG_PROMPT, max_tokens=12, extra_body=salt)
+    comp = _chat(client, LONG_PROMPT, max_tokens=12,
+                 extra_body={**salt, "kv_compression": {"policy": "streaming_llm", "ratio": 0.75}})
+    assert comp.usage.completion_tokens >= 1
+    again = _chat(client, LONG_PROMPT, max_tokens=12, extra_body=salt)  # expects the full cache
+    assert again.choices[0].message.content == full.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    with pytest.raises(openai.BadRequestError):
+        _chat(client, "x", extra_body={"kv_compression": {"policy": "random", "ratio": 0.5}})
+    with pytest.raises(openai.BadRequestError):
+        _chat(client, "x", extra_body={"kv_compression": {"policy": "knorm", "ratio": 1.0}})

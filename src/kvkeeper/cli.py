@@ -220,6 +220,20 @@ def build_parser() -> argparse.ArgumentParser:
                          "default 256 with --policy, else every position of the context is scored)")
     pp.add_argument("--json", action="store_true", help="print one JSON object: ppl, tokens, kv_bytes_per_token, ...")
     pp.set_defaults(func=cmd_eval_perplexity)
+    pk = esub.add_parser("passkey", parents=[parent], help="passkey retrieval accuracy over lengths and depths",
+                         description="Hide a five-digit pass key at each depth of a filler text of each length and "
+                                     "ask for it (greedy); report the accuracy per cell and overall.")
+    pk.add_argument("--lengths", type=_positive_int, nargs="+", default=[1024, 2048, 4096], metavar="N",
+                    help="prompt lengths in tokens (default: 1024 2048 4096)")
+    pk.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.5, 1.0], metavar="D",
+                    help="needle depths in [0, 1] (default: 0 0.5 1)")
+    pk.add_argument("--trials", type=_positive_int, default=2, metavar="K", help="keys per cell (default: 2)")
+    pk.add_argument("--policy", choices=["streaming_llm", "h2o", "snapkv", "knorm"],
+                    help="compress each prompt's KV with this policy after prefill")
+    pk.add_argument("--ratio", type=float, default=0.5, metavar="R", help="fraction dropped (default: 0.5)")
+    pk.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default: 0)")
+    pk.add_argument("--json", action="store_true", help="print one JSON object with the cells and the accuracy")
+    pk.set_defaults(func=cmd_eval_passkey)
     return parser
 
 
@@ -535,6 +549,30 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
             if r["policy"] else ""
         _out_console().print(f"perplexity {r['ppl']:.4f} over {r['scored_tokens']} predicted tokens "
                              f"(KV {r['kv_dtype']}, {r['kv_bytes_per_token']:,} bytes/token{pol}, {r['seconds']:.1f} s)")
+    return EXIT_OK
+
+
+def cmd_eval_passkey(args: argparse.Namespace) -> int:
+    from .eval.passkey import passkey_grid
+    from .kvcache.compression import KVCompression
+
+    bad = [d for d in args.depths if not 0.0 <= d <= 1.0]
+    if bad:
+        _stderr(f"error: depths must be in [0, 1], got {bad[0]}", None)
+        return EXIT_ERROR
+    comp = KVCompression(args.policy, args.ratio) if args.policy else None
+    engine = _load_engine(args)
+    too_long = [n for n in args.lengths if n >= engine.context_length]
+    if too_long:
+        _stderr(f"error: length {too_long[0]} does not fit the context window of {engine.context_length} tokens", None)
+        return EXIT_ERROR
+    r = passkey_grid(engine, args.lengths, args.depths, trials=args.trials, seed=args.seed, compression=comp)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        for c in r["cells"]:
+            _out_console().print(f"length {c['length']:>6}  depth {c['depth']:.2f}  {c['solved']}/{c['trials']}")
+        _out_console().print(f"accuracy {r['accuracy']:.0%} over {r['trials']} trials ({r['seconds']:.1f} s)")
     return EXIT_OK
 
 

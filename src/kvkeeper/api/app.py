@@ -205,6 +205,13 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
             raise APIError(400, "cache salt must be 1 to 256 characters", param="cache_salt")
         return Namespace(base_ns.model_revision, adapter=base_ns.adapter, tenant_salt=salt, kv_dtype=base_ns.kv_dtype)
 
+    def compression(body: _SamplingFields):
+        if body.kv_compression is None:
+            return None
+        from ..kvcache.compression import KVCompression
+
+        return KVCompression(body.kv_compression.policy, body.kv_compression.ratio)
+
     def session_id(request: Request) -> str | None:
         sid = request.headers.get("x-session-id")
         if sid is not None and not _SESSION_ID_RE.match(sid):
@@ -304,7 +311,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
         params = _sampling(body, max_tokens, (body.top_logprobs or 0) if want_lp else None)
         rid = engine.new_request_id("chatcmpl")
         stream = await engine.submit(GenerationRequest(rid, params, messages=messages, namespace=namespace(body, request),
-                                                       session_id=session_id(request)))
+                                                       session_id=session_id(request), compression=compression(body)))
         base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -352,7 +359,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
         params = _sampling(body, body.max_tokens, body.logprobs)
         rid = engine.new_request_id("cmpl")
         stream = await engine.submit(GenerationRequest(rid, params, prompt=prompt, namespace=namespace(body, request),
-                                                       session_id=session_id(request)))
+                                                       session_id=session_id(request), compression=compression(body)))
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

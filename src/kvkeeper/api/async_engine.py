@@ -62,6 +62,7 @@ class GenerationRequest:
     prompt: str | list[int] | None = None
     namespace: Namespace | None = None
     session_id: str | None = None
+    compression: Any = None  # kvkeeper.kvcache.compression.KVCompression
 
 
 @dataclass
@@ -348,7 +349,8 @@ class AsyncEngine:
                 session = eng.new_session(session_id=req.session_id)
         # Choice 0 runs first; choices 1..n-1 join once its prompt KV is computed, so that they take
         # the prompt's full blocks from the prefix cache instead of prefilling it n times.
-        seqs = [eng.add_request(ids, req.params[0], request_id=f"{req.request_id}-0", namespace=req.namespace)]
+        seqs = [eng.add_request(ids, req.params[0], request_id=f"{req.request_id}-0", namespace=req.namespace,
+                                compression=req.compression)]
         if session is not None:
             session.hand_over(seqs[0])
         n = len(req.params)
@@ -368,7 +370,7 @@ class AsyncEngine:
             for p in t.pending:
                 i = len(t.seqs)
                 t.seqs.append(self.engine.add_request(t.prompt_ids, p, request_id=f"{rid}-{i}",
-                                                      namespace=t.req.namespace))
+                                                      namespace=t.req.namespace, compression=t.req.compression))
             t.pending = []
 
     def _logprob_entries(self, entries: list[dict]) -> list[dict]:

@@ -31,6 +31,13 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class KVCompressionSpec(BaseModel):
+    """Extension: compress the prompt's KV after prefill (see kvkeeper.kvcache.compression)."""
+
+    policy: Literal["streaming_llm", "h2o", "snapkv", "knorm"]
+    ratio: float = Field(0.5, ge=0, lt=1)
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
@@ -50,6 +57,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     ignore_eos: bool = False  # extension (vLLM)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # extension (vLLM): tenant isolation
+    kv_compression: KVCompressionSpec | None = None  # extension: drop prompt KV after prefill
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from ..kvcache.manager import KVCacheManager
 from ..kvcache.namespace import Namespace
 from ..kvcache.compression import KVCompression, PrefillObserver, select
 from ..kvcache.quant import parse_kv_format
+from ..kvcache.validate import assert_engine_ok
 from ..model.loader import load_weights
 from ..model.registry import resolve_model_path
 from ..model.runner import ModelRunner, parse_dtype
@@ -86,6 +88,8 @@ class LLMEngine:
     dtype: weights and activations ("float32" default, "bfloat16" selectable).
     kv_dtype: KV cache storage: "fp32", "bf16", "fp16", "int8" or "fp8" (default: ``dtype``); int8 and
     fp8 are quantized per token and KV head on write (see ``kvkeeper.kvcache.quant``).
+    validate_every: run the KV integrity validators (kvkeeper.kvcache.validate) before every N-th step and
+    raise IntegrityError on a violation (default: $KVKEEPER_VALIDATE, else 0 = never).
     block_size: tokens per KV block.  KV budget: ``num_kv_blocks`` or ``kv_cache_bytes``
     (default 1 GiB).  ``max_num_batched_tokens``: the per-step token budget (chunked prefill).
     Raises ModelNotFoundError / ModelFormatError / UnsupportedArchitectureError while loading.
@@ -95,7 +99,7 @@ class LLMEngine:
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None, num_threads: int | None = None,
-                 kv_dtype: str | None = None):
+                 kv_dtype: str | None = None, validate_every: int | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_path = resolve_model_path(model)
@@ -133,6 +137,9 @@ class LLMEngine:
         self.sessions: dict[str, "Session"] = {}  # noqa: F821  (sessions register themselves)
         self.num_steps = 0
         self.capture_first_logits = False  # tests and audits: keep each request's first-token logits
+        if validate_every is None:
+            validate_every = int(os.environ.get("KVKEEPER_VALIDATE", "0") or 0)
+        self.validate_every = validate_every  # run the KV integrity validators every N steps (0: never)
 
     # ---- requests ----------------------------------------------------------
     @property
@@ -214,6 +221,8 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Schedule, run the model once, sample; returns sequences that finished in this step."""
+        if self.validate_every and self.num_steps % self.validate_every == 0:
+            assert_engine_ok(self)  # before scheduling: every finished request's blocks have their owner by now
         out = self.scheduler.schedule()
         finished: list[Sequence] = []
         for seq in out.rejected:
