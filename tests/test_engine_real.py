@@ -103,19 +103,22 @@ def test_batch_invariance(engine, mt_bench):
     params = SamplingParams(max_tokens=24, logprobs=2)
     alone = [engine.generate([p], params, namespace=engine.isolated_namespace())[0] for p in prompts]
     sched = engine.scheduler
-    saved = (sched.enable_chunked_prefill, sched.max_num_batched_tokens)
+    saved = (sched.enable_chunked_prefill, sched.max_num_batched_tokens, engine.validate_every)
+    engine.validate_every = 0  # the test itself holds raw pool blocks, which no block table owns
     try:
         for chunked, budget in ((True, 64), (True, 512), (False, 512)):
             sched.enable_chunked_prefill, sched.max_num_batched_tokens = chunked, budget
             # move the blocks: hold a varying number of blocks so the batch lands elsewhere in the pool
             held = engine.pool.allocate(17 if chunked else 113)
-            order = list(range(len(prompts)))[::-1]
-            outs = engine.generate([prompts[i] for i in order], params, namespace=engine.isolated_namespace())
-            engine.pool.free_all(held)
+            try:
+                order = list(range(len(prompts)))[::-1]
+                outs = engine.generate([prompts[i] for i in order], params, namespace=engine.isolated_namespace())
+            finally:
+                engine.pool.free_all(held)
             for i, out in zip(order, outs):
                 _assert_same_or_near_tie(alone[i], out, f"prompt {i}, chunked={chunked}, budget={budget}")
     finally:
-        sched.enable_chunked_prefill, sched.max_num_batched_tokens = saved
+        sched.enable_chunked_prefill, sched.max_num_batched_tokens, engine.validate_every = saved
     assert engine.pool.num_used == 0
 
 

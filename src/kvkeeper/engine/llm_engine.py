@@ -135,6 +135,7 @@ class LLMEngine:
         self._req_ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.sessions: dict[str, "Session"] = {}  # noqa: F821  (sessions register themselves)
+        self.detached: dict[int, Sequence] = {}  # finished requests whose blocks a session has yet to take
         self.num_steps = 0
         self.capture_first_logits = False  # tests and audits: keep each request's first-token logits
         if validate_every is None:
@@ -213,6 +214,8 @@ class LLMEngine:
         self.scheduler.finish(seq)
         if not seq.keep_blocks:
             self.kv.free(seq)
+        else:  # a session takes the blocks over (Session.keep); until then they are owned here
+            self.detached[id(seq)] = seq
         self._seqs.pop(seq.request_id, None)
 
     def has_unfinished(self) -> bool:

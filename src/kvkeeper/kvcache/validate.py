@@ -4,6 +4,8 @@
 sequences and the sessions' pinned states -- and returns a list of
 :class:`Violation` (empty when all is well).  It checks:
 
+(plus finished requests whose blocks wait for their session to take them, ``engine.detached``)
+
 * **indices**: every block id in a block table is in ``[0, num_blocks)``;
 * **refcounts**: each block's refcount equals the number of block tables holding it
   (a block held by two owners with one reference is "shared without a reference";
@@ -57,6 +59,8 @@ def _owners(engine):
     sched = engine.scheduler
     for seq in list(sched.running) + list(sched.waiting):
         yield seq.request_id, seq
+    for seq in list(getattr(engine, "detached", {}).values()):
+        yield f"detached:{seq.request_id}", seq
     for sid, s in engine.sessions.items():
         st = getattr(s, "_state", None)
         if st is not None and st.block_table and not any(st is q for q in sched.running):

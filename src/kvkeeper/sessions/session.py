@@ -135,6 +135,7 @@ class Session:
         On a closed session the blocks are freed instead.
         """
         eng = self.engine
+        eng.detached.pop(id(seq), None)
         if self.closed:
             eng.kv.free(seq)
             return
@@ -182,6 +183,7 @@ class Session:
         if not self.reuse:
             seq.namespace = eng.isolated_namespace("noreuse")
         eng.run_until_done([seq])
+        eng.detached.pop(id(seq), None)
         self._state = seq
         if not self.reuse:
             eng.kv.free(seq)
