@@ -99,14 +99,9 @@ def _ratio(a, b):
 # machine
 # --------------------------------------------------------------------------------------------------
 def machine_info() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from common import cpu_model
+
+    cpu = cpu_model()
     import transformers
 
     try:

@@ -108,8 +108,6 @@ def section_kvpress(py: str, inputs: dict, ratios: list[float], out_dir: Path) -
 
 def memspeed_child(kv_dtype: str, policy: str, ratio: float, ctx: int, new: int) -> dict:
     """One configuration in a fresh process: KV bytes, peak RSS, prefill s, decode tok/s."""
-    import torch
-
     from kvkeeper import SamplingParams
     from kvkeeper.eval.perplexity import read_text_tokens
     from kvkeeper.kvcache.compression import KVCompression
@@ -135,7 +133,6 @@ def memspeed_child(kv_dtype: str, policy: str, ratio: float, ctx: int, new: int)
     kv_blocks = len(seq.block_table)
     eng.run_until_done([seq])
     t2 = time.perf_counter()
-    del torch
     return {"kv_dtype": eng.runner.kv_format.name, "policy": policy, "ratio": ratio, "context": ctx,
             "kv_tokens": kv_tokens, "kv_bytes": kv_blocks * eng.block_size * eng.kv_bytes_per_token,
             "kv_bytes_per_token": eng.kv_bytes_per_token, "prefill_s": t1 - t0,
@@ -279,24 +276,23 @@ def main(argv=None) -> int:
     lengths, depths, trials = ([512], [0.0, 1.0], 1) if q else ([1024, 2048, 4096], [0.0, 0.5, 1.0], 2)
     pctx, pscore = (256, 64) if q else (2048, 256)
     mctx = 1024 if q else 8192
-    cpu = "?"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
+    from common import cpu_model, write_report
+
+    cpu = cpu_model()
     prev = out / "kv_bench.json"
     res = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "machine": f"{cpu}, {os.cpu_count()} CPUs",
            "dtypes": [], "policies": [], "memspeed": [], "notes": [], "policy_context": pctx, "policy_score": pscore,
            "passkey_lengths": lengths, "passkey_depths": depths, "passkey_trials": len(lengths) * len(depths) * trials,
            "memspeed_context": mctx}
-    if set(args.sections) != {"dtypes", "policies", "memspeed"} and prev.exists():  # rerun some sections only
+    if prev.exists() and set(args.sections) != {"dtypes", "policies", "memspeed"}:  # keep sections not rerun
         old = json.loads(prev.read_text())
-        for k in ("dtypes", "policies", "notes", "policy_context", "policy_score", "passkey_lengths",
-                  "passkey_depths", "passkey_trials"):
-            if k in old and not (k in ("dtypes",) and "dtypes" in args.sections) and not (
-                    k != "dtypes" and "policies" in args.sections):
-                res[k] = old[k]
-        res["date"] = f"{old.get('date')} (memspeed rerun {res['date']})" if args.sections == ["memspeed"] else res["date"]
+        if "dtypes" not in args.sections:
+            res["dtypes"] = old.get("dtypes", [])
+        if "policies" not in args.sections:
+            for k in ("policies", "notes", "policy_context", "policy_score", "passkey_lengths", "passkey_depths",
+                      "passkey_trials"):
+                res[k] = old.get(k, res[k])
+        res["date"] = f"{old.get('date')} (rerun of {', '.join(args.sections)}: {res['date']})"
     if "dtypes" in args.sections:
         res["dtypes"] = section_dtypes(contexts)
     if "policies" in args.sections:
@@ -312,10 +308,7 @@ def main(argv=None) -> int:
     if "memspeed" in args.sections:
         res["memspeed"] = section_memspeed(mctx, 16 if q else 64)
     res["plots"] = plots(res, out)
-    (out / "kv_bench.json").write_text(json.dumps(res, indent=1) + "\n")
-    md = markdown(res)
-    (out / "kv_bench.md").write_text(md)
-    print(md)
+    write_report(out, "kv_bench", res, markdown(res))
     return 0
 
 

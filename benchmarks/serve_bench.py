@@ -30,7 +30,6 @@ import asyncio
 import datetime as _dt
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -42,6 +41,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import cpu_model, write_report  # noqa: E402
 from serverproc import free_port  # noqa: E402
 
 CONVERSATIONS = ROOT / "data" / "topical_chat" / "test_freq_conversations_first20.jsonl"
@@ -322,20 +323,10 @@ def main(argv: list[str] | None = None) -> int:
             ratios.append({"concurrency": c, "throughput": k["output_tok_per_s"] / p["output_tok_per_s"],
                            "ttft_p50": p["ttft_p50_s"] / k["ttft_p50_s"],
                            "ttft_last_turn": p["ttft_last_turn_p50_s"] / k["ttft_last_turn_p50_s"]})
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    res = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "machine": f"{cpu}, {os.cpu_count()} CPUs",
+    res = {"date": _dt.datetime.now().isoformat(timespec="seconds"),
+           "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
            "turns": args.turns, "max_tokens": args.max_tokens, "levels": levels, "ratios": ratios, "notes": notes}
-    (out / "serve_bench.json").write_text(json.dumps(res, indent=1) + "\n")
-    md = markdown(res)
-    (out / "serve_bench.md").write_text(md)
-    print(md)
+    write_report(out, "serve_bench", res, markdown(res))
     return 0
 
 

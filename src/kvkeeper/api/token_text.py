@@ -14,16 +14,10 @@ from functools import lru_cache
 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's ``bytes_to_unicode`` table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    """Inverse of GPT-2's ``bytes_to_unicode`` table (transformers' own copy)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class TokenText:

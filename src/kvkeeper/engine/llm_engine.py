@@ -302,7 +302,7 @@ class LLMEngine:
         j = torch.arange(k)
         dst = torch.tensor(new, dtype=torch.int64)[j // bs] * bs + j % bs
         for layer, cache in enumerate(self.runner.kv_caches):
-            keys, _ = cache.gather(old, L, torch.float32)
+            keys = cache.gather_keys(old, L, torch.float32)
             idx = select(comp, obs, layer, keys)  # (KVH, k)
             cache.copy_tokens(old[idx // bs] * bs + idx % bs, dst)
         self.pool.free_all(seq.block_table)

@@ -41,7 +41,7 @@ def read_text_tokens(engine, path: str | Path, context: int, skip_tokens: int = 
     return ids[skip_tokens: skip_tokens + context]
 
 
-def _run_chunks(engine, seq, upto: int, chunk: int, targets: torch.Tensor | None, score_from: int) -> tuple[float, int]:
+def _run_chunks(engine, seq, upto: int, chunk: int, targets: torch.Tensor, score_from: int) -> tuple[float, int]:
     """Prefill seq's tokens up to index ``upto`` in chunks; sum -log p of targets[t] for positions t >= score_from."""
     runner = engine.runner
     nll, scored = 0.0, 0
@@ -55,7 +55,7 @@ def _run_chunks(engine, seq, upto: int, chunk: int, targets: torch.Tensor | None
         hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
         seq.num_computed += m
         a = max(start, score_from)
-        b = min(start + m, len(targets)) if targets is not None else a
+        b = min(start + m, len(targets))
         if b > a:
             logits = runner.model.compute_logits(hidden[a - start: b - start]).float().cpu()
             lp = torch.log_softmax(logits, dim=-1)

@@ -126,16 +126,22 @@ class PagedKV:
             data.view(nb * bs, kvh, d).index_copy_(0, slots, q)
             scales.view(nb * bs, kvh).index_copy_(0, slots, s)
 
+    @staticmethod
+    def _gather_one(data, scales, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+        kvh, d = data.shape[2], data.shape[3]
+        x = data.index_select(0, block_table).reshape(-1, kvh, d)[:length]
+        if scales is not None:
+            x = dequantize(x, scales.index_select(0, block_table).reshape(-1, kvh)[:length], dtype)
+        return x.to(dtype)
+
     def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one sequence: each (length, KVH, D) in ``dtype``, from its blocks (nb,) int64."""
-        out = []
-        for data, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            kvh, d = data.shape[2], data.shape[3]
-            x = data.index_select(0, block_table).reshape(-1, kvh, d)[:length]
-            if scales is not None:
-                x = dequantize(x, scales.index_select(0, block_table).reshape(-1, kvh)[:length], dtype)
-            out.append(x.to(dtype))
-        return out[0], out[1]
+        return (self._gather_one(self.k, self.k_scale, block_table, length, dtype),
+                self._gather_one(self.v, self.v_scale, block_table, length, dtype))
+
+    def gather_keys(self, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """K only: (length, KVH, D) in ``dtype`` (what compression policies score)."""
+        return self._gather_one(self.k, self.k_scale, block_table, length, dtype)
 
     def gather_padded(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a batch: block_tables (B, nb) int64 -> each (B, KVH, nb * block_size, D) in ``dtype``."""
