@@ -358,6 +358,33 @@ class LLMEngine:
             freed += s.unpin()
         return freed
 
+    def kv_owners(self):
+        """Yield (owner name, sequence) for everything that holds KV blocks.
+
+        Running and waiting requests, finished requests whose blocks wait for their
+        session (``detached``) and sessions' pinned states (``session:<id>``).
+        """
+        sched = self.scheduler
+        live = list(sched.running) + list(sched.waiting)
+        for seq in live:
+            yield seq.request_id, seq
+        for seq in list(self.detached.values()):
+            yield f"detached:{seq.request_id}", seq
+        for sid, s in self.sessions.items():
+            st = getattr(s, "_state", None)
+            if st is not None and st.block_table and not any(st is q for q in live):
+                yield f"session:{sid}", st
+
+    def offloaded_blocks(self) -> int:
+        """Blocks' worth of session KV held outside the pool (host memory or disk); 0 without offload."""
+        return 0
+
+    def pool_stats(self):
+        """Block states and fragmentation figures now (a :class:`kvkeeper.kvcache.telemetry.PoolStats`)."""
+        from ..kvcache.telemetry import pool_stats
+
+        return pool_stats(self.pool, self.kv_owners(), self.offloaded_blocks())
+
     def stats(self) -> dict:
         return {
             "kv_blocks_total": self.pool.num_blocks,

@@ -56,15 +56,7 @@ class Violation:
 
 
 def _owners(engine):
-    sched = engine.scheduler
-    for seq in list(sched.running) + list(sched.waiting):
-        yield seq.request_id, seq
-    for seq in list(getattr(engine, "detached", {}).values()):
-        yield f"detached:{seq.request_id}", seq
-    for sid, s in engine.sessions.items():
-        st = getattr(s, "_state", None)
-        if st is not None and st.block_table and not any(st is q for q in sched.running):
-            yield f"session:{sid}", st
+    return engine.kv_owners()
 
 
 def check_engine(engine) -> list[Violation]:
