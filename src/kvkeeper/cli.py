@@ -193,6 +193,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=_positive_int, metavar="N",
                    help="most tokens one choice may generate; larger or omitted max_tokens are cut to N "
                         "(default: the rest of the context)")
+    b = s.add_argument_group("KV circuit breaker (see README: Circuit breaker)")
+    b.add_argument("--no-breaker", action="store_true", help="do not watch KV memory (no compaction/offload/degrade)")
+    b.add_argument("--breaker-frag-threshold", type=float, default=0.683, metavar="F",
+                   help="trip at this pool fragmentation rate, 0..1 (default: 0.683)")
+    b.add_argument("--breaker-usage-threshold", type=float, default=0.95, metavar="U",
+                   help="trip at this KV usage, 0..1 (default: 0.95)")
+    b.add_argument("--breaker-recover-usage", type=float, default=None, metavar="U",
+                   help="close again below this KV usage, 0..1 (default: min(0.80, 0.85 x the usage threshold))")
+    b.add_argument("--degrade-budget-tokens", type=_positive_int, default=512, metavar="N",
+                   help="while degraded, the lowest-priority sessions' prompts keep only their newest turns "
+                        "that fit N tokens (default: 512)")
     s.add_argument("--otel-traces", choices=["none", "console", "otlp"], default="none",
                    help="OpenTelemetry request traces: none (default), console (stdout) or otlp (OTLP/HTTP)")
     s.add_argument("--otlp-traces-endpoint", metavar="URL",
@@ -519,12 +530,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ImportError:
             _stderr("error: --otel-traces otlp needs the OTLP exporter: pip install 'kvkeeper[otlp]'", None)
             return EXIT_ERROR
+    breaker = None
+    if not args.no_breaker:
+        from .sessions.breaker import BreakerConfig
+
+        try:
+            breaker = BreakerConfig(frag_threshold=args.breaker_frag_threshold,
+                                    usage_threshold=args.breaker_usage_threshold,
+                                    recover_usage=args.breaker_recover_usage,
+                                    degrade_budget_tokens=args.degrade_budget_tokens)
+        except ValueError as e:
+            _stderr(f"error: {e}", None)
+            return EXIT_ERROR
     engine = _load_engine(args)
     name = args.served_model_name or args.model
     _stderr(f"serving {name} on http://{args.host}:{args.port}/v1")
     run_server(engine, host=args.host, port=args.port, max_queue=args.max_queue, served_model_name=name,
                max_body_bytes=args.max_body_bytes, log_level="info" if args.verbose else "warning",
-               max_new_tokens=args.max_new_tokens, trace_exporter=exporter, otlp_endpoint=args.otlp_traces_endpoint)
+               max_new_tokens=args.max_new_tokens, trace_exporter=exporter, otlp_endpoint=args.otlp_traces_endpoint,
+               breaker=breaker)
     return EXIT_OK
 
 

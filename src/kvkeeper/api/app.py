@@ -11,7 +11,11 @@ Endpoints::
     GET    /v1/sessions             open sessions: id, tokens, blocks, turns
     DELETE /v1/sessions/{id}        close a session and free its blocks (404 if unknown)
 
-Headers: ``X-Session-ID`` pins a conversation's KV between requests; ``X-Cache-Salt``
+    GET    /admin/breaker           the KV circuit breaker: tier, trips, action counts, recent events
+
+Headers: ``X-Session-ID`` pins a conversation's KV between requests (``X-Session-Priority``, an
+integer, default 0: the circuit breaker trims lower priorities first; a response whose oldest
+turns were left out says how many in ``X-KVKeeper-Trimmed-Turns``); ``X-Cache-Salt``
 (or the body field ``cache_salt``) isolates a tenant's prefix cache.  Errors are
 OpenAI-style JSON bodies (see :mod:`kvkeeper.api.errors`); no stack trace reaches a client.
 """
@@ -161,7 +165,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
     @app.exception_handler(KVKeeperError)
     async def _kvk_error(request: Request, e: KVKeeperError):
         a = from_kvkeeper_error(e)
-        return JSONResponse(a.body(), status_code=a.status)
+        return JSONResponse(a.body(), status_code=a.status, headers=a.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
@@ -219,6 +223,22 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
                            param="X-Session-ID")
         return sid
 
+    def session_priority(request: Request) -> int | None:
+        raw = request.headers.get("x-session-priority")
+        if raw is None:
+            return None
+        try:
+            p = int(raw)
+        except ValueError:
+            p = None
+        if p is None or not -1000 <= p <= 1000:
+            raise APIError(400, f"X-Session-Priority must be an integer from -1000 to 1000, got {raw!r}",
+                           param="X-Session-Priority")
+        return p
+
+    def trim_headers(stream: RequestStream) -> dict[str, str]:
+        return {"X-KVKeeper-Trimmed-Turns": str(stream.trimmed_turns)} if stream.trimmed_turns else {}
+
     async def watch_disconnect(request: Request, stream: RequestStream) -> None:
         while not stream.finished:
             if await request.is_disconnected():
@@ -251,9 +271,10 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def sse_response(gen) -> StreamingResponse:
+    def sse_response(gen, extra_headers: dict[str, str] | None = None) -> StreamingResponse:
         return StreamingResponse(gen, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                          **(extra_headers or {})})
 
     async def stream_events(stream: RequestStream, make_chunk, first_chunks, include_usage: bool, base: dict):
         try:
@@ -311,7 +332,8 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
         params = _sampling(body, max_tokens, (body.top_logprobs or 0) if want_lp else None)
         rid = engine.new_request_id("chatcmpl")
         stream = await engine.submit(GenerationRequest(rid, params, messages=messages, namespace=namespace(body, request),
-                                                       session_id=session_id(request), compression=compression(body)))
+                                                       session_id=session_id(request), compression=compression(body),
+                                                       session_priority=session_priority(request)))
         base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -326,13 +348,13 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
             first = [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}], **extra}
                      for i in range(body.n)]
-            return sse_response(stream_events(stream, make_chunk, first, include_usage, base))
+            return sse_response(stream_events(stream, make_chunk, first, include_usage, base), trim_headers(stream))
         texts, lps, reasons, usage = await collect(request, stream, body.n)
-        return {"id": rid, "object": "chat.completion", "created": base["created"], "model": name,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                             "logprobs": {"content": lps[i]} if want_lp else None,
-                             "finish_reason": _finish_reason(reasons[i])} for i in range(body.n)],
-                "usage": usage.to_dict() if usage else None}
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": base["created"], "model": name,
+                             "choices": [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                                          "logprobs": {"content": lps[i]} if want_lp else None,
+                                          "finish_reason": _finish_reason(reasons[i])} for i in range(body.n)],
+                             "usage": usage.to_dict() if usage else None}, headers=trim_headers(stream))
 
     def legacy_logprobs(entries: list[dict], offset: int = 0) -> dict:
         offsets, pos = [], offset
@@ -359,7 +381,8 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
         params = _sampling(body, body.max_tokens, body.logprobs)
         rid = engine.new_request_id("cmpl")
         stream = await engine.submit(GenerationRequest(rid, params, prompt=prompt, namespace=namespace(body, request),
-                                                       session_id=session_id(request), compression=compression(body)))
+                                                       session_id=session_id(request), compression=compression(body),
+                                                       session_priority=session_priority(request)))
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -403,6 +426,13 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
                      "turns": len(s.turns)} for s in eng.sessions.values()]
 
         return {"object": "list", "data": await engine.call(ls)}
+
+    @app.get("/admin/breaker")
+    async def breaker_state():
+        def snap(eng):
+            return eng.breaker.snapshot() if eng.breaker is not None else {"tier": 0, "enabled": False}
+
+        return await engine.call(snap)
 
     @app.delete("/v1/sessions/{sid}")
     async def delete_session(sid: str):

@@ -63,6 +63,7 @@ class GenerationRequest:
     namespace: Namespace | None = None
     session_id: str | None = None
     compression: Any = None  # kvkeeper.kvcache.compression.KVCompression
+    session_priority: int | None = None  # X-Session-Priority: higher is trimmed later by the circuit breaker
 
 
 @dataclass
@@ -105,9 +106,11 @@ class StepOutput:
 class RequestStream:
     """The asynchronous output of one accepted request: iterate for :class:`StepOutput` objects."""
 
-    def __init__(self, request_id: str, prompt_tokens: int, q: asyncio.Queue, engine: "AsyncEngine"):
+    def __init__(self, request_id: str, prompt_tokens: int, q: asyncio.Queue, engine: "AsyncEngine",
+                 trimmed_turns: int = 0):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        self.trimmed_turns = trimmed_turns  # oldest turns left out by the circuit breaker (degraded sessions)
         self.finished = False
         self._q = q
         self._engine = engine
@@ -234,11 +237,11 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._inbox.put(("add", req, loop, fut, q))
         try:
-            prompt_tokens = await fut
+            prompt_tokens, trimmed = await fut
         except asyncio.CancelledError:
             self.abort(req.request_id)  # processed after the add: the queue keeps order
             raise
-        return RequestStream(req.request_id, prompt_tokens, q, self)
+        return RequestStream(req.request_id, prompt_tokens, q, self, trimmed)
 
     def abort(self, request_id: str) -> None:
         """Abort every sequence of a request (no-op if it already finished); frees its blocks."""
@@ -267,6 +270,8 @@ class AsyncEngine:
                         self._fail_all(e)
                     self._release_siblings()
                     self._publish()
+                elif self.engine.breaker is not None:
+                    self.engine.breaker.evaluate()  # idle: let the breaker cool down and close
                 self._publish_stats()
         except BaseException as e:  # pragma: no cover - last resort
             log.exception("engine thread died")
@@ -326,8 +331,22 @@ class AsyncEngine:
             return eng.tokenizer.encode(req.prompt)
         return [int(t) for t in req.prompt or []]
 
-    def _add(self, req: GenerationRequest, loop, q) -> int:
+    def _add(self, req: GenerationRequest, loop, q) -> tuple[int, int]:
+        """Add the request's first choice; returns (prompt tokens, turns trimmed by the circuit breaker)."""
         eng = self.engine
+        if req.request_id in self._tracked:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+        session = None
+        if req.session_id is not None:
+            session = eng.sessions.get(req.session_id)
+            if session is None:
+                session = eng.new_session(session_id=req.session_id)  # OverloadedError while degraded
+            if req.session_priority is not None:
+                session.priority = req.session_priority
+        trimmed = 0
+        if session is not None and session.trim_budget is not None and req.messages is not None:
+            req.messages = session.context_messages(req.messages)
+            trimmed = session.trimmed_turns
         ids = self._prompt_ids(req)
         if not ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
@@ -337,16 +356,9 @@ class AsyncEngine:
         max_tokens = req.params[0].max_tokens
         if max_tokens is not None and len(ids) + max_tokens > ctx:
             raise ContextLengthError(len(ids), ctx, max_tokens)
-        if req.request_id in self._tracked:
-            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         if self.max_new_tokens is not None:
             cap = self.max_new_tokens
             req.params = [dataclasses.replace(p, max_tokens=min(p.max_tokens or cap, cap)) for p in req.params]
-        session = None
-        if req.session_id is not None:
-            session = eng.sessions.get(req.session_id)
-            if session is None:
-                session = eng.new_session(session_id=req.session_id)
         # Choice 0 runs first; choices 1..n-1 join once its prompt KV is computed, so that they take
         # the prompt's full blocks from the prefix cache instead of prefilling it n times.
         seqs = [eng.add_request(ids, req.params[0], request_id=f"{req.request_id}-0", namespace=req.namespace,
@@ -356,7 +368,7 @@ class AsyncEngine:
         n = len(req.params)
         self._tracked[req.request_id] = _Tracked(req, seqs, loop, q, session, [[0, 0, 0] for _ in range(n)],
                                                  prompt_ids=ids, pending=list(req.params[1:]))
-        return len(ids)
+        return len(ids), trimmed
 
     def _release_siblings(self) -> None:
         """Add the waiting choices of requests whose first choice has computed its prompt."""
@@ -442,4 +454,8 @@ class AsyncEngine:
         self._engine_waiting = st["num_waiting"]
         st["num_waiting"] += self._pending_adds
         st["pinned_blocks"] = sum(s.num_blocks for s in self.engine.sessions.values())
+        br = self.engine.breaker
+        if br is not None:
+            st["breaker"] = {"tier": br.tier, "trips": br.trips,
+                             "actions": [{"tier": t, "action": a, "count": n} for (t, a), n in br.actions.items()]}
         self.metrics.update(st)

@@ -8,7 +8,8 @@ Every error a client sees has the shape ``{"error": {"message", "type", "param",
   (code ``context_length_exceeded``, the message gives the numbers).
 * 404 ``not_found_error``: unknown model (code ``model_not_found``), session or route.
 * 413 ``invalid_request_error``: a request body over the size limit.
-* 503 ``server_overloaded``: the waiting queue is full (with a ``Retry-After`` header, seconds).
+* 503 ``server_overloaded``: the waiting queue is full (code ``queue_full``) or the KV circuit breaker
+  is degraded and refuses new sessions (code ``kv_memory_short``), with a ``Retry-After`` header (seconds).
 * 500 ``server_error``: anything unexpected; the client gets a generic message, the
   stack trace goes to the server log only.
 """
@@ -63,6 +64,11 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 def from_kvkeeper_error(e: KVKeeperError) -> APIError:
     """Map an engine error to its HTTP status: 400 for bad input, 404 for unknown model or session."""
+    from ..sessions.breaker import OverloadedError
+
+    if isinstance(e, OverloadedError):
+        return APIError(503, str(e), type="server_overloaded", code="kv_memory_short",
+                        headers={"Retry-After": str(e.retry_after_s)})
     if isinstance(e, ContextLengthError):
         return APIError(400, str(e), param="messages", code="context_length_exceeded")
     if isinstance(e, SessionNotFoundError):

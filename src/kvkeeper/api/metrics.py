@@ -16,6 +16,9 @@ kvkeeper:num_preemptions_total             counter    sequences preempted for la
 kvkeeper:sessions_open                     gauge      open sessions (``X-Session-ID``)
 kvkeeper:pinned_blocks                     gauge      KV blocks pinned by idle sessions (blocks)
 kvkeeper:kv_cache_bytes_per_token          gauge      KV bytes per token, all layers, values plus scales (bytes)
+kvkeeper:breaker_tier                      gauge      circuit breaker tier: 0 closed, 1 compaction, 2 offload, 3 degrade
+kvkeeper:breaker_trips_total               counter    times the breaker tripped from closed
+kvkeeper:breaker_actions_total             counter    breaker actions, labels ``tier`` and ``action``
 kvkeeper:time_to_first_token_seconds       histogram  arrival to first token (s)
 kvkeeper:time_per_output_token_seconds     histogram  mean gap between output tokens of a request (s)
 kvkeeper:e2e_request_latency_seconds       histogram  arrival to finish (s)
@@ -58,6 +61,20 @@ class _SnapshotCollector:
             fam = GaugeMetricFamily(name, doc) if kind == "gauge" else CounterMetricFamily(name, doc)
             fam.add_metric([], float(snap.get(key, 0)))
             yield fam
+        br = snap.get("breaker")
+        if br is not None:
+            g = GaugeMetricFamily("kvkeeper:breaker_tier",
+                                  "Circuit breaker tier: 0 closed, 1 compaction, 2 offload, 3 degrade.")
+            g.add_metric([], float(br["tier"]))
+            yield g
+            c = CounterMetricFamily("kvkeeper:breaker_trips", "Times the KV circuit breaker tripped from closed.")
+            c.add_metric([], float(br["trips"]))
+            yield c
+            a = CounterMetricFamily("kvkeeper:breaker_actions", "Circuit breaker actions by tier and action.",
+                                    labels=["tier", "action"])
+            for item in br["actions"]:
+                a.add_metric([item["tier"], item["action"]], float(item["count"]))
+            yield a
 
 
 class ServerMetrics:

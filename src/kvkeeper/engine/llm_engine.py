@@ -137,6 +137,8 @@ class LLMEngine:
         self.sessions: dict[str, "Session"] = {}  # noqa: F821  (sessions register themselves)
         self.detached: dict[int, Sequence] = {}  # finished requests whose blocks a session has yet to take
         self.num_steps = 0
+        self.step_hooks: list = []  # called before each step (the circuit breaker's evaluate)
+        self.breaker = None  # a kvkeeper.sessions.breaker.CircuitBreaker once attached
         self.capture_first_logits = False  # tests and audits: keep each request's first-token logits
         if validate_every is None:
             validate_every = int(os.environ.get("KVKEEPER_VALIDATE", "0") or 0)
@@ -224,6 +226,8 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Schedule, run the model once, sample; returns sequences that finished in this step."""
+        for hook in self.step_hooks:
+            hook()
         if self.validate_every and self.num_steps % self.validate_every == 0:
             assert_engine_ok(self)  # before scheduling: every finished request's blocks have their owner by now
         out = self.scheduler.schedule()
@@ -334,7 +338,11 @@ class LLMEngine:
                          kv_dtype=self.namespace.kv_dtype)
 
     def new_session(self, system: str | None = None, session_id: str | None = None, **kw):
+        """Open a :class:`~kvkeeper.sessions.session.Session`; raises OverloadedError while a breaker is degraded."""
         from ..sessions.session import Session
+
+        if self.breaker is not None:
+            self.breaker.check_new_session(session_id or "")
 
         return Session(self, system=system, session_id=session_id, **kw)
 
@@ -374,6 +382,40 @@ class LLMEngine:
             st = getattr(s, "_state", None)
             if st is not None and st.block_table and not any(st is q for q in live):
                 yield f"session:{sid}", st
+
+    @torch.inference_mode()
+    def compact(self) -> dict:
+        """Evict unreferenced cached blocks and defragment the pool (the circuit breaker's first tier).
+
+        Owned blocks are renumbered to ids ``0..k-1``, each owner's table contiguous in
+        table order; their K/V move with them (raw copy, every layer) and every block
+        table is rewritten.  Call between steps only.  Returns
+        ``{"evicted": cached blocks dropped, "moved": blocks whose id changed}``.
+        """
+        evicted = self.pool.evict_cached()
+        tables: list[list[int]] = []
+        seen_tables: set[int] = set()
+        order: list[int] = []
+        seen: set[int] = set()
+        for _, seq in self.kv_owners():
+            if id(seq.block_table) in seen_tables:
+                continue
+            seen_tables.add(id(seq.block_table))
+            tables.append(seq.block_table)
+            for b in seq.block_table:
+                if b not in seen:
+                    seen.add(b)
+                    order.append(b)
+        mapping = self.pool.defragment(order)
+        moved = [(o, n) for o, n in mapping.items() if o != n and n < len(order)]
+        if moved:
+            src = torch.tensor([o for o, _ in moved], dtype=torch.int64, device=self.runner.device)
+            dst = torch.tensor([n for _, n in moved], dtype=torch.int64, device=self.runner.device)
+            for cache in self.runner.kv_caches:
+                cache.move_blocks(src, dst)
+        for t in tables:
+            t[:] = [mapping[b] for b in t]
+        return {"evicted": evicted, "moved": len(moved)}
 
     def offloaded_blocks(self) -> int:
         """Blocks' worth of session KV held outside the pool (host memory or disk); 0 without offload."""

@@ -187,6 +187,38 @@ class BlockPool:
             k += 1
         return k
 
+    def defragment(self, order) -> dict[int, int]:
+        """Renumber blocks so that the owned ones occupy ids ``0..k-1`` in the given order.
+
+        order: every owned block id (refcount > 0) exactly once, in the order wanted
+        (owners' tables one after another keep each owner's blocks contiguous).  Cached
+        free blocks follow in LRU order, then the never-cached free blocks.  Refcounts,
+        prefix-cache registrations and free lists move with their blocks.
+
+        Returns the permutation ``{old id: new id}``; the caller must move the KV
+        contents of every owned or cached block whose id changes and rewrite every
+        block table.  Raises ValueError (nothing changed) when ``order`` is not
+        exactly the owned blocks.
+        """
+        order = list(order)
+        owned = {b.block_id for b in self.blocks if b.ref_count > 0}
+        if len(order) != len(set(order)) or set(order) != owned:
+            missing, extra = sorted(owned - set(order)), sorted(set(order) - owned)
+            raise ValueError(f"defragment needs every owned block once: missing {missing[:8]}, not owned {extra[:8]}, "
+                             f"{len(order) - len(set(order))} repeated")
+        seq = order + list(self._free_cached) + list(self._free_plain)
+        mapping = {old: new for new, old in enumerate(seq)}
+        old_blocks = self.blocks
+        self.blocks = []
+        for new, old in enumerate(seq):
+            b = old_blocks[old]
+            b.block_id = new
+            self.blocks.append(b)
+        self._free_cached = OrderedDict((mapping[i], None) for i in self._free_cached)
+        self._free_plain = OrderedDict((mapping[i], None) for i in self._free_plain)
+        self._by_hash = {h: mapping[bid] for h, bid in self._by_hash.items()}
+        return mapping
+
     def reset_prefix_cache(self) -> None:
         self.evict_cached()
 

@@ -172,6 +172,18 @@ class PagedKV:
                 fs = scales.view(nb * bs, kvh)
                 fs[dst] = fs[src.t(), heads]
 
+    def move_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks ``src[i]`` to ``dst[i]`` (values and scales, raw): src, dst (n,) int64.
+
+        The sources are read before any destination is written, so ``src`` and ``dst``
+        may overlap (a permutation, as in pool defragmentation).
+        """
+        for data, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            raw = data.view(torch.uint8) if data.dtype.itemsize == 1 and data.dtype != torch.int8 else data
+            raw[dst] = raw[src]
+            if scales is not None:
+                scales[dst] = scales[src]
+
     def nbytes(self) -> int:
         n = self.k.nbytes + self.v.nbytes
         if self.k_scale is not None:

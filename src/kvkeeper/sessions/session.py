@@ -68,6 +68,9 @@ class Session:
             self.messages.append({"role": "system", "content": system})
         self.reuse = reuse
         self.params = params or SamplingParams()
+        self.priority = 0  # higher is more important; the circuit breaker trims the lowest first
+        self.trim_budget: int | None = None  # tokens: render without the oldest turns to fit (set while degraded)
+        self.trimmed_turns = 0  # turns left out of the last prompt by trim_budget
         self.turns: list[TurnResult] = []
         self.last_used = time.monotonic()
         self.closed = False
@@ -151,9 +154,22 @@ class Session:
                                      r.finish_reason))
 
     # ---- turns ---------------------------------------------------------------
+    def context_messages(self, messages: list[dict] | None = None) -> list[dict]:
+        """The messages a prompt is rendered from: all of them, or without the oldest turns while
+        :attr:`trim_budget` is set (see :mod:`kvkeeper.sessions.budget`); sets :attr:`trimmed_turns`."""
+        messages = self.messages if messages is None else messages
+        self.trimmed_turns = 0
+        if self.trim_budget is None:
+            return messages
+        from .budget import trim_oldest_turns
+
+        kept, self.trimmed_turns = trim_oldest_turns(messages, lambda m: len(self.engine.encode_chat(m)),
+                                                     self.trim_budget)
+        return kept
+
     def _prompt_ids(self) -> list[int]:
         eng = self.engine
-        text = eng.render_chat(self.messages, add_generation_prompt=True)
+        text = eng.render_chat(self.context_messages(), add_generation_prompt=True)
         st = self._state
         if self.reuse and st is not None and self._text and text.startswith(self._text):
             return list(st.token_ids) + eng.tokenizer.encode(text[len(self._text):], add_special_tokens=False)
@@ -188,7 +204,7 @@ class Session:
         if not self.reuse:
             eng.kv.free(seq)
         reply = seq.text
-        self._text = eng.render_chat(self.messages, add_generation_prompt=True) + eng.tokenizer.decode(
+        self._text = eng.render_chat(self.context_messages(), add_generation_prompt=True) + eng.tokenizer.decode(
             seq.output_token_ids, skip_special_tokens=False)
         self.messages.append({"role": "assistant", "content": reply})
         self.last_used = time.monotonic()

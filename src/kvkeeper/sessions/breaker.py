@@ -1,0 +1,236 @@
+"""A tiered circuit breaker for KV memory: degrade gracefully instead of failing.
+
+The breaker watches the block pool (:mod:`kvkeeper.kvcache.telemetry`) and trips when
+the pool fragmentation rate reaches ``frag_threshold`` (default 0.683) or KV usage
+reaches ``usage_threshold`` (default 0.95).  While tripped it applies three tiers in
+order, giving each ``escalate_after_s`` seconds to work before the next:
+
+1. **compaction**: evict unreferenced cached blocks and defragment the pool
+   (:meth:`LLMEngine.compact`: owned blocks renumbered contiguously, their KV moved);
+2. **offload**: move idle sessions' KV out of the pool, to host memory first, then to
+   disk when a data directory is configured (``LLMEngine.offload_idle_sessions``), until
+   usage would fall to ``recover_usage``; without offload support, idle sessions are
+   unpinned instead (their full blocks stay in the prefix cache);
+3. **degrade**: refuse new sessions (the server answers 503 with ``Retry-After``) and trim
+   the oldest turns of the lowest-priority sessions: their pinned KV is released and,
+   while degraded, their prompts are rendered without their oldest turns so that they
+   fit ``degrade_budget_tokens`` (:mod:`kvkeeper.sessions.budget`).
+
+The breaker closes (back to tier 0: new sessions admitted, no trimming) once usage is
+below ``recover_usage`` and the fragmentation rate below ``recover_frag`` for
+``cooldown_s`` seconds.  Every action is reversible and loses nothing a client was
+promised: compaction moves KV bit for bit, offloaded sessions come back on their next
+turn, trimming only changes what is rendered while degraded (the conversation itself is
+kept, by the session or the client), and running requests are never touched (the
+scheduler's preemption keeps them correct).  Every action is logged at WARNING, kept in
+:attr:`CircuitBreaker.events` and counted in :attr:`CircuitBreaker.actions`.
+
+The tiers follow the load-shedding order of production servers: reclaim what costs
+nothing (cache, fragmentation), then move state to slower memory (vLLM's CPU swap
+space, LMCache's host and disk tiers), and only then refuse work (Nygard's circuit
+breaker, *Release It!*, with a half-open cool-down).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass
+
+from ..errors import KVKeeperError
+
+log = logging.getLogger(__name__)
+
+TIER_NAMES = ("closed", "compaction", "offload", "degrade")
+
+
+class OverloadedError(KVKeeperError):
+    """The circuit breaker is degraded and refuses new sessions; retry after ``retry_after_s`` seconds (HTTP 503)."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class BreakerConfig:
+    """Thresholds are fractions in (0, 1]; times in seconds; ``degrade_budget_tokens`` in tokens.
+
+    recover_usage / recover_frag default to min(0.80, 0.85 x usage_threshold) and
+    min(0.5, 0.75 x frag_threshold).  Raises ValueError for values out of range.
+    """
+
+    frag_threshold: float = 0.683
+    usage_threshold: float = 0.95
+    recover_usage: float | None = None
+    recover_frag: float | None = None
+    interval_s: float = 0.25
+    escalate_after_s: float = 0.5
+    cooldown_s: float = 2.0
+    retry_after_s: int = 2
+    degrade_budget_tokens: int = 512
+
+    def __post_init__(self):
+        if self.recover_usage is None:
+            self.recover_usage = min(0.80, 0.85 * self.usage_threshold)
+        if self.recover_frag is None:
+            self.recover_frag = min(0.5, 0.75 * self.frag_threshold)
+        for k in ("frag_threshold", "usage_threshold", "recover_usage", "recover_frag"):
+            v = getattr(self, k)
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"{k} must be in (0, 1], got {v}")
+        if self.recover_usage > self.usage_threshold or self.recover_frag > self.frag_threshold:
+            raise ValueError("recovery thresholds must not exceed the trip thresholds")
+        for k in ("interval_s", "escalate_after_s", "cooldown_s"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"{k} must be >= 0 seconds, got {getattr(self, k)}")
+        if self.retry_after_s < 1 or self.degrade_budget_tokens < 1:
+            raise ValueError("retry_after_s and degrade_budget_tokens must be at least 1")
+
+
+class CircuitBreaker:
+    """Watches ``engine`` (an :class:`~kvkeeper.engine.llm_engine.LLMEngine`) and applies the tiers.
+
+    Call :meth:`evaluate` from the engine's thread between steps (it rate-limits itself to
+    ``interval_s``).  ``tier``: the highest tier applied in the current episode (0 = closed).
+    """
+
+    def __init__(self, engine, config: BreakerConfig | None = None, clock=time.monotonic):
+        self.engine = engine
+        self.config = config or BreakerConfig()
+        self.clock = clock
+        self.tier = 0
+        self.trips = 0
+        self.actions: Counter[tuple[str, str]] = Counter()
+        self.events: deque[dict] = deque(maxlen=200)
+        self.trimmed_sessions: set[str] = set()
+        self._last_eval = -math.inf
+        self._tier_at = -math.inf  # when the current tier was applied
+        self._calm_since: float | None = None
+        self.last_stats = None
+        engine.breaker = self
+        engine.step_hooks.append(self.evaluate)
+
+    # ---- state -----------------------------------------------------------------------
+    @property
+    def degraded(self) -> bool:
+        return self.tier >= 3
+
+    def _over(self, st) -> bool:
+        c = self.config
+        return st.usage >= c.usage_threshold or st.pool_rate >= c.frag_threshold
+
+    def _calm(self, st) -> bool:
+        c = self.config
+        return st.usage < c.recover_usage and st.pool_rate < c.recover_frag
+
+    def _event(self, tier: int, action: str, before, after=None, **detail) -> None:
+        ev = {"t": time.time(), "tier": tier, "tier_name": TIER_NAMES[tier], "action": action,
+              "usage": round(before.usage, 4), "pool_rate": round(before.pool_rate, 4), **detail}
+        if after is not None:
+            ev["usage_after"], ev["pool_rate_after"] = round(after.usage, 4), round(after.pool_rate, 4)
+        self.events.append(ev)
+        self.actions[(TIER_NAMES[tier], action)] += 1
+        log.warning("circuit breaker tier %d (%s): %s; usage %.3f, fragmentation rate %.3f%s", tier,
+                    TIER_NAMES[tier], action, before.usage, before.pool_rate,
+                    "".join(f", {k}={v}" for k, v in detail.items()))
+
+    # ---- the loop --------------------------------------------------------------------
+    def evaluate(self, now: float | None = None, force: bool = False):
+        """Check the pool and act; returns the :class:`PoolStats` it saw (None when rate-limited)."""
+        now = self.clock() if now is None else now
+        if not force and now - self._last_eval < self.config.interval_s:
+            return None
+        self._last_eval = now
+        st = self.engine.pool_stats()
+        self.last_stats = st
+        if self._over(st):
+            self._calm_since = None
+            if self.tier == 0:
+                self.trips += 1
+                self._apply(1, st, now)
+            elif self.tier < 3 and now - self._tier_at >= self.config.escalate_after_s:
+                self._apply(self.tier + 1, st, now)
+        elif self.tier > 0:
+            if self._calm(st):
+                if self._calm_since is None:
+                    self._calm_since = now
+                elif now - self._calm_since >= self.config.cooldown_s:
+                    self._close(st)
+            else:
+                self._calm_since = None
+        return st
+
+    def _apply(self, tier: int, st, now: float) -> None:
+        self.tier = tier
+        self._tier_at = now
+        eng = self.engine
+        if tier == 1:
+            res = eng.compact()
+            self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
+        elif tier == 2:
+            target = int(self.config.recover_usage * eng.pool.num_blocks)
+            need = max(1, st.owned - target)
+            offload = getattr(eng, "offload_idle_sessions", None)
+            if offload is None:
+                freed = eng._reclaim_from_sessions(need)
+                self._event(2, "unpin_idle_sessions", st, eng.pool_stats(), blocks=freed)
+                return
+            freed = offload(need, tier="host")
+            if freed < need and getattr(eng, "disk_offload_enabled", False):
+                freed += offload(need - freed, tier="disk")
+            self._event(2, "offload_idle_sessions", st, eng.pool_stats(), blocks=freed)
+        else:
+            self._event(3, "refuse_new_sessions", st, retry_after_s=self.config.retry_after_s)
+            self._trim_lowest_priority(st)
+
+    def _trim_lowest_priority(self, st) -> None:
+        eng = self.engine
+        idle = [s for s in eng.sessions.values() if not getattr(s, "closed", False)]
+        if not idle:
+            return
+        low = min(getattr(s, "priority", 0) for s in idle)
+        for s in idle:
+            if getattr(s, "priority", 0) != low:
+                continue
+            s.trim_budget = self.config.degrade_budget_tokens
+            self.trimmed_sessions.add(s.id)
+            freed = s.unpin() if not _busy(eng, s) else 0
+            self._event(3, "trim_session", st, session=s.id, priority=low, blocks=freed,
+                        budget_tokens=self.config.degrade_budget_tokens)
+
+    def _close(self, st) -> None:
+        for sid in self.trimmed_sessions:
+            s = self.engine.sessions.get(sid)
+            if s is not None:
+                s.trim_budget = None
+        n = len(self.trimmed_sessions)
+        self.trimmed_sessions.clear()
+        self._event(0, "close", st, from_tier=self.tier, untrimmed_sessions=n)
+        self.tier = 0
+        self._calm_since = None
+
+    # ---- admission -----------------------------------------------------------------------
+    def check_new_session(self, session_id: str) -> None:
+        """Raise :class:`OverloadedError` when degraded (a new session would add KV the pool cannot hold)."""
+        if self.degraded:
+            self.actions[("degrade", "refused_session")] += 1
+            raise OverloadedError(
+                f"KV memory is short (circuit breaker tier {self.tier}, {TIER_NAMES[self.tier]}): new sessions are "
+                f"refused for now; retry after {self.config.retry_after_s} s or continue without X-Session-ID",
+                self.config.retry_after_s)
+
+    def snapshot(self) -> dict:
+        """JSON-able state: tier, trips, action counts, recent events, config."""
+        return {"tier": self.tier, "tier_name": TIER_NAMES[self.tier], "trips": self.trips,
+                "actions": [{"tier": t, "action": a, "count": n} for (t, a), n in sorted(self.actions.items())],
+                "trimmed_sessions": sorted(self.trimmed_sessions), "events": list(self.events),
+                "config": asdict(self.config)}
+
+
+def _busy(engine, session) -> bool:
+    st = getattr(session, "_state", None)
+    return st is not None and (any(st is q for q in engine.scheduler.running)
+                               or any(st is q for q in engine.scheduler.waiting))

@@ -1,0 +1,177 @@
+"""Compaction (defragmentation) moves KV exactly; the circuit breaker's tiers trip in order and undo themselves;
+conversation budgets trim the oldest turns without losing them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper.kvcache.validate import check_engine
+from kvkeeper.sessions.breaker import BreakerConfig, CircuitBreaker, OverloadedError
+from kvkeeper.sessions.budget import split_turns, trim_oldest_turns
+
+transformers = pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_path())
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, head_dim=8,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny-breaker")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _session_kv(eng, s):
+    st = s._state
+    bt = torch.tensor(st.block_table, dtype=torch.int64)
+    return [c.gather(bt, st.num_computed, torch.float32) for c in eng.runner.kv_caches]
+
+
+def _fragmented(folder, kv_dtype=None):
+    """Four sessions, two turns each, then sessions 1 and 3 closed: holes between the survivors."""
+    eng = LLMEngine(str(folder), num_kv_blocks=96, block_size=4, validate_every=1, kv_dtype=kv_dtype)
+    ss = [eng.new_session(system=f"You are helper number {i}.") for i in range(4)]
+    for turn in range(2):
+        for i, s in enumerate(ss):
+            s.send(f"Turn {turn}: tell me about the number {i * 7 + turn}.", GREEDY)
+    eng.generate([f"an unrelated prompt {k} " * 3 for k in range(3)], GREEDY)  # cached free blocks too
+    ss[1].close()
+    ss[3].close()
+    return eng, [ss[0], ss[2]]
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_compaction_moves_kv_bit_exactly_and_sessions_continue_identically(folder, kv_dtype):
+    eng, live = _fragmented(folder, kv_dtype)
+    twin, twin_live = _fragmented(folder, kv_dtype)  # the same history, never compacted
+    before = eng.pool_stats()
+    assert before.pool_rate > 0 and before.cached > 0
+    kv_before = [_session_kv(eng, s) for s in live]
+    res = eng.compact()
+    after = eng.pool_stats()
+    assert res["evicted"] == before.cached and res["moved"] > 0
+    assert after.cached == 0 and after.pool_rate == 0.0 and after.external == 0.0
+    assert after.owned == before.owned and after.used_slots == before.used_slots
+    assert sorted({b for s in live for b in s._state.block_table}) == list(range(after.owned))  # shared heads once
+    assert check_engine(eng) == []
+    for s, kv in zip(live, kv_before):
+        for (k0, v0), (k1, v1) in zip(kv, _session_kv(eng, s)):
+            assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    for s, t in zip(live, twin_live):
+        r, rt = s.send("And one more thing?", GREEDY), t.send("And one more thing?", GREEDY)
+        assert r.token_ids == rt.token_ids and r.cached_tokens == rt.cached_tokens > 0
+    assert check_engine(eng) == []
+
+
+def test_defragment_rejects_an_incomplete_order(folder):
+    eng, live = _fragmented(folder)
+    order = [b for s in live for b in s._state.block_table][1:]
+    with pytest.raises(ValueError, match="missing"):
+        eng.pool.defragment(order)
+    assert check_engine(eng) == []  # nothing changed
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_tiers_trip_in_order_refuse_sessions_and_close_again(folder):
+    eng = LLMEngine(str(folder), num_kv_blocks=40, block_size=4, validate_every=1, max_num_batched_tokens=64)
+    low = eng.new_session(system="Low priority.")
+    high = eng.new_session(system="High priority.")
+    high.priority = 5
+    for s in (low, high):
+        for k in range(3):
+            s.send(f"message {k} for the session, with a few more words to use some blocks", GREEDY)
+    clock = Clock()
+    br = CircuitBreaker(eng, BreakerConfig(escalate_after_s=1.0, cooldown_s=2.0), clock=clock)
+    eng.step_hooks.clear()  # the test drives evaluate() with its own clock
+    # long running requests take most of the pool (they are never touched by the breaker)
+    seqs = [eng.add_request([100 + i] * 30, SamplingParams(max_tokens=60, ignore_eos=True)) for i in range(4)]
+    while eng.pool.usage() < 0.95:
+        eng.step()
+    st = br.evaluate(force=True)
+    assert st.usage >= 0.95 and br.tier == 1 and br.events[-1]["action"] == "compact"
+    clock.t = 0.5
+    br.evaluate(force=True)
+    assert br.tier == 1  # the tier gets escalate_after_s to work
+    clock.t = 1.0
+    br.evaluate(force=True)
+    assert br.tier == 2 and br.events[-1]["tier_name"] == "offload"
+    while eng.pool.usage() < 0.95:  # the running requests grow back into what was freed
+        eng.step()
+    clock.t = 2.0
+    br.evaluate(force=True)
+    assert br.tier == 3 and br.degraded
+    assert [e["tier"] for e in br.events][:3] == [1, 2, 3]
+    assert br.trimmed_sessions == {low.id}  # the lowest priority only
+    assert low.trim_budget == br.config.degrade_budget_tokens and high.trim_budget is None
+    with pytest.raises(OverloadedError) as ei:
+        eng.new_session()
+    assert ei.value.retry_after_s == br.config.retry_after_s
+    eng.run_until_done(seqs)
+    assert all(s.finish_reason == "length" and s.num_output_tokens == 60 for s in seqs)
+    for t in (3.0, 4.0, 5.5):
+        clock.t = t
+        br.evaluate(force=True)
+    assert br.tier == 0 and not br.degraded and low.trim_budget is None
+    assert br.events[-1]["action"] == "close" and br.trips == 1
+    eng.new_session().close()  # admitted again
+    assert check_engine(eng) == []
+    snap = br.snapshot()
+    assert {(a["tier"], a["action"]) for a in snap["actions"]} >= {("compaction", "compact"), ("degrade", "trim_session")}
+
+
+def test_budget_trims_oldest_turns_and_keeps_system_and_last():
+    msgs = [{"role": "system", "content": "S"}]
+    for k in range(4):
+        msgs += [{"role": "user", "content": f"u{k}"}, {"role": "assistant", "content": f"a{k}"}]
+    msgs.append({"role": "user", "content": "last"})
+    head, turns = split_turns(msgs)
+    assert head == msgs[:1] and len(turns) == 5
+    count = lambda m: 10 * len(m)  # noqa: E731
+    kept, dropped = trim_oldest_turns(msgs, count, 50)  # 10 per message: system + two turns (5 messages)
+    assert dropped == 3 and kept[0]["content"] == "S" and kept[1]["content"] == "u3" and kept[-1]["content"] == "last"
+    kept, dropped = trim_oldest_turns(msgs, count, 0)  # impossible budget: head and last turn stay
+    assert kept == [msgs[0], msgs[-1]] and dropped == 4
+    assert len(msgs) == 10  # the caller's list is untouched
+    with pytest.raises(ValueError):
+        trim_oldest_turns(msgs, count, -1)
+
+
+def test_session_trim_budget_is_a_reversible_view(folder):
+    eng = LLMEngine(str(folder), num_kv_blocks=128, block_size=4, validate_every=1)
+    s = eng.new_session(system="Be brief.")
+    for k in range(3):
+        s.send(f"question number {k} about something rather long to make the prompt grow", GREEDY)
+    full = len(eng.encode_chat(s.messages + [{"role": "user", "content": "next"}]))
+    s.trim_budget = full // 2
+    r = s.send("next", GREEDY)
+    assert s.trimmed_turns >= 1 and r.prompt_tokens <= full // 2
+    assert len(s.messages) == 1 + 2 * 4  # nothing was lost
+    s.trim_budget = None
+    r2 = s.send("and again", GREEDY)
+    assert s.trimmed_turns == 0 and r2.prompt_tokens > full
+    s.close()
+    assert eng.pool.num_used == 0 and check_engine(eng) == []
+
+
+def test_config_rejects_bad_thresholds():
+    with pytest.raises(ValueError, match="usage_threshold"):
+        BreakerConfig(usage_threshold=1.5)
+    with pytest.raises(ValueError, match="recovery"):
+        BreakerConfig(usage_threshold=0.5, recover_usage=0.9)
