@@ -66,3 +66,23 @@ def test_validation_and_model_errors():
         assert c.post("/v1/chat/completions", json={**BODY, "model": "other"}).status_code == 404
         assert c.post("/v1/completions", json={"prompt": "x"}, headers={"content-length": "99999999"}).status_code == 413
         assert c.delete("/v1/sessions/nope").status_code == 404
+
+
+class DegradedEngine(FakeEngine):
+    """A circuit breaker in its degrade tier: new sessions are refused."""
+
+    def new_session(self, session_id=None, **kw):
+        from kvkeeper.sessions.breaker import OverloadedError
+
+        raise OverloadedError("KV memory is short: new sessions are refused for now", 3)
+
+
+def test_breaker_refusal_is_503_with_retry_after_and_priority_is_validated():
+    app = create_app(AsyncEngine(DegradedEngine(), max_queue=2))
+    with TestClient(app) as c:
+        r = c.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "new-one"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "3"
+        assert r.json()["error"]["code"] == "kv_memory_short" and "session" in r.json()["error"]["message"]
+        r = c.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "s", "X-Session-Priority": "high"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Session-Priority"
+        assert c.get("/admin/breaker").json() == {"tier": 0, "enabled": False}

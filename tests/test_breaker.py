@@ -175,3 +175,27 @@ def test_config_rejects_bad_thresholds():
         BreakerConfig(usage_threshold=1.5)
     with pytest.raises(ValueError, match="recovery"):
         BreakerConfig(usage_threshold=0.5, recover_usage=0.9)
+
+
+def test_waiting_turns_holding_session_kv_do_not_starve_the_queue_head(folder):
+    """Turns queued together each hold their session's handed-over KV; when the head cannot fit and nothing
+    runs, the others' blocks are released (they stay in the prefix cache) instead of rejecting the head."""
+    eng = LLMEngine(str(folder), num_kv_blocks=30, block_size=4, validate_every=1, max_num_batched_tokens=256)
+    ss = [eng.new_session(system=f"S{i}") for i in range(3)]
+    for i, s in enumerate(ss):
+        s.send(f"first message of session {i} with several words in it to fill blocks", GREEDY)
+    seqs = []
+    for i, s in enumerate(ss):
+        msgs = s.messages + [{"role": "user", "content": f"second message of session {i}, also long enough " * 2}]
+        seq = eng.add_request(eng.encode_chat(msgs), GREEDY, request_id=f"t2-{i}")
+        s.hand_over(seq)
+        seqs.append(seq)
+    assert all(q.block_table for q in seqs) and eng.pool.num_free < 12
+    owner = {id(q): s for s, q in zip(ss, seqs)}
+    while any(not q.finished for q in seqs):
+        for q in eng.step():  # as the server does: a finished turn's KV goes back to its session at once
+            owner[id(q)].keep(q)
+    assert [q.finish_reason for q in seqs] == ["length"] * 3, [q.error for q in seqs]
+    for s in ss:
+        s.close()
+    assert eng.pool.num_used == 0 and check_engine(eng) == []

@@ -430,7 +430,8 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
     @app.get("/admin/breaker")
     async def breaker_state():
         def snap(eng):
-            return eng.breaker.snapshot() if eng.breaker is not None else {"tier": 0, "enabled": False}
+            br = getattr(eng, "breaker", None)
+            return br.snapshot() if br is not None else {"tier": 0, "enabled": False}
 
         return await engine.call(snap)
 

@@ -270,7 +270,7 @@ class AsyncEngine:
                         self._fail_all(e)
                     self._release_siblings()
                     self._publish()
-                elif self.engine.breaker is not None:
+                elif getattr(self.engine, "breaker", None) is not None:
                     self.engine.breaker.evaluate()  # idle: let the breaker cool down and close
                 self._publish_stats()
         except BaseException as e:  # pragma: no cover - last resort
@@ -454,7 +454,7 @@ class AsyncEngine:
         self._engine_waiting = st["num_waiting"]
         st["num_waiting"] += self._pending_adds
         st["pinned_blocks"] = sum(s.num_blocks for s in self.engine.sessions.values())
-        br = self.engine.breaker
+        br = getattr(self.engine, "breaker", None)
         if br is not None:
             st["breaker"] = {"tier": br.tier, "trips": br.trips,
                              "actions": [{"tier": t, "action": a, "count": n} for (t, a), n in br.actions.items()]}

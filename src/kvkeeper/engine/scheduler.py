@@ -64,6 +64,22 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    def _release_waiting(self, head: Sequence, n_blocks: int) -> int:
+        """Free blocks held by waiting sequences other than ``head`` (KV a session handed over, newest first).
+
+        Their full blocks stay in the prefix cache, so they are usually found again on admission.
+        Returns the number of blocks whose last reference this dropped (an estimate of what was freed).
+        """
+        before = self.kv.pool.num_free
+        for seq in reversed(self.waiting):
+            if self.kv.pool.num_free - before >= n_blocks:
+                break
+            if seq is not head and seq.block_table:
+                self.kv.free(seq)
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = -1
+        return self.kv.pool.num_free - before
+
     def _chunk(self, remaining: int, budget: int, first: bool) -> int:
         if self.enable_chunked_prefill:
             return min(remaining, budget)
@@ -114,7 +130,8 @@ class Scheduler:
                 break
             if not self.kv.allocate(seq, n):
                 short = self.kv.blocks_needed(seq, n) - self.kv.pool.num_free
-                if not (self.reclaim is not None and self.reclaim(short) > 0 and self.kv.allocate(seq, n)):
+                if not (self.reclaim is not None and self.reclaim(short) > 0 and self.kv.allocate(seq, n)) and not (
+                        not self.running and self._release_waiting(seq, short) > 0 and self.kv.allocate(seq, n)):
                     if not self.running and not out.scheduled:
                         # nothing else holds blocks that could be waited for: this request can never fit
                         self.waiting.popleft()
