@@ -28,6 +28,8 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
+import torch
+
 DEFAULT_WINDOWS_S = (1.0, 10.0, 60.0)
 FIGURES = ("internal", "external", "pool_rate", "usage")
 
@@ -55,63 +57,90 @@ class PoolStats:
         return asdict(self)
 
 
-def _longest_run(flags: list[bool]) -> int:
-    best = cur = 0
-    for f in flags:
-        cur = cur + 1 if f else 0
-        if cur > best:
-            best = cur
-    return best
+def _longest_run(flags: torch.Tensor) -> int:
+    """Length of the longest run of True in a 1-D bool tensor."""
+    if not bool(flags.any()):
+        return 0
+    f = torch.cat([torch.zeros(1, dtype=torch.int64), flags.to(torch.int64), torch.zeros(1, dtype=torch.int64)])
+    d = f.diff()
+    starts = (d == 1).nonzero().flatten()
+    ends = (d == -1).nonzero().flatten()
+    return int((ends - starts).max())
+
+
+_OWNED, _CACHED, _FREE = 0, 1, 2
+_STATE_NAMES = ("owned", "cached", "free")
+
+
+def _state_codes(pool) -> torch.Tensor:
+    """(num_blocks,) uint8: 0 owned, 1 cached (free, registered), 2 free; read from the pool's free lists."""
+    st = torch.zeros(pool.num_blocks, dtype=torch.uint8)
+    if pool._free_plain:
+        st[torch.tensor(list(pool._free_plain), dtype=torch.int64)] = _FREE
+    if pool._free_cached:
+        st[torch.tensor(list(pool._free_cached), dtype=torch.int64)] = _CACHED
+    return st
 
 
 def block_states(pool) -> list[str]:
     """State of each pool block by id: "owned", "cached" or "free"."""
-    out = []
-    for b in pool.blocks:
-        if b.ref_count > 0:
-            out.append("owned")
-        elif b.hash is not None:
-            out.append("cached")
-        else:
-            out.append("free")
-    return out
+    return [_STATE_NAMES[c] for c in _state_codes(pool).tolist()]
 
 
 def used_slots_per_block(pool, owners) -> dict[int, int]:
-    """Token slots holding KV in each owned block, from ``owners``: (name, seq) pairs.
+    """Token slots holding KV in each block some owner holds, from ``owners``: (name, seq) pairs.
 
     A block shared by several owners counts the largest fill any of them gives it.
     """
+    ids, fills = _fills(pool, owners)
+    out: dict[int, int] = {}
+    for b, n in zip(ids, fills):
+        if n > out.get(b, -1):
+            out[b] = n
+    return out
+
+
+def _fills(pool, owners) -> tuple[list[int], list[int]]:
     bs = pool.block_size
-    fill: dict[int, int] = {}
+    ids: list[int] = []
+    fills: list[int] = []
     seen: set[int] = set()
     for _, seq in owners:
-        if id(seq.block_table) in seen:
+        t = seq.block_table
+        if id(t) in seen or not t:
             continue
-        seen.add(id(seq.block_table))
+        seen.add(id(t))
         kv = max(0, seq.num_computed - seq.kv_offset)
-        for i, bid in enumerate(seq.block_table):
-            n = max(0, min(bs, kv - i * bs))
-            if n > fill.get(bid, -1):
-                fill[bid] = n
-    return fill
+        full = min(kv // bs, len(t))
+        ids.extend(t)
+        fills.extend([bs] * full)
+        if full < len(t):
+            fills.append(kv - full * bs)
+            fills.extend([0] * (len(t) - full - 1))
+    return ids, fills
 
 
 def pool_stats(pool, owners=(), offloaded_blocks: int = 0) -> PoolStats:
     """Compute a :class:`PoolStats` for ``pool`` (a BlockPool); ``owners`` as for :func:`used_slots_per_block`.
 
-    Cost: O(blocks + total block-table length).
+    Cost: O(blocks + total block-table length), vectorised (about a millisecond for 22k blocks).
     """
-    states = block_states(pool)
-    owned = states.count("owned")
-    cached = states.count("cached")
-    free = len(states) - owned - cached
-    fill = used_slots_per_block(pool, owners)
+    codes = _state_codes(pool)
+    owned_mask = codes == _OWNED
+    owned = int(owned_mask.sum())
+    cached = int((codes == _CACHED).sum())
+    free = pool.num_blocks - owned - cached
     bs = pool.block_size
+    ids, fills = _fills(pool, owners)
+    used = 0
+    if ids:
+        per_block = torch.zeros(pool.num_blocks, dtype=torch.int64)
+        idx = torch.tensor(ids, dtype=torch.int64).clamp_(0, pool.num_blocks - 1)
+        per_block.scatter_reduce_(0, idx, torch.tensor(fills, dtype=torch.int64), reduce="amax")
+        used = int(per_block[owned_mask].clamp_(max=bs).sum())
     owned_slots = owned * bs
-    used = sum(min(bs, fill.get(b.block_id, 0)) for b in pool.blocks if b.ref_count > 0)
-    free_run = _longest_run([s != "owned" for s in states])
-    owned_run = _longest_run([s == "owned" for s in states])
+    free_run = _longest_run(~owned_mask)
+    owned_run = _longest_run(owned_mask)
     nfree = free + cached
     return PoolStats(
         num_blocks=pool.num_blocks, block_size=bs, free=free, cached=cached, owned=owned, offloaded=offloaded_blocks,
