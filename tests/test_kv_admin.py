@@ -91,10 +91,19 @@ def test_check_block_map_rejects_malformed_documents():
         check_block_map({"hello": 1})
 
 
-def test_owner_colours_differ_from_state_colours():
-    fixed = {hex_rgb(c) for c in STATE_COLOURS.values()}
-    tints = [hex_rgb(owner_colour(i)) for i in range(8)]
-    assert len(set(tints)) == 8 and not fixed & set(tints)
+def test_owner_colours_are_stable_per_name_and_clear_of_state_colours():
+    import colorsys
+
+    from kvkeeper.kvcache.blockmap import owner_hue
+
+    names = ["req-a", "session:b", "session:conv-a", "session:conv-b", "detached:x-0", "cmpl-3-0"]
+    hues = [owner_hue(n) for n in names]
+    assert len(set(hues)) == len(names) and all(20 <= h <= 160 for h in hues)
+    assert owner_hue("session:b") == owner_hue("session:b") and owner_hue("") == 20 + 0x811C9DC5 % 141
+    state_hues = {k: colorsys.rgb_to_hls(*[c / 255 for c in hex_rgb(v)])[0] * 360 for k, v in STATE_COLOURS.items()
+                  if k != "owned"}
+    for k, h in state_hues.items():  # grey has no hue; blue, pink and purple sit outside 20..160
+        assert k == "free" or not 15 <= h <= 165, (k, h)
 
 
 # ---- metrics export (ServerMetrics directly) ------------------------------------------------
@@ -152,8 +161,8 @@ def test_terminal_map_legend_counts_and_cell_colours():
     cells, k = grid_cells(doc, 29, 32)
     assert k == 1 and [x[0] for x in cells] == ["shared", "owned", "owned", "owned", "cached", "cached"] + ["free"] * 6
     html = con.export_html(inline_styles=True)
-    for colour in (STATE_COLOURS["free"], STATE_COLOURS["cached"], STATE_COLOURS["shared"], owner_colour(0),
-                   owner_colour(1)):
+    for colour in (STATE_COLOURS["free"], STATE_COLOURS["cached"], STATE_COLOURS["shared"], owner_colour("req-a"),
+                   owner_colour("session:b")):
         assert colour in html, colour
 
 
@@ -267,7 +276,7 @@ def test_admin_page_screenshot_colours_blocks_by_state(server, tmp_path):
     assert "http://" not in html.text and "https://" not in html.text  # self-contained: no external asset
     doc = httpx.get(server + "/admin/kv.json", timeout=30).json()
     png = tmp_path / "kv.png"
-    cmd = [chromium, "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars", "--force-device-scale-factor=1",
+    cmd = [chromium, "--headless", "--disable-gpu", "--no-sandbox", "--disable-dev-shm-usage", "--hide-scrollbars", "--force-device-scale-factor=1",
            f"--user-data-dir={tmp_path / 'profile'}", "--window-size=900,500", "--virtual-time-budget=4000",
            f"--screenshot={png}", server + f"/admin/kv?cell={CELL}&cols={COLS}"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -296,4 +305,26 @@ def test_admin_page_screenshot_colours_blocks_by_state(server, tmp_path):
     assert close(colour_of[("f",)], STATE_COLOURS["free"]) and close(colour_of[("c",)], STATE_COLOURS["cached"])
     for k, col in colour_of.items():
         if k[0] == "o" and k[1] >= 0:
-            assert close(col, owner_colour(k[1])), (k, col)
+            assert close(col, owner_colour(doc["owners"][k[1]]["name"])), (k, col)
+
+
+def test_terminal_map_watch_refreshes_until_interrupted():
+    from rich.console import Console
+
+    from kvkeeper.diagnostics.kvmap import show
+
+    pool, owners, *_ = mixed_pool()
+    calls = []
+
+    def get_doc():
+        calls.append(1)
+        if len(calls) > 3:
+            raise KeyboardInterrupt
+        pool.free_all(pool.allocate(1))  # something changes between refreshes
+        return block_map(pool, owners)
+
+    con = Console(record=True, width=60, force_terminal=True)
+    with pytest.raises(KeyboardInterrupt):
+        show(con, get_doc, watch=True, interval=0.01)
+    assert len(calls) == 4
+    assert "KV block map: 12 blocks of 4 tokens" in con.export_text()

@@ -5,7 +5,7 @@
   index per block, the owners, the fragmentation figures now and their 1/10/60 s window means).
 * ``GET /admin/kv`` -- one self-contained HTML page (inline CSS and JavaScript, no external
   asset) that fetches ``/admin/kv.json`` every second and draws every block as a cell of a
-  canvas: free grey, cached blue, owned tinted per owner (orange to green hues), shared
+  canvas: free grey, cached blue, owned tinted per owner (orange to green hues, from the owner's name), shared
   (several owners) pink, offloaded purple (after the pool, on their own rows); a legend with
   counts and owners, and a table of the figures.
 
@@ -61,15 +61,17 @@ const P = { cell: parseInt(q.get("cell") || "0", 10), cols: parseInt(q.get("cols
 const LEFT = 16, TOP = 56, SIDE = 360;
 let doc = null, layout = null;
 
-function ownerColour(i) {  // same rule as kvkeeper.kvcache.blockmap.owner_colour
-  const h = 20 + (i * 53) % 141;
-  return "hsl(" + h + ", 75%, 50%)";
+const ENC = new TextEncoder();
+function ownerColour(name) {  // same rule as kvkeeper.kvcache.blockmap.owner_colour (FNV-1a of the name)
+  let h = 0x811c9dc5;
+  for (const b of ENC.encode(name)) h = Math.imul(h ^ b, 0x01000193) >>> 0;
+  return "hsl(" + (20 + h % 141) + ", 75%, 50%)";
 }
 function cellColour(letter, owner) {
   if (letter === "f") return COLOURS.free;
   if (letter === "c") return COLOURS.cached;
   if (owner === -2) return COLOURS.shared;
-  if (owner >= 0) return ownerColour(owner);
+  if (owner >= 0) return ownerColour(doc.owners[owner].name);
   return COLOURS.owned;
 }
 function computeLayout(n) {
@@ -116,7 +118,7 @@ function pct(x) { return (100 * x).toFixed(1) + "%"; }
 function panel() {
   const s = doc.stats, shared = doc.shared.length;
   const rows = [["free", COLOURS.free, s.free], ["cached", COLOURS.cached, s.cached],
-                ["owned", ownerColour(0), s.owned - shared], ["shared", COLOURS.shared, shared],
+                ["owned", COLOURS.owned, s.owned - shared], ["shared", COLOURS.shared, shared],
                 ["offloaded", COLOURS.offloaded, doc.offloaded]];
   document.getElementById("legend").innerHTML = rows.map(r =>
     '<li data-state="' + r[0] + '">' + sw(r[1]) + r[0] + ": " + r[2] + "</li>").join("") +
@@ -131,7 +133,7 @@ function panel() {
   document.getElementById("figs").innerHTML = t;
   const order = doc.owners.map((o, i) => i).sort((a, b) => doc.owners[b].blocks - doc.owners[a].blocks);
   const shown = order.slice(0, 20);
-  document.getElementById("owners").innerHTML = shown.map(i => "<li>" + sw(ownerColour(i)) +
+  document.getElementById("owners").innerHTML = shown.map(i => "<li>" + sw(ownerColour(doc.owners[i].name)) +
     esc(doc.owners[i].name) + " &middot; " + doc.owners[i].blocks + " blocks, " + doc.owners[i].tokens +
     " tokens</li>").join("") + (order.length > shown.length ? "<li>... " + (order.length - shown.length) +
     " more</li>" : "") + (order.length ? "" : "<li>none</li>");

@@ -79,9 +79,9 @@ def _cell_keys(doc: dict) -> list[tuple]:
     return out
 
 
-def _colour(key: tuple) -> str:
+def _colour(key: tuple, owners: list[dict]) -> str:
     if key[0] == "owned":
-        return owner_colour(key[1]) if key[1] >= 0 else STATE_COLOURS["owned"]
+        return owner_colour(owners[key[1]]["name"]) if key[1] >= 0 else STATE_COLOURS["owned"]
     return STATE_COLOURS[key[0]]
 
 
@@ -124,12 +124,12 @@ def render_block_map(doc: dict, width: int = 100, max_rows: int = 32, max_owners
     for i, key in enumerate(cells):
         if i and i % cols == 0:
             grid.append("\n")
-        grid.append(CELL, style=_colour(key))
+        grid.append(CELL, style=_colour(key, doc["owners"]))
         grid.append(" ")
     shared = len(doc.get("shared") or [])
     items = []
     for name, colour, n in (("free", STATE_COLOURS["free"], st["free"]), ("cached", STATE_COLOURS["cached"], st["cached"]),
-                            ("owned", owner_colour(0), st["owned"] - shared), ("shared", STATE_COLOURS["shared"], shared),
+                            ("owned", STATE_COLOURS["owned"], st["owned"] - shared), ("shared", STATE_COLOURS["shared"], shared),
                             ("offloaded", STATE_COLOURS["offloaded"], doc.get("offloaded", 0))):
         items.append(Text.assemble((CELL + " ", colour), f"{name} {n}"))
     legend = Columns(items, padding=(0, 3))
@@ -146,7 +146,7 @@ def render_block_map(doc: dict, width: int = 100, max_rows: int = 32, max_owners
     own = Text()
     for i in order[:max_owners]:
         o = owners[i]
-        own.append(CELL + " ", style=owner_colour(i))
+        own.append(CELL + " ", style=owner_colour(o["name"]))
         own.append(f"{o['name']}  {o['blocks']} blocks, {o['tokens']} tokens\n")
     if len(order) > max_owners:
         own.append(f"... {len(order) - max_owners} more owners\n", style="dim")

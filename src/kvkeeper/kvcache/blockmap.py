@@ -40,15 +40,24 @@ STATE_COLOURS = {
 }
 
 
-def owner_colour(i: int) -> str:
-    """"#rrggbb" tint of owner ``i``: HSL hue 20 + (53 i mod 141) degrees (orange to green), S 75%, L 50%.
+def owner_hue(name: str) -> int:
+    """Hue in degrees (20..160, orange to green) of an owner, from its name: 20 + FNV-1a-32(UTF-8 name) mod 141.
 
-    The hues stay clear of the free (grey), cached (blue), shared (pink) and offloaded (purple) colours.
+    Derived from the name (not the owner's position in the list) so that an owner keeps its colour
+    while others come and go; the hues stay clear of the free (grey), cached (blue), shared (pink)
+    and offloaded (purple) colours.  The /admin/kv page computes the same function in JavaScript.
     """
+    h = 0x811C9DC5
+    for byte in name.encode("utf-8"):
+        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return 20 + h % 141
+
+
+def owner_colour(name: str) -> str:
+    """"#rrggbb" tint of the owner ``name``: HSL(:func:`owner_hue`, 75%, 50%)."""
     import colorsys
 
-    h = (20 + (i * 53) % 141) / 360.0
-    r, g, b = colorsys.hls_to_rgb(h, 0.5, 0.75)
+    r, g, b = colorsys.hls_to_rgb(owner_hue(name) / 360.0, 0.5, 0.75)
     return "#%02x%02x%02x" % (round(r * 255), round(g * 255), round(b * 255))
 
 
