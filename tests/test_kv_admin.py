@@ -311,7 +311,7 @@ def test_admin_page_screenshot_colours_blocks_by_state(server, tmp_path):
 def test_terminal_map_watch_refreshes_until_interrupted():
     from rich.console import Console
 
-    from kvkeeper.diagnostics.kvmap import show
+    from kvkeeper.diagnostics.kvmap import BlockMapFetchError, show
 
     pool, owners, *_ = mixed_pool()
     calls = []
@@ -320,6 +320,8 @@ def test_terminal_map_watch_refreshes_until_interrupted():
         calls.append(1)
         if len(calls) > 3:
             raise KeyboardInterrupt
+        if len(calls) == 2:
+            raise BlockMapFetchError("cannot reach the test server")  # shown, then retried
         pool.free_all(pool.allocate(1))  # something changes between refreshes
         return block_map(pool, owners)
 
@@ -327,4 +329,5 @@ def test_terminal_map_watch_refreshes_until_interrupted():
     with pytest.raises(KeyboardInterrupt):
         show(con, get_doc, watch=True, interval=0.01)
     assert len(calls) == 4
-    assert "KV block map: 12 blocks of 4 tokens" in con.export_text()
+    out = con.export_text()
+    assert "KV block map: 12 blocks of 4 tokens" in out and "cannot reach the test server (retrying" in out

@@ -613,8 +613,12 @@ def cmd_kv_map(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(get_doc()))
         return EXIT_OK
-    show(_out_console(), get_doc, watch=args.watch, interval=args.interval, max_rows=args.rows)
-    return EXIT_OK
+    try:
+        show(_out_console(), get_doc, watch=args.watch, interval=args.interval, max_rows=args.rows)
+    except KeyboardInterrupt:
+        if not args.watch:
+            raise
+    return EXIT_OK  # Ctrl-C is how --watch ends
 
 
 # ---- entry point ----------------------------------------------------------------

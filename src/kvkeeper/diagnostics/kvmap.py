@@ -174,15 +174,25 @@ def demo_block_map(engine) -> dict:
 
 
 def show(console, get_doc, watch: bool = False, interval: float = 1.0, max_rows: int = 32) -> None:
-    """Print the map of ``get_doc()`` once, or refresh it in place every ``interval`` s until Ctrl-C."""
+    """Print the map of ``get_doc()`` once, or redraw it in place every ``interval`` s until Ctrl-C.
+
+    While watching, a fetch that fails (:class:`BlockMapFetchError`, e.g. the server restarts) is
+    shown in place of the map and retried at the next refresh; KeyboardInterrupt ends the watch.
+    """
     width = console.width or 100
     if not watch:
         console.print(render_block_map(get_doc(), width=width, max_rows=max_rows))
         return
     from rich.live import Live
+    from rich.text import Text
 
-    with Live(render_block_map(get_doc(), width=width, max_rows=max_rows), console=console,
-              refresh_per_second=4, screen=False) as live:
+    def frame():
+        try:
+            return render_block_map(get_doc(), width=console.width or width, max_rows=max_rows)
+        except BlockMapFetchError as e:
+            return Text(f"{e} (retrying every {interval:g} s; Ctrl-C to stop)", style="red")
+
+    with Live(frame(), console=console, refresh_per_second=4, screen=False) as live:
         while True:
             time.sleep(interval)
-            live.update(render_block_map(get_doc(), width=console.width or width, max_rows=max_rows))
+            live.update(frame(), refresh=True)
