@@ -245,6 +245,25 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default: 0)")
     pk.add_argument("--json", action="store_true", help="print one JSON object with the cells and the accuracy")
     pk.set_defaults(func=cmd_eval_passkey)
+
+    kvp = sub.add_parser("kv", help="inspect the KV cache: block map",
+                         description="Inspect the KV cache of a server or of a local engine.")
+    kvsub = kvp.add_subparsers(dest="kv_command", metavar="TOOL")
+    kvsub.required = True
+    km = kvsub.add_parser("map", parents=[parent], help="draw the KV block pool in the terminal",
+                          description="Draw every KV block as a coloured cell (free, cached, owned per owner, shared, "
+                                      "offloaded) with the fragmentation figures, from a server's /admin/kv.json or "
+                                      "(--demo) from a local engine after a few prompts.  Engine options apply to --demo.")
+    km.add_argument("--server", default="http://127.0.0.1:8000", metavar="URL",
+                    help="kvkeeper server base URL (default: http://127.0.0.1:8000)")
+    km.add_argument("--demo", action="store_true",
+                    help="no server: load the model, run a session and a request, draw that engine's pool")
+    km.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C (with --server)")
+    km.add_argument("--interval", type=float, default=1.0, metavar="S", help="refresh period with --watch (default: 1 s)")
+    km.add_argument("--rows", type=_positive_int, default=32, metavar="N",
+                    help="at most N rows of cells; larger pools draw several blocks per cell (default: 32)")
+    km.add_argument("--json", action="store_true", help="print the block-map document (JSON) instead of drawing it")
+    km.set_defaults(func=cmd_kv_map)
     return parser
 
 
@@ -598,6 +617,32 @@ def cmd_eval_passkey(args: argparse.Namespace) -> int:
             _out_console().print(f"length {c['length']:>6}  depth {c['depth']:.2f}  {c['solved']}/{c['trials']}")
         _out_console().print(f"accuracy {r['accuracy']:.0%} over {r['trials']} trials ({r['seconds']:.1f} s)")
     return EXIT_OK
+
+
+# ---- kv ------------------------------------------------------------------------
+
+
+def cmd_kv_map(args: argparse.Namespace) -> int:
+    from .diagnostics.kvmap import demo_block_map, fetch_block_map, show
+
+    if args.interval <= 0:
+        raise CLIError(f"--interval must be a positive number of seconds, got {args.interval}")
+    if args.demo:
+        if args.watch:
+            raise CLIError("--watch needs a server (--server URL); --demo draws one snapshot")
+        doc = demo_block_map(_load_engine(args))
+        get_doc = lambda: doc  # noqa: E731
+    else:
+        get_doc = lambda: fetch_block_map(args.server)  # noqa: E731
+    if args.json:
+        print(json.dumps(get_doc()))
+        return EXIT_OK
+    try:
+        show(_out_console(), get_doc, watch=args.watch, interval=args.interval, max_rows=args.rows)
+    except KeyboardInterrupt:
+        if not args.watch:
+            raise
+    return EXIT_OK  # Ctrl-C is how --watch ends
 
 
 # ---- entry point ----------------------------------------------------------------

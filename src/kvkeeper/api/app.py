@@ -10,6 +10,7 @@ Endpoints::
     POST   /tokenize                prompt token ids of a text or of messages (what a request would prefill)
     GET    /v1/sessions             open sessions: id, tokens, blocks, turns
     DELETE /v1/sessions/{id}        close a session and free its blocks (404 if unknown)
+    GET    /admin/kv                live KV block map page (HTML); /admin/kv.json its data (kvkeeper.api.admin)
 
     GET    /admin/breaker           the KV circuit breaker: tier, trips, action counts, recent events
 
@@ -448,4 +449,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
         blocks = await engine.call(close)
         return {"id": sid, "object": "session", "deleted": True, "freed_blocks": blocks}
 
+    from .admin import add_admin_routes
+
+    add_admin_routes(app, engine)
     return app

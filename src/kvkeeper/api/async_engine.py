@@ -11,6 +11,13 @@ a thread-safe queue instead:
 * ``abort(request_id)`` -- a client went away: every sequence of the request is
   aborted at once, which frees its blocks.
 * ``call(fn)`` -- run ``fn(engine)`` on the engine thread (session listing and deletion).
+* ``block_map()`` -- the pool's block map (:mod:`kvkeeper.kvcache.blockmap`), built on the engine thread.
+
+Fragmentation telemetry: the thread records ``engine.pool_stats()`` into a
+:class:`~kvkeeper.kvcache.telemetry.FragmentationMonitor` at most every ``frag_interval_s``
+(0.1 s; longer when one sample costs more than 2% of it, so the telemetry never takes more
+than about 2% of the engine thread), after steps and while idle (every 0.5 s), and publishes
+the 1/10/60 s window means and the block states with the metrics snapshot.
 
 While there is work the thread calls ``engine.step()``; after each step it pushes
 per-request :class:`StepOutput` objects (text deltas, token ids, logprobs, finish
@@ -39,6 +46,7 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import Sequence
 from ..errors import ContextLengthError, InvalidRequestError, KVKeeperError
 from ..kvcache.namespace import Namespace
+from ..kvcache.telemetry import FragmentationMonitor
 from .errors import QueueFullError
 from .metrics import ServerMetrics
 from .token_text import TokenText
@@ -193,6 +201,11 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._ids = itertools.count()
         self.error: BaseException | None = None
+        self.monitor = FragmentationMonitor()  # touched only by the engine thread (and here, before it starts)
+        self.frag_interval_s = 0.1
+        self._frag_next = 0.0
+        self._frag: dict = {}
+        self._sample_fragmentation()
         self._publish_stats()
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -256,6 +269,12 @@ class AsyncEngine:
         self._inbox.put(("call", fn, loop, fut))
         return await fut
 
+    async def block_map(self) -> dict:
+        """The block map now (:func:`kvkeeper.kvcache.blockmap.engine_block_map`) with the monitor's windows."""
+        from ..kvcache.blockmap import engine_block_map
+
+        return await self.call(lambda eng: engine_block_map(eng, self.monitor.windows()))
+
     # ---- engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -272,6 +291,7 @@ class AsyncEngine:
                     self._publish()
                 elif getattr(self.engine, "breaker", None) is not None:
                     self.engine.breaker.evaluate()  # idle: let the breaker cool down and close
+                self._sample_fragmentation()
                 self._publish_stats()
         except BaseException as e:  # pragma: no cover - last resort
             log.exception("engine thread died")
@@ -458,4 +478,31 @@ class AsyncEngine:
         if br is not None:
             st["breaker"] = {"tier": br.tier, "trips": br.trips,
                              "actions": [{"tier": t, "action": a, "count": n} for (t, a), n in br.actions.items()]}
+        st.update(self._frag)  # fragmentation windows and block states of the latest sample
         self.metrics.update(st)
+
+    def _sample_fragmentation(self) -> None:
+        """Record ``engine.pool_stats()`` if ``frag_interval_s`` has passed (engine thread only).
+
+        The interval stretches to 50 times the cost of the last sample (``pool_stats`` is
+        O(blocks) Python: about 0.5 ms for 1,456 blocks, 9 ms for 22,528), so sampling takes at
+        most ~2% of the thread.
+        """
+        now = time.monotonic()
+        if now < self._frag_next:
+            return
+        if not hasattr(self.engine, "pool_stats"):  # a stand-in engine (unit tests): no telemetry
+            self._frag_next = float("inf")
+            return
+        try:
+            st = self.engine.pool_stats()
+        except Exception:  # telemetry must never take the engine down
+            log.exception("pool_stats failed")
+            self._frag_next = now + 10.0
+            return
+        self.monitor.record(st, now)
+        cost = time.monotonic() - now
+        self._frag_next = now + max(self.frag_interval_s, 50.0 * cost)
+        self._frag = {"kv_fragmentation": self.monitor.windows(now),
+                      "kv_block_states": {"free": st.free, "cached": st.cached, "owned": st.owned,
+                                          "offloaded": st.offloaded}}

@@ -22,7 +22,18 @@ kvkeeper:breaker_actions_total             counter    breaker actions, labels ``
 kvkeeper:time_to_first_token_seconds       histogram  arrival to first token (s)
 kvkeeper:time_per_output_token_seconds     histogram  mean gap between output tokens of a request (s)
 kvkeeper:e2e_request_latency_seconds       histogram  arrival to finish (s)
+kvkeeper:kv_fragmentation_internal         gauge      unused token slots in owned blocks / owned slots,
+                                                      mean over ``window`` = 1s, 10s, 60s (0..1)
+kvkeeper:kv_fragmentation_external         gauge      1 - longest run of free block ids / free blocks (free
+                                                      plus cached), mean over ``window`` (0..1)
+kvkeeper:kv_fragmentation_rate             gauge      pool fragmentation rate: (owned - longest run of owned
+                                                      ids) / owned, mean over ``window`` (0..1)
+kvkeeper:kv_blocks                         gauge      blocks by ``state``: free, cached, owned (these three sum
+                                                      to the pool size) and offloaded (outside the pool) (blocks)
 =========================================  =========  =====================================================
+
+The fragmentation figures are defined in :mod:`kvkeeper.kvcache.telemetry`; the engine
+thread samples them at most every 0.1 s (see :mod:`kvkeeper.api.async_engine`).
 """
 
 from __future__ import annotations
@@ -77,6 +88,41 @@ class _SnapshotCollector:
             yield a
 
 
+# figure of kvkeeper.kvcache.telemetry.PoolStats -> (metric name, help)
+_FRAGMENTATION = {
+    "internal": ("kvkeeper:kv_fragmentation_internal",
+                 "Internal fragmentation: unused token slots in owned KV blocks / owned slots, window mean (0..1)."),
+    "external": ("kvkeeper:kv_fragmentation_external",
+                 "External fragmentation: 1 - longest run of free block ids / free blocks, window mean (0..1)."),
+    "pool_rate": ("kvkeeper:kv_fragmentation_rate",
+                  "Pool fragmentation rate: (owned - longest run of owned block ids) / owned, window mean (0..1)."),
+}
+BLOCK_STATES = ("free", "cached", "owned", "offloaded")
+
+
+class _FragmentationCollector:
+    """Fragmentation window means (label ``window``) and block counts by state (label ``state``)."""
+
+    def __init__(self, owner: "ServerMetrics"):
+        self.owner = owner
+
+    def collect(self):
+        snap = self.owner.snapshot
+        wins = snap.get("kv_fragmentation") or {}
+        for fig, (name, doc) in _FRAGMENTATION.items():
+            fam = GaugeMetricFamily(name, doc, labels=["window"])
+            for w, vals in wins.items():
+                fam.add_metric([w], float(vals.get(fig, 0.0)))
+            yield fam
+        states = snap.get("kv_block_states") or {}
+        fam = GaugeMetricFamily("kvkeeper:kv_blocks", "KV blocks by state: free, cached, owned (summing to the pool "
+                                "size) and offloaded (session KV outside the pool) (blocks).", labels=["state"])
+        for st in BLOCK_STATES:
+            if st in states:
+                fam.add_metric([st], float(states[st]))
+        yield fam
+
+
 class ServerMetrics:
     """The server's registry: engine-state snapshot plus latency histograms (seconds)."""
 
@@ -84,6 +130,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.snapshot: dict = {}
         self.registry.register(_SnapshotCollector(self))
+        self.registry.register(_FragmentationCollector(self))
         self.ttft = Histogram("kvkeeper:time_to_first_token_seconds", "Time from arrival to first token (s).",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("kvkeeper:time_per_output_token_seconds",

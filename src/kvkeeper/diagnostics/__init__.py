@@ -1,0 +1,1 @@
+"""Diagnostics of the KV cache: the block map (kvmap)."""
