@@ -311,4 +311,6 @@ def test_sigkill_during_offload_write_loses_no_saved_session(tmp_path):
         assert r.status_code == 404
         r = httpx.post(f"{base}/v1/sessions/{a}/offload", params={"tier": "tape"})
         assert r.status_code == 400 and "unknown offload tier" in r.json()["error"]["message"]
-    assert "Traceback" not in (tmp_path / "s2.log").read_text()
+    log = (tmp_path / "s2.log").read_text()
+    assert "Traceback" not in log and "saved 1 sessions" in log  # a graceful stop saves the open session
+    assert (data / "sessions" / a / MANIFEST).exists()

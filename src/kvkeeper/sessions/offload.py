@@ -101,7 +101,10 @@ def session_dir_name(session_id: str) -> str:
 
     (``.`` and ``..`` are valid session ids but not directory names; ``%`` never occurs in an id.)
     """
-    return session_id if _PLAIN_NAME.match(session_id) else "%" + session_id.encode().hex()
+    if _PLAIN_NAME.match(session_id):
+        return session_id
+    h = session_id.encode().hex()
+    return "%" + h if len(h) <= 200 else "%h" + hashlib.sha256(session_id.encode()).hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -405,6 +408,8 @@ class SessionStore:
                     if f.name != man["kv_file"]:
                         f.unlink(missing_ok=True)  # left by a crash between the manifest and the cleanup
                 sid = man["session_id"]
+                if not isinstance(sid, str) or session_dir_name(sid) != d.name:
+                    raise OffloadError(f"its manifest names session {sid!r}, which does not live in {d.name!r}")
                 if sid in eng.sessions:
                     raise OffloadError(f"session id {sid!r} is already open")
                 ns = Namespace(**man["namespace"])
@@ -428,6 +433,25 @@ class SessionStore:
         if out:
             log.info("registered %d saved sessions from %s", len(out), self.sessions_dir)
         return out
+
+    def save_all(self) -> int:
+        """Write every session that holds KV (idle in the pool, or in the host tier) to disk.
+
+        Called on a graceful shutdown, so that the sessions can be continued after a restart.
+        Returns the sessions saved; does nothing without a data directory.  Failures are logged.
+        """
+        if self.sessions_dir is None:
+            return 0
+        n = 0
+        for s in list(self.engine.sessions.values()):
+            if self.tier_of(s.id) == "disk" or not (self.tier_of(s.id) == "host" or self.is_idle(s)):
+                continue
+            try:
+                self.offload(s, "disk")
+                n += 1
+            except KVKeeperError as e:
+                log.warning("could not save session %s: %s", s.id, e)
+        return n
 
     # ---- restore / discard ---------------------------------------------------------------------
     def restore(self, session) -> bool:
