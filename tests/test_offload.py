@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest

@@ -198,7 +198,7 @@ class PagedKV:
         ``{"k_scale", "v_scale"}`` of shape ``(n, block_size, num_kv_heads)`` float16.
         """
         idx = torch.as_tensor(block_ids, dtype=torch.int64, device=self.k.device)
-        return {name: self._raw(t).index_select(0, idx).view(t.dtype).to("cpu", copy=True)
+        return {name: self._raw(t).index_select(0, idx).view(t.dtype).cpu()  # index_select copies
                 for name, t in self._parts().items()}
 
     def write_blocks(self, block_ids, tensors: dict[str, torch.Tensor]) -> None:
