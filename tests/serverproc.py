@@ -19,12 +19,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(log_path: Path, *extra_args: str, timeout_s: float = 300):
-    """Yield the base URL of a healthy server; terminate it on exit and fail if its log holds a traceback."""
+def server_process(log_path: Path, *extra_args: str, timeout_s: float = 300, env: dict | None = None):
+    """Yield (base URL, Popen) of a healthy server (env: the subprocess's environment, default ours).
+
+    On exit the server is terminated if it still runs (a test may have killed it itself).
+    """
     port = free_port()
     log_file = open(log_path, "w")  # a file, not a pipe: a full pipe would block the server
     proc = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             *extra_args], stdout=log_file, stderr=subprocess.STDOUT, text=True)
+                             *extra_args], stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -39,14 +42,22 @@ def running_server(log_path: Path, *extra_args: str, timeout_s: float = 300):
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not become healthy in time")
             time.sleep(0.5)
-        yield base
+        yield base, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         log_file.close()
-        out = log_path.read_text()
-        assert "Traceback" not in out, out
+
+
+@contextlib.contextmanager
+def running_server(log_path: Path, *extra_args: str, timeout_s: float = 300):
+    """Yield the base URL of a healthy server; terminate it on exit and fail if its log holds a traceback."""
+    with server_process(log_path, *extra_args, timeout_s=timeout_s) as (base, _proc):
+        yield base
+    out = log_path.read_text()
+    assert "Traceback" not in out, out

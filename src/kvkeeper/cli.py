@@ -208,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="OpenTelemetry request traces: none (default), console (stdout) or otlp (OTLP/HTTP)")
     s.add_argument("--otlp-traces-endpoint", metavar="URL",
                    help="OTLP/HTTP traces endpoint, e.g. http://127.0.0.1:4318/v1/traces (implies --otel-traces otlp)")
+    s.add_argument("--data-dir", metavar="DIR",
+                   help="disk tier of session offload: sessions are saved under DIR/sessions and reopened at start "
+                        "(default: none, no disk tier)")
+    s.add_argument("--host-offload-bytes", type=_size, metavar="N",
+                   help="host-memory budget of offloaded session KV, e.g. 2G (default: 1G)")
     s.set_defaults(func=cmd_serve)
 
     e = sub.add_parser("eval", help="quality under KV quantization: perplexity of a long text",
@@ -291,6 +296,10 @@ def _load_engine(args: argparse.Namespace):
         kw["num_threads"] = args.threads
     if args.kv_dtype is not None:
         kw["kv_dtype"] = args.kv_dtype
+    if getattr(args, "data_dir", None) is not None:
+        kw["data_dir"] = args.data_dir
+    if getattr(args, "host_offload_bytes", None) is not None:
+        kw["host_offload_bytes"] = args.host_offload_bytes
     t0 = time.perf_counter()
     # Keep stdout clean for results: anything a library prints while loading goes to stderr.
     with _err_console().status(f"loading {args.model} ..."), contextlib.redirect_stdout(sys.stderr):

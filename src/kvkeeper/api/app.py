@@ -8,7 +8,8 @@ Endpoints::
     POST   /v1/chat/completions     chat (messages through the model's chat template), SSE with stream=true
     POST   /v1/completions          raw text or token-id prompt
     POST   /tokenize                prompt token ids of a text or of messages (what a request would prefill)
-    GET    /v1/sessions             open sessions: id, tokens, blocks, turns
+    GET    /v1/sessions             open sessions: id, tokens, blocks, turns, tier (pool / host / disk)
+    POST   /v1/sessions/{id}/offload?tier=host|disk   move an idle session's KV out of the pool
     DELETE /v1/sessions/{id}        close a session and free its blocks (404 if unknown)
     GET    /admin/kv                live KV block map page (HTML); /admin/kv.json its data (kvkeeper.api.admin)
 
@@ -424,7 +425,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
     async def list_sessions():
         def ls(eng):
             return [{"id": s.id, "object": "session", "tokens": s.num_tokens, "blocks": s.num_blocks,
-                     "turns": len(s.turns)} for s in eng.sessions.values()]
+                     "turns": len(s.turns), "tier": s.tier} for s in eng.sessions.values()]
 
         return {"object": "list", "data": await engine.call(ls)}
 
@@ -448,6 +449,18 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
 
         blocks = await engine.call(close)
         return {"id": sid, "object": "session", "deleted": True, "freed_blocks": blocks}
+
+    @app.post("/v1/sessions/{sid}/offload")
+    async def offload_session(sid: str, tier: str = "host"):
+        def off(eng):
+            s = eng.sessions.get(sid)
+            if s is None:
+                raise SessionNotFoundError(f"no open session {sid!r}")
+            freed = s.offload(tier)
+            return freed, s.tier
+
+        freed, now = await engine.call(off)
+        return {"id": sid, "object": "session", "tier": now, "freed_blocks": freed}
 
     from .admin import add_admin_routes
 

@@ -215,10 +215,22 @@ class AsyncEngine:
             self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the engine thread; then, with a disk tier, save the sessions holding KV (see sessions.offload)."""
         self._stop.set()
         self._inbox.put(("wake",))
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                return
+        store = getattr(self.engine, "offload_store", None)
+        if store is not None and store.sessions_dir is not None:
+            try:
+                n = store.save_all()
+            except Exception:  # never let a shutdown fail on this
+                log.exception("could not save the sessions")
+            else:
+                if n:
+                    log.warning("saved %d sessions to %s", n, store.sessions_dir)
 
     @property
     def alive(self) -> bool:

@@ -30,6 +30,12 @@ kvkeeper:kv_fragmentation_rate             gauge      pool fragmentation rate: (
                                                       ids) / owned, mean over ``window`` (0..1)
 kvkeeper:kv_blocks                         gauge      blocks by ``state``: free, cached, owned (these three sum
                                                       to the pool size) and offloaded (outside the pool) (blocks)
+kvkeeper:kv_offload_total{tier}            counter    idle sessions offloaded to tier host / disk (sessions)
+kvkeeper:kv_offload_bytes_total{tier}      counter    KV bytes written to the tier (bytes)
+kvkeeper:kv_restore_total{tier}            counter    sessions whose KV came back from the tier (sessions)
+kvkeeper:kv_restore_failures_total{tier}   counter    offloaded sessions recomputed instead (corrupt file, no room)
+kvkeeper:kv_offloaded_bytes{tier}          gauge      KV bytes held in the tier now (bytes)
+kvkeeper:kv_offloaded_blocks               gauge      blocks' worth of KV held in host plus disk tiers (blocks)
 =========================================  =========  =====================================================
 
 The fragmentation figures are defined in :mod:`kvkeeper.kvcache.telemetry`; the engine
@@ -62,6 +68,28 @@ _FROM_SNAPSHOT = {
 }
 
 
+# snapshot["offload"] key -> (metric name, kind, help), one sample per tier
+_OFFLOAD = {
+    "offload_total": ("kvkeeper:kv_offload", "counter", "Idle sessions offloaded to the tier (sessions)."),
+    "offload_bytes_total": ("kvkeeper:kv_offload_bytes", "counter", "KV bytes written to the tier (bytes)."),
+    "restore_total": ("kvkeeper:kv_restore", "counter", "Sessions whose KV came back from the tier (sessions)."),
+    "restore_failures_total": ("kvkeeper:kv_restore_failures", "counter",
+                               "Offloaded sessions recomputed instead of restored (sessions)."),
+    "offloaded_bytes": ("kvkeeper:kv_offloaded_bytes", "gauge", "KV bytes held in the tier now (bytes)."),
+}
+
+
+def _offload_families(off: dict):
+    for key, (name, kind, doc) in _OFFLOAD.items():
+        fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["tier"])
+        for tier in ("host", "disk"):
+            fam.add_metric([tier], float(off.get(key, {}).get(tier, 0)))
+        yield fam
+    g = GaugeMetricFamily("kvkeeper:kv_offloaded_blocks", "Blocks' worth of KV held in the host and disk tiers.")
+    g.add_metric([], float(off.get("offloaded_blocks", 0)))
+    yield g
+
+
 class _SnapshotCollector:
     def __init__(self, owner: "ServerMetrics"):
         self.owner = owner
@@ -86,6 +114,7 @@ class _SnapshotCollector:
             for item in br["actions"]:
                 a.add_metric([item["tier"], item["action"]], float(item["count"]))
             yield a
+        yield from _offload_families(snap.get("offload") or {})
 
 
 # figure of kvkeeper.kvcache.telemetry.PoolStats -> (metric name, help)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ContextLengthError, InvalidRequestError
+from ..errors import ContextLengthError, InvalidRequestError, KVKeeperError
 from ..kvcache.block_pool import BlockPool
 from ..kvcache.manager import KVCacheManager
 from ..kvcache.namespace import Namespace
@@ -92,6 +92,9 @@ class LLMEngine:
     raise IntegrityError on a violation (default: $KVKEEPER_VALIDATE, else 0 = never).
     block_size: tokens per KV block.  KV budget: ``num_kv_blocks`` or ``kv_cache_bytes``
     (default 1 GiB).  ``max_num_batched_tokens``: the per-step token budget (chunked prefill).
+    Offload tiers of idle sessions (:mod:`kvkeeper.sessions.offload`): ``host_offload_bytes`` (host
+    memory budget, default 1 GiB) and ``data_dir`` (disk tier under ``data_dir/sessions``; None: no disk
+    tier); sessions saved there are registered as open sessions at start.
     Raises ModelNotFoundError / ModelFormatError / UnsupportedArchitectureError while loading.
     """
 
@@ -99,7 +102,8 @@ class LLMEngine:
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None, num_threads: int | None = None,
-                 kv_dtype: str | None = None, validate_every: int | None = None):
+                 kv_dtype: str | None = None, validate_every: int | None = None,
+                 data_dir: str | os.PathLike | None = None, host_offload_bytes: int | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_path = resolve_model_path(model)
@@ -143,6 +147,10 @@ class LLMEngine:
         if validate_every is None:
             validate_every = int(os.environ.get("KVKEEPER_VALIDATE", "0") or 0)
         self.validate_every = validate_every  # run the KV integrity validators every N steps (0: never)
+        from ..sessions.offload import SessionStore
+
+        self.offload_store = SessionStore(self, data_dir, host_offload_bytes)
+        self.offload_store.load_sessions()
 
     # ---- requests ----------------------------------------------------------
     @property
@@ -418,8 +426,29 @@ class LLMEngine:
         return {"evicted": evicted, "moved": len(moved)}
 
     def offloaded_blocks(self) -> int:
-        """Blocks' worth of session KV held outside the pool (host memory or disk); 0 without offload."""
-        return 0
+        """Blocks' worth of session KV held outside the pool (host memory and disk tiers)."""
+        return self.offload_store.num_blocks()
+
+    def offload_idle_sessions(self, n_blocks: int, tier: str = "host") -> int:
+        """Offload idle sessions, least recently used first, until ``n_blocks`` pool blocks are released.
+
+        tier: "host" (host memory; over its budget the oldest move on to disk) or "disk".
+        Returns the blocks released (may be fewer when not enough idle sessions pin KV).  Sessions
+        with a request in flight or compressed KV are skipped.  Raises :class:`InvalidRequestError`
+        for an unknown or disabled tier.
+        """
+        store = self.offload_store
+        store._check_tier(tier)
+        freed = 0
+        for s in sorted(self.sessions.values(), key=lambda s: s.last_used):
+            if freed >= n_blocks:
+                break
+            if store.is_idle(s):
+                try:
+                    freed += store.offload(s, tier)
+                except KVKeeperError as e:  # a failed disk write: that session keeps its KV in the pool
+                    log.warning("could not offload session %s: %s", s.id, e)
+        return freed
 
     def pool_stats(self):
         """Block states and fragmentation figures now (a :class:`kvkeeper.kvcache.telemetry.PoolStats`)."""
@@ -440,4 +469,5 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "sessions": len(self.sessions),
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "offload": self.offload_store.stats(),
         }

@@ -189,3 +189,46 @@ class PagedKV:
         if self.k_scale is not None:
             n += self.k_scale.nbytes + self.v_scale.nbytes
         return n
+
+    # ---- whole-block raw access (session offload) ------------------------------------------
+    def _parts(self) -> dict[str, torch.Tensor]:
+        parts = {"k": self.k, "v": self.v}
+        if self.k_scale is not None:
+            parts["k_scale"], parts["v_scale"] = self.k_scale, self.v_scale
+        return parts
+
+    @staticmethod
+    def _raw(t: torch.Tensor) -> torch.Tensor:
+        # float8 has no index_select / index_copy on CPU: move its bytes as uint8 instead
+        return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype != torch.int8 else t
+
+    def read_blocks(self, block_ids) -> dict[str, torch.Tensor]:
+        """Raw storage of whole blocks, copied to CPU tensors (no dequantization: a bit-exact copy).
+
+        block_ids: (n,) int64 tensor or list of block ids.  Returns ``{"k", "v"}`` of shape
+        ``(n, block_size, num_kv_heads, head_dim)`` in the storage dtype and, when quantized,
+        ``{"k_scale", "v_scale"}`` of shape ``(n, block_size, num_kv_heads)`` float16.
+        """
+        idx = torch.as_tensor(block_ids, dtype=torch.int64, device=self.k.device)
+        return {name: self._raw(t).index_select(0, idx).view(t.dtype).cpu()  # index_select copies
+                for name, t in self._parts().items()}
+
+    def write_blocks(self, block_ids, tensors: dict[str, torch.Tensor]) -> None:
+        """Write blocks read by :meth:`read_blocks` (any cache of the same format and shape) into ``block_ids``.
+
+        Raises ValueError when a part is missing or its dtype or shape differs from this cache's
+        (e.g. KV saved in another format or for another model), so foreign KV is never written.
+        """
+        idx = torch.as_tensor(block_ids, dtype=torch.int64, device=self.k.device)
+        parts = self._parts()
+        if set(tensors) != set(parts):
+            raise ValueError(f"layer {self.layer_idx}: KV parts {sorted(tensors)} do not match this cache's "
+                             f"{sorted(parts)} (another KV dtype?)")
+        for name, dst in parts.items():
+            src = tensors[name]
+            want = (len(idx), *dst.shape[1:])
+            if src.dtype != dst.dtype or tuple(src.shape) != want:
+                raise ValueError(f"layer {self.layer_idx} {name}: got {src.dtype} {tuple(src.shape)}, this cache "
+                                 f"needs {dst.dtype} {want}")
+        for name, dst in parts.items():
+            self._raw(dst).index_copy_(0, idx, self._raw(tensors[name].to(dst.device)))

@@ -178,10 +178,11 @@ class CircuitBreaker:
                 freed = eng._reclaim_from_sessions(need)
                 self._event(2, "unpin_idle_sessions", st, eng.pool_stats(), blocks=freed)
                 return
-            freed = offload(need, tier="host")
-            if freed < need and getattr(eng, "disk_offload_enabled", False):
-                freed += offload(need - freed, tier="disk")
-            self._event(2, "offload_idle_sessions", st, eng.pool_stats(), blocks=freed)
+            freed = offload(need, tier="host")  # the host tier spills its oldest sessions to disk over budget
+            store = getattr(eng, "offload_store", None)
+            held = store.stats()["offloaded_bytes"] if store is not None else {}
+            self._event(2, "offload_idle_sessions", st, eng.pool_stats(), blocks=freed,
+                        host_bytes=held.get("host", 0), disk_bytes=held.get("disk", 0))
         else:
             self._event(3, "refuse_new_sessions", st, retry_after_s=self.config.retry_after_s)
             self._trim_lowest_priority(st)

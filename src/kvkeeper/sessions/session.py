@@ -10,7 +10,9 @@ template's own tokenisation and reuses the longest common token prefix.
 
 Between turns the session pins its blocks (holds a reference).  Under memory
 pressure the engine may unpin an idle session: its full blocks stay in the
-prefix cache and are usually found again on the next turn.
+prefix cache and are usually found again on the next turn.  An idle session
+may also be offloaded (:meth:`Session.offload`, see :mod:`kvkeeper.sessions.offload`):
+its KV moves to host memory or disk and comes back at its next turn.
 """
 
 from __future__ import annotations
@@ -88,9 +90,26 @@ class Session:
     def num_blocks(self) -> int:
         return len(self._state.block_table) if self._state else 0
 
+    @property
+    def tier(self) -> str:
+        """Where the session's KV is: "pool", "host" or "disk" (see :mod:`kvkeeper.sessions.offload`)."""
+        store = getattr(self.engine, "offload_store", None)
+        return (store.tier_of(self.id) if store is not None else None) or "pool"
+
     def info(self) -> dict:
         return {"id": self.id, "turns": len(self.turns), "tokens": self.num_tokens, "blocks": self.num_blocks,
-                "messages": len(self.messages)}
+                "messages": len(self.messages), "tier": self.tier}
+
+    def offload(self, tier: str = "host") -> int:
+        """Move this idle session's KV out of the pool to ``tier`` ("host" or "disk"); returns blocks released.
+
+        The KV comes back on the next turn (:meth:`send` / :meth:`hand_over`).  Raises
+        :class:`InvalidRequestError` for a closed session, an unknown or disabled tier or a request
+        in flight, and ``OffloadError`` when the disk write fails (the KV then stays in the pool).
+        """
+        if self.closed:
+            raise InvalidRequestError(f"session {self.id} is closed")
+        return self.engine.offload_store.offload(self, tier)
 
     def unpin(self) -> int:
         """Release the pinned blocks (full ones stay in the prefix cache); returns how many were held."""
@@ -101,8 +120,11 @@ class Session:
         return n
 
     def close(self) -> None:
-        """Free the session's blocks and forget it."""
+        """Free the session's blocks (and any offloaded copy) and forget it."""
         self.unpin()
+        store = getattr(self.engine, "offload_store", None)
+        if store is not None:
+            store.discard(self.id)
         self._state = None
         self.closed = True
         self.engine.sessions.pop(self.id, None)
@@ -115,11 +137,19 @@ class Session:
         prompt (at least one prompt token is left to compute) and frees the rest;
         KV computed under another namespace (tenant salt) is freed, never handed
         over.  Marks ``seq`` so the engine leaves its blocks for :meth:`keep`.
-        Returns the number of tokens handed over.
+        An offloaded session's KV is first restored into the pool (or, when it
+        cannot be, recomputed).  Returns the number of tokens handed over.
         """
         eng = self.engine
-        st = self._state
         seq.keep_blocks = True
+        store = getattr(eng, "offload_store", None)
+        if store is not None and store.tier_of(self.id):
+            st = self._state
+            if self.reuse and st is not None and st.namespace == seq.namespace:
+                store.restore(self)
+            else:
+                store.discard(self.id)
+        st = self._state
         if st is None or not st.block_table:
             return 0
         if not self.reuse or st.namespace != seq.namespace or st.kv_offset:
