@@ -366,11 +366,23 @@ class LLMEngine:
         s.close()
 
     def _reclaim_from_sessions(self, n_blocks: int) -> int:
-        """Unpin idle sessions' blocks, least recently used first (their full blocks stay in the prefix cache)."""
+        """Release idle sessions' blocks, least recently used first; returns the block references dropped.
+
+        A session's KV goes to the host offload tier when that tier has a budget (it comes back on
+        the session's next turn); otherwise, or when that fails, the session is unpinned (its full
+        blocks stay in the prefix cache until evicted).
+        """
+        store = self.offload_store
         freed = 0
         for s in sorted(self.sessions.values(), key=lambda s: s.last_used):
             if freed >= n_blocks:
                 break
+            if store.host_budget > 0 and store.is_idle(s):
+                try:
+                    freed += store.offload(s, "host")
+                    continue
+                except KVKeeperError as e:
+                    log.warning("could not offload session %s to host memory (%s); unpinning it", s.id, e)
             freed += s.unpin()
         return freed
 
