@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--otlp-traces-endpoint", metavar="URL",
                    help="OTLP/HTTP traces endpoint, e.g. http://127.0.0.1:4318/v1/traces (implies --otel-traces otlp)")
     s.set_defaults(func=cmd_serve)
+    from .diagnostics.cli import add_audit_fraction, add_kv_commands
+
+    add_audit_fraction(s)
 
     e = sub.add_parser("eval", help="quality under KV quantization: perplexity of a long text",
                        description="Evaluate the model through kvkeeper's own KV cache.")
@@ -234,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default: 0)")
     pk.add_argument("--json", action="store_true", help="print one JSON object with the cells and the accuracy")
     pk.set_defaults(func=cmd_eval_passkey)
+
+    k = sub.add_parser("kv", help="KV cache diagnostics: dump, diff, audit",
+                       description="Inspect the KV cache: layer-wise dumps and diffs, the reuse audit.")
+    ksub = k.add_subparsers(dest="kv_command", metavar="TASK")
+    ksub.required = True
+    add_kv_commands(ksub, parent)
     return parser
 
 
@@ -261,6 +270,8 @@ def _load_engine(args: argparse.Namespace):
         kw["num_threads"] = args.threads
     if args.kv_dtype is not None:
         kw["kv_dtype"] = args.kv_dtype
+    if getattr(args, "audit_fraction", 0.0):
+        kw["audit_fraction"] = args.audit_fraction
     t0 = time.perf_counter()
     # Keep stdout clean for results: anything a library prints while loading goes to stderr.
     with _err_console().status(f"loading {args.model} ..."), contextlib.redirect_stdout(sys.stderr):

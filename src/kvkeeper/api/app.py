@@ -10,6 +10,7 @@ Endpoints::
     POST   /tokenize                prompt token ids of a text or of messages (what a request would prefill)
     GET    /v1/sessions             open sessions: id, tokens, blocks, turns
     DELETE /v1/sessions/{id}        close a session and free its blocks (404 if unknown)
+    GET    /admin/kv/dump           ?session=ID[&layers=0,5&start=N&end=M]: the session's K/V (safetensors)
 
 Headers: ``X-Session-ID`` pins a conversation's KV between requests; ``X-Cache-Salt``
 (or the body field ``cache_salt``) isolates a tenant's prefix cache.  Errors are
@@ -416,5 +417,14 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
 
         blocks = await engine.call(close)
         return {"id": sid, "object": "session", "deleted": True, "freed_blocks": blocks}
+
+    @app.get("/admin/kv/dump")
+    async def kv_dump(session: str, layers: str | None = None, start: int | None = None, end: int | None = None):
+        """A session's K/V as a safetensors file (kvkeeper.diagnostics.kvdump), built on the engine thread."""
+        from ..diagnostics.kvdump import dump_session, to_bytes
+
+        data = await engine.call(lambda eng: to_bytes(*dump_session(eng, session, layers, start, end)))
+        return Response(content=data, media_type="application/octet-stream",
+                        headers={"Content-Disposition": 'attachment; filename="kv-dump.safetensors"'})
 
     return app

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..diagnostics.audit import ReuseAuditor
 from ..errors import ContextLengthError, InvalidRequestError
 from ..kvcache.block_pool import BlockPool
 from ..kvcache.manager import KVCacheManager
@@ -90,6 +91,9 @@ class LLMEngine:
     fp8 are quantized per token and KV head on write (see ``kvkeeper.kvcache.quant``).
     validate_every: run the KV integrity validators (kvkeeper.kvcache.validate) before every N-th step and
     raise IntegrityError on a violation (default: $KVKEEPER_VALIDATE, else 0 = never).
+    audit_fraction: share of requests (0..1, default 0) whose prompt is recomputed without the cache once
+    their first token is out, comparing first-token logits and each layer's K/V (reuse audit, see
+    ``kvkeeper.diagnostics.audit``); audit_seed seeds the sampling, audit_tolerance overrides the defaults.
     block_size: tokens per KV block.  KV budget: ``num_kv_blocks`` or ``kv_cache_bytes``
     (default 1 GiB).  ``max_num_batched_tokens``: the per-step token budget (chunked prefill).
     Raises ModelNotFoundError / ModelFormatError / UnsupportedArchitectureError while loading.
@@ -99,7 +103,8 @@ class LLMEngine:
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None, num_threads: int | None = None,
-                 kv_dtype: str | None = None, validate_every: int | None = None):
+                 kv_dtype: str | None = None, validate_every: int | None = None, audit_fraction: float = 0.0,
+                 audit_seed: int | None = 0, audit_tolerance=None):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_path = resolve_model_path(model)
@@ -141,6 +146,10 @@ class LLMEngine:
         if validate_every is None:
             validate_every = int(os.environ.get("KVKEEPER_VALIDATE", "0") or 0)
         self.validate_every = validate_every  # run the KV integrity validators every N steps (0: never)
+        try:
+            self.auditor = ReuseAuditor(audit_fraction, audit_seed, audit_tolerance)  # reuse audit (0: off)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
 
     # ---- requests ----------------------------------------------------------
     @property
@@ -195,6 +204,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params, namespace or self.namespace)
         seq.compression = compression
+        seq.audit = self.auditor.sample()
         max_new = self.context_length - len(ids)
         seq.max_total_tokens = len(ids) + min(max_new, params.max_tokens or max_new)
         seq.generator = make_generator(params)
@@ -248,8 +258,10 @@ class LLMEngine:
         ids, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         now = time.perf_counter()
         for row, (seq, tok, lp) in enumerate(zip(seqs, ids, logps)):
-            if self.capture_first_logits and seq.first_logits is None:
+            if (self.capture_first_logits or seq.audit) and seq.first_logits is None:
                 seq.first_logits = logits[row].clone()
+                if seq.audit:  # the prompt's KV is complete: compare it with a recompute (before any free)
+                    self._audit(seq)
             seq.token_ids.append(tok)
             if seq.t_first_token is None:
                 seq.t_first_token = now
@@ -281,6 +293,13 @@ class LLMEngine:
             if obs is not None and not seq.finished and seq.num_computed - seq.kv_offset >= obs.length:
                 self._compress(seq)
         return finished
+
+    def _audit(self, seq: Sequence) -> None:
+        try:
+            self.auditor.audit(self, seq, seq.first_logits)
+        except Exception:  # the audit must never take a request down
+            log.exception("KV reuse audit of %s failed", seq.request_id)
+            self.auditor.skipped += 1
 
     @torch.inference_mode()
     def _compress(self, seq: Sequence) -> None:
@@ -398,4 +417,5 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "sessions": len(self.sessions),
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            **self.auditor.stats(),
         }
