@@ -42,33 +42,33 @@ def test_no_mismatch_over_mt_bench_sessions_and_shared_prefixes(eng, mt_bench):
     try:
         before = eng.auditor.total
         ids = []
-        for q in mt_bench[:3]:  # both turns of each question as a session: turn 2 reuses turn 1's KV
+        for q in mt_bench[:2]:  # both turns of each question as a session: turn 2 reuses turn 1's KV
             s = eng.new_session()
             for t in q["turns"]:
-                s.send(t, SamplingParams(max_tokens=8))
+                s.send(t, SamplingParams(max_tokens=6))
             ids += [f"{s.id}-t1", f"{s.id}-t2"]
             s.close()
         shared = "Answer the following question carefully and briefly, in one sentence. " * 3
-        prompts = [shared + q["turns"][0] for q in mt_bench[3:6]]
-        outs = eng.generate(prompts, SamplingParams(max_tokens=4))  # share the prefix within the batch...
-        outs += eng.generate(prompts, SamplingParams(max_tokens=4))  # ...and all but the last block the second time
+        prompts = [shared + q["turns"][0] for q in mt_bench[3:5]]
+        outs = eng.generate(prompts, SamplingParams(max_tokens=2))  # share the prefix within the batch...
+        outs += eng.generate(prompts, SamplingParams(max_tokens=2))  # ...and all but the last block the second time
     finally:
         eng.validate_every = 0
     ids += [o.request_id for o in outs]
-    assert eng.auditor.total - before == len(ids) == 12
+    assert eng.auditor.total - before == len(ids) == 8
     reps = [_report(eng, i) for i in ids]
     assert all(r.ok for r in reps), [r.summary() for r in reps if not r.ok]
     assert all(len(r.layer_max_abs_diff) == eng.config.num_layers and r.logits_max_abs_diff is not None
                for r in reps)
     turn2 = [r for r in reps if r.request_id.endswith("-t2")]
-    assert len(turn2) == 3 and all(r.cached_tokens > 0 for r in turn2)
-    # reuse vs recompute of a prompt whose KV came from prefill (prefix-cache hits): at most 1e-5 in fp32
-    batch2 = [_report(eng, o.request_id) for o in outs[3:]]
+    assert len(turn2) == 2 and all(r.cached_tokens > 0 for r in turn2)
+    # reuse vs recompute: fp32 rounding only (GEMMs of other shapes; turn 2 also reuses decoded tokens' KV,
+    # computed by one-row products): relative to the largest |K| or |V| at most 1e-5
+    batch2 = [_report(eng, o.request_id) for o in outs[2:]]
     assert all(r.cached_tokens >= r.prompt_tokens - 16 for r in batch2)
-    assert max(r.kv_max_abs_diff for r in batch2) <= 1e-5
-    assert max(r.logits_max_abs_diff for r in batch2) <= 1e-4
-    # turn 2 reuses KV of decoded tokens (one-row GEMV vs batched GEMM): fp32 rounding only
-    assert max(r.kv_max_abs_diff for r in turn2) <= 1e-4
+    assert max(r.kv_max_rel_diff for r in reps) <= 1e-5
+    assert max(r.kv_max_abs_diff for r in reps) <= 1e-4
+    assert max(r.logits_max_abs_diff for r in reps) <= 1e-4
     assert eng.auditor.mismatches == 0
 
 
@@ -102,7 +102,7 @@ def test_positions_shifted_by_one_are_named(eng):
 
 def test_block_freed_while_referenced_is_named(eng):
     s = eng.new_session()
-    s.send(TEXT_A + " " + TEXT_B, SamplingParams(max_tokens=4))
+    s.send(TEXT_A + " " + TEXT_B, SamplingParams(max_tokens=2))
     st = s._state
     assert st.num_computed >= 48
     bid = faults.free_while_referenced(eng, st, 2)  # positions 32..47: past the (shared) system prompt

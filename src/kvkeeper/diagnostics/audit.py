@@ -77,6 +77,7 @@ class AuditReport:
     layer, the first divergent token position in it and which of "k", "v" diverged
     there ("logits" with layer None when only the logits did); None when ok.
     kv_max_abs_diff: max |stored - recomputed| over every layer, token, head and dim.
+    kv_max_rel_diff: per layer and K or V, that max over the largest |recomputed| value; the max of those.
     layer_max_abs_diff: per layer, max over K and V.  logits_max_abs_diff: over the vocabulary.
     elapsed_ms: wall time of the recompute and comparison (ms).
     """
@@ -89,6 +90,7 @@ class AuditReport:
     token: int | None = None
     tensor: str | None = None
     kv_max_abs_diff: float = 0.0
+    kv_max_rel_diff: float = 0.0
     logits_max_abs_diff: float | None = None
     layer_max_abs_diff: list[float] = field(default_factory=list)
     elapsed_ms: float = 0.0
@@ -133,12 +135,13 @@ def recompute_prompt(runner, token_ids: list[int], chunk: int = 512) -> tuple[to
     return logits, caches
 
 
-def _first_divergence(stored: torch.Tensor, ref: torch.Tensor, tol: AuditTolerance) -> tuple[int | None, float]:
-    """stored, ref (P, KVH, D) float32 -> (first token position over tolerance or None, max abs diff)."""
+def _first_divergence(stored: torch.Tensor, ref: torch.Tensor,
+                      tol: AuditTolerance) -> tuple[int | None, float, float]:
+    """stored, ref (P, KVH, D) float32 -> (first token position over tolerance or None, max abs diff, max |ref|)."""
     err = (stored - ref).abs().flatten(1).amax(dim=1)  # (P,)
     scale = ref.abs().flatten(1).amax(dim=1)
-    bad = torch.nonzero(err > tol.kv_atol + tol.kv_rtol * scale)
-    return (int(bad[0, 0]) if bad.numel() else None), (float(err.max()) if err.numel() else 0.0)
+    bad = torch.nonzero(~(err <= tol.kv_atol + tol.kv_rtol * scale))  # NaN counts as divergent
+    return (int(bad[0, 0]) if bad.numel() else None), float(err.max()), float(scale.max())
 
 
 @torch.inference_mode()
@@ -166,13 +169,14 @@ def audit_sequence(engine, seq, logits: torch.Tensor | None = None, tolerance: A
     table = torch.tensor(seq.block_table[: -(-P // bs)], dtype=torch.int64, device=runner.device)
     ref_table = torch.arange(len(table), dtype=torch.int64, device=runner.device)
     layer = token = tensor = None
-    per_layer = []
+    per_layer, rel = [], 0.0
     for i, (cache, ref) in enumerate(zip(runner.kv_caches, ref_caches)):
         sk, sv = cache.gather(table, P, torch.float32)
         rk, rv = ref.gather(ref_table, P, torch.float32)
-        tk, dk = _first_divergence(sk, rk, tol)
-        tv, dv = _first_divergence(sv, rv, tol)
+        tk, dk, mk = _first_divergence(sk, rk, tol)
+        tv, dv, mv = _first_divergence(sv, rv, tol)
         per_layer.append(max(dk, dv))
+        rel = max(rel, dk / mk if mk else 0.0, dv / mv if mv else 0.0)
         if layer is None and (tk is not None or tv is not None):
             layer = i
             token, tensor = (tk, "k") if tv is None or (tk is not None and tk <= tv) else (tv, "v")
@@ -185,7 +189,8 @@ def audit_sequence(engine, seq, logits: torch.Tensor | None = None, tolerance: A
         tensor = "logits"
     return AuditReport(seq.request_id, P, max(getattr(seq, "num_cached_tokens", 0), 0),
                        ok=layer is None and not logits_bad, layer=layer, token=token, tensor=tensor,
-                       kv_max_abs_diff=max(per_layer) if per_layer else 0.0, logits_max_abs_diff=dlog,
+                       kv_max_abs_diff=max(per_layer) if per_layer else 0.0, kv_max_rel_diff=rel,
+                       logits_max_abs_diff=dlog,
                        layer_max_abs_diff=per_layer, elapsed_ms=1000 * (time.perf_counter() - t0))
 
 
