@@ -194,3 +194,20 @@ def test_server_counters_and_session_dump(tmp_path):
                      "--end", "20", "-o", str(out)]) == 0
         assert main(["kv", "diff", str(out), str(p)]) == 0
         assert main(["kv", "dump", "--server", base, "--session", "nope", "-o", str(out)]) == 2
+
+
+def test_kv_audit_command(eng, monkeypatch, capsys, tmp_path):
+    import kvkeeper.cli as cli
+
+    monkeypatch.setattr(cli, "_load_engine", lambda args: eng)
+    monkeypatch.setattr(eng, "auditor", ReuseAuditor(1.0))  # fresh counters for this command
+    conv = tmp_path / "c.jsonl"
+    conv.write_text(json.dumps({"id": "x", "turns": ["Say hello.", "Say goodbye."]}) + "\n")
+    assert cli.main(["kv", "audit", "--conversations", str(conv), "--max-tokens", "2", "--json"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(out) == 2 and all(r["ok"] for r in out) and out[1]["cached_tokens"] > 0
+    seq = eng.add_request(TEXT_B, SamplingParams(max_tokens=1), namespace=eng.isolated_namespace("cli"))
+    faults.shift_positions(eng, seq, 3, 4)
+    eng.run_until_done([seq])  # one divergent request on the same auditor: the command now exits 1
+    assert cli.main(["kv", "audit", "--prompt", "Hi", "--max-tokens", "1"]) == 1
+    assert "first divergent layer 0, token 3 (K)" in capsys.readouterr().out
