@@ -125,7 +125,10 @@ def _prompt_ids(engine, args) -> list[int]:
 
 
 def _fetch_session_dump(args) -> bytes:
-    import httpx
+    """GET /admin/kv/dump from the server (urllib: no client dependency)."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
 
     from ..cli import CLIError
 
@@ -134,17 +137,19 @@ def _fetch_session_dump(args) -> bytes:
         if getattr(args, k) is not None:
             params[k] = str(getattr(args, k))
     url = args.server.rstrip("/") + "/admin/kv/dump"
+    if not url.startswith(("http://", "https://")):
+        raise CLIError(f"--server must be an http:// or https:// URL, got {args.server!r}")
     try:
-        r = httpx.get(url, params=params, timeout=120)
-    except httpx.HTTPError as e:
-        raise CLIError(f"cannot reach {url}: {e}") from None
-    if r.status_code != 200:
+        with urllib.request.urlopen(url + "?" + urllib.parse.urlencode(params), timeout=120) as r:
+            return r.read()
+    except urllib.error.HTTPError as e:
         try:
-            msg = r.json()["error"]["message"]
+            msg = json.loads(e.read())["error"]["message"]
         except Exception:
-            msg = r.text[:200]
-        raise CLIError(f"{url} answered {r.status_code}: {msg}")
-    return r.content
+            msg = e.reason
+        raise CLIError(f"{url} answered {e.code}: {msg}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise CLIError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
 
 
 def cmd_kv_dump(args: argparse.Namespace) -> int:
