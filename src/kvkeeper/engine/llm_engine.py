@@ -258,10 +258,11 @@ class LLMEngine:
         ids, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         now = time.perf_counter()
         for row, (seq, tok, lp) in enumerate(zip(seqs, ids, logps)):
-            if (self.capture_first_logits or seq.audit) and seq.first_logits is None:
+            if self.capture_first_logits and seq.first_logits is None:
                 seq.first_logits = logits[row].clone()
-                if seq.audit:  # the prompt's KV is complete: compare it with a recompute (before any free)
-                    self._audit(seq)
+            if seq.audit:  # first token: the prompt's KV is complete; compare it with a recompute (before any free)
+                seq.audit = False
+                self._audit(seq, logits[row])
             seq.token_ids.append(tok)
             if seq.t_first_token is None:
                 seq.t_first_token = now
@@ -294,9 +295,9 @@ class LLMEngine:
                 self._compress(seq)
         return finished
 
-    def _audit(self, seq: Sequence) -> None:
+    def _audit(self, seq: Sequence, logits: torch.Tensor) -> None:
         try:
-            self.auditor.audit(self, seq, seq.first_logits)
+            self.auditor.audit(self, seq, logits)
         except Exception:  # the audit must never take a request down
             log.exception("KV reuse audit of %s failed", seq.request_id)
             self.auditor.skipped += 1
