@@ -111,14 +111,19 @@ def _read_messages(path: str) -> list[dict]:
     return obj
 
 
-def _prompt_ids(engine, args) -> list[int]:
+def _read_input(args):
+    """The messages of --messages, or the --prompt text; read and checked before the model loads."""
     from ..cli import CLIError
 
     if args.messages is not None:
-        return engine.encode_chat(_read_messages(args.messages))
+        return _read_messages(args.messages)
     if not args.prompt or not args.prompt.strip():
         raise CLIError("the prompt is empty: give some text with --prompt TEXT")
-    return engine.tokenizer.encode(args.prompt)
+    return args.prompt
+
+
+def _prompt_ids(engine, given) -> list[int]:
+    return engine.encode_chat(given) if isinstance(given, list) else engine.tokenizer.encode(given)
 
 
 # ---- dump ------------------------------------------------------------------------
@@ -167,8 +172,9 @@ def cmd_kv_dump(args: argparse.Namespace) -> int:
     else:
         if args.server:
             raise CLIError("--server goes with --session; --prompt/--messages are computed locally")
+        given = _read_input(args)
         engine = _load_engine(args)
-        ids = _prompt_ids(engine, args)
+        ids = _prompt_ids(engine, given)
         tensors, meta = dump_prompt(engine, ids, args.layers, args.start, args.end, warm_prefix=args.warm_prefix)
         data = to_bytes(tensors, meta)
     out.write_bytes(data)
@@ -199,6 +205,7 @@ def cmd_kv_audit(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise CLIError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     convs = load_conversations(args.conversations, args.limit) if args.conversations else None
+    given = None if convs is not None else _read_input(args)
     args.audit_fraction = 1.0
     engine = _load_engine(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
@@ -211,7 +218,7 @@ def cmd_kv_audit(args: argparse.Namespace) -> int:
             finally:
                 s.close()
     else:
-        engine.generate([_prompt_ids(engine, args)], params)
+        engine.generate([_prompt_ids(engine, given)], params)
     au = engine.auditor
     for r in au.reports:
         print(json.dumps(r.to_dict()) if args.json else r.summary())
