@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 EXIT_DIVERGED = 1
@@ -182,7 +181,8 @@ def cmd_kv_dump(args: argparse.Namespace) -> int:
 
     _, meta = load_dump(out)
     _stderr(f"wrote {out}: layers {meta['layers']}, positions {meta['token_start']}..{int(meta['token_end']) - 1}, "
-            f"{meta['tensor_dtype']} (KV {meta['kv_dtype']}, {meta['cached_tokens']} tokens reused), {len(data):,} bytes")
+            f"{meta['tensor_dtype']} (KV {meta['kv_dtype']}, {meta['cached_tokens']} tokens reused), "
+            f"{len(data):,} bytes")
     return EXIT_OK
 
 

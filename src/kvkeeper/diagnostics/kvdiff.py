@@ -73,7 +73,8 @@ def diff_dumps(a: tuple[dict, dict], b: tuple[dict, dict], atol: float = 0.0) ->
         for name in ("k", "v"):
             key = f"layers.{layer}.{name}"
             if key not in ta or key not in tb:
-                raise DumpMismatchError(f"tensor {key} is missing from the {'first' if key not in ta else 'second'} dump")
+                which = "first" if key not in ta else "second"
+                raise DumpMismatchError(f"tensor {key} is missing from the {which} dump")
             x, y = ta[key].to(torch.float64), tb[key].to(torch.float64)
             if x.shape != y.shape:
                 raise DumpMismatchError(f"{key} has shape {tuple(x.shape)} in the first dump and {tuple(y.shape)} "
