@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host-offload-bytes", type=_size, metavar="N",
                    help="host-memory budget of offloaded session KV, e.g. 2G (default: 1G)")
     s.set_defaults(func=cmd_serve)
+    from .diagnostics.cli import add_audit_fraction, add_kv_commands
+
+    add_audit_fraction(s)
 
     e = sub.add_parser("eval", help="quality under KV quantization: perplexity of a long text",
                        description="Evaluate the model through kvkeeper's own KV cache.")
@@ -251,8 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--json", action="store_true", help="print one JSON object with the cells and the accuracy")
     pk.set_defaults(func=cmd_eval_passkey)
 
-    kvp = sub.add_parser("kv", help="inspect the KV cache: block map",
-                         description="Inspect the KV cache of a server or of a local engine.")
+    kvp = sub.add_parser("kv", help="inspect the KV cache: block map, dump, diff, audit",
+                         description="Inspect the KV cache of a server or of a local engine: the block map, "
+                                     "layer-wise dumps and diffs, the reuse audit.")
     kvsub = kvp.add_subparsers(dest="kv_command", metavar="TOOL")
     kvsub.required = True
     km = kvsub.add_parser("map", parents=[parent], help="draw the KV block pool in the terminal",
@@ -269,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="at most N rows of cells; larger pools draw several blocks per cell (default: 32)")
     km.add_argument("--json", action="store_true", help="print the block-map document (JSON) instead of drawing it")
     km.set_defaults(func=cmd_kv_map)
+    add_kv_commands(kvsub, parent)
     return parser
 
 
@@ -300,6 +305,8 @@ def _load_engine(args: argparse.Namespace):
         kw["data_dir"] = args.data_dir
     if getattr(args, "host_offload_bytes", None) is not None:
         kw["host_offload_bytes"] = args.host_offload_bytes
+    if getattr(args, "audit_fraction", 0.0):
+        kw["audit_fraction"] = args.audit_fraction
     t0 = time.perf_counter()
     # Keep stdout clean for results: anything a library prints while loading goes to stderr.
     with _err_console().status(f"loading {args.model} ..."), contextlib.redirect_stdout(sys.stderr):

@@ -12,6 +12,7 @@ Endpoints::
     POST   /v1/sessions/{id}/offload?tier=host|disk   move an idle session's KV out of the pool
     DELETE /v1/sessions/{id}        close a session and free its blocks (404 if unknown)
     GET    /admin/kv                live KV block map page (HTML); /admin/kv.json its data (kvkeeper.api.admin)
+    GET    /admin/kv/dump           ?session=ID[&layers=0,5&start=N&end=M]: the session's K/V (safetensors)
 
     GET    /admin/breaker           the KV circuit breaker: tier, trips, action counts, recent events
 
@@ -461,6 +462,15 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
 
         freed, now = await engine.call(off)
         return {"id": sid, "object": "session", "tier": now, "freed_blocks": freed}
+
+    @app.get("/admin/kv/dump")
+    async def kv_dump(session: str, layers: str | None = None, start: int | None = None, end: int | None = None):
+        """A session's K/V as a safetensors file (kvkeeper.diagnostics.kvdump), built on the engine thread."""
+        from ..diagnostics.kvdump import dump_session, to_bytes
+
+        data = await engine.call(lambda eng: to_bytes(*dump_session(eng, session, layers, start, end)))
+        return Response(content=data, media_type="application/octet-stream",
+                        headers={"Content-Disposition": 'attachment; filename="kv-dump.safetensors"'})
 
     from .admin import add_admin_routes
 

@@ -19,6 +19,9 @@ kvkeeper:kv_cache_bytes_per_token          gauge      KV bytes per token, all la
 kvkeeper:breaker_tier                      gauge      circuit breaker tier: 0 closed, 1 compaction, 2 offload, 3 degrade
 kvkeeper:breaker_trips_total               counter    times the breaker tripped from closed
 kvkeeper:breaker_actions_total             counter    breaker actions, labels ``tier`` and ``action``
+kvkeeper:kv_audit_total                    counter    requests whose reused KV was audited (requests)
+kvkeeper:kv_audit_mismatch_total           counter    of those, with a divergent layer or logits (requests)
+kvkeeper:kv_audit_skipped_total            counter    sampled for the audit but not audited (requests)
 kvkeeper:time_to_first_token_seconds       histogram  arrival to first token (s)
 kvkeeper:time_per_output_token_seconds     histogram  mean gap between output tokens of a request (s)
 kvkeeper:e2e_request_latency_seconds       histogram  arrival to finish (s)
@@ -65,6 +68,13 @@ _FROM_SNAPSHOT = {
     "kv_bytes_per_token": ("kvkeeper:kv_cache_bytes_per_token", "gauge",
                            "KV cache bytes per token across all layers, values plus scales (bytes)."),
     "pinned_blocks": ("kvkeeper:pinned_blocks", "gauge", "KV blocks pinned by idle sessions (blocks)."),
+    "kv_audit_total": ("kvkeeper:kv_audit", "counter",
+                       "Requests whose prompt KV was recomputed and compared (reuse audit) (requests)."),
+    "kv_audit_mismatch_total": ("kvkeeper:kv_audit_mismatch", "counter",
+                                "Audited requests with a divergent layer or first-token logits (requests)."),
+    "kv_audit_skipped_total": ("kvkeeper:kv_audit_skipped", "counter",
+                               "Requests sampled for the audit but not audited: compressed KV or an audit "
+                               "error (requests)."),
 }
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..diagnostics.audit import ReuseAuditor
 from ..errors import ContextLengthError, InvalidRequestError, KVKeeperError
 from ..kvcache.block_pool import BlockPool
 from ..kvcache.manager import KVCacheManager
@@ -90,6 +91,9 @@ class LLMEngine:
     fp8 are quantized per token and KV head on write (see ``kvkeeper.kvcache.quant``).
     validate_every: run the KV integrity validators (kvkeeper.kvcache.validate) before every N-th step and
     raise IntegrityError on a violation (default: $KVKEEPER_VALIDATE, else 0 = never).
+    audit_fraction: share of requests (0..1, default 0) whose prompt is recomputed without the cache once
+    their first token is out, comparing first-token logits and each layer's K/V (reuse audit, see
+    ``kvkeeper.diagnostics.audit``); audit_seed seeds the sampling, audit_tolerance overrides the defaults.
     block_size: tokens per KV block.  KV budget: ``num_kv_blocks`` or ``kv_cache_bytes``
     (default 1 GiB).  ``max_num_batched_tokens``: the per-step token budget (chunked prefill).
     Offload tiers of idle sessions (:mod:`kvkeeper.sessions.offload`): ``host_offload_bytes`` (host
@@ -103,7 +107,8 @@ class LLMEngine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None, num_threads: int | None = None,
                  kv_dtype: str | None = None, validate_every: int | None = None,
-                 data_dir: str | os.PathLike | None = None, host_offload_bytes: int | None = None):
+                 data_dir: str | os.PathLike | None = None, host_offload_bytes: int | None = None,
+                 audit_fraction: float = 0.0, audit_seed: int | None = 0, audit_tolerance=None):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_path = resolve_model_path(model)
@@ -151,6 +156,10 @@ class LLMEngine:
 
         self.offload_store = SessionStore(self, data_dir, host_offload_bytes)
         self.offload_store.load_sessions()
+        try:
+            self.auditor = ReuseAuditor(audit_fraction, audit_seed, audit_tolerance)  # reuse audit (0: off)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
 
     # ---- requests ----------------------------------------------------------
     @property
@@ -205,6 +214,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params, namespace or self.namespace)
         seq.compression = compression
+        seq.audit = self.auditor.sample()
         max_new = self.context_length - len(ids)
         seq.max_total_tokens = len(ids) + min(max_new, params.max_tokens or max_new)
         seq.generator = make_generator(params)
@@ -262,6 +272,9 @@ class LLMEngine:
         for row, (seq, tok, lp) in enumerate(zip(seqs, ids, logps)):
             if self.capture_first_logits and seq.first_logits is None:
                 seq.first_logits = logits[row].clone()
+            if seq.audit:  # first token: the prompt's KV is complete; compare it with a recompute (before any free)
+                seq.audit = False
+                self._audit(seq, logits[row])
             seq.token_ids.append(tok)
             if seq.t_first_token is None:
                 seq.t_first_token = now
@@ -293,6 +306,13 @@ class LLMEngine:
             if obs is not None and not seq.finished and seq.num_computed - seq.kv_offset >= obs.length:
                 self._compress(seq)
         return finished
+
+    def _audit(self, seq: Sequence, logits: torch.Tensor) -> None:
+        try:
+            self.auditor.audit(self, seq, logits)
+        except Exception:  # the audit must never take a request down
+            log.exception("KV reuse audit of %s failed", seq.request_id)
+            self.auditor.skipped += 1
 
     @torch.inference_mode()
     def _compress(self, seq: Sequence) -> None:
@@ -482,4 +502,5 @@ class LLMEngine:
             "sessions": len(self.sessions),
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "offload": self.offload_store.stats(),
+            **self.auditor.stats(),
         }

@@ -51,6 +51,7 @@ class Sequence:
     text: str = ""
     logprobs: list = field(default_factory=list)
     first_logits: torch.Tensor | None = None  # (vocab,) float32, kept when the engine captures logits
+    audit: bool = False  # sampled for the reuse audit (kvkeeper.diagnostics.audit), until its first token
     keep_blocks: bool = False  # a session takes the blocks over when the request finishes
     compression: object | None = None  # kvcache.compression.KVCompression applied at the end of prefill
     observer: object | None = None  # its PrefillObserver while the prompt is being prefilled

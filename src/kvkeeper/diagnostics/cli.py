@@ -1,0 +1,227 @@
+"""``kvkeeper kv dump | diff | audit``: the diagnostics subcommands (wired into ``kvkeeper.cli``).
+
+* ``kv dump``  a prompt's K/V (computed here with the embedded model) or a running server's
+               session (``--server URL --session ID``) to a safetensors file (see ``kvdump``).
+* ``kv diff``  per-layer max/mean |difference| of two dumps and the first divergent layer and token;
+               exit status 0 when nothing diverges above ``--atol``, 1 when something does, 2 on error.
+* ``kv audit`` run prompts or conversations with every request audited (reuse vs recompute);
+               exit status 0 when no request diverged, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+EXIT_DIVERGED = 1
+
+
+def _fraction(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {s!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {s}")
+    return v
+
+
+def _non_negative_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def add_audit_fraction(p: argparse.ArgumentParser) -> None:
+    """``--audit-fraction F`` (for ``serve`` and other engine commands)."""
+    p.add_argument("--audit-fraction", type=_fraction, default=0.0, metavar="F",
+                   help="share of requests whose prompt is recomputed without the cache to check the reused KV "
+                        "and first-token logits (reuse audit, default 0: off)")
+
+
+def add_kv_commands(ksub, parent: argparse.ArgumentParser) -> None:
+    """Add ``dump``, ``diff`` and ``audit`` to the ``kv`` subparsers ``ksub``; parent: the engine options."""
+    d = ksub.add_parser("dump", parents=[parent], help="write a prompt's or a session's K/V to a safetensors file",
+                        description="Dump K and V (layers x token positions) to a safetensors file with metadata. "
+                                    "Either compute a prompt here (--prompt / --messages) or fetch a session's KV "
+                                    "from a running server (--server URL --session ID).")
+    src = d.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="raw prompt text")
+    src.add_argument("--messages", metavar="FILE.json",
+                     help="a conversation: a JSON list of {role, content} messages (or {\"messages\": [...]}), "
+                          "rendered with the chat template")
+    src.add_argument("--session", metavar="ID", help="a session of the server given by --server")
+    d.add_argument("--server", metavar="URL", help="base URL of a running `kvkeeper serve` (with --session)")
+    d.add_argument("--layers", metavar="LIST", help="layers such as 0,5,29 or 0-3 (default: all)")
+    d.add_argument("--start", type=int, metavar="N", help="first token position (default: 0)")
+    d.add_argument("--end", type=int, metavar="M", help="end token position, exclusive (default: all)")
+    d.add_argument("--warm-prefix", type=int, default=0, metavar="N",
+                   help="prefill the prompt's first N tokens first, so that the dump reuses them from the prefix "
+                        "cache (default: 0, the prompt is computed whole)")
+    d.add_argument("-o", "--output", required=True, metavar="OUT.safetensors", help="output file")
+    d.set_defaults(func=cmd_kv_dump)
+
+    f = ksub.add_parser("diff", help="compare two KV dumps layer by layer",
+                        description="Per-layer max and mean |A - B| of K and V, and the first divergent layer and "
+                                    "token.  Exit status 0: no divergence above --atol; 1: divergence; 2: error.")
+    f.add_argument("a", metavar="A.safetensors")
+    f.add_argument("b", metavar="B.safetensors")
+    f.add_argument("--atol", type=_non_negative_float, default=0.0, metavar="X",
+                   help="a token diverges when some |A - B| exceeds X (default: 0)")
+    f.add_argument("--json", action="store_true", help="print one JSON object")
+    f.set_defaults(func=cmd_kv_diff, verbose=False)
+
+    a = ksub.add_parser("audit", parents=[parent], help="run prompts with every request audited (reuse vs recompute)",
+                        description="Run a prompt, a conversation or conversations from a JSONL file (one session "
+                                    "per line, as `converse`) with the reuse audit on every request.  Exit status "
+                                    "0: no divergence; 1: some request diverged.")
+    src = a.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="raw prompt text")
+    src.add_argument("--messages", metavar="FILE.json", help="a conversation (JSON list of {role, content})")
+    src.add_argument("--conversations", metavar="FILE.jsonl", help="user turns per line (MT-Bench / Topical-Chat)")
+    a.add_argument("--limit", type=int, metavar="K", help="only the first K conversations")
+    a.add_argument("--max-tokens", type=int, default=16, metavar="N", help="tokens per reply (default: 16)")
+    a.add_argument("--json", action="store_true", help="print one JSON object per audited request")
+    a.set_defaults(func=cmd_kv_audit)
+
+
+# ---- helpers ---------------------------------------------------------------------
+
+
+def _read_messages(path: str) -> list[dict]:
+    from ..cli import CLIError
+
+    p = Path(path)
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if isinstance(obj, dict):
+        obj = obj.get("messages")
+    if not isinstance(obj, list) or not obj or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                        for m in obj):
+        raise CLIError(f"{p}: expected a JSON list of messages such as "
+                       '[{"role": "user", "content": "Hi"}] (or {"messages": [...]})')
+    return obj
+
+
+def _read_input(args):
+    """The messages of --messages, or the --prompt text; read and checked before the model loads."""
+    from ..cli import CLIError
+
+    if args.messages is not None:
+        return _read_messages(args.messages)
+    if not args.prompt or not args.prompt.strip():
+        raise CLIError("the prompt is empty: give some text with --prompt TEXT")
+    return args.prompt
+
+
+def _prompt_ids(engine, given) -> list[int]:
+    return engine.encode_chat(given) if isinstance(given, list) else engine.tokenizer.encode(given)
+
+
+# ---- dump ------------------------------------------------------------------------
+
+
+def _fetch_session_dump(args) -> bytes:
+    """GET /admin/kv/dump from the server (urllib: no client dependency)."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from ..cli import CLIError
+
+    params = {"session": args.session}
+    for k in ("layers", "start", "end"):
+        if getattr(args, k) is not None:
+            params[k] = str(getattr(args, k))
+    url = args.server.rstrip("/") + "/admin/kv/dump"
+    if not url.startswith(("http://", "https://")):
+        raise CLIError(f"--server must be an http:// or https:// URL, got {args.server!r}")
+    try:
+        with urllib.request.urlopen(url + "?" + urllib.parse.urlencode(params), timeout=120) as r:
+            return r.read()
+    except urllib.error.HTTPError as e:
+        try:
+            msg = json.loads(e.read())["error"]["message"]
+        except Exception:
+            msg = e.reason
+        raise CLIError(f"{url} answered {e.code}: {msg}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise CLIError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
+
+
+def cmd_kv_dump(args: argparse.Namespace) -> int:
+    from ..cli import EXIT_OK, CLIError, _load_engine, _stderr
+    from .kvdump import dump_prompt, parse_layers, to_bytes
+
+    parse_layers(args.layers, None)  # the list's syntax, before anything slow (the range is checked later)
+    out = Path(args.output)
+    if not out.resolve().parent.is_dir():
+        raise CLIError(f"cannot write {out}: folder {out.resolve().parent} does not exist")
+    if args.session is not None:
+        if not args.server:
+            raise CLIError("--session needs --server URL (the running server that holds the session)")
+        data = _fetch_session_dump(args)
+    else:
+        if args.server:
+            raise CLIError("--server goes with --session; --prompt/--messages are computed locally")
+        given = _read_input(args)
+        engine = _load_engine(args)
+        ids = _prompt_ids(engine, given)
+        tensors, meta = dump_prompt(engine, ids, args.layers, args.start, args.end, warm_prefix=args.warm_prefix)
+        data = to_bytes(tensors, meta)
+    out.write_bytes(data)
+    from .kvdiff import load_dump
+
+    _, meta = load_dump(out)
+    _stderr(f"wrote {out}: layers {meta['layers']}, positions {meta['token_start']}..{int(meta['token_end']) - 1}, "
+            f"{meta['tensor_dtype']} (KV {meta['kv_dtype']}, {meta['cached_tokens']} tokens reused), "
+            f"{len(data):,} bytes")
+    return EXIT_OK
+
+
+def cmd_kv_diff(args: argparse.Namespace) -> int:
+    from ..cli import EXIT_OK
+    from .kvdiff import diff_files, format_report
+
+    r = diff_files(args.a, args.b, args.atol)
+    print(json.dumps(r) if args.json else format_report(r))
+    return EXIT_OK if r["first_divergent"] is None else EXIT_DIVERGED
+
+
+# ---- audit -----------------------------------------------------------------------
+
+
+def cmd_kv_audit(args: argparse.Namespace) -> int:
+    from ..cli import EXIT_OK, CLIError, _load_engine, _stderr, load_conversations
+    from ..engine.sampling_params import SamplingParams
+
+    if args.max_tokens < 1:
+        raise CLIError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    convs = load_conversations(args.conversations, args.limit) if args.conversations else None
+    given = None if convs is not None else _read_input(args)
+    args.audit_fraction = 1.0
+    engine = _load_engine(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    if convs is not None:
+        for _, turns in convs:
+            s = engine.new_session(params=params)
+            try:
+                for t in turns:
+                    s.send(t)
+            finally:
+                s.close()
+    else:
+        engine.generate([_prompt_ids(engine, given)], params)
+    au = engine.auditor
+    for r in au.reports:
+        print(json.dumps(r.to_dict()) if args.json else r.summary())
+    _stderr(f"audited {au.total} requests: {au.mismatches} diverged, {au.skipped} skipped"
+            + ("" if au.total <= len(au.reports) else f" (the last {len(au.reports)} are listed)"))
+    return EXIT_OK if au.mismatches == 0 else EXIT_DIVERGED
