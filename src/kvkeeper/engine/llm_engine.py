@@ -272,7 +272,7 @@ class LLMEngine:
         now = time.perf_counter()
         for row, (seq, tok, lp) in enumerate(zip(seqs, ids, logps)):
             if self.capture_first_logits and seq.first_logits is None:
-                seq.first_logits = logits[row].clone()
+                seq.first_logits = logits[row].cpu().clone()
             seq.token_ids.append(tok)
             if seq.t_first_token is None:
                 seq.t_first_token = now

@@ -114,20 +114,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled) -> tuple[torch.Tensor | None, list]:
-        """Run one step; returns (float32 logits (N, vocab) for sequences that need a token, those sequences)."""
+        """Run one step; returns (float32 logits (N, vocab) on the model's device for sequences that need a
+        token, those sequences)."""
         input_ids, positions, meta, rows, seqs = self.build_batch(scheduled)
         if self.graphs is not None and not meta.prefills and meta.decode_indices is not None:
             size = self.graphs.can_replay(len(seqs), meta.decode_block_tables.shape[1])
             if size is not None and len(rows) == input_ids.numel():  # decode-only: row i is sequence i
                 logits = self.graphs.replay(size, input_ids, positions, meta.slot_mapping,
                                             meta.decode_block_tables, meta.decode_context_lens)
-                return logits.cpu(), seqs
+                return logits, seqs
             self.graphs.eager_steps += 1
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not rows:
             return None, []
         h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device))
-        return self.model.compute_logits(h).cpu(), seqs
+        return self.model.compute_logits(h), seqs  # on the model's device: the sampler moves what it needs
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Capture decode-step CUDA graphs for batches up to ``max_num_seqs`` (see kvkeeper.model.cuda_graphs).

@@ -26,9 +26,10 @@ block_size, KVH)`` for K and for V):
 Quantized blocks are dequantized in the kernel: ``value.to(float32) * scale``, then cast to the query
 dtype before the product, as the reference (:mod:`kvkeeper.model.attention`) does.
 
-``triton`` is imported lazily by :func:`available`; importing this module without triton installed
-fails with ImportError, so callers go through :func:`available` first.  The kernels run on CPU
-tensors when ``TRITON_INTERPRET=1`` is set before triton is imported (the CI tests do that).
+Only this module imports ``triton``, and only the kernel backend imports this module; importing it without triton installed
+fails with ImportError, so callers check :func:`kvkeeper.model.runner.triton_available` first.
+The kernels run on CPU tensors when ``TRITON_INTERPRET=1`` is set before this module is imported
+(``triton.jit`` reads it when the kernels are defined; the CI tests do that).
 
 ``BT_FAULT`` (a constexpr, 0 in production) adds an offset to every block-table index; it exists
 only so that a test can break the kernels on purpose and see the comparison fail.
@@ -305,7 +306,7 @@ def _extend_kernel(q_ptr, o_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_ptr, qstar
 
 def extend_attention(q: torch.Tensor, cache: PagedKV, q_starts: torch.Tensor, q_lens: torch.Tensor,
                      context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, max_q_len: int,
-                     out: torch.Tensor | None = None, block_m: int = 16, block_n: int = 32,
+                     out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
                      _bt_fault: int = 0) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged KV (cached plus new).
 
@@ -313,9 +314,12 @@ def extend_attention(q: torch.Tensor, cache: PagedKV, q_starts: torch.Tensor, q_
     ``context_lens[s]`` tokens of KV (its new tokens included, already stored) in the blocks of
     ``block_tables[s]`` ((S, W) int).  ``max_q_len``: host int, the largest q_len.  Rows of q that
     belong to no sequence are left untouched in ``out`` (default: a new empty tensor).  Returns
-    (T, H, D) in q's dtype.
+    (T, H, D) in q's dtype.  Tiles: ``block_m`` queries x ``block_n`` keys (default 64 x 64 on CUDA,
+    16 x 32 elsewhere, i.e. under the interpreter).
     """
     T, H, D = q.shape
+    block_m = block_m or (64 if q.is_cuda else 16)
+    block_n = block_n or (64 if q.is_cuda else 32)
     KVH = cache.k.shape[2]
     if H % KVH:
         raise ValueError(f"{H} query heads are not a multiple of {KVH} KV heads")
