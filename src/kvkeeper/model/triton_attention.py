@@ -96,8 +96,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: PagedKV, slots: torch.Tens
         ksc, vsc = cache.k_scale, cache.v_scale
     else:
         sk = sv = ksc = vsc = k  # unused placeholders (HAS_SCALES=False)
+    kc, vc = cache.k, cache.v
+    if kc.element_size() == 1 and kc.dtype != torch.int8:  # fp8: copy the bytes (no fp8 arithmetic needed)
+        k, v, kc, vc = k.view(torch.uint8), v.view(torch.uint8), kc.view(torch.uint8), vc.view(torch.uint8)
     _store_kv_kernel[(T, KVH)](
-        k, v, cache.k, cache.v, sk, sv, ksc, vsc, slots,
+        k, v, kc, vc, sk, sv, ksc, vsc, slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), KVH, D,
         HAS_SCALES=cache.fmt.quantized, BLOCK_D=_next_pow2(D),
     )
