@@ -148,3 +148,44 @@ def test_decode_graph_buffers_padding_equals_unpadded_eager(tiny_config):
     assert all(torch.equal(a, c.k) for a, c in zip(after_eager, runner.kv_caches))  # padding wrote nothing
     with pytest.raises(ValueError, match="does not fit"):
         graphs.fill(2, ids, pos, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
+
+
+def test_cli_generate_with_dummy_weights(tiny_config):
+    r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "generate", "--load-format", "dummy", "--model", tiny_config,
+                        "--device", "cpu", "--prompt", "hello", "--max-tokens", "3", "--json", "--kv-blocks", "64"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["prompt_tokens"] == 5 and out["completion_tokens"] == 3  # bytes of "hello"; the tiny config has no EOS
+    assert "float32 on cpu" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "generate", "--load-format", "dummy", "--model", "nope",
+                        "--prompt", "x"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "llama-3.1-8b" in r.stderr
+
+
+def test_runner_replays_padded_graph_batches_for_decode_steps(tiny_config):
+    # The runner's graph dispatch on CPU: "replay" runs the captured computation (forward_static) eagerly on
+    # the padded static buffers.  Decode-only steps of 3 sequences go through size 4; tokens equal the
+    # PyTorch path's; prefill and mixed steps stay eager.
+    from kvkeeper.model.cuda_graphs import DecodeGraphs
+
+    class EagerReplay(DecodeGraphs):
+        def replay(self, size, *batch):
+            self.fill(size, *batch)
+            self.replays += 1
+            self.sizes_used.add(size)
+            return self.forward_static(size)[: batch[0].shape[0]]
+
+    kw = dict(load_format="dummy", seed=5, kv_cache_bytes=1 << 20, block_size=4)
+    prompts = [list(range(7, 7 + n)) for n in (3, 9, 14)]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLMEngine(tiny_config, **kw).generate(prompts, sp)]
+    eng = LLMEngine(tiny_config, attention_backend="triton", **kw)
+    graphs = EagerReplay(eng.runner, max_model_len=eng.context_length, sizes=(1, 2, 4, 8))
+    graphs.graphs = {s: None for s in graphs.sizes}  # "captured"
+    graphs.sizes_used = set()
+    eng.runner.graphs = graphs
+    got = [o.token_ids for o in eng.generate(prompts, sp)]
+    assert got == want
+    assert graphs.replays >= 5 and graphs.sizes_used == {4}
+    assert graphs.eager_steps == 0  # the prefill step has prefills: it never asks for a graph
