@@ -11,13 +11,15 @@ weights of a shipped Llama-3.1-8B config, bf16):
 2. ``bandwidth``: device-to-device copy bandwidth (``torch`` copy of 1 GiB: bytes read + written per second)
    and decode attention over one layer of an 8B-shaped cache at several (batch, length): bytes of K/V
    (and scales) read per second, as a fraction of the copy bandwidth; the PyTorch reference path beside it.
-3. ``decode``: end-to-end steady-state decode throughput at batch 1, 16, 64, 256 (128-token random prompts,
-   128 new tokens, EOS ignored): kvkeeper with CUDA graphs, kvkeeper eager, and transformers'
-   ``generate_batch`` (continuous batching) on a model of the same config (its own random weights) on the
-   same GPU.  Throughput = tokens emitted while every request of the batch is decoding / that window.
+3. ``decode``: kvkeeper's end-to-end steady-state decode throughput at batch 1, 16, 64, 256 (128-token
+   random prompts, 128 new tokens, greedy, EOS ignored), with CUDA graphs and eager.  Throughput = tokens
+   emitted while every request of the batch is decoding / that window.
 4. ``ttft``: time to first token of a later turn after 8k and 32k tokens of history (64 new tokens), with
    prefix reuse (the history's blocks come from the prefix cache) and without (an isolated namespace:
    the whole history is prefilled again).
+5. ``transformers``: the peer, last (so that kvkeeper's figures are written first): transformers'
+   ``generate_batch`` (continuous batching) on a model of the same config (its own random weights), same
+   prompts, same GPU, same throughput measure (from its per-token timestamps).
 
 Usage::
 
@@ -44,7 +46,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("kernels", "bandwidth", "decode", "ttft")
+SECTIONS = ("kernels", "bandwidth", "decode", "ttft", "transformers")
 
 
 def parse_args(argv=None):
@@ -58,7 +60,6 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--histories", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--kv-cache-gb", type=float, default=40.0, help="kvkeeper KV pool (GB)")
-    p.add_argument("--no-transformers", action="store_true", help="skip the transformers generate_batch peer")
     p.add_argument("--smoke-cpu", action="store_true",
                    help="tiny config on the CPU with Triton's interpreter: checks this script, measures nothing")
     return p.parse_args(argv)
@@ -354,8 +355,13 @@ def make_engine(cfg_name, dev, dtype, kv_bytes, max_num_seqs, max_model_len, chu
                      block_size=16, attention_backend="triton", validate_every=0)
 
 
+def decode_prompts(B: int, vocab: int, length: int) -> list[list[int]]:
+    """The batch-B prompts (seeded by B: kvkeeper and transformers get the same token ids)."""
+    g = torch.Generator().manual_seed(1000 + B)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(B)]
+
+
 def section_decode(dev, args, cfg_name) -> dict:
-    g = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     eng = make_engine(cfg_name, dev, args.dtype, int(args.kv_cache_gb * GB), max(args.batches),
                       args.prompt_len + args.new_tokens + 16, 1024 if args.smoke_cpu else 8192)
@@ -365,14 +371,18 @@ def section_decode(dev, args, cfg_name) -> dict:
     vocab = eng.config.vocab_size
     rows = []
     for B in args.batches:
-        prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(B)]
-        row = {"batch": B, "prompts": prompts}
-        row["kvkeeper_graphs"] = kvkeeper_decode(eng, prompts, args.new_tokens) if graphs else None
-        eng.runner.graphs = None
-        try:
-            row["kvkeeper_eager"] = kvkeeper_decode(eng, prompts, args.new_tokens)
-        finally:
-            eng.runner.graphs = graphs
+        prompts = decode_prompts(B, vocab, args.prompt_len)
+        row = {"batch": B}
+        for mode, g in (("kvkeeper_graphs", graphs), ("kvkeeper_eager", None)):
+            if mode == "kvkeeper_graphs" and graphs is None:
+                row[mode] = None
+                continue
+            eng.runner.graphs = g
+            try:
+                kvkeeper_decode(eng, prompts, 4)  # warm-up: any kernel variant compiles outside the measurement
+                row[mode] = kvkeeper_decode(eng, prompts, args.new_tokens)
+            finally:
+                eng.runner.graphs = graphs
         log(f"kvkeeper batch {B}: graphs {row['kvkeeper_graphs'] and row['kvkeeper_graphs']['tok_per_s']}, "
             f"eager {row['kvkeeper_eager']['tok_per_s']} tok/s")
         rows.append(row)
@@ -382,8 +392,11 @@ def section_decode(dev, args, cfg_name) -> dict:
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    if args.no_transformers:
-        return res
+    return res
+
+
+def section_transformers(dev, args, cfg_name) -> dict:
+    """transformers generate_batch on a model of the same config (its own random weights), same prompts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvkeeper.model.dummy import resolve_config
@@ -394,14 +407,16 @@ def section_decode(dev, args, cfg_name) -> dict:
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
     model.eval()
-    res["transformers_load_s"] = time.perf_counter() - t0
-    for row in rows:
+    res = {"load_s": time.perf_counter() - t0, "rows": []}
+    for B in args.batches:
+        prompts = decode_prompts(B, hf_cfg.vocab_size, args.prompt_len)
         try:
-            row["transformers_generate_batch"] = transformers_decode(model, row["prompts"], args.new_tokens,
-                                                                     args.smoke_cpu)
+            r = transformers_decode(model, prompts, args.new_tokens, args.smoke_cpu)
         except Exception as e:  # noqa: BLE001  (record and go on)
-            row["transformers_generate_batch"] = {"error": f"{type(e).__name__}: {e}"}
-        log(f"transformers batch {row['batch']}: {row['transformers_generate_batch'].get('tok_per_s')} tok/s")
+            r = {"error": f"{type(e).__name__}: {e}"}
+        r["batch"] = B
+        res["rows"].append(r)
+        log(f"transformers batch {B}: {r.get('tok_per_s')} tok/s")
     del model
     gc.collect()
     if dev.type == "cuda":
@@ -487,14 +502,15 @@ def markdown(res: dict) -> str:
                f"kvkeeper CUDA graphs captured for {d['graph_sizes']}.", "",
                "| batch | kvkeeper (CUDA graphs) | kvkeeper (eager) | transformers generate_batch | kvkeeper / transformers |",
                "|---|---|---|---|---|"]
+        tf_rows = {r["batch"]: r for r in (res.get("transformers") or {}).get("rows", [])}
         for r in d["rows"]:
             kg = (r.get("kvkeeper_graphs") or {}).get("tok_per_s")
             ke = (r.get("kvkeeper_eager") or {}).get("tok_per_s")
-            tf = (r.get("transformers_generate_batch") or {}).get("tok_per_s")
+            tf = (tf_rows.get(r["batch"]) or {}).get("tok_per_s")
             best = kg or ke
             md.append(f"| {r['batch']} | {fmt(kg)} | {fmt(ke)} | {fmt(tf)} | "
                       f"{fmt(best / tf, 2) if best and tf else 'n/a'} |")
-        tf_any = next((r.get("transformers_generate_batch") for r in d["rows"] if r.get("transformers_generate_batch")), None)
+        tf_any = next(iter(tf_rows.values()), None)
         if tf_any:
             md += ["", f"transformers attention: `{tf_any.get('attn_implementation', tf_any.get('error'))}`."]
         md.append("")
@@ -558,12 +574,12 @@ def main() -> int:
                 res[name] = section_decode(dev, args, cfg_name)
             elif name == "ttft":
                 res[name] = section_ttft(dev, args, cfg_name)
+            elif name == "transformers":
+                res[name] = section_transformers(dev, args, cfg_name)
         except Exception as e:  # noqa: BLE001  (keep the other sections)
             traceback.print_exc()
             res[name] = {"error": f"{type(e).__name__}: {e}"}
         res.setdefault("section_s", {})[name] = time.perf_counter() - t0
-        for r in (res.get("decode") or {}).get("rows", []):
-            r.pop("prompts", None)
         write_report(out, "gpu_bench", res, markdown(res))
     ok = all("error" not in res.get(s, {}) for s in args.sections)
     k = res.get("kernels")
