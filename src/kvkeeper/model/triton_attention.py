@@ -88,6 +88,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: PagedKV, slots: torch.Tens
     T, KVH, D = k.shape
     if T == 0:
         return
+    k = k if k.stride(-1) == 1 else k.contiguous()  # the kernel walks rows and heads by stride, D densely
+    v = v if v.stride(-1) == 1 else v.contiguous()
     if cache.fmt.quantized:
         qk, sk = quantize(k, cache.fmt)
         qv, sv = quantize(v, cache.fmt)
@@ -326,7 +328,10 @@ def extend_attention(q: torch.Tensor, cache: PagedKV, q_starts: torch.Tensor, q_
     KVH = cache.k.shape[2]
     if H % KVH:
         raise ValueError(f"{H} query heads are not a multiple of {KVH} KV heads")
+    q = q.contiguous()
     out = torch.empty_like(q) if out is None else out
+    if out.stride(-1) != 1:
+        raise ValueError("extend_attention: out must be dense in its last dimension")
     S = q_lens.shape[0]
     if S == 0 or T == 0:
         return out
