@@ -8,6 +8,8 @@ that needs a new token.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..kvcache.quant import KVFormat, PagedKV, parse_kv_format
@@ -60,6 +62,11 @@ class ModelRunner:
         if transposed_weights:
             self.model.add_transposed_copies()
         self.attention_backend = resolve_attention_backend(attention_backend, self.device)
+        if (self.attention_backend == "triton" and self.kv_format.name == "fp8_e4m3" and self.device.type == "cuda"
+                and torch.cuda.get_device_capability(self.device) < (8, 9)):
+            # Triton has no e4m3 type before Ada/Hopper (sm_89): fp8 blocks go through the PyTorch path
+            logging.getLogger(__name__).warning("fp8 KV cache on a GPU older than sm_89: PyTorch attention path")
+            self.attention_backend = "torch"
         self.graphs = None  # a cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
         self.kv_caches = [PagedKV(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.device,
                                   layer_idx=i) for i in range(cfg.num_layers)]
