@@ -185,3 +185,21 @@ def test_broken_extend_kernel_is_caught():
     bad = tk.extend_attention(q, c_tk, starts, lens, ctx, bt, 0.25, mq, _bt_fault=1)
     assert max_err(ok, want) < TOL["int8"]
     assert max_err(bad, want) > 1e-2
+
+
+@pytest.mark.parametrize("kv,dtype,bs", [("float32", torch.float32, 16), ("int8", torch.float32, 4),
+                                         ("bfloat16", torch.bfloat16, 16), ("fp8_e4m3", torch.bfloat16, 8)])
+def test_start_up_self_check(kv, dtype, bs):
+    # what the runner runs on CUDA before trusting the kernels: small against tolerance here, large when broken
+    err = tk.self_check(8, 2, 16, parse_kv_format(kv), dtype, "cpu", bs)
+    assert err < tk.SELF_CHECK_TOL[dtype]
+    orig = tk.decode_attention
+
+    def broken(q, cache, tables, lens, scale, **k):  # a wrong softmax scale (memory-safe, unlike a bad index here)
+        return orig(q, cache, tables, lens, scale * 1.5, **k)
+
+    tk.decode_attention = broken
+    try:
+        assert tk.self_check(8, 2, 16, parse_kv_format(kv), dtype, "cpu", bs) > tk.SELF_CHECK_TOL[dtype]
+    finally:
+        tk.decode_attention = orig

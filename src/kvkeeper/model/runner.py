@@ -67,9 +67,33 @@ class ModelRunner:
             # Triton has no e4m3 type before Ada/Hopper (sm_89): fp8 blocks go through the PyTorch path
             logging.getLogger(__name__).warning("fp8 KV cache on a GPU older than sm_89: PyTorch attention path")
             self.attention_backend = "torch"
+        if self.attention_backend == "triton" and self.device.type == "cuda":
+            self._check_kernels()
         self.graphs = None  # a cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
         self.kv_caches = [PagedKV(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.device,
                                   layer_idx=i) for i in range(cfg.num_layers)]
+
+    def _check_kernels(self) -> None:
+        """Compare the kernels with the PyTorch path on a small step of this model's shapes; on an error or a
+        mismatch, log it and use the PyTorch path (a GPU or Triton version the kernels do not handle)."""
+        from . import triton_attention as tk
+
+        cfg = self.cfg
+        try:
+            err = tk.self_check(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.dtype,
+                                self.device, self.block_size)
+        except Exception as e:  # noqa: BLE001  (compile or launch failure)
+            logging.getLogger(__name__).warning("Triton attention kernels failed (%s: %s); using the PyTorch path",
+                                                type(e).__name__, e)
+            self.attention_backend, self.kernel_check_error = "torch", None
+            return
+        self.kernel_check_error = err
+        if not err <= tk.SELF_CHECK_TOL.get(self.dtype, 5e-2):
+            logging.getLogger(__name__).warning("Triton attention kernels differ from the PyTorch path by %.3g "
+                                                "(relative); using the PyTorch path", err)
+            self.attention_backend = "torch"
+
+    kernel_check_error: float | None = None  # relative error of the start-up kernel check (CUDA), None if not run
 
     @property
     def kv_bytes_per_token(self) -> int:

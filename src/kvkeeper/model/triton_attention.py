@@ -392,3 +392,63 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
                                 num_splits=getattr(meta, "decode_num_splits", None))
     starts, lens, ctx, bt, max_q = _extend_inputs(meta, q.device)
     return extend_attention(q, cache, starts, lens, ctx, bt, scale, max_q)
+
+
+# ---- start-up check -----------------------------------------------------------------------------
+
+SELF_CHECK_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def self_check(num_heads: int, num_kv_heads: int, head_dim: int, fmt, dtype: torch.dtype,
+               device: torch.device | str, block_size: int) -> float:
+    """Run a mixed step (a decode token plus a 20-token chunk over 30 cached tokens) and a decode-only step
+    through the kernels and through the PyTorch reference on small random caches of the model's shapes.
+
+    Returns the larger max |kernel - reference| / max |reference| of the two steps (compare it with
+    ``SELF_CHECK_TOL[dtype]``).  Compiles the variants the model will use, so it costs little extra.
+    """
+    from .attention import AttentionMetadata, PrefillSpan, paged_attention
+
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    bs = block_size
+    need_a, need_b = -(-37 // bs), -(-50 // bs)
+    nb = need_a + need_b + 2
+    perm = torch.randperm(nb, generator=g)
+    ta, tb = perm[:need_a].to(device), perm[need_a : need_a + need_b].to(device)
+    caches = [PagedKV(nb, bs, num_kv_heads, head_dim, fmt, device) for _ in range(2)]
+    k0 = torch.randn(nb * bs, num_kv_heads, head_dim, generator=g).to(device)
+    v0 = torch.randn(nb * bs, num_kv_heads, head_dim, generator=g).to(device)
+    for c in caches:
+        c.write(k0, v0, torch.arange(nb * bs, device=device))
+
+    def slots(t, lo, hi):
+        i = torch.arange(lo, hi, device=device)
+        return t[i // bs] * bs + i % bs
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    worst = 0.0
+    for mixed in (True, False):
+        T = 21 if mixed else 2
+        q, k, v = rand(T, num_heads, head_dim), rand(T, num_kv_heads, head_dim), rand(T, num_kv_heads, head_dim)
+        outs = []
+        for backend, cache in (("torch", caches[0]), ("triton", caches[1])):
+            if mixed:
+                meta = AttentionMetadata(slot_mapping=torch.cat([slots(ta, 36, 37), slots(tb, 30, 50)]),
+                                         prefills=[PrefillSpan(1, 20, 50, tb)], backend=backend)
+                meta.decode_indices = torch.zeros(1, dtype=torch.int64, device=device)
+                meta.decode_block_tables, meta.decode_context_lens = ta[None], torch.tensor([37], device=device)
+            else:
+                w = max(need_a, need_b)
+                bt = torch.zeros(2, w, dtype=torch.int64, device=device)
+                bt[0, :need_a], bt[1, :need_b] = ta, tb
+                meta = AttentionMetadata(slot_mapping=torch.cat([slots(ta, 36, 37), slots(tb, 49, 50)]),
+                                         decode_indices=torch.arange(2, device=device), decode_block_tables=bt,
+                                         decode_context_lens=torch.tensor([37, 50], device=device),
+                                         backend=backend, decode_max_len=50)
+            outs.append(paged_attention(q, k, v, cache, meta, head_dim**-0.5).float())
+        ref = outs[0].abs().max().item()
+        worst = max(worst, (outs[1] - outs[0]).abs().max().item() / max(ref, 1e-6))
+    return worst
