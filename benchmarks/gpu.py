@@ -386,7 +386,8 @@ def section_decode(dev, args, cfg_name) -> dict:
         log(f"kvkeeper batch {B}: graphs {row['kvkeeper_graphs'] and row['kvkeeper_graphs']['tok_per_s']}, "
             f"eager {row['kvkeeper_eager']['tok_per_s']} tok/s")
         rows.append(row)
-    res = {"load_s": load_s, "graph_sizes": sorted(graphs.graphs) if graphs else [],
+    res = {"load_s": load_s, "attention_backend": eng.runner.attention_backend,
+           "kernel_check_error": eng.runner.kernel_check_error, "graph_sizes": sorted(graphs.graphs) if graphs else [],
            "graph_failures": dict(graphs.failed) if graphs else {}, "rows": rows}
     del eng, graphs
     gc.collect()
@@ -499,7 +500,9 @@ def markdown(res: dict) -> str:
     if d and "error" not in d:
         md += ["## End-to-end decode throughput (tok/s, steady state)", "",
                f"Prompts of {res['prompt_len']} random tokens, {res['new_tokens']} new tokens each, greedy, EOS ignored. "
-               f"kvkeeper CUDA graphs captured for {d['graph_sizes']}.", "",
+               f"kvkeeper attention backend `{d.get('attention_backend')}` (start-up kernel check: relative error "
+               f"{format(d['kernel_check_error'], '.1e') if d.get('kernel_check_error') is not None else 'n/a'}); "
+               f"CUDA graphs captured for {d['graph_sizes']}.", "",
                "| batch | kvkeeper (CUDA graphs) | kvkeeper (eager) | transformers generate_batch | kvkeeper / transformers |",
                "|---|---|---|---|---|"]
         tf_rows = {r["batch"]: r for r in (res.get("transformers") or {}).get("rows", [])}
