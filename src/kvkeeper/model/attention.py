@@ -51,6 +51,10 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None  # (B_d, 1, 1, L) bool, built lazily once per step
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # kernel path (kvkeeper.model.triton_attention): "torch" = this module's reference path
+    backend: str = "torch"
+    decode_max_len: int | None = None  # host-side max of decode_context_lens (picks the split-K factor)
+    decode_num_splits: int | None = None  # fixed split-K factor (CUDA graphs); None: from decode_max_len
 
     def get_decode_mask(self, block_size: int) -> torch.Tensor:
         if self.decode_mask is None:
@@ -76,6 +80,10 @@ def paged_attention(
     cache holds it (dequantized), so a prompt gives the same result whether it is
     prefilled in one piece or in chunks.
     """
+    if meta.backend == "triton" and not any(p.observer is not None for p in meta.prefills):
+        from .triton_attention import triton_paged_attention  # CUDA (or Triton's interpreter) only
+
+        return triton_paged_attention(q, k, v, cache, meta, scale)
     cache.write(k, v, meta.slot_mapping)
     T, H, D = q.shape
     bs = cache.block_size

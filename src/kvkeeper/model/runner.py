@@ -8,6 +8,8 @@ that needs a new token.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..kvcache.quant import KVFormat, PagedKV, parse_kv_format
@@ -37,9 +39,12 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 kv_dtype: str | torch.dtype | KVFormat | None = None, transposed_weights: bool | None = None):
+                 kv_dtype: str | torch.dtype | KVFormat | None = None, transposed_weights: bool | None = None,
+                 attention_backend: str = "auto"):
         """kv_dtype: KV storage format (fp32, bf16, fp16, int8, fp8; default: the model dtype).
-        transposed_weights: keep W^T copies for fast few-row products (default: on for fp32 on CPU)."""
+        transposed_weights: keep W^T copies for fast few-row products (default: on for fp32 on CPU).
+        attention_backend: "torch" (kvkeeper.model.attention, the reference), "triton"
+        (kvkeeper.model.triton_attention) or "auto" (triton on a CUDA device when it imports, else torch)."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -56,8 +61,39 @@ class ModelRunner:
             transposed_weights = self.device.type == "cpu" and dtype == torch.float32
         if transposed_weights:
             self.model.add_transposed_copies()
+        self.attention_backend = resolve_attention_backend(attention_backend, self.device)
+        if (self.attention_backend == "triton" and self.kv_format.name == "fp8_e4m3" and self.device.type == "cuda"
+                and torch.cuda.get_device_capability(self.device) < (8, 9)):
+            # Triton has no e4m3 type before Ada/Hopper (sm_89): fp8 blocks go through the PyTorch path
+            logging.getLogger(__name__).warning("fp8 KV cache on a GPU older than sm_89: PyTorch attention path")
+            self.attention_backend = "torch"
+        if self.attention_backend == "triton" and self.device.type == "cuda":
+            self._check_kernels()
+        self.graphs = None  # a cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
         self.kv_caches = [PagedKV(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.device,
                                   layer_idx=i) for i in range(cfg.num_layers)]
+
+    def _check_kernels(self) -> None:
+        """Compare the kernels with the PyTorch path on a small step of this model's shapes; on an error or a
+        mismatch, log it and use the PyTorch path (a GPU or Triton version the kernels do not handle)."""
+        from . import triton_attention as tk
+
+        cfg = self.cfg
+        try:
+            err = tk.self_check(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.dtype,
+                                self.device, self.block_size)
+        except Exception as e:  # noqa: BLE001  (compile or launch failure)
+            logging.getLogger(__name__).warning("Triton attention kernels failed (%s: %s); using the PyTorch path",
+                                                type(e).__name__, e)
+            self.attention_backend, self.kernel_check_error = "torch", None
+            return
+        self.kernel_check_error = err
+        if not err <= tk.SELF_CHECK_TOL.get(self.dtype, 5e-2):
+            logging.getLogger(__name__).warning("Triton attention kernels differ from the PyTorch path by %.3g "
+                                                "(relative); using the PyTorch path", err)
+            self.attention_backend = "torch"
+
+    kernel_check_error: float | None = None  # relative error of the start-up kernel check (CUDA), None if not run
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -101,16 +137,63 @@ class ModelRunner:
             meta.decode_indices = torch.tensor(dec_idx, dtype=torch.int64, device=dev)
             meta.decode_block_tables = table.to(dev)
             meta.decode_context_lens = torch.tensor(dec_len, dtype=torch.int64, device=dev)
+            meta.decode_max_len = max(dec_len)
+        meta.backend = self.attention_backend
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.cat(pos).to(dev)
         return input_ids, positions, meta, logit_rows, sample_seqs
 
     @torch.inference_mode()
     def execute(self, scheduled) -> tuple[torch.Tensor | None, list]:
-        """Run one step; returns (float32 logits (N, vocab) for sequences that need a token, those sequences)."""
+        """Run one step; returns (float32 logits (N, vocab) on the model's device for sequences that need a
+        token, those sequences)."""
         input_ids, positions, meta, rows, seqs = self.build_batch(scheduled)
+        if self.graphs is not None and not meta.prefills and meta.decode_indices is not None:
+            size = self.graphs.can_replay(len(seqs), meta.decode_block_tables.shape[1])
+            if size is not None and len(rows) == input_ids.numel():  # decode-only: row i is sequence i
+                logits = self.graphs.replay(size, input_ids, positions, meta.slot_mapping,
+                                            meta.decode_block_tables, meta.decode_context_lens)
+                return logits, seqs
+            self.graphs.eager_steps += 1
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not rows:
             return None, []
         h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device))
-        return self.model.compute_logits(h).cpu(), seqs
+        return self.model.compute_logits(h), seqs  # on the model's device: the sampler moves what it needs
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
+        """Capture decode-step CUDA graphs for batches up to ``max_num_seqs`` (see kvkeeper.model.cuda_graphs).
+
+        Returns False (and keeps the eager path) on a CPU device or with the PyTorch attention backend.
+        """
+        if self.device.type != "cuda" or self.attention_backend != "triton":
+            return False
+        from .cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self, max_model_len)
+        graphs.capture(max_num_seqs)
+        self.graphs = graphs if graphs.graphs else None
+        return self.graphs is not None
+
+
+def triton_available() -> bool:
+    """True when ``triton`` imports (it is optional: the CPU path never needs it)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install
+        return False
+    return True
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """"torch", "triton" or "auto" (triton on CUDA when importable) -> "torch" | "triton".
+
+    Raises ValueError for another name, or for "triton" when triton does not import.
+    """
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "triton" and not triton_available():
+        raise ValueError("attention backend 'triton' needs the triton package: pip install triton")
+    return name

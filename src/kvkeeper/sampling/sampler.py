@@ -45,14 +45,20 @@ def sample(
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Pick one token per row.
 
-    logits: (B, V) float32.  Returns (token ids, per-row log-softmax (V,) of the
-    unmodified logits when that row asked for logprobs, else None).
+    logits: (B, V) float32, on any device (greedy rows are picked there: only the ids cross to the
+    host; rows that sample or return logprobs are copied to the CPU, where the generators live).
+    Returns (token ids, per-row log-softmax (V,) of the unmodified logits when that row asked for
+    logprobs, else None).
     """
     out: list[int] = []
     logps: list = []
     greedy_ids = logits.argmax(-1).tolist()
     for i, p in enumerate(params):
-        row = logits[i]
+        if p.greedy and p.logprobs is None:
+            out.append(int(greedy_ids[i]))
+            logps.append(None)
+            continue
+        row = logits[i].cpu()
         logps.append(torch.log_softmax(row, -1) if p.logprobs is not None else None)
         if p.greedy:
             out.append(int(greedy_ids[i]))
