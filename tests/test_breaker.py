@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiny_models import tiny_llama_folder
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.kvcache.validate import check_engine
 from kvkeeper.sessions.breaker import BreakerConfig, CircuitBreaker, OverloadedError
@@ -18,17 +19,7 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from kvkeeper.model.registry import resolve_model_path
-    from kvkeeper.text.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(resolve_model_path())
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, head_dim=8,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny-breaker")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return tiny_llama_folder(tmp_path_factory.mktemp("tiny-breaker"))
 
 
 def _session_kv(eng, s):

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from tiny_models import tiny_llama_folder
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.diagnostics import faults
 from kvkeeper.diagnostics.kvdiff import DumpMismatchError, diff_dumps, diff_files, load_dump
@@ -140,18 +141,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from kvkeeper.model.registry import resolve_model_path
-    from kvkeeper.text.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(resolve_model_path())
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, head_dim=16,
-                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg)
-    out = tmp_path_factory.mktemp("tiny-kvdump")
-    hf.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return tiny_llama_folder(tmp_path_factory.mktemp("tiny-kvdump"), hidden_size=64, head_dim=16, num_layers=3)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
