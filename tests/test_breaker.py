@@ -190,3 +190,45 @@ def test_waiting_turns_holding_session_kv_do_not_starve_the_queue_head(folder):
     for s in ss:
         s.close()
     assert eng.pool.num_used == 0 and check_engine(eng) == []
+
+
+def test_degraded_breaker_offloads_sessions_that_refill_the_pool_and_closes(folder):
+    """Sessions busy during tiers 1-2 pin their KV afterwards: while degraded the breaker repeats the
+    offload tier, so the pool drains and the breaker closes instead of refusing sessions for ever."""
+    eng = LLMEngine(str(folder), num_kv_blocks=48, block_size=4, validate_every=1, max_num_batched_tokens=64)
+    ss = [eng.new_session(system=f"S{i}") for i in range(3)]
+    clock = Clock()
+    br = CircuitBreaker(eng, BreakerConfig(usage_threshold=0.6, recover_usage=0.5, escalate_after_s=1.0,
+                                           cooldown_s=2.0), clock=clock)
+    eng.step_hooks.clear()
+    seqs = []
+    for i, s in enumerate(ss):
+        seq = eng.add_request(eng.encode_chat(s.messages + [{"role": "user", "content": f"tell me story {i} " * 6}]),
+                              SamplingParams(max_tokens=12, ignore_eos=True), request_id=f"turn-{i}")
+        s.hand_over(seq)
+        seqs.append(seq)
+    owner = {id(q): s for s, q in zip(ss, seqs)}
+    while eng.pool.usage() < 0.6:
+        for q in eng.step():
+            owner[id(q)].keep(q)
+    for t in (0.0, 1.0, 2.0):  # compaction, offload (every session busy: nothing to move), degrade
+        clock.t = t
+        br.evaluate(force=True)
+    assert br.tier == 3
+    while any(not q.finished for q in seqs):
+        for q in eng.step():
+            owner[id(q)].keep(q)
+    n_offload = sum(e["action"] == "offload_idle_sessions" for e in br.events)
+    clock.t = 3.0
+    st = br.evaluate(force=True)
+    assert st.usage >= 0.6  # the finished turns pinned their KV again: the degraded breaker moves it out
+    assert sum(e["action"] == "offload_idle_sessions" for e in br.events) == n_offload + 1
+    assert eng.pool_stats().usage < 0.5 and eng.offloaded_blocks() > 0
+    for t in (4.0, 5.0, 6.5):
+        clock.t = t
+        br.evaluate(force=True)
+    assert br.tier == 0 and br.events[-1]["action"] == "close"
+    for i, s in enumerate(ss):  # the offloaded sessions continue (their KV comes back from the host tier)
+        r = s.send(f"and then {i}?", GREEDY)
+        assert r.finish_reason == "length" and r.cached_tokens > 0
+    assert check_engine(eng) == []

@@ -47,8 +47,9 @@ def _vm_hwm_mb(pid: int) -> float:
     return float("nan")
 
 
-def _client_session(base: str, i: int, questions: list[dict], results: list, errors: list) -> None:
-    time.sleep(0.4 * i)  # staggered: later sessions tend to arrive while the breaker is degraded
+def _client_session(base: str, i: int, questions: list[dict], results: list, errors: list,
+                    delay: float | None = None) -> None:
+    time.sleep(0.4 * i if delay is None else delay)  # staggered starts
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
     sid = f"load-{i}"
     msgs: list[dict] = []
@@ -107,8 +108,25 @@ def test_breaker_under_overload_trips_in_order_and_serves_everything_correctly(t
                    for i in range(N_SESSIONS)]
         for t in threads:
             t.start()
+        # a late session: it arrives as soon as the breaker is seen degraded (so it is refused first)
+        saw_degraded = False
+        while any(t.is_alive() for t in threads):
+            if httpx.get(base + "/admin/breaker", timeout=30).json()["tier"] == 3:
+                saw_degraded = True
+                _client_session(base, N_SESSIONS, mt_bench, results, errors, delay=0.0)
+                break
+            time.sleep(0.1)
         for t in threads:
             t.join(900)
+        closed_after = None  # once the load is gone the breaker closes again and admits new sessions
+        t_end = time.monotonic()
+        while time.monotonic() - t_end < 30:
+            if httpx.get(base + "/admin/breaker", timeout=30).json()["tier"] == 0:
+                closed_after = time.monotonic() - t_end
+                break
+            time.sleep(0.25)
+        fresh = httpx.post(base + "/v1/chat/completions", headers={"X-Session-ID": "after-the-storm"}, timeout=300,
+                           json={"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4})
         hwm = _vm_hwm_mb(pid) if pid else float("nan")
         breaker = httpx.get(base + "/admin/breaker", timeout=30).json()
         metrics = httpx.get(base + "/metrics", timeout=30).text
@@ -116,7 +134,7 @@ def test_breaker_under_overload_trips_in_order_and_serves_everything_correctly(t
     assert not errors, errors
     assert health == 200
     ok = [r for r in results if r["status"] == 200]
-    assert len(ok) == N_SESSIONS * TURNS  # every session finished every turn
+    assert len(ok) == (N_SESSIONS + saw_degraded) * TURNS  # every session finished every turn
     # tiers in order: the first time each tier acted
     first = {}
     for k, ev in enumerate(breaker["events"]):
@@ -127,6 +145,8 @@ def test_breaker_under_overload_trips_in_order_and_serves_everything_correctly(t
     assert _metric(metrics, "kvkeeper:breaker_actions_total", tier="compaction", action="compact") >= 1
     refused = [r for r in results if r["status"] == 503]
     assert all(r["turn"] == 0 for r in refused)  # only new sessions are refused
+    assert saw_degraded and any(r["session"] == N_SESSIONS for r in refused)  # the late one was, at first
+    assert closed_after is not None and fresh.status_code == 200, breaker["events"][-5:]
     assert hwm < 4096, f"server peak RSS {hwm:.0f} MB"
     # every admitted request is correct: the engine's greedy completion of the messages it ran on
     from kvkeeper import SamplingParams
@@ -140,6 +160,10 @@ def test_breaker_under_overload_trips_in_order_and_serves_everything_correctly(t
     for r, want in zip(ok, ref):
         assert r["text"] == want.text, (r["session"], r["turn"], r["trimmed"])
     trimmed = [r for r in ok if r["trimmed"]]
+    t0 = breaker["events"][0]["t"]
+    for ev in breaker["events"]:
+        print(f"  +{ev['t'] - t0:6.2f}s tier {ev['tier']} {ev['action']} usage {ev['usage']} rate {ev['pool_rate']}")
+    print(f"breaker closed {closed_after:.1f} s after the load ended")
     print(f"\nbreaker: {len(breaker['events'])} events, tiers first at {first}; {len(refused)} refusals (503); "
           f"{len(trimmed)} trimmed responses; peak RSS {hwm:.0f} MB; trips {breaker['trips']}")
     assert "Traceback" not in log.read_text()

@@ -14,7 +14,9 @@ order, giving each ``escalate_after_s`` seconds to work before the next:
 3. **degrade**: refuse new sessions (the server answers 503 with ``Retry-After``) and trim
    the oldest turns of the lowest-priority sessions: their pinned KV is released and,
    while degraded, their prompts are rendered without their oldest turns so that they
-   fit ``degrade_budget_tokens`` (:mod:`kvkeeper.sessions.budget`).
+   fit ``degrade_budget_tokens`` (:mod:`kvkeeper.sessions.budget`).  While it stays over a
+   threshold, compaction and offload are repeated every ``escalate_after_s`` (idle sessions
+   may have refilled the pool), so the breaker can close once the load is gone.
 
 The breaker closes (back to tier 0: new sessions admitted, no trimming) once usage is
 below ``recover_usage`` and the fragmentation rate below ``recover_frag`` for
@@ -104,7 +106,7 @@ class CircuitBreaker:
         self.tier = 0
         self.trips = 0
         self.actions: Counter[tuple[str, str]] = Counter()
-        self.events: deque[dict] = deque(maxlen=200)
+        self.events: deque[dict] = deque(maxlen=1000)
         self.trimmed_sessions: set[str] = set()
         self._last_eval = -math.inf
         self._tier_at = -math.inf  # when the current tier was applied
@@ -151,8 +153,11 @@ class CircuitBreaker:
             if self.tier == 0:
                 self.trips += 1
                 self._apply(1, st, now)
-            elif self.tier < 3 and now - self._tier_at >= self.config.escalate_after_s:
-                self._apply(self.tier + 1, st, now)
+            elif now - self._tier_at >= self.config.escalate_after_s:
+                if self.tier < 3:
+                    self._apply(self.tier + 1, st, now)
+                else:
+                    self._maintain(st, now)
         elif self.tier > 0:
             if self._calm(st):
                 if self._calm_since is None:
@@ -166,26 +171,45 @@ class CircuitBreaker:
     def _apply(self, tier: int, st, now: float) -> None:
         self.tier = tier
         self._tier_at = now
-        eng = self.engine
         if tier == 1:
-            res = eng.compact()
-            self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
+            self._apply_tier1(st)
         elif tier == 2:
-            target = int(self.config.recover_usage * eng.pool.num_blocks)
-            need = max(1, st.owned - target)
-            offload = getattr(eng, "offload_idle_sessions", None)
-            if offload is None:
-                freed = eng._reclaim_from_sessions(need)
-                self._event(2, "unpin_idle_sessions", st, eng.pool_stats(), blocks=freed)
-                return
-            freed = offload(need, tier="host")  # the host tier spills its oldest sessions to disk over budget
-            store = getattr(eng, "offload_store", None)
-            held = store.stats()["offloaded_bytes"] if store is not None else {}
-            self._event(2, "offload_idle_sessions", st, eng.pool_stats(), blocks=freed,
-                        host_bytes=held.get("host", 0), disk_bytes=held.get("disk", 0))
+            self._apply_tier2(st)
         else:
             self._event(3, "refuse_new_sessions", st, retry_after_s=self.config.retry_after_s)
             self._trim_lowest_priority(st)
+
+    def _apply_tier1(self, st, log_empty: bool = True) -> None:
+        eng = self.engine
+        res = eng.compact()
+        if log_empty or res["moved"] or res["evicted"]:
+            self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
+
+    def _apply_tier2(self, st, log_empty: bool = True) -> None:
+        eng = self.engine
+        target = int(self.config.recover_usage * eng.pool.num_blocks)
+        need = max(1, st.owned - target)
+        offload = getattr(eng, "offload_idle_sessions", None)
+        if offload is None:
+            freed = eng._reclaim_from_sessions(need)
+            if log_empty or freed:
+                self._event(2, "unpin_idle_sessions", st, eng.pool_stats(), blocks=freed)
+            return
+        freed = offload(need, tier="host")  # the host tier spills its oldest sessions to disk over budget
+        store = getattr(eng, "offload_store", None)
+        held = store.stats()["offloaded_bytes"] if store is not None else {}
+        if not (log_empty or freed):
+            return
+        self._event(2, "offload_idle_sessions", st, eng.pool_stats(), blocks=freed,
+                    host_bytes=held.get("host", 0), disk_bytes=held.get("disk", 0))
+
+    def _maintain(self, st, now: float) -> None:
+        """Still over while degraded: repeat the cheap tiers (idle sessions may have refilled the pool)."""
+        self._tier_at = now
+        if st.pool_rate >= self.config.frag_threshold:
+            self._apply_tier1(st, log_empty=False)
+        if st.usage >= self.config.usage_threshold:
+            self._apply_tier2(st, log_empty=False)
 
     def _trim_lowest_priority(self, st) -> None:
         eng = self.engine
