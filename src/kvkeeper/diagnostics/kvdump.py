@@ -50,7 +50,10 @@ def parse_layers(spec: str | list[int] | None, num_layers: int | None) -> list[i
                 rng = range(int(a), int(b) + 1)
                 if not rng:
                     raise ValueError
-                out.update(rng)
+                if num_layers is None or rng.stop > num_layers:
+                    out.update((rng.start, rng.stop - 1))  # never expand a range past the model (or unchecked)
+                else:
+                    out.update(rng)
             else:
                 out.add(int(item))
         except ValueError:

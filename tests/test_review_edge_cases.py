@@ -1,0 +1,23 @@
+"""Edge cases found by an adversarial review of the KV telemetry / dump / offload / breaker features."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvkeeper.diagnostics.kvdump import parse_layers
+from kvkeeper.errors import InvalidRequestError
+
+
+@pytest.mark.parametrize("num_layers", [30, None])
+def test_huge_layer_range_is_refused_at_once(num_layers):
+    # "0-99999999999" used to build a set of 1e11 ints on the engine thread (the server ran out of memory)
+    t0 = time.perf_counter()
+    if num_layers is None:
+        assert parse_layers("0-99999999999", None) is not None  # syntax only: valid, not expanded
+    else:
+        with pytest.raises(InvalidRequestError, match="layer 99999999999 does not exist.*0..29"):
+            parse_layers("0-99999999999", num_layers)
+    assert time.perf_counter() - t0 < 1.0
+    assert parse_layers("2-4,0", 30) == [0, 2, 3, 4]
