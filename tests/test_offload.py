@@ -197,6 +197,35 @@ def test_corrupt_file_falls_back_to_recompute(eng, reference, caplog):
     assert eng.pool.num_used == base and not check_engine(eng)
 
 
+def test_file_of_other_tokens_is_never_restored(eng, caplog):
+    """Another server on the same --data-dir rewrote the session's files with a conversation of the
+    same length but other tokens: the restore must refuse them (not hand out, nor prefix-cache, wrong KV)."""
+    base = eng.pool.num_used
+    p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    s, t = eng.new_session(), eng.new_session()
+    s.send("Name three colours.", p)
+    t.send("Name three animals.", p)
+    assert s._state.num_computed == t._state.num_computed and s._state.token_ids != t._state.token_ids
+    s.offload("disk")
+    t.offload("disk")
+    root = eng.offload_store.sessions_dir
+    ds, dt = root / session_dir_name(s.id), root / session_dir_name(t.id)
+    man = json.loads((dt / MANIFEST).read_text())
+    for f in ds.iterdir():
+        f.unlink()
+    (ds / man["kv_file"]).write_bytes((dt / man["kv_file"]).read_bytes())
+    (ds / MANIFEST).write_text(json.dumps({**man, "session_id": s.id}))
+    _scribble(eng)
+    with caplog.at_level(logging.WARNING, logger="kvkeeper.sessions.offload"):
+        r = s.send("And three animals?", GREEDY)
+    assert "token ids" in caplog.text and r.cached_tokens == 0
+    full = eng.generate([r.prompt_token_ids], GREEDY, namespace=eng.isolated_namespace())[0]
+    assert r.token_ids == full.token_ids
+    s.close()
+    t.close()
+    assert eng.pool.num_used == base and not check_engine(eng)
+
+
 def test_foreign_or_half_written_sessions_are_skipped_at_start(eng, caplog):
     s = eng.new_session()
     s.send("Hi", SHORT)

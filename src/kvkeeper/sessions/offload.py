@@ -320,8 +320,10 @@ class SessionStore:
             raise OffloadError(f"could not write session {session.id} to {d}: {e}") from None
         return d
 
-    def _load_disk(self, rec: OffloadRecord, namespace: Namespace) -> dict[str, torch.Tensor]:
-        """Read and verify a session's tensor file; raises :class:`OffloadError` on any mismatch."""
+    def _load_disk(self, rec: OffloadRecord, namespace: Namespace,
+                   token_ids: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Read and verify a session's tensor file; raises :class:`OffloadError` on any mismatch
+        (token_ids: the session's, whose first ``num_computed`` must be the file's)."""
         from safetensors.torch import load
 
         d = rec.path
@@ -340,6 +342,10 @@ class SessionStore:
         if man["num_computed"] != rec.num_computed or man["num_blocks"] != rec.num_blocks:
             raise OffloadError(f"session {rec.session_id}: the file holds {man['num_computed']} tokens, "
                                f"the session expects {rec.num_computed}")
+        nc = rec.num_computed
+        if token_ids is not None and list(man["token_ids"][:nc]) != list(token_ids[:nc]):
+            raise OffloadError(f"session {rec.session_id}: the file's token ids differ from the session's "
+                               "(rewritten by another server on the same data directory?)")
         try:
             return load(blob)
         except Exception as e:  # safetensors raises its own error types on a malformed header
@@ -469,7 +475,7 @@ class SessionStore:
         try:
             if st is None:
                 raise OffloadError(f"session {session.id} has no token state to restore into")
-            tensors = rec.tensors if rec.tier == "host" else self._load_disk(rec, st.namespace)
+            tensors = rec.tensors if rec.tier == "host" else self._load_disk(rec, st.namespace, st.token_ids)
             need = rec.num_blocks
             if need > eng.pool.num_free:
                 eng._reclaim_from_sessions(need - eng.pool.num_free)
