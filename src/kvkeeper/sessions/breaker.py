@@ -153,6 +153,8 @@ class CircuitBreaker:
                 self._apply(1, st, now)
             elif self.tier < 3 and now - self._tier_at >= self.config.escalate_after_s:
                 self._apply(self.tier + 1, st, now)
+            elif self.degraded and now - self._tier_at >= self.config.escalate_after_s:
+                self._relieve(st, now)
         elif self.tier > 0:
             if self._calm(st):
                 if self._calm_since is None:
@@ -161,7 +163,29 @@ class CircuitBreaker:
                     self._close(st)
             else:
                 self._calm_since = None
+                if self.degraded and now - self._tier_at >= self.config.escalate_after_s:
+                    self._relieve(st, now)
         return st
+
+    def _relieve(self, st, now: float) -> None:
+        """While degraded and not yet calm: compact and offload idle sessions again (every
+        ``escalate_after_s``), so that the pool reaches the recovery level and the breaker can close
+        instead of refusing new sessions for as long as idle sessions hold KV (logged only when it acted)."""
+        self._tier_at = now
+        eng = self.engine
+        c = self.config
+        if st.pool_rate >= c.recover_frag:
+            res = eng.compact()
+            if res["evicted"] or res["moved"]:
+                self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
+        target = math.ceil(c.recover_usage * eng.pool.num_blocks) - 1  # the most blocks that count as calm
+        if st.owned > target:
+            offload = getattr(eng, "offload_idle_sessions", None)
+            freed = offload(st.owned - target, tier="host") if offload is not None \
+                else eng._reclaim_from_sessions(st.owned - target)
+            if freed:
+                self._event(2, "offload_idle_sessions" if offload is not None else "unpin_idle_sessions", st,
+                            eng.pool_stats(), blocks=freed)
 
     def _apply(self, tier: int, st, now: float) -> None:
         self.tier = tier
