@@ -36,3 +36,13 @@ def test_kv_dump_errors_are_messages_under_python_m_kvkeeper_cli(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     assert "error: --session needs --server URL" in r.stderr
+
+
+def test_kv_dump_to_a_folder_is_refused_before_any_work(tmp_path, monkeypatch):
+    import kvkeeper.cli as cli
+
+    def no_engine(args):
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    monkeypatch.setattr(cli, "_load_engine", no_engine)
+    assert cli.main(["kv", "dump", "--prompt", "Hi", "-o", str(tmp_path)]) == 2

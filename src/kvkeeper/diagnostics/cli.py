@@ -164,6 +164,8 @@ def cmd_kv_dump(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if not out.resolve().parent.is_dir():
         raise CLIError(f"cannot write {out}: folder {out.resolve().parent} does not exist")
+    if out.is_dir():
+        raise CLIError(f"cannot write {out}: it is a folder; give a file name such as {out / 'kv.safetensors'}")
     if args.session is not None:
         if not args.server:
             raise CLIError("--session needs --server URL (the running server that holds the session)")
