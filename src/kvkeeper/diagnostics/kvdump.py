@@ -132,6 +132,10 @@ def dump_session(engine, session_id: str, layers=None, start: int | None = None,
     if s is None:
         raise SessionNotFoundError(f"no open session {session_id!r}; open ones: {sorted(engine.sessions)}")
     st = getattr(s, "_state", None)
+    tier = s.tier
+    if tier != "pool":
+        raise InvalidRequestError(f"session {session_id!r} is offloaded to the {tier} tier: its KV comes back "
+                                  "into the pool on the session's next turn; dump it after that turn")
     if st is None or not st.block_table:
         raise InvalidRequestError(f"session {session_id!r} holds no KV right now (no finished turn yet, "
                                   "unpinned under memory pressure, or a request is running on it)")
