@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -248,6 +249,33 @@ def test_foreign_or_half_written_sessions_are_skipped_at_start(eng, caplog):
     assert "model_revision='other-model'" in caplog.text
     assert foreign.exists() and not half.exists()  # foreign data is left alone, a cut-short write is removed
     assert "foreign" not in eng.sessions
+
+
+def test_saved_session_with_malformed_fields_is_skipped_not_fatal(eng, caplog):
+    """A manifest that is valid JSON with wrong-typed messages/text/turns must be skipped at start (a warning),
+    never stop the engine (server) from starting, nor register a session that breaks its next turn."""
+    s = eng.new_session()
+    s.send("Hi", SHORT)
+    s.offload("disk")
+    root = eng.offload_store.sessions_dir
+    d = root / session_dir_name(s.id)
+    man = json.loads((d / MANIFEST).read_text())
+    bad = {"bad-msgs": {"messages": 5}, "bad-text": {"text": 7}, "bad-msg-item": {"messages": ["hi"]}}
+    for sid, patch in bad.items():
+        (root / sid).mkdir()
+        (root / sid / man["kv_file"]).write_bytes((d / man["kv_file"]).read_bytes())
+        (root / sid / MANIFEST).write_text(json.dumps({**man, "session_id": sid, **patch}))
+    s.close()
+    store = SessionStore(eng, eng.offload_store.data_dir)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvkeeper.sessions.offload"):
+            assert store.load_sessions() == []
+        assert all(sid not in eng.sessions for sid in bad) and all(f"{root / sid}: " in caplog.text for sid in bad)
+    finally:
+        for sid in bad:
+            if sid in eng.sessions:
+                eng.sessions[sid].close()
+            shutil.rmtree(root / sid, ignore_errors=True)
 
 
 def test_offload_errors_and_idle_selection(eng):

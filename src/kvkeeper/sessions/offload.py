@@ -424,12 +424,17 @@ class SessionStore:
                 if not 0 < nc <= len(ids) or nb != -(-nc // eng.block_size):
                     raise OffloadError(f"inconsistent sizes: {nc} tokens, {nb} blocks, {len(ids)} token ids")
                 turns = [TurnResult(**t) for t in man.get("turns", [])]
+                messages, text = man.get("messages") or [], man.get("text") or ""
+                if not isinstance(text, str) or not isinstance(messages, list) or not all(
+                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        for m in messages):
+                    raise OffloadError("its messages or text are malformed")
             except (OSError, ValueError, TypeError, KeyError, OffloadError) as e:
                 log.warning("skipping the saved session in %s: %s", d, e)
                 continue
             s = Session(eng, session_id=sid, reuse=bool(man.get("reuse", True)))
-            s.messages = list(man.get("messages") or [])
-            s._text = man.get("text") or ""
+            s.messages = list(messages)
+            s._text = text
             s.turns = turns
             st = Sequence(f"{sid}-saved", ids, SamplingParams(), ns, num_prompt_tokens=len(ids))
             st.status = SeqStatus.FINISHED
