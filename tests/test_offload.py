@@ -278,6 +278,37 @@ def test_saved_session_with_malformed_fields_is_skipped_not_fatal(eng, caplog):
             shutil.rmtree(root / sid, ignore_errors=True)
 
 
+def test_a_session_saved_by_other_kv_settings_is_never_overwritten(eng):
+    """A saved session skipped at start (another KV dtype) is left in place; a new session that reuses its id
+    must not overwrite (and delete) its files when offloaded to disk: that offload fails, the KV stays in the pool."""
+    from kvkeeper.sessions.offload import OffloadError
+
+    sid = "other-dtype"
+    root = eng.offload_store.sessions_dir
+    s = eng.new_session(session_id=sid)
+    s.send("Hi", SHORT)
+    s.offload("disk")
+    man = json.loads((root / sid / MANIFEST).read_text())
+    s.close()
+    (root / sid).mkdir()
+    blob = b"int8 kv of another server"
+    (root / sid / man["kv_file"]).write_bytes(blob)
+    (root / sid / MANIFEST).write_text(json.dumps({**man, "kv_dtype": "int8"}))
+    before = sorted(p.name for p in (root / sid).iterdir())
+    s = eng.new_session(session_id=sid)
+    s.send("Hello", SHORT)
+    n = s.num_blocks
+    with pytest.raises(OffloadError, match="kv_dtype"):
+        s.offload("disk")
+    assert s.tier == "pool" and s.num_blocks == n > 0
+    assert sorted(p.name for p in (root / sid).iterdir()) == before
+    assert (root / sid / man["kv_file"]).read_bytes() == blob
+    s.close()
+    assert (root / sid / MANIFEST).exists()  # still left in place
+    shutil.rmtree(root / sid)
+    assert not check_engine(eng)
+
+
 def test_offload_errors_and_idle_selection(eng):
     with pytest.raises(InvalidRequestError, match="unknown offload tier"):
         eng.offload_idle_sessions(1, tier="tape")

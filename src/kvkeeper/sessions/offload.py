@@ -302,10 +302,20 @@ class SessionStore:
             d.mkdir(parents=True, exist_ok=True)
             _fsync_dir(self.sessions_dir)
             old = None
-            try:
-                old = json.loads((d / MANIFEST).read_text()).get("kv_file")
-            except (OSError, ValueError, AttributeError):
-                pass
+            if (d / MANIFEST).exists():
+                try:
+                    prev = json.loads((d / MANIFEST).read_text())
+                    if not isinstance(prev, dict):
+                        raise ValueError("not a JSON object")
+                except (OSError, ValueError) as e:
+                    raise OffloadError(f"{d} holds a saved session whose manifest cannot be read ({e}); it is left "
+                                       f"in place: move it away to offload session {session.id} to disk") from None
+                try:
+                    self._check_manifest(prev)  # a session saved by another model or KV settings is never overwritten
+                except OffloadError as e:
+                    raise OffloadError(f"{e}; its files in {d} are left in place, so this session cannot be "
+                                       "offloaded to disk (move them away, or use another session id)") from None
+                old = prev.get("kv_file")
             kv_file = f"kv-{uuid.uuid4().hex[:12]}.safetensors"
             blob = save({k: t.contiguous() for k, t in tensors.items()},
                         metadata={"session_id": session.id, "model_revision": self.engine.namespace.model_revision,
