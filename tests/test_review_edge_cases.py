@@ -67,3 +67,16 @@ def test_admin_page_refresh_interval_is_never_nan(query):
     js = f"const q = new URLSearchParams({json.dumps(query)});\n{m.group(0)}\nconsole.log(JSON.stringify(P));"
     out = json.loads(subprocess.run([node, "-e", js], capture_output=True, text=True, timeout=30, check=True).stdout)
     assert isinstance(out["interval"], int) and out["interval"] >= 200, out
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_kv_audit_limit_below_one_is_refused(limit, tmp_path, monkeypatch, capsys):
+    # --limit -1 (or 0) audited nothing and exited 0: "no divergence" for a run that checked no request
+    import kvkeeper.cli as cli
+
+    monkeypatch.setattr(cli, "_load_engine", lambda args: pytest.fail("the model was loaded"))
+    f = tmp_path / "c.jsonl"
+    f.write_text('{"turns": ["Hi"]}\n')
+    with pytest.raises(SystemExit) as e:
+        cli.main(["kv", "audit", "--conversations", str(f), "--limit", limit])
+    assert e.value.code == 2 and "--limit" in capsys.readouterr().err
