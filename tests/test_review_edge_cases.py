@@ -80,3 +80,12 @@ def test_kv_audit_limit_below_one_is_refused(limit, tmp_path, monkeypatch, capsy
     with pytest.raises(SystemExit) as e:
         cli.main(["kv", "audit", "--conversations", str(f), "--limit", limit])
     assert e.value.code == 2 and "--limit" in capsys.readouterr().err
+
+
+def test_parse_layers_takes_one_int_and_refuses_other_types_clearly():
+    # dump_session(eng, "s", 3) raised AttributeError: 'int' object has no attribute 'split'
+    assert parse_layers(3, 30) == [3]
+    assert parse_layers((0, 2), 30) == [0, 2]
+    for bad in (True, 1.5, {"a": 1}):
+        with pytest.raises(InvalidRequestError, match="layers must be"):
+            parse_layers(bad, 30)
