@@ -89,3 +89,34 @@ def test_parse_layers_takes_one_int_and_refuses_other_types_clearly():
     for bad in (True, 1.5, {"a": 1}):
         with pytest.raises(InvalidRequestError, match="layers must be"):
             parse_layers(bad, 30)
+
+
+def _dump(k0, v0):
+    import torch
+
+    meta = {"layers": "0", "token_start": "10", "token_end": str(10 + k0.shape[0]), "model_revision": "r",
+            "namespace": "n", "kv_dtype": "float32", "token_ids": "[]"}
+    return {"layers.0.k": k0, "layers.0.v": v0}, meta
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_kv_diff_reports_nan_or_inf_as_divergence(bad):
+    # a dump with NaN KV was reported as "max |diff| 0; no divergence" (exit 0), and --json printed NaN
+    import json
+
+    import torch
+
+    from kvkeeper.diagnostics.kvdiff import diff_dumps, format_report, to_json
+
+    k = torch.randn(6, 3, 8, generator=torch.Generator().manual_seed(0))
+    v = torch.randn(6, 3, 8, generator=torch.Generator().manual_seed(1))
+    k2 = k.clone()
+    k2[4, 1, 2] = bad
+    for a, b in ((_dump(k, v), _dump(k2, v)), (_dump(k2, v), _dump(k, v))):
+        r = diff_dumps(a, b, atol=1e-3)
+        assert r["first_divergent"] == {"layer": 0, "token": 14, "tensor": "k"}, r
+        assert any("NaN or infinite" in w for w in r["warnings"])
+        json.loads(to_json(r), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+        assert "no divergence" not in format_report(r)
+    same = diff_dumps(_dump(k2, v), _dump(k2.clone(), v))  # the same bits on both sides: no divergence
+    assert same["first_divergent"] is None and same["max_abs"] == 0.0

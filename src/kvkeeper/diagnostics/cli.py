@@ -200,10 +200,10 @@ def cmd_kv_dump(args: argparse.Namespace) -> int:
 
 def cmd_kv_diff(args: argparse.Namespace) -> int:
     from ..cli import EXIT_OK
-    from .kvdiff import diff_files, format_report
+    from .kvdiff import diff_files, format_report, to_json
 
     r = diff_files(args.a, args.b, args.atol)
-    print(json.dumps(r) if args.json else format_report(r))
+    print(to_json(r) if args.json else format_report(r))
     return EXIT_OK if r["first_divergent"] is None else EXIT_DIVERGED
 
 
