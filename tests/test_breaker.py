@@ -232,3 +232,22 @@ def test_degraded_breaker_does_not_stay_stuck_between_recovery_and_trip_levels(f
     r = hi1.send("and one more", GREEDY)  # the offloaded KV comes back
     assert r.cached_tokens > 0
     assert check_engine(eng) == []
+
+
+def test_tripped_breaker_compacts_again_when_fragmentation_sits_between_its_levels(folder):
+    """Tripped (tier 1) and the pool fragmentation rate between recover_frag and frag_threshold while idle:
+    it must compact again and close, not stay tripped for good."""
+    eng, live = _fragmented(folder)
+    rate = eng.pool_stats().pool_rate
+    assert rate > 0.1
+    clock = Clock()
+    br = CircuitBreaker(eng, BreakerConfig(frag_threshold=min(1.0, rate + 0.05), recover_frag=rate - 0.05,
+                                           escalate_after_s=1.0, cooldown_s=2.0), clock=clock)
+    eng.step_hooks.clear()
+    br.tier, br.trips, br._tier_at = 1, 1, 0.0  # tripped earlier; the pool has since settled in the band
+    for t in range(1, 8):
+        clock.t = float(t)
+        br.evaluate(force=True)
+    assert br.tier == 0 and eng.pool_stats().pool_rate == 0.0, br.events
+    assert all(s.tier == "pool" for s in live)  # tier 1 never offloads
+    assert check_engine(eng) == []

@@ -163,14 +163,15 @@ class CircuitBreaker:
                     self._close(st)
             else:
                 self._calm_since = None
-                if self.degraded and now - self._tier_at >= self.config.escalate_after_s:
+                if now - self._tier_at >= self.config.escalate_after_s:
                     self._relieve(st, now)
         return st
 
     def _relieve(self, st, now: float) -> None:
-        """While degraded and not yet calm: compact and offload idle sessions again (every
-        ``escalate_after_s``), so that the pool reaches the recovery level and the breaker can close
-        instead of refusing new sessions for as long as idle sessions hold KV (logged only when it acted)."""
+        """Tripped but not yet calm (between the recovery and trip levels, or degraded): every
+        ``escalate_after_s`` compact again and, from the offload tier on, offload idle sessions again, so that
+        the pool reaches the recovery level and the breaker can close instead of staying tripped (and, when
+        degraded, refusing new sessions) for as long as idle sessions hold KV.  Logged only when it acted."""
         self._tier_at = now
         eng = self.engine
         c = self.config
@@ -179,7 +180,7 @@ class CircuitBreaker:
             if res["evicted"] or res["moved"]:
                 self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
         target = math.ceil(c.recover_usage * eng.pool.num_blocks) - 1  # the most blocks that count as calm
-        if st.owned > target:
+        if self.tier >= 2 and st.owned > target:
             offload = getattr(eng, "offload_idle_sessions", None)
             freed = offload(st.owned - target, tier="host") if offload is not None \
                 else eng._reclaim_from_sessions(st.owned - target)
