@@ -119,3 +119,12 @@ def test_a_refused_first_request_leaves_no_empty_session_open():
         old = eng.new_session("old")  # an open conversation keeps its session after a refused turn
         assert c.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "old"}).status_code == 400
         assert eng.sessions.get("old") is old
+
+
+@pytest.mark.parametrize("junk", ["1_0", "0x10", "1e2", "", "5 5"])
+def test_session_priority_junk_is_400(junk):
+    # int() took "1_0" as 10
+    app = create_app(AsyncEngine(DegradedEngine(), max_queue=2))
+    with TestClient(app) as c:
+        r = c.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "s", "X-Session-Priority": junk})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Session-Priority", r.text
