@@ -86,3 +86,45 @@ def test_breaker_refusal_is_503_with_retry_after_and_priority_is_validated():
         r = c.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "s", "X-Session-Priority": "high"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "X-Session-Priority"
         assert c.get("/admin/breaker").json() == {"tier": 0, "enabled": False}
+
+
+class ContextFullEngine(FakeEngine):
+    """Sessions open on request; every prompt is over the context window."""
+
+    def new_session(self, session_id=None, **kw):
+        eng = self
+
+        class S:
+            id, priority, trim_budget = session_id, 0, None
+
+            def close(self):
+                eng.sessions.pop(self.id, None)
+
+        self.sessions[session_id] = S()
+        return self.sessions[session_id]
+
+    def encode_chat(self, messages):
+        from kvkeeper.errors import ContextLengthError
+
+        raise ContextLengthError(100, self.context_length)
+
+
+def test_a_refused_first_request_leaves_no_empty_session_open():
+    eng = ContextFullEngine()
+    app = create_app(AsyncEngine(eng, max_queue=2))
+    with TestClient(app) as c:
+        r = c.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "first"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert "first" not in eng.sessions
+        old = eng.new_session("old")  # an open conversation keeps its session after a refused turn
+        assert c.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "old"}).status_code == 400
+        assert eng.sessions.get("old") is old
+
+
+@pytest.mark.parametrize("junk", ["1_0", "0x10", "1e2", "", "5 5"])
+def test_session_priority_junk_is_400(junk):
+    # int() took "1_0" as 10
+    app = create_app(AsyncEngine(DegradedEngine(), max_queue=2))
+    with TestClient(app) as c:
+        r = c.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "s", "X-Session-Priority": junk})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Session-Priority", r.text

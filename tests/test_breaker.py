@@ -231,4 +231,64 @@ def test_degraded_breaker_offloads_sessions_that_refill_the_pool_and_closes(fold
     for i, s in enumerate(ss):  # the offloaded sessions continue (their KV comes back from the host tier)
         r = s.send(f"and then {i}?", GREEDY)
         assert r.finish_reason == "length" and r.cached_tokens > 0
+
+
+def test_degraded_breaker_does_not_stay_stuck_between_recovery_and_trip_levels(folder):
+    """Degraded with idle high-priority sessions holding KV between the recovery level and the trip level:
+    the breaker must go on relieving the pool (offload idle sessions) and close, not refuse new sessions
+    forever."""
+    eng = LLMEngine(str(folder), num_kv_blocks=40, block_size=4, validate_every=1)
+    lo, hi1, hi2 = (eng.new_session(system=f"S{i}") for i in range(3))
+    lo.priority, hi1.priority, hi2.priority = -1, 5, 5
+    clock = Clock()
+    br = CircuitBreaker(eng, BreakerConfig(usage_threshold=0.5, recover_usage=0.3, frag_threshold=1.0,
+                                           recover_frag=1.0, escalate_after_s=1.0, cooldown_s=2.0), clock=clock)
+    eng.step_hooks.clear()
+    k = 0
+    while eng.pool.usage() < 0.5:
+        for s in (lo, hi1, hi2):
+            s.send(f"message {k} with a few words to use blocks", GREEDY)
+        k += 1
+    br.evaluate(force=True)  # t=0: compaction
+    clock.t = 1.0
+    br.evaluate(force=True)  # t=1: offload idle sessions
+    assert br.tier == 2 and eng.pool.usage() < 0.5
+    while eng.pool.usage() < 0.5:  # the sessions come back and fill the pool again
+        for s in (lo, hi1, hi2):
+            s.send(f"message {k} with a few words to use blocks", GREEDY)
+        k += 1
+    clock.t = 2.0
+    br.evaluate(force=True)  # t=2: degrade; only `lo` is trimmed
+    assert br.degraded and br.trimmed_sessions == {lo.id}
+    hi2.close()  # a client ends its conversation; hi1 keeps the pool between the levels
+    while eng.pool.usage() < 0.3:
+        hi1.send(f"message {k} with a few words to use blocks", GREEDY)
+        k += 1
+    assert 0.3 <= eng.pool.usage() < 0.5, eng.pool.usage()
+    for t in range(3, 12):
+        clock.t = float(t)
+        br.evaluate(force=True)
+    assert br.tier == 0, (eng.pool.usage(), br.events[-1])
+    eng.new_session().close()  # admitted again
+    r = hi1.send("and one more", GREEDY)  # the offloaded KV comes back
+    assert r.cached_tokens > 0
+    assert check_engine(eng) == []
+
+
+def test_tripped_breaker_compacts_again_when_fragmentation_sits_between_its_levels(folder):
+    """Tripped (tier 1) and the pool fragmentation rate between recover_frag and frag_threshold while idle:
+    it must compact again and close, not stay tripped for good."""
+    eng, live = _fragmented(folder)
+    rate = eng.pool_stats().pool_rate
+    assert rate > 0.1
+    clock = Clock()
+    br = CircuitBreaker(eng, BreakerConfig(frag_threshold=min(1.0, rate + 0.05), recover_frag=rate - 0.05,
+                                           escalate_after_s=1.0, cooldown_s=2.0), clock=clock)
+    eng.step_hooks.clear()
+    br.tier, br.trips, br._tier_at = 1, 1, 0.0  # tripped earlier; the pool has since settled in the band
+    for t in range(1, 8):
+        clock.t = float(t)
+        br.evaluate(force=True)
+    assert br.tier == 0 and eng.pool_stats().pool_rate == 0.0, br.events
+    assert all(s.tier == "pool" for s in live)  # tier 1 never offloads
     assert check_engine(eng) == []

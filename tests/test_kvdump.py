@@ -96,6 +96,15 @@ def test_dump_errors_are_clear(eng, session):
         diff_dumps(a, dump_session(eng, "dump-1", "0,1", start=1))
 
 
+def test_dump_of_an_offloaded_session_says_where_its_kv_is(eng):
+    s = eng.new_session(session_id="dump-off")
+    s.send("Hi", SamplingParams(max_tokens=2))
+    s.offload("host")
+    with pytest.raises(InvalidRequestError, match="offloaded to the host tier.*next turn"):
+        dump_session(eng, "dump-off")
+    s.close()
+
+
 def test_cli_round_trip(eng, tmp_path, monkeypatch, capsys):
     import kvkeeper.cli as cli
 

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -197,6 +198,35 @@ def test_corrupt_file_falls_back_to_recompute(eng, reference, caplog):
     assert eng.pool.num_used == base and not check_engine(eng)
 
 
+def test_file_of_other_tokens_is_never_restored(eng, caplog):
+    """Another server on the same --data-dir rewrote the session's files with a conversation of the
+    same length but other tokens: the restore must refuse them (not hand out, nor prefix-cache, wrong KV)."""
+    base = eng.pool.num_used
+    p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    s, t = eng.new_session(), eng.new_session()
+    s.send("Name three colours.", p)
+    t.send("Name three animals.", p)
+    assert s._state.num_computed == t._state.num_computed and s._state.token_ids != t._state.token_ids
+    s.offload("disk")
+    t.offload("disk")
+    root = eng.offload_store.sessions_dir
+    ds, dt = root / session_dir_name(s.id), root / session_dir_name(t.id)
+    man = json.loads((dt / MANIFEST).read_text())
+    for f in ds.iterdir():
+        f.unlink()
+    (ds / man["kv_file"]).write_bytes((dt / man["kv_file"]).read_bytes())
+    (ds / MANIFEST).write_text(json.dumps({**man, "session_id": s.id}))
+    _scribble(eng)
+    with caplog.at_level(logging.WARNING, logger="kvkeeper.sessions.offload"):
+        r = s.send("And three animals?", GREEDY)
+    assert "token ids" in caplog.text and r.cached_tokens == 0
+    full = eng.generate([r.prompt_token_ids], GREEDY, namespace=eng.isolated_namespace())[0]
+    assert r.token_ids == full.token_ids
+    s.close()
+    t.close()
+    assert eng.pool.num_used == base and not check_engine(eng)
+
+
 def test_foreign_or_half_written_sessions_are_skipped_at_start(eng, caplog):
     s = eng.new_session()
     s.send("Hi", SHORT)
@@ -219,6 +249,64 @@ def test_foreign_or_half_written_sessions_are_skipped_at_start(eng, caplog):
     assert "model_revision='other-model'" in caplog.text
     assert foreign.exists() and not half.exists()  # foreign data is left alone, a cut-short write is removed
     assert "foreign" not in eng.sessions
+
+
+def test_saved_session_with_malformed_fields_is_skipped_not_fatal(eng, caplog):
+    """A manifest that is valid JSON with wrong-typed messages/text/turns must be skipped at start (a warning),
+    never stop the engine (server) from starting, nor register a session that breaks its next turn."""
+    s = eng.new_session()
+    s.send("Hi", SHORT)
+    s.offload("disk")
+    root = eng.offload_store.sessions_dir
+    d = root / session_dir_name(s.id)
+    man = json.loads((d / MANIFEST).read_text())
+    bad = {"bad-msgs": {"messages": 5}, "bad-text": {"text": 7}, "bad-msg-item": {"messages": ["hi"]}}
+    for sid, patch in bad.items():
+        (root / sid).mkdir()
+        (root / sid / man["kv_file"]).write_bytes((d / man["kv_file"]).read_bytes())
+        (root / sid / MANIFEST).write_text(json.dumps({**man, "session_id": sid, **patch}))
+    s.close()
+    store = SessionStore(eng, eng.offload_store.data_dir)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvkeeper.sessions.offload"):
+            assert store.load_sessions() == []
+        assert all(sid not in eng.sessions for sid in bad) and all(f"{root / sid}: " in caplog.text for sid in bad)
+    finally:
+        for sid in bad:
+            if sid in eng.sessions:
+                eng.sessions[sid].close()
+            shutil.rmtree(root / sid, ignore_errors=True)
+
+
+def test_a_session_saved_by_other_kv_settings_is_never_overwritten(eng):
+    """A saved session skipped at start (another KV dtype) is left in place; a new session that reuses its id
+    must not overwrite (and delete) its files when offloaded to disk: that offload fails, the KV stays in the pool."""
+    from kvkeeper.sessions.offload import OffloadError
+
+    sid = "other-dtype"
+    root = eng.offload_store.sessions_dir
+    s = eng.new_session(session_id=sid)
+    s.send("Hi", SHORT)
+    s.offload("disk")
+    man = json.loads((root / sid / MANIFEST).read_text())
+    s.close()
+    (root / sid).mkdir()
+    blob = b"int8 kv of another server"
+    (root / sid / man["kv_file"]).write_bytes(blob)
+    (root / sid / MANIFEST).write_text(json.dumps({**man, "kv_dtype": "int8"}))
+    before = sorted(p.name for p in (root / sid).iterdir())
+    s = eng.new_session(session_id=sid)
+    s.send("Hello", SHORT)
+    n = s.num_blocks
+    with pytest.raises(OffloadError, match="kv_dtype"):
+        s.offload("disk")
+    assert s.tier == "pool" and s.num_blocks == n > 0
+    assert sorted(p.name for p in (root / sid).iterdir()) == before
+    assert (root / sid / man["kv_file"]).read_bytes() == blob
+    s.close()
+    assert (root / sid / MANIFEST).exists()  # still left in place
+    shutil.rmtree(root / sid)
+    assert not check_engine(eng)
 
 
 def test_offload_errors_and_idle_selection(eng):

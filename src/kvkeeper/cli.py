@@ -704,4 +704,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m kvkeeper.cli`: run the importable module's main, so that the CLIError raised by
+    # subcommands elsewhere (`from ..cli import CLIError`) is the class main() catches
+    from kvkeeper.cli import main as _main
+
+    sys.exit(_main())

@@ -57,7 +57,7 @@ _PAGE = r"""<!doctype html>
 const COLOURS = __COLOURS__;
 const q = new URLSearchParams(location.search);
 const P = { cell: parseInt(q.get("cell") || "0", 10), cols: parseInt(q.get("cols") || "0", 10),
-            interval: Math.max(200, parseInt(q.get("interval") || "1000", 10)) };
+            interval: Math.max(200, parseInt(q.get("interval") || "1000", 10) || 1000) };
 const LEFT = 16, TOP = 56, SIDE = 360;
 let doc = null, layout = null;
 

@@ -230,10 +230,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
         raw = request.headers.get("x-session-priority")
         if raw is None:
             return None
-        try:
-            p = int(raw)
-        except ValueError:
-            p = None
+        p = int(raw) if re.fullmatch(r"\s*[+-]?[0-9]{1,5}\s*", raw) else None  # no "1_0", "0x10", "1e2"
         if p is None or not -1000 <= p <= 1000:
             raise APIError(400, f"X-Session-Priority must be an integer from -1000 to 1000, got {raw!r}",
                            param="X-Session-Priority")

@@ -364,10 +364,23 @@ class AsyncEngine:
         return [int(t) for t in req.prompt or []]
 
     def _add(self, req: GenerationRequest, loop, q) -> tuple[int, int]:
-        """Add the request's first choice; returns (prompt tokens, turns trimmed by the circuit breaker)."""
+        """Add the request's first choice; returns (prompt tokens, turns trimmed by the circuit breaker).
+
+        A session opened by this request is closed again when the request is refused (no empty session stays).
+        """
         eng = self.engine
         if req.request_id in self._tracked:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+        opened = req.session_id is not None and req.session_id not in eng.sessions
+        try:
+            return self._add_checked(req, loop, q)
+        except BaseException:
+            if opened and req.session_id in eng.sessions and req.request_id not in self._tracked:
+                eng.sessions[req.session_id].close()
+            raise
+
+    def _add_checked(self, req: GenerationRequest, loop, q) -> tuple[int, int]:
+        eng = self.engine
         session = None
         if req.session_id is not None:
             session = eng.sessions.get(req.session_id)

@@ -37,6 +37,16 @@ def _non_negative_float(s: str) -> float:
     return v
 
 
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
 def add_audit_fraction(p: argparse.ArgumentParser) -> None:
     """``--audit-fraction F`` (for ``serve`` and other engine commands)."""
     p.add_argument("--audit-fraction", type=_fraction, default=0.0, metavar="F",
@@ -84,7 +94,7 @@ def add_kv_commands(ksub, parent: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", metavar="TEXT", help="raw prompt text")
     src.add_argument("--messages", metavar="FILE.json", help="a conversation (JSON list of {role, content})")
     src.add_argument("--conversations", metavar="FILE.jsonl", help="user turns per line (MT-Bench / Topical-Chat)")
-    a.add_argument("--limit", type=int, metavar="K", help="only the first K conversations")
+    a.add_argument("--limit", type=_positive_int, metavar="K", help="only the first K conversations")
     a.add_argument("--max-tokens", type=int, default=16, metavar="N", help="tokens per reply (default: 16)")
     a.add_argument("--json", action="store_true", help="print one JSON object per audited request")
     a.set_defaults(func=cmd_kv_audit)
@@ -164,6 +174,8 @@ def cmd_kv_dump(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if not out.resolve().parent.is_dir():
         raise CLIError(f"cannot write {out}: folder {out.resolve().parent} does not exist")
+    if out.is_dir():
+        raise CLIError(f"cannot write {out}: it is a folder; give a file name such as {out / 'kv.safetensors'}")
     if args.session is not None:
         if not args.server:
             raise CLIError("--session needs --server URL (the running server that holds the session)")
@@ -188,10 +200,10 @@ def cmd_kv_dump(args: argparse.Namespace) -> int:
 
 def cmd_kv_diff(args: argparse.Namespace) -> int:
     from ..cli import EXIT_OK
-    from .kvdiff import diff_files, format_report
+    from .kvdiff import diff_files, format_report, to_json
 
     r = diff_files(args.a, args.b, args.atol)
-    print(json.dumps(r) if args.json else format_report(r))
+    print(to_json(r) if args.json else format_report(r))
     return EXIT_OK if r["first_divergent"] is None else EXIT_DIVERGED
 
 

@@ -14,6 +14,7 @@ dimension) exceeds ``atol``; the first divergent token is the lowest such positi
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -67,7 +68,7 @@ def diff_dumps(a: tuple[dict, dict], b: tuple[dict, dict], atol: float = 0.0) ->
     layers = [int(x) for x in ma["layers"].split(",")]
     rows = []
     first = None
-    total_abs, count, max_abs, max_ref = 0.0, 0, 0.0, 0.0
+    total_abs, count, max_abs, max_ref, non_finite = 0.0, 0, 0.0, 0.0, 0
     for layer in layers:
         row = {"layer": layer}
         for name in ("k", "v"):
@@ -79,13 +80,18 @@ def diff_dumps(a: tuple[dict, dict], b: tuple[dict, dict], atol: float = 0.0) ->
             if x.shape != y.shape:
                 raise DumpMismatchError(f"{key} has shape {tuple(x.shape)} in the first dump and {tuple(y.shape)} "
                                         "in the second (a different model?)")
-            d = (x - y).abs()
+            # NaN/inf in one dump only is an infinite difference (NaN would compare as no divergence);
+            # the same bits on both sides (inf == inf, NaN and NaN) count as equal
+            same = (x == y) | (x.isnan() & y.isnan())
+            d = torch.where(same, 0.0, (x - y).abs().nan_to_num(nan=math.inf))
+            non_finite += int((~same & ~(x.isfinite() & y.isfinite())).sum())
             row[f"{name}_max_abs"] = float(d.max()) if d.numel() else 0.0
             row[f"{name}_mean_abs"] = float(d.mean()) if d.numel() else 0.0
             total_abs += float(d.sum())
             count += d.numel()
             max_abs = max(max_abs, row[f"{name}_max_abs"])
-            max_ref = max(max_ref, float(y.abs().max()) if y.numel() else 0.0)
+            yf = y[y.isfinite()].abs()
+            max_ref = max(max_ref, float(yf.max()) if yf.numel() else 0.0)
             if first is None or first["layer"] == layer:
                 bad = torch.nonzero(d.flatten(1).amax(dim=1) > atol)
                 if bad.numel():
@@ -93,6 +99,9 @@ def diff_dumps(a: tuple[dict, dict], b: tuple[dict, dict], atol: float = 0.0) ->
                     if first is None or tok < first["token"]:
                         first = {"layer": layer, "token": tok, "tensor": name}
         rows.append(row)
+    if non_finite:
+        warnings.append(f"{non_finite} values are NaN or infinite in one dump only (counted as an infinite "
+                        "difference)")
     return {"layers": rows, "max_abs": max_abs, "mean_abs": total_abs / count if count else 0.0,
             "max_rel": max_abs / max_ref if max_ref else 0.0, "first_divergent": first, "atol": atol,
             "token_start": start, "token_end": int(ma["token_end"]), "warnings": warnings}
@@ -121,4 +130,14 @@ def format_report(r: dict) -> str:
 
 
 def to_json(r: dict) -> str:
-    return json.dumps(r)
+    """The result as strict JSON: an infinite difference is written as the string "inf"."""
+    def fix(o):
+        if isinstance(o, float) and not math.isfinite(o):
+            return str(o)
+        if isinstance(o, dict):
+            return {k: fix(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [fix(v) for v in o]
+        return o
+
+    return json.dumps(fix(r))

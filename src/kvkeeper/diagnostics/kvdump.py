@@ -32,8 +32,8 @@ from ..errors import InvalidRequestError, SessionNotFoundError
 FORMAT = "kvkeeper.kv_dump.v1"
 
 
-def parse_layers(spec: str | list[int] | None, num_layers: int | None) -> list[int]:
-    """Layer indices from "0,5,29", "0-3,7", "all" or None (all layers); sorted, unique.
+def parse_layers(spec: str | list[int] | int | None, num_layers: int | None) -> list[int]:
+    """Layer indices from "0,5,29", "0-3,7", "all", a list, one int, or None (all layers); sorted, unique.
 
     num_layers None checks the syntax only (and returns [] for "all").
     Raises :class:`InvalidRequestError` naming a bad entry or an index outside ``0 .. num_layers-1``.
@@ -41,8 +41,13 @@ def parse_layers(spec: str | list[int] | None, num_layers: int | None) -> list[i
     have = "" if num_layers is None else f" (the model has layers 0..{num_layers - 1})"
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("", "all")):
         return list(range(num_layers or 0))
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        spec = [spec]
+    elif not isinstance(spec, (str, list, tuple)):
+        raise InvalidRequestError(f"layers must be a string such as '0,5,29' or '0-3', a list of layer numbers "
+                                  f"or one layer number, got {spec!r}")
     out: set[int] = set()
-    items = spec if isinstance(spec, list) else [x.strip() for x in spec.split(",")]
+    items = list(spec) if isinstance(spec, (list, tuple)) else [x.strip() for x in spec.split(",")]
     for item in items:
         try:
             if isinstance(item, str) and "-" in item.strip("-"):
@@ -50,7 +55,10 @@ def parse_layers(spec: str | list[int] | None, num_layers: int | None) -> list[i
                 rng = range(int(a), int(b) + 1)
                 if not rng:
                     raise ValueError
-                out.update(rng)
+                if num_layers is None or rng.stop > num_layers:
+                    out.update((rng.start, rng.stop - 1))  # never expand a range past the model (or unchecked)
+                else:
+                    out.update(rng)
             else:
                 out.add(int(item))
         except ValueError:
@@ -129,6 +137,10 @@ def dump_session(engine, session_id: str, layers=None, start: int | None = None,
     if s is None:
         raise SessionNotFoundError(f"no open session {session_id!r}; open ones: {sorted(engine.sessions)}")
     st = getattr(s, "_state", None)
+    tier = s.tier
+    if tier != "pool":
+        raise InvalidRequestError(f"session {session_id!r} is offloaded to the {tier} tier: its KV comes back "
+                                  "into the pool on the session's next turn; dump it after that turn")
     if st is None or not st.block_table:
         raise InvalidRequestError(f"session {session_id!r} holds no KV right now (no finished turn yet, "
                                   "unpinned under memory pressure, or a request is running on it)")

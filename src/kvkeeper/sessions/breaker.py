@@ -14,9 +14,7 @@ order, giving each ``escalate_after_s`` seconds to work before the next:
 3. **degrade**: refuse new sessions (the server answers 503 with ``Retry-After``) and trim
    the oldest turns of the lowest-priority sessions: their pinned KV is released and,
    while degraded, their prompts are rendered without their oldest turns so that they
-   fit ``degrade_budget_tokens`` (:mod:`kvkeeper.sessions.budget`).  While it stays over a
-   threshold, compaction and offload are repeated every ``escalate_after_s`` (idle sessions
-   may have refilled the pool), so the breaker can close once the load is gone.
+   fit ``degrade_budget_tokens`` (:mod:`kvkeeper.sessions.budget`).
 
 The breaker closes (back to tier 0: new sessions admitted, no trimming) once usage is
 below ``recover_usage`` and the fragmentation rate below ``recover_frag`` for
@@ -153,11 +151,10 @@ class CircuitBreaker:
             if self.tier == 0:
                 self.trips += 1
                 self._apply(1, st, now)
-            elif now - self._tier_at >= self.config.escalate_after_s:
-                if self.tier < 3:
-                    self._apply(self.tier + 1, st, now)
-                else:
-                    self._maintain(st, now)
+            elif self.tier < 3 and now - self._tier_at >= self.config.escalate_after_s:
+                self._apply(self.tier + 1, st, now)
+            elif self.degraded and now - self._tier_at >= self.config.escalate_after_s:
+                self._relieve(st, now)
         elif self.tier > 0:
             if self._calm(st):
                 if self._calm_since is None:
@@ -166,50 +163,54 @@ class CircuitBreaker:
                     self._close(st)
             else:
                 self._calm_since = None
+                if now - self._tier_at >= self.config.escalate_after_s:
+                    self._relieve(st, now)
         return st
+
+    def _relieve(self, st, now: float) -> None:
+        """Tripped but not yet calm (between the recovery and trip levels, or degraded): every
+        ``escalate_after_s`` compact again and, from the offload tier on, offload idle sessions again, so that
+        the pool reaches the recovery level and the breaker can close instead of staying tripped (and, when
+        degraded, refusing new sessions) for as long as idle sessions hold KV.  Logged only when it acted."""
+        self._tier_at = now
+        eng = self.engine
+        c = self.config
+        if st.pool_rate >= c.recover_frag:
+            res = eng.compact()
+            if res["evicted"] or res["moved"]:
+                self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
+        target = math.ceil(c.recover_usage * eng.pool.num_blocks) - 1  # the most blocks that count as calm
+        if self.tier >= 2 and st.owned > target:
+            offload = getattr(eng, "offload_idle_sessions", None)
+            freed = offload(st.owned - target, tier="host") if offload is not None \
+                else eng._reclaim_from_sessions(st.owned - target)
+            if freed:
+                self._event(2, "offload_idle_sessions" if offload is not None else "unpin_idle_sessions", st,
+                            eng.pool_stats(), blocks=freed)
 
     def _apply(self, tier: int, st, now: float) -> None:
         self.tier = tier
         self._tier_at = now
+        eng = self.engine
         if tier == 1:
-            self._apply_tier1(st)
+            res = eng.compact()
+            self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
         elif tier == 2:
-            self._apply_tier2(st)
+            target = int(self.config.recover_usage * eng.pool.num_blocks)
+            need = max(1, st.owned - target)
+            offload = getattr(eng, "offload_idle_sessions", None)
+            if offload is None:
+                freed = eng._reclaim_from_sessions(need)
+                self._event(2, "unpin_idle_sessions", st, eng.pool_stats(), blocks=freed)
+                return
+            freed = offload(need, tier="host")  # the host tier spills its oldest sessions to disk over budget
+            store = getattr(eng, "offload_store", None)
+            held = store.stats()["offloaded_bytes"] if store is not None else {}
+            self._event(2, "offload_idle_sessions", st, eng.pool_stats(), blocks=freed,
+                        host_bytes=held.get("host", 0), disk_bytes=held.get("disk", 0))
         else:
             self._event(3, "refuse_new_sessions", st, retry_after_s=self.config.retry_after_s)
             self._trim_lowest_priority(st)
-
-    def _apply_tier1(self, st, log_empty: bool = True) -> None:
-        eng = self.engine
-        res = eng.compact()
-        if log_empty or res["moved"] or res["evicted"]:
-            self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
-
-    def _apply_tier2(self, st, log_empty: bool = True) -> None:
-        eng = self.engine
-        target = int(self.config.recover_usage * eng.pool.num_blocks)
-        need = max(1, st.owned - target)
-        offload = getattr(eng, "offload_idle_sessions", None)
-        if offload is None:
-            freed = eng._reclaim_from_sessions(need)
-            if log_empty or freed:
-                self._event(2, "unpin_idle_sessions", st, eng.pool_stats(), blocks=freed)
-            return
-        freed = offload(need, tier="host")  # the host tier spills its oldest sessions to disk over budget
-        store = getattr(eng, "offload_store", None)
-        held = store.stats()["offloaded_bytes"] if store is not None else {}
-        if not (log_empty or freed):
-            return
-        self._event(2, "offload_idle_sessions", st, eng.pool_stats(), blocks=freed,
-                    host_bytes=held.get("host", 0), disk_bytes=held.get("disk", 0))
-
-    def _maintain(self, st, now: float) -> None:
-        """Still over while degraded: repeat the cheap tiers (idle sessions may have refilled the pool)."""
-        self._tier_at = now
-        if st.pool_rate >= self.config.frag_threshold:
-            self._apply_tier1(st, log_empty=False)
-        if st.usage >= self.config.usage_threshold:
-            self._apply_tier2(st, log_empty=False)
 
     def _trim_lowest_priority(self, st) -> None:
         eng = self.engine

@@ -302,10 +302,20 @@ class SessionStore:
             d.mkdir(parents=True, exist_ok=True)
             _fsync_dir(self.sessions_dir)
             old = None
-            try:
-                old = json.loads((d / MANIFEST).read_text()).get("kv_file")
-            except (OSError, ValueError, AttributeError):
-                pass
+            if (d / MANIFEST).exists():
+                try:
+                    prev = json.loads((d / MANIFEST).read_text())
+                    if not isinstance(prev, dict):
+                        raise ValueError("not a JSON object")
+                except (OSError, ValueError) as e:
+                    raise OffloadError(f"{d} holds a saved session whose manifest cannot be read ({e}); it is left "
+                                       f"in place: move it away to offload session {session.id} to disk") from None
+                try:
+                    self._check_manifest(prev)  # a session saved by another model or KV settings is never overwritten
+                except OffloadError as e:
+                    raise OffloadError(f"{e}; its files in {d} are left in place, so this session cannot be "
+                                       "offloaded to disk (move them away, or use another session id)") from None
+                old = prev.get("kv_file")
             kv_file = f"kv-{uuid.uuid4().hex[:12]}.safetensors"
             blob = save({k: t.contiguous() for k, t in tensors.items()},
                         metadata={"session_id": session.id, "model_revision": self.engine.namespace.model_revision,
@@ -320,8 +330,10 @@ class SessionStore:
             raise OffloadError(f"could not write session {session.id} to {d}: {e}") from None
         return d
 
-    def _load_disk(self, rec: OffloadRecord, namespace: Namespace) -> dict[str, torch.Tensor]:
-        """Read and verify a session's tensor file; raises :class:`OffloadError` on any mismatch."""
+    def _load_disk(self, rec: OffloadRecord, namespace: Namespace,
+                   token_ids: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Read and verify a session's tensor file; raises :class:`OffloadError` on any mismatch
+        (token_ids: the session's, whose first ``num_computed`` must be the file's)."""
         from safetensors.torch import load
 
         d = rec.path
@@ -340,6 +352,10 @@ class SessionStore:
         if man["num_computed"] != rec.num_computed or man["num_blocks"] != rec.num_blocks:
             raise OffloadError(f"session {rec.session_id}: the file holds {man['num_computed']} tokens, "
                                f"the session expects {rec.num_computed}")
+        nc = rec.num_computed
+        if token_ids is not None and list(man["token_ids"][:nc]) != list(token_ids[:nc]):
+            raise OffloadError(f"session {rec.session_id}: the file's token ids differ from the session's "
+                               "(rewritten by another server on the same data directory?)")
         try:
             return load(blob)
         except Exception as e:  # safetensors raises its own error types on a malformed header
@@ -418,12 +434,17 @@ class SessionStore:
                 if not 0 < nc <= len(ids) or nb != -(-nc // eng.block_size):
                     raise OffloadError(f"inconsistent sizes: {nc} tokens, {nb} blocks, {len(ids)} token ids")
                 turns = [TurnResult(**t) for t in man.get("turns", [])]
+                messages, text = man.get("messages") or [], man.get("text") or ""
+                if not isinstance(text, str) or not isinstance(messages, list) or not all(
+                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        for m in messages):
+                    raise OffloadError("its messages or text are malformed")
             except (OSError, ValueError, TypeError, KeyError, OffloadError) as e:
                 log.warning("skipping the saved session in %s: %s", d, e)
                 continue
             s = Session(eng, session_id=sid, reuse=bool(man.get("reuse", True)))
-            s.messages = list(man.get("messages") or [])
-            s._text = man.get("text") or ""
+            s.messages = list(messages)
+            s._text = text
             s.turns = turns
             st = Sequence(f"{sid}-saved", ids, SamplingParams(), ns, num_prompt_tokens=len(ids))
             st.status = SeqStatus.FINISHED
@@ -469,7 +490,7 @@ class SessionStore:
         try:
             if st is None:
                 raise OffloadError(f"session {session.id} has no token state to restore into")
-            tensors = rec.tensors if rec.tier == "host" else self._load_disk(rec, st.namespace)
+            tensors = rec.tensors if rec.tier == "host" else self._load_disk(rec, st.namespace, st.token_ids)
             need = rec.num_blocks
             if need > eng.pool.num_free:
                 eng._reclaim_from_sessions(need - eng.pool.num_free)
