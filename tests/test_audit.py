@@ -216,3 +216,30 @@ def test_kv_audit_command(eng, monkeypatch, capsys, tmp_path):
     eng.run_until_done([seq])  # one divergent request on the same auditor: the command now exits 1
     assert cli.main(["kv", "audit", "--prompt", "Hi", "--max-tokens", "1"]) == 1
     assert "first divergent layer 0, token 3 (K)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_cache_faults_are_named_above_the_rounding_noise(kv_dtype, mt_bench):
+    """With int8/fp8 KV the tolerances sit above quantization noise, yet a foreign block and shifted
+    positions are still named at layer 0 and their first token; a clean two-turn session passes."""
+    eng = LLMEngine(num_kv_blocks=160, audit_fraction=1.0, validate_every=0, kv_dtype=kv_dtype)
+    s = eng.new_session()
+    for turn in mt_bench[0]["turns"]:
+        s.send(turn, SamplingParams(max_tokens=16))
+    assert eng.auditor.total == 2 and eng.auditor.mismatches == 0
+    s.close()
+    ns_a, ns_b = eng.isolated_namespace("a"), eng.isolated_namespace("b")
+    ids_a = eng.tokenizer.encode(TEXT_A)
+    ids_b = ids_a[:5] + eng.tokenizer.encode(TEXT_B)
+    eng.generate([ids_a], SamplingParams(max_tokens=2), namespace=ns_a)
+    bid, _ = eng.pool.lookup(None, ns_a, ids_a[:16])
+    seq = eng.add_request(ids_b, SamplingParams(max_tokens=2), namespace=ns_b)
+    faults.reuse_foreign_block(eng, seq, bid)
+    eng.run_until_done([seq])
+    r = _report(eng, seq.request_id)
+    assert not r.ok and (r.layer, r.token, r.tensor) == (0, 5, "k")
+    seq = eng.add_request(ids_a, SamplingParams(max_tokens=2), namespace=eng.isolated_namespace("shift"))
+    faults.shift_positions(eng, seq, 20, 28)
+    eng.run_until_done([seq])
+    r = _report(eng, seq.request_id)
+    assert not r.ok and (r.layer, r.token, r.tensor) == (0, 20, "k")

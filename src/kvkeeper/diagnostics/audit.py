@@ -60,12 +60,17 @@ def default_tolerance(compute_dtype: torch.dtype, kv_format) -> AuditTolerance:
     """Tolerances for a compute dtype and a :class:`~kvkeeper.kvcache.quant.KVFormat`.
 
     fp32 weights and fp32 KV: a bit above fp32 noise.  bf16/fp16 compute or storage:
-    a few units of the last place.  int8/fp8: about one quantization step
-    (1/127 and 1/8 of a token-head's largest value).
+    a few units of the last place.  int8/fp8: rounding to a quantization step is discontinuous,
+    so the fp32 noise between a reused and a recomputed prompt flips some roundings, and the
+    flips compound over the layers; measured on SmolLM2-135M over 8 MT-Bench sessions (turn 2
+    reusing the KV of decoded tokens): up to 0.029 (int8) and 0.086 (fp8) of a layer's largest
+    value and 0.33 / 0.72 on the first-token logits.  The defaults sit above that noise
+    (int8 10/127, fp8 0.3, logits 1.5) and far below a wrong block (differences of the order
+    of the values themselves).
     """
     if kv_format.quantized:
-        rtol = 2.0 / kv_format.qmax if kv_format.storage == torch.int8 else 0.15
-        return AuditTolerance(kv_atol=1e-3, kv_rtol=rtol, logits_atol=0.5)
+        rtol = 10.0 / kv_format.qmax if kv_format.storage == torch.int8 else 0.3
+        return AuditTolerance(kv_atol=1e-3, kv_rtol=rtol, logits_atol=1.5)
     if compute_dtype == torch.float32 and kv_format.storage == torch.float32:
         return AuditTolerance(kv_atol=1e-4, kv_rtol=1e-5, logits_atol=1e-3)
     return AuditTolerance(kv_atol=1e-2, kv_rtol=3e-2, logits_atol=0.5)
