@@ -292,3 +292,32 @@ def test_tripped_breaker_compacts_again_when_fragmentation_sits_between_its_leve
     assert br.tier == 0 and eng.pool_stats().pool_rate == 0.0, br.events
     assert all(s.tier == "pool" for s in live)  # tier 1 never offloads
     assert check_engine(eng) == []
+
+
+def test_fragmentation_alone_recompacts_and_never_escalates(folder):
+    """Churn that keeps re-fragmenting a half-empty pool gets compaction again, not offload or refusals."""
+    eng = LLMEngine(str(folder), num_kv_blocks=96, block_size=4, validate_every=1)
+    clock = Clock()
+    br = CircuitBreaker(eng, BreakerConfig(frag_threshold=0.5, escalate_after_s=1.0), clock=clock)
+    eng.step_hooks.clear()
+    kept = []
+
+    def fragment():
+        ss = [eng.new_session(system=f"frag {len(kept)} {i}") for i in range(6)]
+        for i, s in enumerate(ss):
+            s.send(f"note {i}: a few words to fill a block or two", GREEDY)
+        for s in ss[::2]:
+            s.close()
+        kept.extend(ss[1::2])
+
+    for t in (0.0, 1.0, 2.0, 3.0):
+        fragment()
+        clock.t = t
+        st = br.evaluate(force=True)
+        assert st.usage < 0.95 and br.tier == 1, (t, st.usage, st.pool_rate, br.tier)
+        assert eng.pool_stats().pool_rate == 0.0
+    actions = [e["action"] for e in br.events]
+    assert actions.count("compact") >= 2 and "offload_idle_sessions" not in actions
+    assert not br.degraded
+    eng.new_session().close()
+    assert check_engine(eng) == []

@@ -16,6 +16,10 @@ order, giving each ``escalate_after_s`` seconds to work before the next:
    while degraded, their prompts are rendered without their oldest turns so that they
    fit ``degrade_budget_tokens`` (:mod:`kvkeeper.sessions.budget`).
 
+Fragmentation alone (usage below its threshold) never escalates past compaction: the
+breaker compacts again every ``escalate_after_s`` instead, since offloading sessions or
+refusing new ones would not defragment anything.
+
 The breaker closes (back to tier 0: new sessions admitted, no trimming) once usage is
 below ``recover_usage`` and the fragmentation rate below ``recover_frag`` for
 ``cooldown_s`` seconds.  Every action is reversible and loses nothing a client was
@@ -152,7 +156,10 @@ class CircuitBreaker:
                 self.trips += 1
                 self._apply(1, st, now)
             elif self.tier < 3 and now - self._tier_at >= self.config.escalate_after_s:
-                self._apply(self.tier + 1, st, now)
+                if st.usage >= self.config.usage_threshold:
+                    self._apply(self.tier + 1, st, now)
+                else:  # fragmentation alone: compaction is what fixes it; offloading or refusing would not
+                    self._relieve(st, now)
             elif self.degraded and now - self._tier_at >= self.config.escalate_after_s:
                 self._relieve(st, now)
         elif self.tier > 0:
