@@ -142,58 +142,10 @@ def timed(fn, dev, iters: int = 20, warmup: int = 3) -> float:
 
 
 def make_step(seqs, H, KVH, D, bs, kv, dtype, dev, seed=0, extra_cols=0):
-    """Random paged cache plus one step's q/k/v and metadata (same construction as tests/test_triton_kernels.py)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    fmt = parse_kv_format(kv)
-    need = [-(-c // bs) for c, _ in seqs]
-    nblocks = sum(need) + 3 + extra_cols * len(seqs)
-    perm = torch.randperm(nblocks, generator=g)
-    cache = PagedKV(nblocks, bs, KVH, D, fmt, dev)
-    tables, used = [], 0
-    for (c, ql), n in zip(seqs, need):
-        t = perm[used : used + n + extra_cols].to(dev)
-        tables.append(t)
-        used += n + extra_cols
-        old = c - ql
-        if old:
-            i = torch.arange(old, device=dev)
-            cache.write(torch.randn(old, KVH, D, generator=g).to(dev), torch.randn(old, KVH, D, generator=g).to(dev),
-                        t[i // bs] * bs + i % bs)
-    T = sum(ql for _, ql in seqs)
-    q = torch.randn(T, H, D, generator=g).to(dev, dtype)
-    k = torch.randn(T, KVH, D, generator=g).to(dev, dtype)
-    v = torch.randn(T, KVH, D, generator=g).to(dev, dtype)
-    slots, prefills, dec_idx, dec_bt, dec_len = [], [], [], [], []
-    start = 0
-    for (c, ql), t in zip(seqs, tables):
-        i = torch.arange(c - ql, c, device=dev)
-        slots.append(t[i // bs] * bs + i % bs)
-        if ql == 1:
-            dec_idx.append(start)
-            dec_bt.append(t)
-            dec_len.append(c)
-        else:
-            prefills.append(ref.PrefillSpan(start, ql, c, t))
-        start += ql
+    """Random paged cache plus one step's q/k/v and metadata, twice (``triton_attention.random_step``)."""
+    from kvkeeper.model import triton_attention as tk
 
-    def meta():
-        m = ref.AttentionMetadata(slot_mapping=torch.cat(slots), prefills=list(prefills))
-        if dec_idx:
-            w = max(len(b) for b in dec_bt)
-            table = torch.zeros(len(dec_bt), w, dtype=torch.int64, device=dev)
-            for j, b in enumerate(dec_bt):
-                table[j, : len(b)] = b
-            m.decode_indices = torch.tensor(dec_idx, device=dev)
-            m.decode_block_tables = table
-            m.decode_context_lens = torch.tensor(dec_len, device=dev)
-            m.decode_max_len = max(dec_len)
-        return m
-
-    cache2 = PagedKV(nblocks, bs, KVH, D, fmt, dev)
-    for a, b in ((cache2.k, cache.k), (cache2.v, cache.v), (cache2.k_scale, cache.k_scale), (cache2.v_scale, cache.v_scale)):
-        if a is not None:
-            a.copy_(b)
-    return q, k, v, cache, cache2, meta(), meta()
+    return tk.random_step(seqs, H, KVH, D, bs, kv, dtype, dev, seed, extra_cols)
 
 
 def section_kernels(dev, smoke: bool) -> dict:

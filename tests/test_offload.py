@@ -321,7 +321,7 @@ def test_offload_errors_and_idle_selection(eng):
     new.send("Hello", SHORT)
     busy = eng.new_session()
     busy.send("Hey", SHORT)
-    seq = eng.add_request(busy._prompt_ids() + [28], SamplingParams(max_tokens=2, temperature=0))
+    seq = eng.add_request(busy._prompt()[0] + [28], SamplingParams(max_tokens=2, temperature=0))
     busy.hand_over(seq)  # busy's KV now belongs to a waiting request
     assert busy.offload("host") == 0  # nothing pinned while its request runs
     n_old = old.num_blocks

@@ -21,62 +21,8 @@ TOL = {"float32": 2e-5, "int8": 2e-5, "fp8_e4m3": 2e-5, "bfloat16": 2e-2}
 
 
 def make_step(seqs, H, KVH, D, bs, kv, dtype=torch.float32, seed=0, extra_cols=0):
-    """seqs: list of (context_len, q_len).  Returns (q, k, v, cache_ref, cache_tk, meta_ref, meta_tk).
-
-    Each sequence gets distinct, shuffled blocks; its first context_len - q_len tokens are already
-    in the cache (random K/V written through PagedKV.write), the q_len new tokens are k, v.
-    """
-    g = torch.Generator().manual_seed(seed)
-    fmt = parse_kv_format(kv)
-    need = [-(-c // bs) for c, _ in seqs]
-    nblocks = sum(need) + 3 + extra_cols * len(seqs)
-    perm = torch.randperm(nblocks, generator=g)
-    cache = PagedKV(nblocks, bs, KVH, D, fmt)
-    tables, used = [], 0
-    for (c, ql), n in zip(seqs, need):
-        tables.append(perm[used : used + n + extra_cols].clone())
-        used += n + extra_cols
-        old = c - ql
-        if old:
-            i = torch.arange(old)
-            t = tables[-1]
-            cache.write(torch.randn(old, KVH, D, generator=g), torch.randn(old, KVH, D, generator=g),
-                        t[i // bs] * bs + i % bs)
-    T = sum(ql for _, ql in seqs)
-    q = torch.randn(T, H, D, generator=g).to(dtype)
-    k = torch.randn(T, KVH, D, generator=g).to(dtype)
-    v = torch.randn(T, KVH, D, generator=g).to(dtype)
-    slots, prefills, dec_idx, dec_bt, dec_len = [], [], [], [], []
-    start = 0
-    for (c, ql), t in zip(seqs, tables):
-        i = torch.arange(c - ql, c)
-        slots.append(t[i // bs] * bs + i % bs)
-        if ql == 1:
-            dec_idx.append(start)
-            dec_bt.append(t)
-            dec_len.append(c)
-        else:
-            prefills.append(ref.PrefillSpan(start, ql, c, t))
-        start += ql
-
-    def meta():
-        m = ref.AttentionMetadata(slot_mapping=torch.cat(slots), prefills=list(prefills))
-        if dec_idx:
-            w = max(len(b) for b in dec_bt)
-            table = torch.zeros(len(dec_bt), w, dtype=torch.int64)
-            for j, b in enumerate(dec_bt):
-                table[j, : len(b)] = b
-            m.decode_indices = torch.tensor(dec_idx)
-            m.decode_block_tables = table
-            m.decode_context_lens = torch.tensor(dec_len)
-            m.decode_max_len = max(dec_len)
-        return m
-
-    cache2 = PagedKV(nblocks, bs, KVH, D, fmt)
-    for a, b in ((cache2.k, cache.k), (cache2.v, cache.v), (cache2.k_scale, cache.k_scale), (cache2.v_scale, cache.v_scale)):
-        if a is not None:
-            a.copy_(b)
-    return q, k, v, cache, cache2, meta(), meta()
+    """seqs: list of (context_len, q_len); see ``triton_attention.random_step`` (on CPU tensors)."""
+    return tk.random_step(seqs, H, KVH, D, bs, kv, dtype, "cpu", seed, extra_cols)
 
 
 def run_both(seqs, H, KVH, D, bs, kv, dtype=torch.float32, seed=0, **kw):

@@ -20,13 +20,15 @@ import argparse
 import contextlib
 import json
 import logging
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .argtypes import non_negative_int as _non_negative_int
+from .argtypes import positive_int as _positive_int
+from .argtypes import size as _size
 from .engine.sampling_params import SamplingParams
 from .errors import ContextLengthError, KVKeeperError
 from .model.registry import DEFAULT_MODEL
@@ -58,43 +60,6 @@ def _out_console():
 
 def _stderr(msg: str, style: str | None = "dim") -> None:
     _err_console().print(msg, style=style, markup=False)
-
-
-# ---- argument types ----------------------------------------------------------------
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _non_negative_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _size(s: str) -> int:
-    """Bytes: a number with an optional binary suffix (512M, 1G, 1.5GiB)."""
-    m = _SIZE_RE.match(s)
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 536870912, 512M or 1G, got {s!r}")
-    v = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {s!r}")
-    return v
 
 
 # ---- parser ---------------------------------------------------------------------

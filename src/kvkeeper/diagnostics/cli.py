@@ -14,37 +14,11 @@ import argparse
 import json
 from pathlib import Path
 
+from ..argtypes import fraction as _fraction
+from ..argtypes import non_negative_float as _non_negative_float
+from ..argtypes import positive_int as _positive_int
+
 EXIT_DIVERGED = 1
-
-
-def _fraction(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {s!r}") from None
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {s}")
-    return v
-
-
-def _non_negative_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
-    return v
-
-
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def add_audit_fraction(p: argparse.ArgumentParser) -> None:

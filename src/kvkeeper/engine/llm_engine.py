@@ -415,18 +415,11 @@ class LLMEngine:
         the session's next turn); otherwise, or when that fails, the session is unpinned (its full
         blocks stay in the prefix cache until evicted).
         """
-        store = self.offload_store
-        freed = 0
+        freed = self.offload_idle_sessions(n_blocks, tier="host") if self.offload_store.host_budget > 0 else 0
         for s in sorted(self.sessions.values(), key=lambda s: s.last_used):
             if freed >= n_blocks:
                 break
-            if store.host_budget > 0 and store.is_idle(s):
-                try:
-                    freed += store.offload(s, "host")
-                    continue
-                except KVKeeperError as e:
-                    log.warning("could not offload session %s to host memory (%s); unpinning it", s.id, e)
-            freed += s.unpin()
+            freed += s.unpin()  # what the host tier could not take (busy, compressed or failed)
         return freed
 
     def kv_owners(self):

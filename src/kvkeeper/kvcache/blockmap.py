@@ -78,13 +78,11 @@ def block_map(pool, owners=(), offloaded_blocks: int = 0, stats=None, windows=No
     computed here); windows: ``FragmentationMonitor.windows()`` (default: the stats' figures for
     every default window).
     """
-    from .telemetry import DEFAULT_WINDOWS_S, FIGURES, pool_stats
+    from .telemetry import DEFAULT_WINDOWS_S, FIGURES, block_states, pool_stats
 
     owners = list(owners)
     n = pool.num_blocks
-    letters = []
-    for b in pool.blocks:
-        letters.append("o" if b.ref_count > 0 else ("c" if b.hash is not None else "f"))
+    letters = [STATE_LETTERS[st] for st in block_states(pool)]
     owner_of = [NO_OWNER] * n
     holders: dict[int, list[int]] = {}
     info = []
@@ -123,11 +121,7 @@ def engine_block_map(engine, windows=None) -> dict:
 
     windows: ``FragmentationMonitor.windows()`` to include (default: the figures now for every window).
     """
-    owners = list(engine.kv_owners())
-    off = engine.offloaded_blocks()
-    from .telemetry import pool_stats
-
-    return block_map(engine.pool, owners, off, stats=pool_stats(engine.pool, owners, off), windows=windows)
+    return block_map(engine.pool, engine.kv_owners(), engine.offloaded_blocks(), windows=windows)
 
 
 def check_block_map(doc: dict) -> None:

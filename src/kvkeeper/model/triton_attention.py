@@ -108,6 +108,48 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: PagedKV, slots: torch.Tens
     )
 
 
+# ---- shared tile helpers -------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_tile(bt_row, toks, mt, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, kvh, offs_d, md, like, KVH, D, BS,
+             HAS_SCALES: tl.constexpr, BT_FAULT: tl.constexpr):
+    """K and V of tokens ``toks`` (mask ``mt``) of KV head ``kvh``, read through the block-table row
+    ``bt_row``, dequantized with their scales when the cache has them, in ``like``'s dtype: each (N, BLOCK_D)."""
+    blk = tl.load(bt_row + toks // BS + BT_FAULT, mask=mt, other=0).to(tl.int64)
+    slot = blk * BS + toks % BS
+    off = slot[:, None] * (KVH * D) + kvh * D + offs_d[None, :]
+    mkv = mt[:, None] & md[None, :]
+    k = tl.load(kc_ptr + off, mask=mkv, other=0.0)
+    v = tl.load(vc_ptr + off, mask=mkv, other=0.0)
+    if HAS_SCALES:
+        ks = tl.load(ksc_ptr + slot * KVH + kvh, mask=mt, other=0.0).to(tl.float32)
+        vs = tl.load(vsc_ptr + slot * KVH + kvh, mask=mt, other=0.0).to(tl.float32)
+        k = k.to(tl.float32) * ks[:, None]
+        v = v.to(tl.float32) * vs[:, None]
+    return k.to(like.dtype), v.to(like.dtype)
+
+
+@triton.jit
+def _scores(q, k, scale, DOT_F32: tl.constexpr):
+    """q (R, D) x k (N, D)^T * scale -> (R, N) float32 (in float32 throughout when DOT_F32)."""
+    if DOT_F32:
+        sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+    else:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    return sc
+
+
+@triton.jit
+def _weighted_values(p, v, DOT_F32: tl.constexpr):
+    """p (R, N) x v (N, D) -> (R, D) float32."""
+    if DOT_F32:
+        pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p, v, input_precision="ieee")
+    return pv
+
+
 # ---- decode (split-K) --------------------------------------------------------------------------
 
 
@@ -139,32 +181,15 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_ptr, len_pt
     for t0 in range(start, end, BLOCK_N):
         toks = t0 + tl.arange(0, BLOCK_N)
         mt = toks < end
-        blk = tl.load(bt_ptr + b * stride_bt + toks // BS + BT_FAULT, mask=mt, other=0).to(tl.int64)
-        slot = blk * BS + toks % BS
-        off = slot[:, None] * (KVH * D) + kvh * D + offs_d[None, :]
-        mkv = mt[:, None] & md[None, :]
-        k = tl.load(kc_ptr + off, mask=mkv, other=0.0)
-        v = tl.load(vc_ptr + off, mask=mkv, other=0.0)
-        if HAS_SCALES:
-            ks = tl.load(ksc_ptr + slot * KVH + kvh, mask=mt, other=0.0).to(tl.float32)
-            vs = tl.load(vsc_ptr + slot * KVH + kvh, mask=mt, other=0.0).to(tl.float32)
-            k = k.to(tl.float32) * ks[:, None]
-            v = v.to(tl.float32) * vs[:, None]
-        k = k.to(cdt)
-        v = v.to(cdt)
-        if DOT_F32:
-            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # (G, N)
-        else:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        k, v = _kv_tile(bt_ptr + b * stride_bt, toks, mt, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, kvh, offs_d, md, q,
+                        KVH, D, BS, HAS_SCALES, BT_FAULT)
+        sc = _scores(q, k, scale, DOT_F32)  # (G, N)
         sc = tl.where(mt[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         p = tl.exp(sc - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            pv = tl.dot(p.to(cdt).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(cdt), v, input_precision="ieee")
+        pv = _weighted_values(p.to(cdt), v, DOT_F32)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     # partial results: acc (B, H, S, D) and (m, l) (B, H, S, 2), float32
@@ -273,23 +298,9 @@ def _extend_kernel(q_ptr, o_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_ptr, qstar
     for t0 in range(0, kv_end, BLOCK_N):
         toks = t0 + tl.arange(0, BLOCK_N)
         mt = toks < kv_end
-        blk = tl.load(bt_ptr + sq * stride_bt + toks // BS + BT_FAULT, mask=mt, other=0).to(tl.int64)
-        slot = blk * BS + toks % BS
-        off = slot[:, None] * (KVH * D) + kvh * D + offs_d[None, :]
-        mkv = mt[:, None] & md[None, :]
-        k = tl.load(kc_ptr + off, mask=mkv, other=0.0)
-        v = tl.load(vc_ptr + off, mask=mkv, other=0.0)
-        if HAS_SCALES:
-            ks = tl.load(ksc_ptr + slot * KVH + kvh, mask=mt, other=0.0).to(tl.float32)
-            vs = tl.load(vsc_ptr + slot * KVH + kvh, mask=mt, other=0.0).to(tl.float32)
-            k = k.to(tl.float32) * ks[:, None]
-            v = v.to(tl.float32) * vs[:, None]
-        k = k.to(cdt)
-        v = v.to(cdt)
-        if DOT_F32:
-            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # (M, N)
-        else:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        k, v = _kv_tile(bt_ptr + sq * stride_bt, toks, mt, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, kvh, offs_d, md, q,
+                        KVH, D, BS, HAS_SCALES, BT_FAULT)
+        sc = _scores(q, k, scale, DOT_F32)  # (M, N)
         visible = (toks[None, :] <= qpos[:, None]) & mt[None, :]
         sc = tl.where(visible, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -297,10 +308,7 @@ def _extend_kernel(q_ptr, o_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_ptr, qstar
         p = tl.exp(sc - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            pv = tl.dot(p.to(cdt).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(cdt), v, input_precision="ieee")
+        pv = _weighted_values(p.to(cdt), v, DOT_F32)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     l_i = tl.where(l_i > 0, l_i, 1.0)
@@ -394,6 +402,78 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     return extend_attention(q, cache, starts, lens, ctx, bt, scale, max_q)
 
 
+# ---- random steps for comparing the two paths (start-up check, tests, benchmarks/gpu.py) -------------
+
+
+def random_step(seqs, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, fmt,
+                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0,
+                extra_cols: int = 0):
+    """One step over a random paged cache, twice (one copy per path).
+
+    seqs: list of (context_len, q_len).  Each sequence gets distinct, shuffled blocks (plus
+    ``extra_cols`` unused table entries); its first context_len - q_len tokens are already in the
+    cache (random K/V written through :meth:`PagedKV.write`); the q_len new tokens are ``k``, ``v``.
+    fmt: a KV format or its name.  Returns (q (T, H, D), k, v (T, KVH, D) in ``dtype``, cache_a,
+    cache_b (identical contents), meta_a, meta_b (identical :class:`AttentionMetadata`)).
+    """
+    from ..kvcache.quant import parse_kv_format
+    from .attention import AttentionMetadata, PrefillSpan
+
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(seed)
+    fmt = parse_kv_format(fmt)
+    bs = block_size
+    need = [-(-c // bs) for c, _ in seqs]
+    nblocks = sum(need) + 3 + extra_cols * len(seqs)
+    perm = torch.randperm(nblocks, generator=g)
+    cache = PagedKV(nblocks, bs, num_kv_heads, head_dim, fmt, dev)
+    tables, used = [], 0
+    for (c, ql), n in zip(seqs, need):
+        t = perm[used: used + n + extra_cols].to(dev)
+        tables.append(t)
+        used += n + extra_cols
+        old = c - ql
+        if old:
+            i = torch.arange(old, device=dev)
+            cache.write(torch.randn(old, num_kv_heads, head_dim, generator=g).to(dev),
+                        torch.randn(old, num_kv_heads, head_dim, generator=g).to(dev), t[i // bs] * bs + i % bs)
+    T = sum(ql for _, ql in seqs)
+    q = torch.randn(T, num_heads, head_dim, generator=g).to(dev, dtype)
+    k = torch.randn(T, num_kv_heads, head_dim, generator=g).to(dev, dtype)
+    v = torch.randn(T, num_kv_heads, head_dim, generator=g).to(dev, dtype)
+    slots, prefills, dec_idx, dec_bt, dec_len = [], [], [], [], []
+    start = 0
+    for (c, ql), t in zip(seqs, tables):
+        i = torch.arange(c - ql, c, device=dev)
+        slots.append(t[i // bs] * bs + i % bs)
+        if ql == 1:
+            dec_idx.append(start)
+            dec_bt.append(t)
+            dec_len.append(c)
+        else:
+            prefills.append(PrefillSpan(start, ql, c, t))
+        start += ql
+
+    def meta():
+        m = AttentionMetadata(slot_mapping=torch.cat(slots), prefills=list(prefills))
+        if dec_idx:
+            table = torch.zeros(len(dec_bt), max(len(b) for b in dec_bt), dtype=torch.int64, device=dev)
+            for j, b in enumerate(dec_bt):
+                table[j, : len(b)] = b
+            m.decode_indices = torch.tensor(dec_idx, device=dev)
+            m.decode_block_tables = table
+            m.decode_context_lens = torch.tensor(dec_len, device=dev)
+            m.decode_max_len = max(dec_len)
+        return m
+
+    cache2 = PagedKV(nblocks, bs, num_kv_heads, head_dim, fmt, dev)
+    for a, b in ((cache2.k, cache.k), (cache2.v, cache.v), (cache2.k_scale, cache.k_scale),
+                 (cache2.v_scale, cache.v_scale)):
+        if a is not None:
+            a.copy_(b)
+    return q, k, v, cache, cache2, meta(), meta()
+
+
 # ---- start-up check -----------------------------------------------------------------------------
 
 SELF_CHECK_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -401,54 +481,21 @@ SELF_CHECK_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2
 
 def self_check(num_heads: int, num_kv_heads: int, head_dim: int, fmt, dtype: torch.dtype,
                device: torch.device | str, block_size: int) -> float:
-    """Run a mixed step (a decode token plus a 20-token chunk over 30 cached tokens) and a decode-only step
-    through the kernels and through the PyTorch reference on small random caches of the model's shapes.
+    """Run a mixed step (a decode token at 37 tokens plus a 20-token chunk over 30 cached tokens) and a
+    decode-only step (37 and 50 tokens) through the kernels and through the PyTorch reference on small
+    random caches of the model's shapes (:func:`random_step`).
 
     Returns the larger max |kernel - reference| / max |reference| of the two steps (compare it with
     ``SELF_CHECK_TOL[dtype]``).  Compiles the variants the model will use, so it costs little extra.
     """
-    from .attention import AttentionMetadata, PrefillSpan, paged_attention
-
-    device = torch.device(device)
-    g = torch.Generator().manual_seed(0)
-    bs = block_size
-    need_a, need_b = -(-37 // bs), -(-50 // bs)
-    nb = need_a + need_b + 2
-    perm = torch.randperm(nb, generator=g)
-    ta, tb = perm[:need_a].to(device), perm[need_a : need_a + need_b].to(device)
-    caches = [PagedKV(nb, bs, num_kv_heads, head_dim, fmt, device) for _ in range(2)]
-    k0 = torch.randn(nb * bs, num_kv_heads, head_dim, generator=g).to(device)
-    v0 = torch.randn(nb * bs, num_kv_heads, head_dim, generator=g).to(device)
-    for c in caches:
-        c.write(k0, v0, torch.arange(nb * bs, device=device))
-
-    def slots(t, lo, hi):
-        i = torch.arange(lo, hi, device=device)
-        return t[i // bs] * bs + i % bs
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g).to(device, dtype)
+    from .attention import paged_attention
 
     worst = 0.0
-    for mixed in (True, False):
-        T = 21 if mixed else 2
-        q, k, v = rand(T, num_heads, head_dim), rand(T, num_kv_heads, head_dim), rand(T, num_kv_heads, head_dim)
-        outs = []
-        for backend, cache in (("torch", caches[0]), ("triton", caches[1])):
-            if mixed:
-                meta = AttentionMetadata(slot_mapping=torch.cat([slots(ta, 36, 37), slots(tb, 30, 50)]),
-                                         prefills=[PrefillSpan(1, 20, 50, tb)], backend=backend)
-                meta.decode_indices = torch.zeros(1, dtype=torch.int64, device=device)
-                meta.decode_block_tables, meta.decode_context_lens = ta[None], torch.tensor([37], device=device)
-            else:
-                w = max(need_a, need_b)
-                bt = torch.zeros(2, w, dtype=torch.int64, device=device)
-                bt[0, :need_a], bt[1, :need_b] = ta, tb
-                meta = AttentionMetadata(slot_mapping=torch.cat([slots(ta, 36, 37), slots(tb, 49, 50)]),
-                                         decode_indices=torch.arange(2, device=device), decode_block_tables=bt,
-                                         decode_context_lens=torch.tensor([37, 50], device=device),
-                                         backend=backend, decode_max_len=50)
-            outs.append(paged_attention(q, k, v, cache, meta, head_dim**-0.5).float())
-        ref = outs[0].abs().max().item()
-        worst = max(worst, (outs[1] - outs[0]).abs().max().item() / max(ref, 1e-6))
+    for seqs in ([(37, 1), (50, 20)], [(37, 1), (50, 1)]):
+        q, k, v, c_ref, c_tk, m_ref, m_tk = random_step(seqs, num_heads, num_kv_heads, head_dim, block_size, fmt,
+                                                        dtype, device)
+        m_ref.backend, m_tk.backend = "torch", "triton"
+        want = paged_attention(q, k, v, c_ref, m_ref, head_dim**-0.5).float()
+        got = paged_attention(q, k, v, c_tk, m_tk, head_dim**-0.5).float()
+        worst = max(worst, (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6))
     return worst

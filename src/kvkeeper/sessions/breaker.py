@@ -9,8 +9,7 @@ order, giving each ``escalate_after_s`` seconds to work before the next:
    (:meth:`LLMEngine.compact`: owned blocks renumbered contiguously, their KV moved);
 2. **offload**: move idle sessions' KV out of the pool, to host memory first, then to
    disk when a data directory is configured (``LLMEngine.offload_idle_sessions``), until
-   usage would fall to ``recover_usage``; without offload support, idle sessions are
-   unpinned instead (their full blocks stay in the prefix cache);
+   usage would fall to ``recover_usage``;
 3. **degrade**: refuse new sessions (the server answers 503 with ``Retry-After``) and trim
    the oldest turns of the lowest-priority sessions: their pinned KV is released and,
    while degraded, their prompts are rendered without their oldest turns so that they
@@ -180,53 +179,49 @@ class CircuitBreaker:
         the pool reaches the recovery level and the breaker can close instead of staying tripped (and, when
         degraded, refusing new sessions) for as long as idle sessions hold KV.  Logged only when it acted."""
         self._tier_at = now
-        eng = self.engine
-        c = self.config
-        if st.pool_rate >= c.recover_frag:
-            res = eng.compact()
-            if res["evicted"] or res["moved"]:
-                self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
-        target = math.ceil(c.recover_usage * eng.pool.num_blocks) - 1  # the most blocks that count as calm
-        if self.tier >= 2 and st.owned > target:
-            offload = getattr(eng, "offload_idle_sessions", None)
-            freed = offload(st.owned - target, tier="host") if offload is not None \
-                else eng._reclaim_from_sessions(st.owned - target)
-            if freed:
-                self._event(2, "offload_idle_sessions" if offload is not None else "unpin_idle_sessions", st,
-                            eng.pool_stats(), blocks=freed)
+        if st.pool_rate >= self.config.recover_frag:
+            self._compact(st, log_empty=False)
+        if self.tier >= 2 and st.owned > self._calm_owned():
+            self._offload(st, log_empty=False)
 
     def _apply(self, tier: int, st, now: float) -> None:
         self.tier = tier
         self._tier_at = now
-        eng = self.engine
         if tier == 1:
-            res = eng.compact()
-            self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
+            self._compact(st)
         elif tier == 2:
-            target = int(self.config.recover_usage * eng.pool.num_blocks)
-            need = max(1, st.owned - target)
-            offload = getattr(eng, "offload_idle_sessions", None)
-            if offload is None:
-                freed = eng._reclaim_from_sessions(need)
-                self._event(2, "unpin_idle_sessions", st, eng.pool_stats(), blocks=freed)
-                return
-            freed = offload(need, tier="host")  # the host tier spills its oldest sessions to disk over budget
-            store = getattr(eng, "offload_store", None)
-            held = store.stats()["offloaded_bytes"] if store is not None else {}
-            self._event(2, "offload_idle_sessions", st, eng.pool_stats(), blocks=freed,
-                        host_bytes=held.get("host", 0), disk_bytes=held.get("disk", 0))
+            self._offload(st)
         else:
             self._event(3, "refuse_new_sessions", st, retry_after_s=self.config.retry_after_s)
             self._trim_lowest_priority(st)
 
+    def _calm_owned(self) -> int:
+        """The most owned blocks that count as calm (usage below ``recover_usage``)."""
+        return math.ceil(self.config.recover_usage * self.engine.pool.num_blocks) - 1
+
+    def _compact(self, st, log_empty: bool = True) -> None:
+        eng = self.engine
+        res = eng.compact()
+        if log_empty or res["evicted"] or res["moved"]:
+            self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
+
+    def _offload(self, st, log_empty: bool = True) -> None:
+        """Offload idle sessions until usage would fall to the recovery level (host tier; it spills to disk)."""
+        eng = self.engine
+        freed = eng.offload_idle_sessions(max(1, st.owned - self._calm_owned()), tier="host")
+        if log_empty or freed:
+            held = eng.offload_store.stats()["offloaded_bytes"]
+            self._event(2, "offload_idle_sessions", st, eng.pool_stats(), blocks=freed,
+                        host_bytes=held.get("host", 0), disk_bytes=held.get("disk", 0))
+
     def _trim_lowest_priority(self, st) -> None:
         eng = self.engine
-        idle = [s for s in eng.sessions.values() if not getattr(s, "closed", False)]
+        idle = [s for s in eng.sessions.values() if not s.closed]
         if not idle:
             return
-        low = min(getattr(s, "priority", 0) for s in idle)
+        low = min(s.priority for s in idle)
         for s in idle:
-            if getattr(s, "priority", 0) != low:
+            if s.priority != low:
                 continue
             s.trim_budget = self.config.degrade_budget_tokens
             self.trimmed_sessions.add(s.id)

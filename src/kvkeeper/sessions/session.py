@@ -197,13 +197,14 @@ class Session:
                                                      self.trim_budget)
         return kept
 
-    def _prompt_ids(self) -> list[int]:
+    def _prompt(self) -> tuple[list[int], str]:
+        """(token ids, rendered text) of the next prompt."""
         eng = self.engine
         text = eng.render_chat(self.context_messages(), add_generation_prompt=True)
         st = self._state
         if self.reuse and st is not None and self._text and text.startswith(self._text):
-            return list(st.token_ids) + eng.tokenizer.encode(text[len(self._text):], add_special_tokens=False)
-        return eng.tokenizer.encode(text, add_special_tokens=False)
+            return list(st.token_ids) + eng.tokenizer.encode(text[len(self._text):], add_special_tokens=False), text
+        return eng.tokenizer.encode(text, add_special_tokens=False), text
 
     def send(self, content: str, params: SamplingParams | None = None, role: str = "user") -> TurnResult:
         """Add a message, generate the reply, keep the KV; returns the turn's :class:`TurnResult`.
@@ -220,7 +221,7 @@ class Session:
         params = params or self.params
         self.messages.append({"role": role, "content": content})
         try:
-            ids = self._prompt_ids()
+            ids, prompt_text = self._prompt()
             seq = eng.add_request(ids, params, request_id=f"{self.id}-t{len(self.turns) + 1}")
         except KVKeeperError:
             self.messages.pop()
@@ -234,8 +235,7 @@ class Session:
         if not self.reuse:
             eng.kv.free(seq)
         reply = seq.text
-        self._text = eng.render_chat(self.context_messages(), add_generation_prompt=True) + eng.tokenizer.decode(
-            seq.output_token_ids, skip_special_tokens=False)
+        self._text = prompt_text + eng.tokenizer.decode(seq.output_token_ids, skip_special_tokens=False)
         self.messages.append({"role": "assistant", "content": reply})
         self.last_used = time.monotonic()
         from ..engine.llm_engine import RequestOutput

@@ -1,0 +1,63 @@
+"""argparse value types shared by the command-line modules: each raises ArgumentTypeError saying what was wrong."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _int(s: str) -> int:
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
+
+
+def _float(s: str, what: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+
+
+def positive_int(s: str) -> int:
+    v = _int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def non_negative_int(s: str) -> int:
+    v = _int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def fraction(s: str) -> float:
+    """A number in [0, 1]."""
+    v = _float(s, "a number in [0, 1]")
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {s}")
+    return v
+
+
+def non_negative_float(s: str) -> float:
+    v = _float(s, "a number >= 0")
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def size(s: str) -> int:
+    """Bytes: a number with an optional binary suffix (512M, 1G, 1.5GiB)."""
+    m = _SIZE_RE.match(s)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 536870912, 512M or 1G, got {s!r}")
+    v = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {s!r}")
+    return v
