@@ -48,7 +48,7 @@ try:
 except ImportError:  # running from a checkout without an installed package
     sys.path.insert(0, str(ROOT / "src"))
 
-from kvkeeper import LLMEngine, SamplingParams  # noqa: E402
+from kvkeeper import LLMEngine, SamplingParams, SessionManager  # noqa: E402
 
 GB = 1e9
 
@@ -209,7 +209,7 @@ def small_m_probe() -> dict:
 
 
 def model_costs(engine: LLMEngine) -> dict:
-    cfg = engine.config
+    cfg = engine.model_config
     model = engine.runner.model
     elt = engine.runner.dtype.itemsize if hasattr(engine.runner.dtype, "itemsize") else 4
     params_total = sum(p.numel() for p in model.parameters())
@@ -334,7 +334,7 @@ def bench_multiturn(engine: LLMEngine, hf, llm, llm_status: str, questions: list
     # warm-up of the engine's kernels (isolated namespace: nothing cached for the session)
     engine.generate([engine.encode_chat([{"role": "user", "content": "Hello there!"}])],
                     SamplingParams(max_tokens=8), namespace=engine.isolated_namespace("warm"))
-    sess = engine.new_session(params=SamplingParams(max_tokens=bc.reply_tokens))
+    sess = SessionManager(engine).open(params=SamplingParams(max_tokens=bc.reply_tokens))
     rows = []
     log(f"multi-turn: kvkeeper session, {len(user_turns)} turns")
     for q in user_turns:
@@ -899,7 +899,7 @@ def main(argv=None) -> int:
     if "roofline" not in args.skip:
         log("roofline measurements")
         try:
-            roof = measure_roofline(bc, linear_shapes(engine.config))
+            roof = measure_roofline(bc, linear_shapes(engine.model_config))
             R["roofline"] = roof
             flop_s = roof["matmul"]["gflop_per_s"] * 1e9
             R["roofline_limits"] = {

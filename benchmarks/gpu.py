@@ -320,7 +320,7 @@ def section_decode(dev, args, cfg_name) -> dict:
     load_s = time.perf_counter() - t0
     graphs = eng.runner.graphs
     log(f"kvkeeper engine ready in {load_s:.1f} s; graphs: {sorted(graphs.graphs) if graphs else None}")
-    vocab = eng.config.vocab_size
+    vocab = eng.model_config.vocab_size
     rows = []
     for B in args.batches:
         prompts = decode_prompts(B, vocab, args.prompt_len)
@@ -385,7 +385,7 @@ def section_ttft(dev, args, cfg_name) -> dict:
     hist = [128, 300] if args.smoke_cpu else args.histories
     eng = make_engine(cfg_name, dev, args.dtype, int(args.kv_cache_gb * GB), 8, max(hist) + 256,
                       256 if args.smoke_cpu else 8192)
-    vocab = eng.config.vocab_size
+    vocab = eng.model_config.vocab_size
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     warm = torch.randint(0, vocab, (min(600, max(hist) // 2),), generator=g).tolist()
     eng.generate([warm], one)  # warm-up (kernel compiles)

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_model, write_report  # noqa: E402
 
-from kvkeeper import LLMEngine, SamplingParams  # noqa: E402
+from kvkeeper import LLMEngine, SamplingParams, SessionManager  # noqa: E402
 from kvkeeper.diagnostics.audit import audit_sequence  # noqa: E402
 from kvkeeper.kvcache.block_pool import BlockPool  # noqa: E402
 from kvkeeper.kvcache.telemetry import pool_stats  # noqa: E402
@@ -54,17 +54,22 @@ def machine_limits(tmp: Path) -> dict:
     return {"copy_gb_s": round(copy_gbs, 2), "disk_write_fsync_gb_s": round(len(buf) / w / 1e9, 3)}
 
 
+def sessions_of(eng) -> SessionManager:
+    """The engine's session manager (the one main() attaches)."""
+    return next(h for h in eng.holders if isinstance(h, SessionManager))
+
+
 def session_with(eng, n_tokens: int, sid: str, offset: int = 2000):
     """A session whose first turn holds about ``n_tokens`` tokens of the novel from word ``offset`` on."""
     words = TEXT.read_text(encoding="utf-8").split()
     msg = " ".join(words[offset:offset + int(n_tokens * 0.75)])
-    s = eng.new_session(session_id=sid)
+    s = sessions_of(eng).open(session_id=sid)
     s.send("Summarise this passage in one line:\n" + msg, SamplingParams(max_tokens=4, temperature=0))
     return s
 
 
 def offload_restore(eng, tier: str, n_tokens: int, repeats: int) -> dict:
-    store = eng.offload_store
+    store = sessions_of(eng).store
     off, back, nbytes = [], [], 0
     s = session_with(eng, n_tokens, f"bench-{tier}")
     ntok = s.num_tokens
@@ -85,7 +90,7 @@ def recompute_prefill(eng, n_tokens: int, repeats: int) -> dict:
     ts = []
     for r in range(repeats):
         s = session_with(eng, n_tokens, f"bench-recompute-{r}")
-        ids = s._state.token_ids[: s._state.num_computed]
+        ids = s.kv.token_ids[: s.kv.num_computed]
         s.close()
         ns = eng.isolated_namespace(f"recompute-{r}")
         seq = eng.add_request(ids + [ids[-1]], SamplingParams(max_tokens=1), namespace=ns)
@@ -115,7 +120,7 @@ def audit_cost(eng, n_tokens: int, repeats: int) -> dict:
     ts, pre = [], []
     for r in range(repeats):
         s = session_with(eng, n_tokens, f"audit-{r}", offset=20000 + 700 * r)
-        st = s._state
+        st = s.kv
         ids = st.token_ids[: st.num_computed]
         dt, rep = _t(lambda: audit_sequence(eng, st))
         assert rep.ok, rep.summary()
@@ -151,7 +156,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         limits = machine_limits(tmp)
-        eng = LLMEngine(data_dir=tmp / "data", validate_every=0)
+        eng = LLMEngine(validate_every=0)
+        SessionManager(eng, data_dir=tmp / "data")
         res = {"machine": {"cpu": cpu_model(), "threads": torch.get_num_threads(), **limits},
                "kv_bytes_per_token": eng.kv_bytes_per_token,
                "recompute": recompute_prefill(eng, args.tokens, args.repeats),

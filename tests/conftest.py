@@ -2,10 +2,24 @@ import json
 import os
 from pathlib import Path
 
-# KV integrity validators before every engine step in every test (and in servers the tests start)
+# KV integrity validators before every engine step in every test: servers the tests start read this at
+# their edge (the CLI); in-process engines get it below unless a test sets validate_every itself.
 os.environ.setdefault("KVKEEPER_VALIDATE", "1")
 
 import pytest
+
+from kvkeeper.engine import llm_engine as _llm_engine
+
+_engine_init = _llm_engine.LLMEngine.__init__
+
+
+def _validating_init(self, *args, **kwargs):
+    _engine_init(self, *args, **kwargs)
+    if "validate_every" not in kwargs:
+        self.validate_every = int(os.environ["KVKEEPER_VALIDATE"])
+
+
+_llm_engine.LLMEngine.__init__ = _validating_init
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 

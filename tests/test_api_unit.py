@@ -22,12 +22,11 @@ class FakeEngine:
     tokenizer = None
 
     def __init__(self, waiting: int = 0):
-        self.sessions = {}
         self.waiting = waiting
 
     def stats(self) -> dict:
         return {"kv_usage": 0.0, "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "num_preemptions": 0,
-                "num_running": 0, "num_waiting": self.waiting, "sessions": 0}
+                "num_running": 0, "num_waiting": self.waiting}
 
     def has_unfinished(self) -> bool:
         return False
@@ -36,11 +35,54 @@ class FakeEngine:
         raise RuntimeError("secret internal detail")
 
 
+class FakeSessions:
+    """Just enough of SessionManager: sessions open on request, each turn fails like the engine's prompts."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.sessions = {}
+
+    def __contains__(self, sid):
+        return sid in self.sessions
+
+    def __iter__(self):
+        return iter(list(self.sessions.values()))
+
+    def open(self, session_id=None, **kw):
+        mgr = self
+
+        class S:
+            id, priority, trim_budget, trimmed_turns = session_id, 0, None, 0
+
+            def begin_turn(self, messages=None, **kw):
+                mgr.engine.encode_chat(messages)
+
+        self.sessions[session_id] = S()
+        return self.sessions[session_id]
+
+    def close(self, sid):
+        from kvkeeper.errors import SessionNotFoundError
+
+        if self.sessions.pop(sid, None) is None:
+            raise SessionNotFoundError(f"no open session {sid!r}")
+        return 0
+
+    def stats(self) -> dict:
+        return {"sessions": len(self.sessions), "pinned_blocks": 0, "offload": {}}
+
+    def save_all(self) -> int:
+        return 0
+
+
+def _app(engine, sessions=None, max_queue=2):
+    return create_app(AsyncEngine(engine, sessions or FakeSessions(engine), max_queue=max_queue))
+
+
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def test_queue_full_is_503_with_retry_after():
-    app = create_app(AsyncEngine(FakeEngine(waiting=3), max_queue=2))
+    app = _app(FakeEngine(waiting=3))
     with TestClient(app) as c:
         r = c.post("/v1/chat/completions", json=BODY)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -49,7 +91,7 @@ def test_queue_full_is_503_with_retry_after():
 
 
 def test_internal_error_is_generic_500():
-    app = create_app(AsyncEngine(FakeEngine(), max_queue=2))
+    app = _app(FakeEngine())
     with TestClient(app, raise_server_exceptions=False) as c:
         r = c.post("/v1/chat/completions", json=BODY)
         assert r.status_code == 500
@@ -59,7 +101,7 @@ def test_internal_error_is_generic_500():
 
 
 def test_validation_and_model_errors():
-    app = create_app(AsyncEngine(FakeEngine(), max_queue=2))
+    app = _app(FakeEngine())
     with TestClient(app) as c:
         r = c.post("/v1/chat/completions", json={**BODY, "top_p": 0})
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
@@ -68,17 +110,17 @@ def test_validation_and_model_errors():
         assert c.delete("/v1/sessions/nope").status_code == 404
 
 
-class DegradedEngine(FakeEngine):
+class DegradedSessions(FakeSessions):
     """A circuit breaker in its degrade tier: new sessions are refused."""
 
-    def new_session(self, session_id=None, **kw):
+    def open(self, session_id=None, **kw):
         from kvkeeper.sessions.breaker import OverloadedError
 
         raise OverloadedError("KV memory is short: new sessions are refused for now", 3)
 
 
 def test_breaker_refusal_is_503_with_retry_after_and_priority_is_validated():
-    app = create_app(AsyncEngine(DegradedEngine(), max_queue=2))
+    app = _app(FakeEngine(), DegradedSessions(FakeEngine()))
     with TestClient(app) as c:
         r = c.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "new-one"})
         assert r.status_code == 503 and r.headers["retry-after"] == "3"
@@ -89,19 +131,7 @@ def test_breaker_refusal_is_503_with_retry_after_and_priority_is_validated():
 
 
 class ContextFullEngine(FakeEngine):
-    """Sessions open on request; every prompt is over the context window."""
-
-    def new_session(self, session_id=None, **kw):
-        eng = self
-
-        class S:
-            id, priority, trim_budget = session_id, 0, None
-
-            def close(self):
-                eng.sessions.pop(self.id, None)
-
-        self.sessions[session_id] = S()
-        return self.sessions[session_id]
+    """Every prompt is over the context window."""
 
     def encode_chat(self, messages):
         from kvkeeper.errors import ContextLengthError
@@ -111,20 +141,21 @@ class ContextFullEngine(FakeEngine):
 
 def test_a_refused_first_request_leaves_no_empty_session_open():
     eng = ContextFullEngine()
-    app = create_app(AsyncEngine(eng, max_queue=2))
+    sessions = FakeSessions(eng)
+    app = _app(eng, sessions)
     with TestClient(app) as c:
         r = c.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "first"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        assert "first" not in eng.sessions
-        old = eng.new_session("old")  # an open conversation keeps its session after a refused turn
+        assert "first" not in sessions
+        old = sessions.open("old")  # an open conversation keeps its session after a refused turn
         assert c.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "old"}).status_code == 400
-        assert eng.sessions.get("old") is old
+        assert sessions.sessions.get("old") is old
 
 
 @pytest.mark.parametrize("junk", ["1_0", "0x10", "1e2", "", "5 5"])
 def test_session_priority_junk_is_400(junk):
     # int() took "1_0" as 10
-    app = create_app(AsyncEngine(DegradedEngine(), max_queue=2))
+    app = _app(FakeEngine(), DegradedSessions(FakeEngine()))
     with TestClient(app) as c:
         r = c.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "s", "X-Session-Priority": junk})
         assert r.status_code == 400 and r.json()["error"]["param"] == "X-Session-Priority", r.text

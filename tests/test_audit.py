@@ -14,8 +14,10 @@ from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.diagnostics import faults
 from kvkeeper.diagnostics.audit import ReuseAuditor
 from kvkeeper.kvcache.compression import KVCompression
+from kvkeeper.sessions import SessionManager
 
 from serverproc import running_server
+from sessionutil import sessions_of
 
 TEXT_A = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lamp, a flask "
           "of tea and a notebook in which he recorded the ships that passed the rocky point during the night.")
@@ -27,7 +29,9 @@ TEXT_B = ("A small bakery on the corner sold bread, pastries and cakes to the pe
 def eng():
     """SmolLM2 fp32 with every request audited; validators off (the fault tests corrupt the cache on purpose,
     each in its own namespace); the clean-run test turns them back on."""
-    return LLMEngine(num_kv_blocks=320, audit_fraction=1.0, validate_every=0)
+    e = LLMEngine(num_kv_blocks=320, validate_every=0)
+    e.auditor = ReuseAuditor(1.0).attach(e)  # the tests read its counters and reports
+    return e
 
 
 def _report(eng, request_id):
@@ -44,7 +48,7 @@ def test_no_mismatch_over_mt_bench_sessions_and_shared_prefixes(eng, mt_bench):
         before = eng.auditor.total
         ids = []
         for q in mt_bench[:2]:  # both turns of each question as a session: turn 2 reuses turn 1's KV
-            s = eng.new_session()
+            s = sessions_of(eng).open()
             for t in q["turns"]:
                 s.send(t, SamplingParams(max_tokens=6))
             ids += [f"{s.id}-t1", f"{s.id}-t2"]
@@ -59,7 +63,7 @@ def test_no_mismatch_over_mt_bench_sessions_and_shared_prefixes(eng, mt_bench):
     assert eng.auditor.total - before == len(ids) == 8
     reps = [_report(eng, i) for i in ids]
     assert all(r.ok for r in reps), [r.summary() for r in reps if not r.ok]
-    assert all(len(r.layer_max_abs_diff) == eng.config.num_layers and r.logits_max_abs_diff is not None
+    assert all(len(r.layer_max_abs_diff) == eng.model_config.num_layers and r.logits_max_abs_diff is not None
                for r in reps)
     turn2 = [r for r in reps if r.request_id.endswith("-t2")]
     assert len(turn2) == 2 and all(r.cached_tokens > 0 for r in turn2)
@@ -102,9 +106,9 @@ def test_positions_shifted_by_one_are_named(eng):
 
 
 def test_block_freed_while_referenced_is_named(eng):
-    s = eng.new_session()
+    s = sessions_of(eng).open()
     s.send(TEXT_A + " " + TEXT_B, SamplingParams(max_tokens=2))
-    st = s._state
+    st = s.kv
     assert st.num_computed >= 48
     bid = faults.free_while_referenced(eng, st, 2)  # positions 32..47: past the (shared) system prompt
     other = eng.generate([TEXT_B + " " + TEXT_A], SamplingParams(max_tokens=2),
@@ -129,7 +133,7 @@ def test_sampling_is_seeded_and_compressed_kv_is_skipped(eng):
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         ReuseAuditor(1.5)
     seq = eng.add_request(TEXT_A, SamplingParams(max_tokens=3), compression=KVCompression("knorm", 0.5))
-    seq.keep_blocks = True
+    seq.kv_keeper = lambda s: None  # keep its blocks after it finishes (freed below)
     eng.run_until_done([seq])
     try:
         assert _report(eng, seq.request_id).ok  # audited at its first token, before compression
@@ -137,7 +141,6 @@ def test_sampling_is_seeded_and_compressed_kv_is_skipped(eng):
         skipped = eng.auditor.skipped
         assert eng.auditor.audit(eng, seq, None) is None and eng.auditor.skipped == skipped + 1
     finally:
-        eng.detached.pop(id(seq), None)
         eng.kv.free(seq)
 
 
@@ -204,8 +207,9 @@ def test_server_counters_and_session_dump(tmp_path):
 def test_kv_audit_command(eng, monkeypatch, capsys, tmp_path):
     import kvkeeper.cli as cli
 
-    monkeypatch.setattr(cli, "_load_engine", lambda args: eng)
-    monkeypatch.setattr(eng, "auditor", ReuseAuditor(1.0))  # fresh counters for this command
+    fresh = ReuseAuditor(1.0).attach(eng)  # fresh counters for this command
+    monkeypatch.setattr(cli.kv, "load_engine", lambda args: eng)
+    monkeypatch.setattr(cli.kv, "new_auditor", lambda engine: fresh)
     conv = tmp_path / "c.jsonl"
     conv.write_text(json.dumps({"id": "x", "turns": ["Say hello.", "Say goodbye."]}) + "\n")
     assert cli.main(["kv", "audit", "--conversations", str(conv), "--max-tokens", "2", "--json"]) == 0
@@ -216,14 +220,16 @@ def test_kv_audit_command(eng, monkeypatch, capsys, tmp_path):
     eng.run_until_done([seq])  # one divergent request on the same auditor: the command now exits 1
     assert cli.main(["kv", "audit", "--prompt", "Hi", "--max-tokens", "1"]) == 1
     assert "first divergent layer 0, token 3 (K)" in capsys.readouterr().out
+    eng.first_token_hooks.remove(fresh.on_first_token)
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_quantized_cache_faults_are_named_above_the_rounding_noise(kv_dtype, mt_bench):
     """With int8/fp8 KV the tolerances sit above quantization noise, yet a foreign block and shifted
     positions are still named at layer 0 and their first token; a clean two-turn session passes."""
-    eng = LLMEngine(num_kv_blocks=160, audit_fraction=1.0, validate_every=0, kv_dtype=kv_dtype)
-    s = eng.new_session()
+    eng = LLMEngine(num_kv_blocks=160, validate_every=0, kv_dtype=kv_dtype)
+    eng.auditor = ReuseAuditor(1.0).attach(eng)
+    s = SessionManager(eng).open()
     for turn in mt_bench[0]["turns"]:
         s.send(turn, SamplingParams(max_tokens=16))
     assert eng.auditor.total == 2 and eng.auditor.mismatches == 0

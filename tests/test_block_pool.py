@@ -45,7 +45,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvkeeper.engine.sampling_params import SamplingParams
+from kvkeeper.sampling.params import SamplingParams
 from kvkeeper.engine.sequence import Sequence
 from kvkeeper.kvcache import block_pool as block_pool_mod
 from kvkeeper.kvcache.block_pool import BlockPool, NoFreeBlocksError, block_hash

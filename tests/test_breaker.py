@@ -11,6 +11,7 @@ from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.kvcache.validate import check_engine
 from kvkeeper.sessions.breaker import BreakerConfig, CircuitBreaker, OverloadedError
 from kvkeeper.sessions.budget import split_turns, trim_oldest_turns
+from sessionutil import sessions_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,7 +24,7 @@ def folder(tmp_path_factory):
 
 
 def _session_kv(eng, s):
-    st = s._state
+    st = s.kv
     bt = torch.tensor(st.block_table, dtype=torch.int64)
     return [c.gather(bt, st.num_computed, torch.float32) for c in eng.runner.kv_caches]
 
@@ -31,7 +32,7 @@ def _session_kv(eng, s):
 def _fragmented(folder, kv_dtype=None):
     """Four sessions, two turns each, then sessions 1 and 3 closed: holes between the survivors."""
     eng = LLMEngine(str(folder), num_kv_blocks=96, block_size=4, validate_every=1, kv_dtype=kv_dtype)
-    ss = [eng.new_session(system=f"You are helper number {i}.") for i in range(4)]
+    ss = [sessions_of(eng).open(system=f"You are helper number {i}.") for i in range(4)]
     for turn in range(2):
         for i, s in enumerate(ss):
             s.send(f"Turn {turn}: tell me about the number {i * 7 + turn}.", GREEDY)
@@ -53,7 +54,7 @@ def test_compaction_moves_kv_bit_exactly_and_sessions_continue_identically(folde
     assert res["evicted"] == before.cached and res["moved"] > 0
     assert after.cached == 0 and after.pool_rate == 0.0 and after.external == 0.0
     assert after.owned == before.owned and after.used_slots == before.used_slots
-    assert sorted({b for s in live for b in s._state.block_table}) == list(range(after.owned))  # shared heads once
+    assert sorted({b for s in live for b in s.kv.block_table}) == list(range(after.owned))  # shared heads once
     assert check_engine(eng) == []
     for s, kv in zip(live, kv_before):
         for (k0, v0), (k1, v1) in zip(kv, _session_kv(eng, s)):
@@ -66,7 +67,7 @@ def test_compaction_moves_kv_bit_exactly_and_sessions_continue_identically(folde
 
 def test_defragment_rejects_an_incomplete_order(folder):
     eng, live = _fragmented(folder)
-    order = [b for s in live for b in s._state.block_table][1:]
+    order = [b for s in live for b in s.kv.block_table][1:]
     with pytest.raises(ValueError, match="missing"):
         eng.pool.defragment(order)
     assert check_engine(eng) == []  # nothing changed
@@ -82,14 +83,14 @@ class Clock:
 
 def test_tiers_trip_in_order_refuse_sessions_and_close_again(folder):
     eng = LLMEngine(str(folder), num_kv_blocks=40, block_size=4, validate_every=1, max_num_batched_tokens=64)
-    low = eng.new_session(system="Low priority.")
-    high = eng.new_session(system="High priority.")
+    low = sessions_of(eng).open(system="Low priority.")
+    high = sessions_of(eng).open(system="High priority.")
     high.priority = 5
     for s in (low, high):
         for k in range(3):
             s.send(f"message {k} for the session, with a few more words to use some blocks", GREEDY)
     clock = Clock()
-    br = CircuitBreaker(eng, BreakerConfig(escalate_after_s=1.0, cooldown_s=2.0), clock=clock)
+    br = CircuitBreaker(eng, sessions_of(eng), BreakerConfig(escalate_after_s=1.0, cooldown_s=2.0), clock=clock)
     eng.step_hooks.clear()  # the test drives evaluate() with its own clock
     # long running requests take most of the pool (they are never touched by the breaker)
     seqs = [eng.add_request([100 + i] * 30, SamplingParams(max_tokens=60, ignore_eos=True)) for i in range(4)]
@@ -112,7 +113,7 @@ def test_tiers_trip_in_order_refuse_sessions_and_close_again(folder):
     assert br.trimmed_sessions == {low.id}  # the lowest priority only
     assert low.trim_budget == br.config.degrade_budget_tokens and high.trim_budget is None
     with pytest.raises(OverloadedError) as ei:
-        eng.new_session()
+        sessions_of(eng).open()
     assert ei.value.retry_after_s == br.config.retry_after_s
     eng.run_until_done(seqs)
     assert all(s.finish_reason == "length" and s.num_output_tokens == 60 for s in seqs)
@@ -121,7 +122,7 @@ def test_tiers_trip_in_order_refuse_sessions_and_close_again(folder):
         br.evaluate(force=True)
     assert br.tier == 0 and not br.degraded and low.trim_budget is None
     assert br.events[-1]["action"] == "close" and br.trips == 1
-    eng.new_session().close()  # admitted again
+    sessions_of(eng).open().close()  # admitted again
     assert check_engine(eng) == []
     snap = br.snapshot()
     assert {(a["tier"], a["action"]) for a in snap["actions"]} >= {("compaction", "compact"), ("degrade", "trim_session")}
@@ -146,7 +147,7 @@ def test_budget_trims_oldest_turns_and_keeps_system_and_last():
 
 def test_session_trim_budget_is_a_reversible_view(folder):
     eng = LLMEngine(str(folder), num_kv_blocks=128, block_size=4, validate_every=1)
-    s = eng.new_session(system="Be brief.")
+    s = sessions_of(eng).open(system="Be brief.")
     for k in range(3):
         s.send(f"question number {k} about something rather long to make the prompt grow", GREEDY)
     full = len(eng.encode_chat(s.messages + [{"role": "user", "content": "next"}]))
@@ -172,20 +173,16 @@ def test_waiting_turns_holding_session_kv_do_not_starve_the_queue_head(folder):
     """Turns queued together each hold their session's handed-over KV; when the head cannot fit and nothing
     runs, the others' blocks are released (they stay in the prefix cache) instead of rejecting the head."""
     eng = LLMEngine(str(folder), num_kv_blocks=30, block_size=4, validate_every=1, max_num_batched_tokens=256)
-    ss = [eng.new_session(system=f"S{i}") for i in range(3)]
+    ss = [sessions_of(eng).open(system=f"S{i}") for i in range(3)]
     for i, s in enumerate(ss):
         s.send(f"first message of session {i} with several words in it to fill blocks", GREEDY)
     seqs = []
     for i, s in enumerate(ss):
         msgs = s.messages + [{"role": "user", "content": f"second message of session {i}, also long enough " * 2}]
-        seq = eng.add_request(eng.encode_chat(msgs), GREEDY, request_id=f"t2-{i}")
-        s.hand_over(seq)
-        seqs.append(seq)
+        seqs.append(s.begin_turn(messages=msgs, params=GREEDY, request_id=f"t2-{i}"))
     assert all(q.block_table for q in seqs) and eng.pool.num_free < 12
-    owner = {id(q): s for s, q in zip(ss, seqs)}
     while any(not q.finished for q in seqs):
-        for q in eng.step():  # as the server does: a finished turn's KV goes back to its session at once
-            owner[id(q)].keep(q)
+        eng.step()  # a finished turn's KV goes back to its session at once
     assert [q.finish_reason for q in seqs] == ["length"] * 3, [q.error for q in seqs]
     for s in ss:
         s.close()
@@ -196,28 +193,23 @@ def test_degraded_breaker_offloads_sessions_that_refill_the_pool_and_closes(fold
     """Sessions busy during tiers 1-2 pin their KV afterwards: while degraded the breaker repeats the
     offload tier, so the pool drains and the breaker closes instead of refusing sessions for ever."""
     eng = LLMEngine(str(folder), num_kv_blocks=48, block_size=4, validate_every=1, max_num_batched_tokens=64)
-    ss = [eng.new_session(system=f"S{i}") for i in range(3)]
+    ss = [sessions_of(eng).open(system=f"S{i}") for i in range(3)]
     clock = Clock()
-    br = CircuitBreaker(eng, BreakerConfig(usage_threshold=0.6, recover_usage=0.5, escalate_after_s=1.0,
+    br = CircuitBreaker(eng, sessions_of(eng), BreakerConfig(usage_threshold=0.6, recover_usage=0.5, escalate_after_s=1.0,
                                            cooldown_s=2.0), clock=clock)
     eng.step_hooks.clear()
     seqs = []
     for i, s in enumerate(ss):
-        seq = eng.add_request(eng.encode_chat(s.messages + [{"role": "user", "content": f"tell me story {i} " * 6}]),
-                              SamplingParams(max_tokens=12, ignore_eos=True), request_id=f"turn-{i}")
-        s.hand_over(seq)
-        seqs.append(seq)
-    owner = {id(q): s for s, q in zip(ss, seqs)}
+        seqs.append(s.begin_turn(messages=s.messages + [{"role": "user", "content": f"tell me story {i} " * 6}],
+                                 params=SamplingParams(max_tokens=12, ignore_eos=True), request_id=f"turn-{i}"))
     while eng.pool.usage() < 0.6:
-        for q in eng.step():
-            owner[id(q)].keep(q)
+        eng.step()
     for t in (0.0, 1.0, 2.0):  # compaction, offload (every session busy: nothing to move), degrade
         clock.t = t
         br.evaluate(force=True)
     assert br.tier == 3
     while any(not q.finished for q in seqs):
-        for q in eng.step():
-            owner[id(q)].keep(q)
+        eng.step()
     n_offload = sum(e["action"] == "offload_idle_sessions" for e in br.events)
     clock.t = 3.0
     st = br.evaluate(force=True)
@@ -238,10 +230,10 @@ def test_degraded_breaker_does_not_stay_stuck_between_recovery_and_trip_levels(f
     the breaker must go on relieving the pool (offload idle sessions) and close, not refuse new sessions
     forever."""
     eng = LLMEngine(str(folder), num_kv_blocks=40, block_size=4, validate_every=1)
-    lo, hi1, hi2 = (eng.new_session(system=f"S{i}") for i in range(3))
+    lo, hi1, hi2 = (sessions_of(eng).open(system=f"S{i}") for i in range(3))
     lo.priority, hi1.priority, hi2.priority = -1, 5, 5
     clock = Clock()
-    br = CircuitBreaker(eng, BreakerConfig(usage_threshold=0.5, recover_usage=0.3, frag_threshold=1.0,
+    br = CircuitBreaker(eng, sessions_of(eng), BreakerConfig(usage_threshold=0.5, recover_usage=0.3, frag_threshold=1.0,
                                            recover_frag=1.0, escalate_after_s=1.0, cooldown_s=2.0), clock=clock)
     eng.step_hooks.clear()
     k = 0
@@ -269,7 +261,7 @@ def test_degraded_breaker_does_not_stay_stuck_between_recovery_and_trip_levels(f
         clock.t = float(t)
         br.evaluate(force=True)
     assert br.tier == 0, (eng.pool.usage(), br.events[-1])
-    eng.new_session().close()  # admitted again
+    sessions_of(eng).open().close()  # admitted again
     r = hi1.send("and one more", GREEDY)  # the offloaded KV comes back
     assert r.cached_tokens > 0
     assert check_engine(eng) == []
@@ -282,7 +274,7 @@ def test_tripped_breaker_compacts_again_when_fragmentation_sits_between_its_leve
     rate = eng.pool_stats().pool_rate
     assert rate > 0.1
     clock = Clock()
-    br = CircuitBreaker(eng, BreakerConfig(frag_threshold=min(1.0, rate + 0.05), recover_frag=rate - 0.05,
+    br = CircuitBreaker(eng, sessions_of(eng), BreakerConfig(frag_threshold=min(1.0, rate + 0.05), recover_frag=rate - 0.05,
                                            escalate_after_s=1.0, cooldown_s=2.0), clock=clock)
     eng.step_hooks.clear()
     br.tier, br.trips, br._tier_at = 1, 1, 0.0  # tripped earlier; the pool has since settled in the band
@@ -308,9 +300,7 @@ def test_fragmentation_alone_recompacts_and_never_escalates():
 
     class Scripted:
         pool = SimpleNamespace(num_blocks=100)
-        sessions: dict = {}
         step_hooks: list = []
-        breaker = None
 
         def pool_stats(self):
             return frag
@@ -319,12 +309,18 @@ def test_fragmentation_alone_recompacts_and_never_escalates():
             calls.append("compact")
             return {"evicted": 0, "moved": 30}
 
-        def offload_idle_sessions(self, n, tier="host"):
+    class ScriptedSessions:
+        admission = None
+
+        def __iter__(self):
+            return iter([])
+
+        def offload_idle(self, n, tier="host"):
             calls.append("offload")
             return n
 
     clock = Clock()
-    br = CircuitBreaker(Scripted(), BreakerConfig(escalate_after_s=1.0), clock=clock)
+    br = CircuitBreaker(Scripted(), ScriptedSessions(), BreakerConfig(escalate_after_s=1.0), clock=clock)
     for t in (0.0, 1.0, 2.0, 3.0):
         clock.t = t
         br.evaluate(force=True)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvkeeper import ContextLengthError, InvalidRequestError, LLMEngine, ModelNotFoundError, SamplingParams
+from sessionutil import sessions_of
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,7 @@ def test_greedy_and_logits_match_transformers(engine, hf_reference, parity_promp
 def test_turn_reuse_equals_full_recompute(engine, mt_bench):
     params = SamplingParams(max_tokens=32)
     for q in mt_bench[10:13]:
-        s = engine.new_session()
+        s = sessions_of(engine).open()
         prev = None
         try:
             for i, turn in enumerate(q["turns"] + ["Summarise your answers in one sentence."]):
@@ -157,7 +158,7 @@ def test_bad_input_errors(engine):
         engine.encode_chat([])
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.generate([""])
-    s = engine.new_session()
+    s = sessions_of(engine).open()
     with pytest.raises(InvalidRequestError, match="empty"):
         s.send("   ")
     assert s.messages == []

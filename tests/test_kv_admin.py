@@ -96,7 +96,7 @@ def test_owner_colours_are_stable_per_name_and_clear_of_state_colours():
 
     from kvkeeper.kvcache.blockmap import owner_hue
 
-    names = ["req-a", "session:b", "session:conv-a", "session:conv-b", "detached:x-0", "cmpl-3-0"]
+    names = ["req-a", "session:b", "session:conv-a", "session:conv-b", "session:x-0", "cmpl-3-0"]
     hues = [owner_hue(n) for n in names]
     assert len(set(hues)) == len(names) and all(20 <= h <= 160 for h in hues)
     assert owner_hue("session:b") == owner_hue("session:b") and owner_hue("") == 20 + 0x811C9DC5 % 141

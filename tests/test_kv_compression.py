@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.errors import InvalidRequestError
 from kvkeeper.kvcache.compression import POLICIES, KVCompression, PrefillObserver, select
+from kvkeeper.sessions import SessionManager
 
 transformers = pytest.importorskip("transformers")
 
@@ -178,15 +179,12 @@ def test_compressed_kv_is_never_reused_as_a_full_prefix(tiny):
     again = eng.generate([ids], p)[0]  # a request expecting the full cache after the compressed one
     assert again.token_ids == full.token_ids and again.cached_tokens > 0
     # a session never hands compressed KV to its next request
-    s = eng.new_session()
-    seq = eng.add_request(ids, p, compression=comp("knorm", 0.5))
-    s.hand_over(seq)
+    s = SessionManager(eng).open()
+    seq = s.begin_turn(prompt=ids, params=p, compression=comp("knorm", 0.5))
     eng.run_until_done([seq])
-    s.keep(seq)
-    nxt = eng.add_request(ids + seq.output_token_ids + [5, 6], p)
-    assert s.hand_over(nxt) == 0 and nxt.num_computed == 0
+    nxt = s.begin_turn(prompt=ids + seq.output_token_ids + [5, 6], params=p)
+    assert nxt.num_handed_over == 0 and nxt.num_computed == 0
     eng.run_until_done([nxt])
-    s.keep(nxt)
     s.close()
     assert eng.pool.num_used == 0
     eng.pool.check_invariants()

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvkeeper import LLMEngine
-from kvkeeper.engine.sampling_params import SamplingParams
+from kvkeeper.sampling.params import SamplingParams
 from kvkeeper.engine.sequence import Sequence
 from kvkeeper.kvcache.quant import FORMATS, PagedKV, dequantize, parse_kv_format, quantize
 

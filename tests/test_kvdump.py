@@ -15,7 +15,9 @@ from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.diagnostics import faults
 from kvkeeper.diagnostics.kvdiff import DumpMismatchError, diff_dumps, diff_files, load_dump
 from kvkeeper.diagnostics.kvdump import dump_prompt, dump_session, dump_sequence, parse_layers, save_dump
+from kvkeeper.diagnostics.audit import ReuseAuditor
 from kvkeeper.errors import InvalidRequestError, SessionNotFoundError
+from kvkeeper.sessions import SessionManager
 
 PROMPT = ("In the spring the river rose over its banks and the people of the valley moved their animals to the "
           "high pastures, where the grass was short but green, and waited for the water to go down again.")
@@ -27,35 +29,40 @@ def eng():
 
 
 @pytest.fixture(scope="module")
-def session(eng):
-    s = eng.new_session(session_id="dump-1")
+def sessions(eng):
+    return SessionManager(eng)
+
+
+@pytest.fixture(scope="module")
+def session(sessions):
+    s = sessions.open(session_id="dump-1")
     s.send("Name three rivers in Europe.", SamplingParams(max_tokens=6))
     s.send("Which one is the longest?", SamplingParams(max_tokens=6))
     yield s
     s.close()
 
 
-def test_session_dumped_twice_diffs_to_zero(eng, session, tmp_path):
+def test_session_dumped_twice_diffs_to_zero(eng, sessions, session, tmp_path):
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    save_dump(a, *dump_session(eng, "dump-1", "0,5,29"))
-    save_dump(b, *dump_session(eng, "dump-1", [0, 5, 29]))
+    save_dump(a, *dump_session(sessions, "dump-1", "0,5,29"))
+    save_dump(b, *dump_session(sessions, "dump-1", [0, 5, 29]))
     t, meta = load_dump(a)
-    n = session._state.num_computed
+    n = session.kv.num_computed
     assert sorted(t) == sorted(f"layers.{i}.{x}" for i in (0, 5, 29) for x in "kv")
-    assert t["layers.5.k"].shape == (n, eng.config.num_kv_heads, eng.config.head_dim)
+    assert t["layers.5.k"].shape == (n, eng.model_config.num_kv_heads, eng.model_config.head_dim)
     assert (meta["token_start"], meta["token_end"], meta["kv_offset"]) == ("0", str(n), "0")
     assert meta["kv_dtype"] == "float32" and meta["bytes_per_token"] == str(eng.kv_bytes_per_token)
     assert meta["model_revision"] == eng.namespace.model_revision and meta["namespace"] == eng.namespace.key
-    assert json.loads(meta["token_ids"]) == session._state.token_ids[:n]
+    assert json.loads(meta["token_ids"]) == session.kv.token_ids[:n]
     # the dump is the cache itself: layer 5's K equals what attention gathers
-    bt = torch.tensor(session._state.block_table)
+    bt = torch.tensor(session.kv.block_table)
     assert torch.equal(t["layers.5.k"], eng.runner.kv_caches[5].gather(bt, n, torch.float32)[0])
     r = diff_files(a, b)
     assert r["max_abs"] == 0 and r["mean_abs"] == 0 and r["first_divergent"] is None and not r["warnings"]
     assert [x["layer"] for x in r["layers"]] == [0, 5, 29]
 
 
-def test_reuse_vs_recompute_within_fp32_rounding(eng, session):
+def test_reuse_vs_recompute_within_fp32_rounding(eng, sessions, session):
     ids = eng.tokenizer.encode(PROMPT)
     fresh = dump_prompt(eng, ids, namespace=eng.isolated_namespace("fresh"))
     reused = dump_prompt(eng, ids, warm_prefix=40, namespace=eng.isolated_namespace("warm"))
@@ -64,51 +71,51 @@ def test_reuse_vs_recompute_within_fp32_rounding(eng, session):
     assert r["max_rel"] <= 1e-5 and r["max_abs"] <= 1e-4, r
     assert "namespace differs" in " ".join(r["warnings"])
     # a session's turn 2 reuses KV of decoded tokens (one-row products): compare with its prompt recomputed
-    st = session._state
-    kept = dump_session(eng, "dump-1")
+    st = session.kv
+    kept = dump_session(sessions, "dump-1")
     again = dump_prompt(eng, st.token_ids[: st.num_computed], namespace=eng.isolated_namespace("recompute"))
     r = diff_dumps(again, kept)
     assert r["max_rel"] <= 1e-5 and r["max_abs"] <= 1e-4, r
     # a wrong token is not within rounding: the diff names its layer and position
     ids2 = list(ids)
-    ids2[17] = (ids2[17] + 1) % eng.config.vocab_size
+    ids2[17] = (ids2[17] + 1) % eng.model_config.vocab_size
     r = diff_dumps(fresh, dump_prompt(eng, ids2, namespace=eng.isolated_namespace("other")), atol=1e-4)
     assert r["first_divergent"] == {"layer": 0, "token": 17, "tensor": "k"}
     assert "token_ids differs" in r["warnings"]
 
 
-def test_dump_errors_are_clear(eng, session):
+def test_dump_errors_are_clear(sessions, session):
     with pytest.raises(SessionNotFoundError, match="no open session 'nope'.*dump-1"):
-        dump_session(eng, "nope")
+        dump_session(sessions, "nope")
     with pytest.raises(InvalidRequestError, match="layer 30 does not exist"):
-        dump_session(eng, "dump-1", "0,30")
+        dump_session(sessions, "dump-1", "0,30")
     with pytest.raises(InvalidRequestError, match="bad layer 'x'"):
         parse_layers("1,x", 30)
-    n = session._state.num_computed
+    n = session.kv.num_computed
     with pytest.raises(InvalidRequestError, match=f"outside the KV of session:dump-1: give 0 <= start < end <= {n}"):
-        dump_session(eng, "dump-1", start=5, end=n + 1)
+        dump_session(sessions, "dump-1", start=5, end=n + 1)
     with pytest.raises(InvalidRequestError, match="outside"):
-        dump_session(eng, "dump-1", start=5, end=5)
-    a = dump_session(eng, "dump-1", "0,1")
+        dump_session(sessions, "dump-1", start=5, end=5)
+    a = dump_session(sessions, "dump-1", "0,1")
     with pytest.raises(DumpMismatchError, match="different layers: '0,1' vs '0'"):
-        diff_dumps(a, dump_session(eng, "dump-1", "0"))
+        diff_dumps(a, dump_session(sessions, "dump-1", "0"))
     with pytest.raises(DumpMismatchError, match="different first token position"):
-        diff_dumps(a, dump_session(eng, "dump-1", "0,1", start=1))
+        diff_dumps(a, dump_session(sessions, "dump-1", "0,1", start=1))
 
 
-def test_dump_of_an_offloaded_session_says_where_its_kv_is(eng):
-    s = eng.new_session(session_id="dump-off")
+def test_dump_of_an_offloaded_session_says_where_its_kv_is(sessions):
+    s = sessions.open(session_id="dump-off")
     s.send("Hi", SamplingParams(max_tokens=2))
     s.offload("host")
     with pytest.raises(InvalidRequestError, match="offloaded to the host tier.*next turn"):
-        dump_session(eng, "dump-off")
+        dump_session(sessions, "dump-off")
     s.close()
 
 
 def test_cli_round_trip(eng, tmp_path, monkeypatch, capsys):
     import kvkeeper.cli as cli
 
-    monkeypatch.setattr(cli, "_load_engine", lambda args: eng)  # one model load for the whole test
+    monkeypatch.setattr(cli.kv, "load_engine", lambda args: eng)  # one model load for the whole test
     p = {k: str(tmp_path / f"{k}.safetensors") for k in "abcd"}
 
     def dump(out, *extra):
@@ -155,12 +162,13 @@ def folder(tmp_path_factory):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
 def test_quantized_dump_is_exact_and_audit_is_clean(folder, kv_dtype):
-    eng = LLMEngine(str(folder), num_kv_blocks=64, block_size=4, kv_dtype=kv_dtype, audit_fraction=1.0,
+    eng = LLMEngine(str(folder), num_kv_blocks=64, block_size=4, kv_dtype=kv_dtype,
                     max_num_batched_tokens=8)  # chunked prefill: chunks read the quantized cache
-    s = eng.new_session()
+    eng.auditor = ReuseAuditor(1.0).attach(eng)
+    s = SessionManager(eng).open()
     s.send("Hello there, how are you today?", SamplingParams(max_tokens=4, ignore_eos=True))
     s.send("And what about the weather?", SamplingParams(max_tokens=4, ignore_eos=True))
-    st = s._state
+    st = s.kv
     t, meta = dump_sequence(eng, st, "0,2")
     bt = torch.tensor(st.block_table)
     k, v = eng.runner.kv_caches[2].gather(bt, st.num_computed, torch.float32)

@@ -20,7 +20,9 @@ from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.errors import InvalidRequestError
 from kvkeeper.kvcache.quant import FORMATS, PagedKV
 from kvkeeper.kvcache.validate import check_engine
-from kvkeeper.sessions.offload import MANIFEST, SessionStore, session_dir_name
+from kvkeeper.sessions import SessionManager
+from kvkeeper.sessions.disk import MANIFEST, session_dir_name
+from kvkeeper.sessions.offload import SessionStore
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 SHORT = SamplingParams(max_tokens=2, temperature=0)
@@ -29,15 +31,21 @@ TURNS = ["Name three colours.", "And three animals?", "Which of them is the larg
 
 
 @pytest.fixture(scope="module")
-def eng(tmp_path_factory):
-    """fp32 SmolLM2 on 256 blocks with a disk tier."""
-    return LLMEngine(num_kv_blocks=256, data_dir=tmp_path_factory.mktemp("data"))
+def eng():
+    """fp32 SmolLM2 on 256 blocks."""
+    return LLMEngine(num_kv_blocks=256)
 
 
 @pytest.fixture(scope="module")
-def reference(eng):
+def sessions(eng, tmp_path_factory):
+    """The engine's sessions, with a disk tier."""
+    return SessionManager(eng, data_dir=tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def reference(eng, sessions):
     """The three turns of a session never offloaded (then closed, and the prefix cache emptied)."""
-    s = eng.new_session(system=SYSTEM)
+    s = sessions.open(system=SYSTEM)
     out = [s.send(t, GREEDY) for t in TURNS]
     s.close()
     eng.pool.reset_prefix_cache()
@@ -59,9 +67,9 @@ def _scribble(eng) -> None:
             c._raw(t).index_fill_(0, free, 7)
 
 
-def _two_turns(eng):
+def _two_turns(eng, sessions):
     eng.pool.reset_prefix_cache()
-    s = eng.new_session(system=SYSTEM)
+    s = sessions.open(system=SYSTEM)
     return s, [s.send(t, GREEDY) for t in TURNS[:2]]
 
 
@@ -93,34 +101,34 @@ def test_paged_kv_blocks_round_trip_bit_exact_every_format():
             b.write_blocks([0, 5], got)
 
 
-def test_host_offload_then_next_turn_is_exact(eng, reference):
+def test_host_offload_then_next_turn_is_exact(eng, sessions, reference):
     base = eng.pool.num_used
-    s, out = _two_turns(eng)
-    pinned, nc = s.num_blocks, s._state.num_computed
-    assert eng.offload_idle_sessions(1, tier="host") == pinned
+    s, out = _two_turns(eng, sessions)
+    pinned, nc = s.num_blocks, s.kv.num_computed
+    assert sessions.offload_idle(1, tier="host") == pinned
     assert s.tier == "host" and s.num_blocks == 0 and eng.pool.num_used == base
     assert eng.offloaded_blocks() == -(-nc // eng.block_size) > 0
     assert eng.pool_stats().offloaded == eng.offloaded_blocks()
     assert not check_engine(eng)
     _scribble(eng)
-    restores = eng.offload_store.counters.restores["host"]
+    restores = sessions.store.counters.restores["host"]
     out.append(s.send(TURNS[2], GREEDY))
-    assert s.tier == "pool" and eng.offload_store.counters.restores["host"] == restores + 1
+    assert s.tier == "pool" and sessions.store.counters.restores["host"] == restores + 1
     assert eng.offloaded_blocks() == 0
     _assert_same(out, reference)
     s.close()
     assert eng.pool.num_used == base and not check_engine(eng)
 
 
-def test_disk_offload_writes_checksummed_files_and_next_turn_is_exact(eng, reference):
+def test_disk_offload_writes_checksummed_files_and_next_turn_is_exact(eng, sessions, reference):
     base = eng.pool.num_used
-    s, out = _two_turns(eng)
+    s, out = _two_turns(eng, sessions)
     assert s.offload("disk") > 0 and s.tier == "disk"
-    d = eng.offload_store.sessions_dir / session_dir_name(s.id)
+    d = sessions.store.sessions_dir / session_dir_name(s.id)
     man = json.loads((d / MANIFEST).read_text())
     assert man["session_id"] == s.id and man["num_computed"] == len(out[1].prompt_token_ids) + len(out[1].token_ids) - 1
     assert sorted(p.name for p in d.iterdir()) == sorted([MANIFEST, man["kv_file"]])  # no temp file left
-    assert eng.stats()["offload"]["offloaded_bytes"]["disk"] == man["nbytes"] > 0
+    assert sessions.stats()["offload"]["offloaded_bytes"]["disk"] == man["nbytes"] > 0
     _scribble(eng)
     out.append(s.send(TURNS[2], GREEDY))
     assert s.tier == "pool" and not d.exists()
@@ -129,11 +137,11 @@ def test_disk_offload_writes_checksummed_files_and_next_turn_is_exact(eng, refer
     assert eng.pool.num_used == base and not check_engine(eng)
 
 
-def test_host_budget_overflow_moves_least_recent_to_disk(eng, reference):
+def test_host_budget_overflow_moves_least_recent_to_disk(eng, sessions, reference):
     base = eng.pool.num_used
-    store = eng.offload_store
-    a, out_a = _two_turns(eng)
-    b, out_b = _two_turns(eng)
+    store = sessions.store
+    a, out_a = _two_turns(eng, sessions)
+    b, out_b = _two_turns(eng, sessions)
     old_budget = store.host_budget
     try:
         a.offload("host")
@@ -153,20 +161,21 @@ def test_host_budget_overflow_moves_least_recent_to_disk(eng, reference):
 
 
 def test_int8_kv_round_trip_bit_exact(tmp_path):
-    e = LLMEngine(num_kv_blocks=64, kv_dtype="int8", data_dir=tmp_path)
-    ref = e.new_session(system=SYSTEM)
+    e = LLMEngine(num_kv_blocks=64, kv_dtype="int8")
+    sessions = SessionManager(e, data_dir=tmp_path)
+    ref = sessions.open(system=SYSTEM)
     want = [ref.send(t, GREEDY) for t in TURNS]
     ref.close()
     e.pool.reset_prefix_cache()
-    s, out = _two_turns(e)
-    nb = -(-s._state.num_computed // e.block_size)
-    before = [c.read_blocks(s._state.block_table[:nb]) for c in e.runner.kv_caches]
+    s, out = _two_turns(e, sessions)
+    nb = -(-s.kv.num_computed // e.block_size)
+    before = [c.read_blocks(s.kv.block_table[:nb]) for c in e.runner.kv_caches]
     s.offload("host")
     s.offload("disk")  # host -> disk
     assert s.tier == "disk"
     _scribble(e)
-    assert e.offload_store.restore(s)
-    after = [c.read_blocks(s._state.block_table) for c in e.runner.kv_caches]
+    assert sessions.store.restore(s)
+    after = [c.read_blocks(s.kv.block_table) for c in e.runner.kv_caches]
     for x, y in zip(before, after):
         assert set(x) == {"k", "v", "k_scale", "v_scale"}
         assert all(_raw_equal(x[k], y[k]) for k in x)
@@ -176,21 +185,21 @@ def test_int8_kv_round_trip_bit_exact(tmp_path):
     assert e.pool.num_used == 0 and not check_engine(e)
 
 
-def test_corrupt_file_falls_back_to_recompute(eng, reference, caplog):
+def test_corrupt_file_falls_back_to_recompute(eng, sessions, reference, caplog):
     base = eng.pool.num_used
-    s, out = _two_turns(eng)
+    s, out = _two_turns(eng, sessions)
     s.offload("disk")
-    d = eng.offload_store.sessions_dir / session_dir_name(s.id)
+    d = sessions.store.sessions_dir / session_dir_name(s.id)
     kv = d / json.loads((d / MANIFEST).read_text())["kv_file"]
     raw = bytearray(kv.read_bytes())
     raw[-5] ^= 0x40  # flip one bit of the KV
     kv.write_bytes(bytes(raw))
     _scribble(eng)
-    fails = eng.offload_store.counters.restore_failures["disk"]
+    fails = sessions.store.counters.restore_failures["disk"]
     with caplog.at_level(logging.WARNING, logger="kvkeeper.sessions.offload"):
         r = s.send(TURNS[2], GREEDY)
     assert "corrupt" in caplog.text and "sha256" in caplog.text
-    assert eng.offload_store.counters.restore_failures["disk"] == fails + 1
+    assert sessions.store.counters.restore_failures["disk"] == fails + 1
     assert r.cached_tokens == 0 and r.prompt_token_ids == reference[2].prompt_token_ids  # recomputed
     full = eng.generate([r.prompt_token_ids], GREEDY, namespace=eng.isolated_namespace())[0]
     assert r.token_ids == full.token_ids
@@ -198,18 +207,18 @@ def test_corrupt_file_falls_back_to_recompute(eng, reference, caplog):
     assert eng.pool.num_used == base and not check_engine(eng)
 
 
-def test_file_of_other_tokens_is_never_restored(eng, caplog):
+def test_file_of_other_tokens_is_never_restored(eng, sessions, caplog):
     """Another server on the same --data-dir rewrote the session's files with a conversation of the
     same length but other tokens: the restore must refuse them (not hand out, nor prefix-cache, wrong KV)."""
     base = eng.pool.num_used
     p = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    s, t = eng.new_session(), eng.new_session()
+    s, t = sessions.open(), sessions.open()
     s.send("Name three colours.", p)
     t.send("Name three animals.", p)
-    assert s._state.num_computed == t._state.num_computed and s._state.token_ids != t._state.token_ids
+    assert s.kv.num_computed == t.kv.num_computed and s.kv.token_ids != t.kv.token_ids
     s.offload("disk")
     t.offload("disk")
-    root = eng.offload_store.sessions_dir
+    root = sessions.store.sessions_dir
     ds, dt = root / session_dir_name(s.id), root / session_dir_name(t.id)
     man = json.loads((dt / MANIFEST).read_text())
     for f in ds.iterdir():
@@ -227,11 +236,11 @@ def test_file_of_other_tokens_is_never_restored(eng, caplog):
     assert eng.pool.num_used == base and not check_engine(eng)
 
 
-def test_foreign_or_half_written_sessions_are_skipped_at_start(eng, caplog):
-    s = eng.new_session()
+def test_foreign_or_half_written_sessions_are_skipped_at_start(eng, sessions, caplog):
+    s = sessions.open()
     s.send("Hi", SHORT)
     s.offload("disk")
-    root = eng.offload_store.sessions_dir
+    root = sessions.store.sessions_dir
     d = root / session_dir_name(s.id)
     man = json.loads((d / MANIFEST).read_text())
     foreign = root / "foreign"
@@ -243,21 +252,21 @@ def test_foreign_or_half_written_sessions_are_skipped_at_start(eng, caplog):
     (half / ".kv-x.safetensors.tmp-1-abc").write_bytes(b"partial")
     s.close()  # its own files go
     assert not d.exists()
-    store = SessionStore(eng, eng.offload_store.data_dir)
-    with caplog.at_level(logging.WARNING, logger="kvkeeper.sessions.offload"):
-        assert store.load_sessions() == []
+    store = SessionStore(eng, sessions.store.data_dir)
+    with caplog.at_level(logging.WARNING, logger="kvkeeper.sessions.disk"):
+        assert store.scan() == []
     assert "model_revision='other-model'" in caplog.text
     assert foreign.exists() and not half.exists()  # foreign data is left alone, a cut-short write is removed
-    assert "foreign" not in eng.sessions
+    assert "foreign" not in sessions
 
 
-def test_saved_session_with_malformed_fields_is_skipped_not_fatal(eng, caplog):
+def test_saved_session_with_malformed_fields_is_skipped_not_fatal(eng, sessions, caplog):
     """A manifest that is valid JSON with wrong-typed messages/text/turns must be skipped at start (a warning),
     never stop the engine (server) from starting, nor register a session that breaks its next turn."""
-    s = eng.new_session()
+    s = sessions.open()
     s.send("Hi", SHORT)
     s.offload("disk")
-    root = eng.offload_store.sessions_dir
+    root = sessions.store.sessions_dir
     d = root / session_dir_name(s.id)
     man = json.loads((d / MANIFEST).read_text())
     bad = {"bad-msgs": {"messages": 5}, "bad-text": {"text": 7}, "bad-msg-item": {"messages": ["hi"]}}
@@ -266,26 +275,26 @@ def test_saved_session_with_malformed_fields_is_skipped_not_fatal(eng, caplog):
         (root / sid / man["kv_file"]).write_bytes((d / man["kv_file"]).read_bytes())
         (root / sid / MANIFEST).write_text(json.dumps({**man, "session_id": sid, **patch}))
     s.close()
-    store = SessionStore(eng, eng.offload_store.data_dir)
+    store = SessionStore(eng, sessions.store.data_dir)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvkeeper.sessions.offload"):
-            assert store.load_sessions() == []
-        assert all(sid not in eng.sessions for sid in bad) and all(f"{root / sid}: " in caplog.text for sid in bad)
+        with caplog.at_level(logging.WARNING, logger="kvkeeper.sessions.disk"):
+            assert store.scan() == []
+        assert all(sid not in sessions for sid in bad) and all(f"{root / sid}: " in caplog.text for sid in bad)
     finally:
         for sid in bad:
-            if sid in eng.sessions:
-                eng.sessions[sid].close()
+            if sid in sessions:
+                sessions.close(sid)
             shutil.rmtree(root / sid, ignore_errors=True)
 
 
-def test_a_session_saved_by_other_kv_settings_is_never_overwritten(eng):
+def test_a_session_saved_by_other_kv_settings_is_never_overwritten(eng, sessions):
     """A saved session skipped at start (another KV dtype) is left in place; a new session that reuses its id
     must not overwrite (and delete) its files when offloaded to disk: that offload fails, the KV stays in the pool."""
     from kvkeeper.sessions.offload import OffloadError
 
     sid = "other-dtype"
-    root = eng.offload_store.sessions_dir
-    s = eng.new_session(session_id=sid)
+    root = sessions.store.sessions_dir
+    s = sessions.open(session_id=sid)
     s.send("Hi", SHORT)
     s.offload("disk")
     man = json.loads((root / sid / MANIFEST).read_text())
@@ -295,7 +304,7 @@ def test_a_session_saved_by_other_kv_settings_is_never_overwritten(eng):
     (root / sid / man["kv_file"]).write_bytes(blob)
     (root / sid / MANIFEST).write_text(json.dumps({**man, "kv_dtype": "int8"}))
     before = sorted(p.name for p in (root / sid).iterdir())
-    s = eng.new_session(session_id=sid)
+    s = sessions.open(session_id=sid)
     s.send("Hello", SHORT)
     n = s.num_blocks
     with pytest.raises(OffloadError, match="kv_dtype"):
@@ -309,26 +318,26 @@ def test_a_session_saved_by_other_kv_settings_is_never_overwritten(eng):
     assert not check_engine(eng)
 
 
-def test_offload_errors_and_idle_selection(eng):
+def test_offload_errors_and_idle_selection(eng, sessions):
     with pytest.raises(InvalidRequestError, match="unknown offload tier"):
-        eng.offload_idle_sessions(1, tier="tape")
+        sessions.offload_idle(1, tier="tape")
     bare = LLMEngine.__new__(LLMEngine)  # no need to load a model to check the disabled disk tier
     store = SessionStore(bare)
     with pytest.raises(InvalidRequestError, match="--data-dir"):
-        store._check_tier("disk")
-    old, new = eng.new_session(), eng.new_session()
+        store.check_tier("disk")
+    old, new = sessions.open(), sessions.open()
     old.send("Hi", SHORT)
     new.send("Hello", SHORT)
-    busy = eng.new_session()
+    busy = sessions.open()
     busy.send("Hey", SHORT)
-    seq = eng.add_request(busy._prompt()[0] + [28], SamplingParams(max_tokens=2, temperature=0))
-    busy.hand_over(seq)  # busy's KV now belongs to a waiting request
+    seq = busy.begin_turn(messages=busy.messages + [{"role": "user", "content": "Ho"}],
+                          params=SamplingParams(max_tokens=2, temperature=0))
+    assert seq.num_handed_over > 0  # busy's KV now belongs to a waiting request
     assert busy.offload("host") == 0  # nothing pinned while its request runs
     n_old = old.num_blocks
-    assert eng.offload_idle_sessions(1) == n_old
+    assert sessions.offload_idle(1) == n_old
     assert (old.tier, new.tier) == ("host", "pool")
     eng.run_until_done([seq])
-    busy.keep(seq)
     for x in (old, new, busy):
         x.close()
     assert eng.offloaded_blocks() == 0 and not check_engine(eng)

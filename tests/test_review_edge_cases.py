@@ -44,7 +44,7 @@ def test_kv_dump_to_a_folder_is_refused_before_any_work(tmp_path, monkeypatch):
     def no_engine(args):
         raise AssertionError("the model was loaded before the output path was checked")
 
-    monkeypatch.setattr(cli, "_load_engine", no_engine)
+    monkeypatch.setattr(cli.kv, "load_engine", no_engine)
     assert cli.main(["kv", "dump", "--prompt", "Hi", "-o", str(tmp_path)]) == 2
 
 
@@ -74,7 +74,7 @@ def test_kv_audit_limit_below_one_is_refused(limit, tmp_path, monkeypatch, capsy
     # --limit -1 (or 0) audited nothing and exited 0: "no divergence" for a run that checked no request
     import kvkeeper.cli as cli
 
-    monkeypatch.setattr(cli, "_load_engine", lambda args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(cli.kv, "load_engine", lambda args: pytest.fail("the model was loaded"))
     f = tmp_path / "c.jsonl"
     f.write_text('{"turns": ["Hi"]}\n')
     with pytest.raises(SystemExit) as e:
@@ -120,3 +120,17 @@ def test_kv_diff_reports_nan_or_inf_as_divergence(bad):
         assert "no divergence" not in format_report(r)
     same = diff_dumps(_dump(k2, v), _dump(k2.clone(), v))  # the same bits on both sides: no divergence
     assert same["first_divergent"] is None and same["max_abs"] == 0.0
+
+
+def test_a_tiny_temperature_samples_greedily_instead_of_crashing():
+    # schemathesis sent temperature 6.25e-270: logits / T overflowed (T is 0 in float32) and
+    # torch.multinomial raised on NaN probabilities, failing the engine step (a 500)
+    import torch
+
+    from kvkeeper.sampling.params import SamplingParams
+    from kvkeeper.sampling.sampler import make_generator, sample
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=t, seed=1) for t in (6.25e-270, 1e-6, 1e-4)]
+    ids, _ = sample(logits, params, [make_generator(p) for p in params])
+    assert ids == logits.argmax(-1).tolist()

@@ -218,7 +218,7 @@ def _assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 def test_config_read_back(case, engine):
     """The folder's config.json becomes the ModelConfig the case asked for."""
     name, _, hf = case
-    c, hc = engine.config, hf.config
+    c, hc = engine.model_config, hf.config
     assert c.architecture == hc.model_type
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
         hc.num_hidden_layers, hc.num_attention_heads, hc.num_key_value_heads, hc.head_dim)

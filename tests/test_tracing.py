@@ -14,12 +14,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvkeeper.api.app import create_app  # noqa: E402
 from kvkeeper.api.async_engine import AsyncEngine  # noqa: E402
 from kvkeeper.api.tracing import RequestTracer, configure_tracing  # noqa: E402
+from sessionutil import sessions_of  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 def _serve(engine, tracer=None, **kw):
-    return TestClient(create_app(AsyncEngine(engine, tracer=tracer, **kw), "m"))
+    return TestClient(create_app(AsyncEngine(engine, sessions_of(engine), tracer=tracer, **kw), "m"))
 
 
 def test_request_spans_follow_genai_conventions(engine):

@@ -8,6 +8,7 @@ import torch
 from tiny_models import tiny_llama_folder
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.kvcache.validate import IntegrityError, assert_engine_ok, check_engine
+from kvkeeper.sessions import SessionManager
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,7 +35,7 @@ def _running_pair(folder):
 
 def test_clean_runs_have_no_violations(folder):
     eng = LLMEngine(str(folder), num_kv_blocks=24, block_size=4, max_num_batched_tokens=8, validate_every=1)
-    s = eng.new_session()
+    s = SessionManager(eng).open()
     s.send("Hello there, how are you?", SamplingParams(max_tokens=6))
     s.send("And the weather?", SamplingParams(max_tokens=6))
     eng.generate([_ids(30, s) for s in range(4)], SamplingParams(max_tokens=8, ignore_eos=True))  # preempts

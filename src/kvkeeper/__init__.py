@@ -1,10 +1,14 @@
 """kvkeeper: an LLM inference engine whose first-class object is the KV cache of a conversation."""
 
-from .engine.llm_engine import LLMEngine, RequestOutput
-from .engine.sampling_params import SamplingParams
+from .engine.config import EngineConfig
+from .engine.llm_engine import LLMEngine
+from .engine.outputs import RequestOutput, TurnResult
+from .sampling.params import SamplingParams
 from .errors import (ContextLengthError, InvalidRequestError, KVKeeperError, ModelFormatError, ModelNotFoundError,
                      UnsupportedArchitectureError)
+from .sessions import Session, SessionConfig, SessionManager
 
-__all__ = ["LLMEngine", "RequestOutput", "SamplingParams", "KVKeeperError", "ContextLengthError",
-           "InvalidRequestError", "ModelFormatError", "ModelNotFoundError", "UnsupportedArchitectureError"]
+__all__ = ["LLMEngine", "EngineConfig", "RequestOutput", "TurnResult", "SamplingParams", "Session",
+           "SessionConfig", "SessionManager", "KVKeeperError", "ContextLengthError", "InvalidRequestError",
+           "ModelFormatError", "ModelNotFoundError", "UnsupportedArchitectureError"]
 __version__ = "0.1.0"

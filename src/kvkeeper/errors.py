@@ -52,3 +52,15 @@ class SessionNotFoundError(KVKeeperError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0]) if self.args else "session not found"
+
+
+class SessionBusyError(InvalidRequestError):
+    """A session already has a turn in flight; its next turn must wait for it (HTTP 409)."""
+
+
+class OverloadedError(KVKeeperError):
+    """KV memory is short and new sessions are refused for now; retry after ``retry_after_s`` seconds (HTTP 503)."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -7,6 +7,7 @@ Every error a client sees has the shape ``{"error": {"message", "type", "param",
   FastAPI would answer with 422), a prompt that does not fit the context window
   (code ``context_length_exceeded``, the message gives the numbers).
 * 404 ``not_found_error``: unknown model (code ``model_not_found``), session or route.
+* 409 ``invalid_request_error``: the session has a turn in flight (code ``session_busy``).
 * 413 ``invalid_request_error``: a request body over the size limit.
 * 503 ``server_overloaded``: the waiting queue is full (code ``queue_full``) or the KV circuit breaker
   is degraded and refuses new sessions (code ``kv_memory_short``), with a ``Retry-After`` header (seconds).
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ContextLengthError, InvalidRequestError, KVKeeperError, ModelNotFoundError, SessionNotFoundError
+from ..errors import (ContextLengthError, InvalidRequestError, KVKeeperError, ModelNotFoundError, OverloadedError,
+                      SessionBusyError, SessionNotFoundError)
 
 
 class APIError(Exception):
@@ -64,13 +66,13 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 def from_kvkeeper_error(e: KVKeeperError) -> APIError:
     """Map an engine error to its HTTP status: 400 for bad input, 404 for unknown model or session."""
-    from ..sessions.breaker import OverloadedError
-
     if isinstance(e, OverloadedError):
         return APIError(503, str(e), type="server_overloaded", code="kv_memory_short",
                         headers={"Retry-After": str(e.retry_after_s)})
     if isinstance(e, ContextLengthError):
         return APIError(400, str(e), param="messages", code="context_length_exceeded")
+    if isinstance(e, SessionBusyError):
+        return APIError(409, str(e), code="session_busy")
     if isinstance(e, SessionNotFoundError):
         return APIError(404, str(e), type="not_found_error", code="session_not_found")
     if isinstance(e, ModelNotFoundError):
@@ -78,3 +80,62 @@ def from_kvkeeper_error(e: KVKeeperError) -> APIError:
     if isinstance(e, InvalidRequestError):
         return APIError(400, str(e))
     return APIError(400, str(e))
+
+
+_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+                 413: "invalid_request_error", 503: "server_overloaded"}
+
+
+def _validation_body(e) -> dict:
+    """A pydantic validation error as one 400 body naming the first field at fault."""
+    msgs, param = [], None
+    for err in e.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            msgs.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', 'decode error')}")
+            continue
+        where = ".".join(loc)
+        param = param or where or None
+        msgs.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return error_body("; ".join(msgs) or "invalid request", param=param)
+
+
+def install_error_handlers(app, engine_dead: type[Exception]) -> None:
+    """OpenAI-style bodies for every error; no stack trace reaches a client (500s are logged).
+
+    engine_dead: the exception type meaning the engine thread is gone (a 500).
+    """
+    import logging
+
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    log = logging.getLogger("kvkeeper.api")
+
+    async def api_error(request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    async def kvk_error(request, e: KVKeeperError):
+        a = from_kvkeeper_error(e)
+        return JSONResponse(a.body(), status_code=a.status, headers=a.headers)
+
+    async def validation_error(request, e: RequestValidationError):
+        return JSONResponse(_validation_body(e), status_code=400)
+
+    async def http_error(request, e: StarletteHTTPException):
+        typ = _STATUS_TYPES.get(e.status_code, "invalid_request_error" if e.status_code < 500 else "server_error")
+        return JSONResponse(error_body(str(e.detail), typ), status_code=e.status_code, headers=e.headers)
+
+    async def dead(request, e: Exception):
+        log.error("request failed: %s", e)
+        return JSONResponse(error_body("the engine failed; see the server log", "server_error"), status_code=500)
+
+    async def internal(request, e: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body("internal server error; see the server log", "server_error"), status_code=500)
+
+    for exc, handler in ((APIError, api_error), (KVKeeperError, kvk_error), (RequestValidationError, validation_error),
+                         (StarletteHTTPException, http_error), (engine_dead, dead), (Exception, internal)):
+        app.add_exception_handler(exc, handler)

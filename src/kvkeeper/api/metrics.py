@@ -75,29 +75,28 @@ _FROM_SNAPSHOT = {
     "kv_audit_skipped_total": ("kvkeeper:kv_audit_skipped", "counter",
                                "Requests sampled for the audit but not audited: compressed KV or an audit "
                                "error (requests)."),
+    # the offload tiers (snapshot["offload"]); a dict value is one sample per tier (label ``tier``)
+    "offload.offload_total": ("kvkeeper:kv_offload", "counter", "Idle sessions offloaded to the tier (sessions)."),
+    "offload.offload_bytes_total": ("kvkeeper:kv_offload_bytes", "counter", "KV bytes written to the tier (bytes)."),
+    "offload.restore_total": ("kvkeeper:kv_restore", "counter",
+                              "Sessions whose KV came back from the tier (sessions)."),
+    "offload.restore_failures_total": ("kvkeeper:kv_restore_failures", "counter",
+                                       "Offloaded sessions recomputed instead of restored (sessions)."),
+    "offload.offloaded_bytes": ("kvkeeper:kv_offloaded_bytes", "gauge", "KV bytes held in the tier now (bytes)."),
+    "offload.offloaded_blocks": ("kvkeeper:kv_offloaded_blocks", "gauge",
+                                 "Blocks' worth of KV held in the host and disk tiers."),
 }
+_PER_TIER = {"offload.offload_total", "offload.offload_bytes_total", "offload.restore_total",
+             "offload.restore_failures_total", "offload.offloaded_bytes"}
+TIERS = ("host", "disk")
 
 
-# snapshot["offload"] key -> (metric name, kind, help), one sample per tier
-_OFFLOAD = {
-    "offload_total": ("kvkeeper:kv_offload", "counter", "Idle sessions offloaded to the tier (sessions)."),
-    "offload_bytes_total": ("kvkeeper:kv_offload_bytes", "counter", "KV bytes written to the tier (bytes)."),
-    "restore_total": ("kvkeeper:kv_restore", "counter", "Sessions whose KV came back from the tier (sessions)."),
-    "restore_failures_total": ("kvkeeper:kv_restore_failures", "counter",
-                               "Offloaded sessions recomputed instead of restored (sessions)."),
-    "offloaded_bytes": ("kvkeeper:kv_offloaded_bytes", "gauge", "KV bytes held in the tier now (bytes)."),
-}
-
-
-def _offload_families(off: dict):
-    for key, (name, kind, doc) in _OFFLOAD.items():
-        fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=["tier"])
-        for tier in ("host", "disk"):
-            fam.add_metric([tier], float(off.get(key, {}).get(tier, 0)))
-        yield fam
-    g = GaugeMetricFamily("kvkeeper:kv_offloaded_blocks", "Blocks' worth of KV held in the host and disk tiers.")
-    g.add_metric([], float(off.get("offloaded_blocks", 0)))
-    yield g
+def _lookup(snap: dict, key: str):
+    """The snapshot's value at a dotted key (0 when absent)."""
+    v = snap
+    for k in key.split("."):
+        v = v.get(k) if isinstance(v, dict) else None
+    return 0 if v is None else v
 
 
 class _SnapshotCollector:
@@ -107,8 +106,12 @@ class _SnapshotCollector:
     def collect(self):
         snap = self.owner.snapshot
         for key, (name, kind, doc) in _FROM_SNAPSHOT.items():
-            fam = GaugeMetricFamily(name, doc) if kind == "gauge" else CounterMetricFamily(name, doc)
-            fam.add_metric([], float(snap.get(key, 0)))
+            tiered = key in _PER_TIER
+            fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, doc, labels=["tier"] if tiered else None)
+            v = _lookup(snap, key)
+            for tier in TIERS if tiered else (None,):
+                fam.add_metric([tier] if tiered else [], float(v.get(tier, 0) if isinstance(v, dict) else v))
             yield fam
         br = snap.get("breaker")
         if br is not None:
@@ -124,7 +127,6 @@ class _SnapshotCollector:
             for item in br["actions"]:
                 a.add_metric([item["tier"], item["action"]], float(item["count"]))
             yield a
-        yield from _offload_families(snap.get("offload") or {})
 
 
 # figure of kvkeeper.kvcache.telemetry.PoolStats -> (metric name, help)

@@ -58,6 +58,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False  # extension (vLLM)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # extension (vLLM): tenant isolation
     kv_compression: KVCompressionSpec | None = None  # extension: drop prompt KV after prefill
+    return_token_ids: bool = False  # extension (vLLM): prompt and output token ids in the response
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -1,36 +1,81 @@
-"""Run the OpenAI-compatible server on uvicorn (``kvkeeper serve``)."""
+"""``kvkeeper serve``: wire an engine, its sessions, breaker, audit and tracing into the HTTP app, run uvicorn.
+
+The engine layers know nothing of each other above them: this module is where the session
+manager (with its offload tiers), the circuit breaker, the reuse auditor and the tracer are
+attached to the engine and handed to the app.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
+from ..argtypes import positive_int, size
+from ..diagnostics.audit import AuditConfig, ReuseAuditor
+from ..options import option
+from ..sessions.breaker import BreakerConfig, CircuitBreaker
+from ..sessions.manager import SessionConfig, SessionManager
 from .app import DEFAULT_MAX_BODY_BYTES, create_app
 from .async_engine import AsyncEngine
-from .tracing import RequestTracer, configure_tracing
+from .tracing import EXPORTERS, RequestTracer, configure_tracing
 
 log = logging.getLogger(__name__)
 
 
-def run_server(engine, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 256,
-               served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               log_level: str = "warning", max_new_tokens: int | None = None, trace_exporter: str = "none",
-               otlp_endpoint: str | None = None, breaker=None) -> None:
-    """Serve ``engine`` (an :class:`LLMEngine`) until interrupted (SIGINT / SIGTERM).
+@dataclass
+class ServerConfig:
+    """HTTP server settings (bytes, tokens, seconds).  ``breaker``: watch KV memory (False: no circuit breaker)."""
 
-    max_queue: waiting requests before new ones get 503.  max_body_bytes: larger bodies get 413.
-    max_new_tokens: cap on tokens generated per choice (None: the rest of the context).
-    trace_exporter: "none", "console" or "otlp" (see :mod:`kvkeeper.api.tracing`); otlp_endpoint its URL.
-    breaker: a :class:`kvkeeper.sessions.breaker.BreakerConfig` to watch KV memory (None: no breaker).
+    host: str = field(default="127.0.0.1", metadata=option("--host", "address to bind"))
+    port: int = field(default=8000, metadata=option("--port", "TCP port", type=positive_int))
+    served_model_name: str | None = field(default=None, metadata=option(
+        "--served-model-name", "the model id clients send and /v1/models lists (default: the --model value)",
+        metavar="NAME"))
+    max_queue: int = field(default=256, metadata=option(
+        "--max-queue", "requests that may wait before new ones get 503", type=positive_int, metavar="N"))
+    max_body_bytes: int = field(default=DEFAULT_MAX_BODY_BYTES, metadata=option(
+        "--max-body-bytes", "larger request bodies get 413, suffixes K/M/G allowed (default: 4M)", type=size,
+        metavar="N"))
+    max_new_tokens: int | None = field(default=None, metadata=option(
+        "--max-new-tokens", "most tokens one choice may generate; larger or omitted max_tokens are cut to N "
+        "(default: the rest of the context)", type=positive_int, metavar="N"))
+    otel_traces: str = field(default="none", metadata=option(
+        "--otel-traces", "OpenTelemetry request traces: none, console (stdout) or otlp (OTLP/HTTP)",
+        choices=list(EXPORTERS)))
+    otlp_traces_endpoint: str | None = field(default=None, metadata=option(
+        "--otlp-traces-endpoint", "OTLP/HTTP traces endpoint, e.g. http://127.0.0.1:4318/v1/traces "
+        "(implies --otel-traces otlp)", metavar="URL"))
+    breaker: bool = field(default=True, metadata=option(
+        "--no-breaker", "do not watch KV memory (no compaction/offload/degrade)", action="store_true", negate=True))
+    log_level: str = "warning"
+
+    @property
+    def trace_exporter(self) -> str:
+        return "otlp" if self.otlp_traces_endpoint else self.otel_traces
+
+
+def build_server(engine, config: ServerConfig | None = None, sessions: SessionConfig | None = None,
+                 breaker: BreakerConfig | None = None, audit: AuditConfig | None = None):
+    """The FastAPI app serving ``engine`` (an :class:`LLMEngine`), with its parts attached.
+
+    sessions: the offload tiers of the server's sessions; breaker: the circuit breaker's thresholds
+    (used when ``config.breaker``); audit: the reuse audit's sample.  Raises ValueError for an unknown
+    trace exporter and ImportError when the OTLP exporter is missing.
     """
+    config = config or ServerConfig()
+    name = config.served_model_name or engine.model_name
+    manager = SessionManager(engine, sessions or SessionConfig())
+    br = CircuitBreaker(engine, manager, breaker or BreakerConfig()) if config.breaker else None
+    auditor = ReuseAuditor.from_config(audit or AuditConfig()).attach(engine)
+    tracer = configure_tracing(config.trace_exporter, config.otlp_traces_endpoint)
+    aeng = AsyncEngine(engine, manager, max_queue=config.max_queue, max_new_tokens=config.max_new_tokens,
+                       tracer=RequestTracer(tracer, name) if tracer is not None else None, breaker=br, auditor=auditor)
+    return create_app(aeng, name, config.max_body_bytes)
+
+
+def run_server(app, config: ServerConfig) -> None:
+    """Serve ``app`` (from :func:`build_server`) on uvicorn until interrupted (SIGINT / SIGTERM)."""
     import uvicorn
 
-    name = served_model_name or engine.model_name
-    if breaker is not None:
-        from ..sessions.breaker import CircuitBreaker
-
-        CircuitBreaker(engine, breaker)
-    tracer = configure_tracing(trace_exporter, otlp_endpoint)
-    aeng = AsyncEngine(engine, max_queue=max_queue, max_new_tokens=max_new_tokens,
-                       tracer=RequestTracer(tracer, name) if tracer is not None else None)
-    app = create_app(aeng, name, max_body_bytes)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level in ("info", "debug"))
+    level = config.log_level
+    uvicorn.run(app, host=config.host, port=config.port, log_level=level, access_log=level in ("info", "debug"))

@@ -84,9 +84,23 @@ class RequestTracer:
 
         offset = time.time() - time.perf_counter()
         now = time.perf_counter()
-        p = seqs[0].params
         start = min(s.t_arrival for s in seqs)
         end = max((s.t_finished or now) for s in seqs)
+        attrs = self._attributes(request_id, operation, seqs, usage, session_id, salted)
+        root = self.tracer.start_span(f"{operation} {self.model_name}", kind=SpanKind.SERVER, attributes=attrs,
+                                      start_time=_ns(start, offset))
+        if any(s.finish_reason == "error" for s in seqs):
+            root.set_status(Status(StatusCode.ERROR, next(s.error or "error" for s in seqs
+                                                          if s.finish_reason == "error")))
+        ctx = set_span_in_context(root)
+        for i, s in enumerate(seqs):
+            self._choice_spans(ctx, i, s, offset, now)
+        root.end(end_time=_ns(end, offset))
+
+    def _attributes(self, request_id: str, operation: str, seqs: list, usage, session_id: str | None,
+                    salted: bool) -> dict:
+        """The root span's GenAI (and ``kvkeeper.*``) attributes."""
+        p = seqs[0].params
         attrs = {
             "gen_ai.operation.name": operation,
             "gen_ai.provider.name": "kvkeeper",
@@ -113,26 +127,22 @@ class RequestTracer:
             attrs["gen_ai.request.stop_sequences"] = list(p.stop)
         if session_id is not None:
             attrs["kvkeeper.session.id"] = session_id
-        root = self.tracer.start_span(f"{operation} {self.model_name}", kind=SpanKind.SERVER, attributes=attrs,
-                                      start_time=_ns(start, offset))
-        if any(s.finish_reason == "error" for s in seqs):
-            root.set_status(Status(StatusCode.ERROR, next(s.error or "error" for s in seqs
-                                                          if s.finish_reason == "error")))
-        ctx = set_span_in_context(root)
-        for i, s in enumerate(seqs):
-            t_sched = s.t_scheduled if s.t_scheduled is not None else (s.t_finished or now)
-            phases = [("queued", s.t_arrival, t_sched)]
-            if s.t_scheduled is not None:
-                first = s.t_first_token if s.t_first_token is not None else (s.t_finished or now)
-                phases.append(("prefill", s.t_scheduled, first))
-                if s.t_first_token is not None:
-                    phases.append(("decode", s.t_first_token, s.t_last_token or s.t_first_token))
-            for name, a, b in phases:
-                span = self.tracer.start_span(name, context=ctx, start_time=_ns(a, offset),
-                                              attributes={"kvkeeper.choice.index": i})
-                if name == "prefill":
-                    span.set_attribute("kvkeeper.prefill.new_tokens", s.num_prompt_tokens - max(s.num_cached_tokens, 0))
-                elif name == "decode":
-                    span.set_attribute("kvkeeper.decode.output_tokens", s.num_output_tokens)
-                span.end(end_time=_ns(max(a, b), offset))
-        root.end(end_time=_ns(end, offset))
+        return attrs
+
+    def _choice_spans(self, ctx, i: int, s, offset: float, now: float) -> None:
+        """The queued / prefill / decode spans of choice ``i`` (sequence ``s``), end to end."""
+        t_sched = s.t_scheduled if s.t_scheduled is not None else (s.t_finished or now)
+        phases = [("queued", s.t_arrival, t_sched)]
+        if s.t_scheduled is not None:
+            first = s.t_first_token if s.t_first_token is not None else (s.t_finished or now)
+            phases.append(("prefill", s.t_scheduled, first))
+            if s.t_first_token is not None:
+                phases.append(("decode", s.t_first_token, s.t_last_token or s.t_first_token))
+        for name, a, b in phases:
+            span = self.tracer.start_span(name, context=ctx, start_time=_ns(a, offset),
+                                          attributes={"kvkeeper.choice.index": i})
+            if name == "prefill":
+                span.set_attribute("kvkeeper.prefill.new_tokens", s.num_prompt_tokens - (s.num_cached_tokens or 0))
+            elif name == "decode":
+                span.set_attribute("kvkeeper.decode.output_tokens", s.num_output_tokens)
+            span.end(end_time=_ns(max(a, b), offset))

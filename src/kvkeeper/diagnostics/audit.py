@@ -41,8 +41,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..argtypes import fraction as fraction_arg
 from ..kvcache.quant import PagedKV
 from ..model.attention import AttentionMetadata, PrefillSpan
+from ..options import option
 
 log = logging.getLogger(__name__)
 
@@ -194,15 +196,29 @@ def audit_sequence(engine, seq, logits: torch.Tensor | None = None, tolerance: A
         logits_bad = not dlog <= tol.logits_atol  # NaN counts as divergent
     if layer is None and logits_bad:
         tensor = "logits"
-    return AuditReport(seq.request_id, P, max(getattr(seq, "num_cached_tokens", 0), 0),
+    return AuditReport(seq.request_id, P, (getattr(seq, "num_cached_tokens", 0) or 0),
                        ok=layer is None and not logits_bad, layer=layer, token=token, tensor=tensor,
                        kv_max_abs_diff=max(per_layer) if per_layer else 0.0, kv_max_rel_diff=rel,
                        logits_max_abs_diff=dlog,
                        layer_max_abs_diff=per_layer, elapsed_ms=1000 * (time.perf_counter() - t0))
 
 
+@dataclass
+class AuditConfig:
+    """The reuse audit's settings: share of requests audited (0..1, 0: off), sampling seed, tolerances."""
+
+    audit_fraction: float = field(default=0.0, metadata=option(
+        "--audit-fraction", "share of requests whose prompt is recomputed without the cache to check the reused KV "
+        "and first-token logits (reuse audit, default 0: off)", type=fraction_arg, metavar="F"))
+    audit_seed: int | None = 0
+    audit_tolerance: AuditTolerance | None = None
+
+
 class ReuseAuditor:
-    """Samples requests for the audit and keeps its counters (owned by the engine).
+    """Samples requests for the audit and keeps its counters.
+
+    :meth:`attach` hooks it onto an engine: each request is sampled at its first token and,
+    when drawn, audited right then (before anything of it is freed).
 
     fraction: share of requests audited, in [0, 1] (0: none).  seed: of the sampling RNG
     (the same requests in the same order are sampled the same way).  tolerance: see
@@ -222,6 +238,27 @@ class ReuseAuditor:
         self.mismatches = 0
         self.skipped = 0
         self.reports: deque[AuditReport] = deque(maxlen=64)
+        self.engine = None
+
+    @classmethod
+    def from_config(cls, config: AuditConfig) -> "ReuseAuditor":
+        return cls(config.audit_fraction, config.audit_seed, config.audit_tolerance)
+
+    def attach(self, engine) -> "ReuseAuditor":
+        """Audit a sample of ``engine``'s requests from now on (a first-token hook); returns self."""
+        self.engine = engine
+        engine.first_token_hooks.append(self.on_first_token)
+        return self
+
+    def on_first_token(self, seq, logits: torch.Tensor) -> None:
+        """The engine's first-token hook: draw, and audit when drawn; an audit never takes a request down."""
+        if not self.sample():
+            return
+        try:
+            self.audit(self.engine, seq, logits)
+        except Exception:
+            log.exception("KV reuse audit of %s failed", seq.request_id)
+            self.skipped += 1
 
     def sample(self) -> bool:
         """Draw whether the next request is audited."""

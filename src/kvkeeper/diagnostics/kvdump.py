@@ -26,7 +26,7 @@ import json
 
 import torch
 
-from ..engine.sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 from ..errors import InvalidRequestError, SessionNotFoundError
 
 FORMAT = "kvkeeper.kv_dump.v1"
@@ -121,22 +121,22 @@ def dump_sequence(engine, seq, layers=None, start: int | None = None, end: int |
         "bytes_per_token": str(engine.kv_bytes_per_token), "model": str(engine.model_name),
         "model_revision": ns.model_revision, "namespace": ns.key, "num_layers": str(cfg.num_layers),
         "num_kv_heads": str(cfg.num_kv_heads), "head_dim": str(cfg.head_dim), "block_size": str(bs),
-        "cached_tokens": str(max(seq.num_cached_tokens, 0) if cached_tokens is None else cached_tokens),
+        "cached_tokens": str((seq.num_cached_tokens or 0) if cached_tokens is None else cached_tokens),
         "token_ids": json.dumps(list(seq.token_ids[start:end])),
     }
     return tensors, meta
 
 
-def dump_session(engine, session_id: str, layers=None, start: int | None = None,
+def dump_session(sessions, session_id: str, layers=None, start: int | None = None,
                  end: int | None = None) -> tuple[dict, dict]:
-    """K/V a session keeps between turns (see :func:`dump_sequence`).
+    """K/V a session keeps between turns (see :func:`dump_sequence`); sessions: a SessionManager.
 
     Raises :class:`SessionNotFoundError` naming the open sessions for an unknown id.
     """
-    s = engine.sessions.get(session_id)
+    s = sessions.sessions.get(session_id)
     if s is None:
-        raise SessionNotFoundError(f"no open session {session_id!r}; open ones: {sorted(engine.sessions)}")
-    st = getattr(s, "_state", None)
+        raise SessionNotFoundError(f"no open session {session_id!r}; open ones: {sorted(sessions.sessions)}")
+    st = s.kv
     tier = s.tier
     if tier != "pool":
         raise InvalidRequestError(f"session {session_id!r} is offloaded to the {tier} tier: its KV comes back "
@@ -144,7 +144,7 @@ def dump_session(engine, session_id: str, layers=None, start: int | None = None,
     if st is None or not st.block_table:
         raise InvalidRequestError(f"session {session_id!r} holds no KV right now (no finished turn yet, "
                                   "unpinned under memory pressure, or a request is running on it)")
-    return dump_sequence(engine, st, layers, start, end, source=f"session:{session_id}")
+    return dump_sequence(sessions.engine, st, layers, start, end, source=f"session:{session_id}")
 
 
 def dump_prompt(engine, prompt_ids: list[int], layers=None, start: int | None = None, end: int | None = None,
@@ -156,7 +156,7 @@ def dump_prompt(engine, prompt_ids: list[int], layers=None, start: int | None = 
     the engine's token budget).  The request's blocks are released afterwards.
     Raises :class:`InvalidRequestError` for an empty prompt or a bad layer list / range.
     """
-    parse_layers(layers, engine.config.num_layers)  # fail before computing anything
+    parse_layers(layers, engine.model_config.num_layers)  # fail before computing anything
     ids = [int(t) for t in prompt_ids]
     if warm_prefix < 0 or warm_prefix > len(ids):
         raise InvalidRequestError(f"warm prefix {warm_prefix} is outside the prompt's {len(ids)} tokens")
@@ -164,14 +164,13 @@ def dump_prompt(engine, prompt_ids: list[int], layers=None, start: int | None = 
     if warm_prefix:
         engine.generate([ids[:warm_prefix]], greedy, namespace=namespace)
     seq = engine.add_request(ids, greedy, namespace=namespace)
-    seq.keep_blocks = True  # the engine parks the finished request's blocks in engine.detached
+    seq.kv_keeper = lambda s: None  # keep the finished request's blocks for the dump (freed below)
     try:
         engine.run_until_done([seq])
         if seq.finish_reason == "error":
             raise InvalidRequestError(seq.error or "the prompt could not be computed")
         return dump_sequence(engine, seq, layers, start, end, source="prompt")
     finally:
-        engine.detached.pop(id(seq), None)
         engine.kv.free(seq)
 
 

@@ -161,11 +161,12 @@ def demo_block_map(engine) -> dict:
     A session keeps a two-turn conversation (owned blocks), a finished request without a session
     leaves its full blocks in the prefix cache (cached), the rest stays free.
     """
-    from ..engine.sampling_params import SamplingParams
+    from ..sampling.params import SamplingParams
     from ..kvcache.blockmap import engine_block_map
+    from ..sessions.manager import SessionManager
 
     p = SamplingParams(max_tokens=16, temperature=0.0)
-    s = engine.new_session(system="You are a helpful assistant.")
+    s = SessionManager(engine).open(system="You are a helpful assistant.")
     s.send("Name three colours.", p)
     s.send("And three animals?", p)
     engine.generate(["The history of the Roman empire begins with the founding of the city of Rome, which "

@@ -1,194 +1,153 @@
-"""The engine: model + paged KV cache + scheduler + sampler + detokenizer, stepped in one process.
+"""The engine: model + paged KV cache + scheduler + sampler + output processor, stepped in one process.
 
 Typical use::
 
-    from kvkeeper import LLMEngine, SamplingParams
+    from kvkeeper import LLMEngine, SamplingParams, SessionManager
     eng = LLMEngine()                      # embedded SmolLM2-135M-Instruct, fp32, CPU
     out = eng.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0]
-    s = eng.new_session()                  # multi-turn with KV reuse across turns
+    s = SessionManager(eng).open()         # multi-turn with KV reuse across turns (kvkeeper.sessions)
     r = s.send("Hi!")                      # r.cached_tokens, r.ttft_s, r.decode_tok_per_s
+
+The engine knows nothing of sessions, audits or servers.  What holds KV outside its requests
+(a session manager) registers as a *KV holder* (:meth:`LLMEngine.add_kv_holder`): the engine asks
+holders to release blocks under pressure and lists their blocks for the validators and telemetry.
+Hooks run before each step (``step_hooks``, e.g. a circuit breaker) and at each request's first
+token (``first_token_hooks``, e.g. the reuse audit).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
-import os
 import time
-from dataclasses import dataclass, field
+import uuid
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
-from ..diagnostics.audit import ReuseAuditor
-from ..errors import ContextLengthError, InvalidRequestError, KVKeeperError
+from ..errors import ContextLengthError, InvalidRequestError
 from ..kvcache.block_pool import BlockPool
+from ..kvcache.compression import KVCompression, PrefillObserver
 from ..kvcache.manager import KVCacheManager
 from ..kvcache.namespace import Namespace
-from ..kvcache.compression import KVCompression, PrefillObserver, select
 from ..kvcache.quant import parse_kv_format
+from ..kvcache.surgery import compact, compress_prompt
+from ..kvcache.telemetry import pool_stats
 from ..kvcache.validate import assert_engine_ok
 from ..model.loader import load_weights
 from ..model.registry import resolve_model_path
 from ..model.runner import ModelRunner, parse_dtype
 from ..sampling.sampler import make_generator, sample
-from ..text.detokenizer import IncrementalDetokenizer
 from ..text.tokenizer import load_tokenizer
-from .sampling_params import SamplingParams
+from .config import EngineConfig
+from .output_processor import OutputProcessor
+from .outputs import RequestOutput
+from ..sampling.params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import SeqStatus, Sequence
+from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB
+__all__ = ["LLMEngine", "EngineConfig", "KVHolder", "RequestOutput", "resolve_device"]
 
 
-@dataclass
-class RequestOutput:
-    """The result of one request.
+class KVHolder(Protocol):
+    """Something that holds KV blocks between requests (``kvkeeper.sessions.SessionManager``)."""
 
-    token_ids: generated ids (incl. a final EOS or the token that completed a stop string).
-    text: generated text, stop string excluded.  Times are in seconds; decode speed in tokens/s.
-    """
+    def kv_owners(self) -> Iterable[tuple[str, Sequence]]:
+        """(owner name, sequence) for every block table it holds."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    cached_tokens: int
-    ttft_s: float | None
-    decode_tok_per_s: float | None
-    num_preemptions: int = 0
-    logprobs: list = field(default_factory=list)
-    error: str | None = None
+    def reclaim(self, n_blocks: int) -> int:
+        """Release about ``n_blocks`` pool blocks (offload or unpin idle state); returns how many it released."""
 
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @classmethod
-    def from_seq(cls, seq: Sequence) -> "RequestOutput":
-        ttft = None if seq.t_first_token is None else seq.t_first_token - seq.t_arrival
-        speed = None
-        if seq.t_first_token is not None and seq.t_last_token and seq.num_output_tokens > 1:
-            dt = seq.t_last_token - seq.t_first_token
-            speed = (seq.num_output_tokens - 1) / dt if dt > 0 else None
-        return cls(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], list(seq.output_token_ids), seq.text,
-                   seq.finish_reason, max(seq.num_cached_tokens, 0), ttft, speed, seq.num_preemptions,
-                   list(seq.logprobs), seq.error)
+    def offloaded_blocks(self) -> int:
+        """Blocks' worth of KV it keeps outside the pool (host memory, disk)."""
 
 
 class LLMEngine:
-    """Paged-KV inference engine.
+    """Paged-KV inference engine on one device.
 
-    model: a known id (see ``kvkeeper.model.registry``) or a path to a GGUF file / HF folder.
-    dtype: weights and activations ("float32" default on CPU, "bfloat16" on CUDA; "float16" selectable).
-    device: "cpu" (default), "cuda" or "auto" (CUDA when available); on CUDA the attention runs the Triton
-    kernels of kvkeeper.model.triton_attention (``attention_backend`` "auto"; "torch" forces the reference)
-    and decode steps replay CUDA graphs (``cuda_graphs=False``: eager).
-    load_format: "auto" (weights from the model's files) or "dummy" (``model`` names a shipped config or a
-    config.json; random weights seeded by ``seed``, see kvkeeper.model.dummy).
-    kv_dtype: KV cache storage: "fp32", "bf16", "fp16", "int8" or "fp8" (default: ``dtype``); int8 and
-    fp8 are quantized per token and KV head on write (see ``kvkeeper.kvcache.quant``).
-    validate_every: run the KV integrity validators (kvkeeper.kvcache.validate) before every N-th step and
-    raise IntegrityError on a violation (default: $KVKEEPER_VALIDATE, else 0 = never).
-    audit_fraction: share of requests (0..1, default 0) whose prompt is recomputed without the cache once
-    their first token is out, comparing first-token logits and each layer's K/V (reuse audit, see
-    ``kvkeeper.diagnostics.audit``); audit_seed seeds the sampling, audit_tolerance overrides the defaults.
-    block_size: tokens per KV block.  KV budget: ``num_kv_blocks`` or ``kv_cache_bytes``
-    (default 1 GiB).  ``max_num_batched_tokens``: the per-step token budget (chunked prefill).
-    Offload tiers of idle sessions (:mod:`kvkeeper.sessions.offload`): ``host_offload_bytes`` (host
-    memory budget, default 1 GiB) and ``data_dir`` (disk tier under ``data_dir/sessions``; None: no disk
-    tier); sessions saved there are registered as open sessions at start.
-    Raises ModelNotFoundError / ModelFormatError / UnsupportedArchitectureError while loading.
+    ``LLMEngine(model=None, **settings)`` or ``LLMEngine(EngineConfig(...), **overrides)``; the settings
+    are the fields of :class:`~kvkeeper.engine.config.EngineConfig`.  Attributes: ``config`` (that
+    EngineConfig), ``model_config`` (the model's shapes), ``tokenizer``, ``runner``, ``pool``, ``kv``,
+    ``scheduler``, ``namespace`` (the default cache namespace), ``context_length`` (tokens).
+    Raises ModelNotFoundError / ModelFormatError / UnsupportedArchitectureError while loading and
+    InvalidRequestError for bad settings.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str | None = None, device: str = "cpu",
-                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = True, max_model_len: int | None = None, num_threads: int | None = None,
-                 kv_dtype: str | None = None, validate_every: int | None = None,
-                 data_dir: str | os.PathLike | None = None, host_offload_bytes: int | None = None,
-                 audit_fraction: float = 0.0, audit_seed: int | None = 0, audit_tolerance=None,
-                 load_format: str = "auto", attention_backend: str = "auto", cuda_graphs: bool = True,
-                 seed: int = 0):
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        device = resolve_device(device)
-        dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
-        torch_dtype = parse_dtype(dtype)
-        if load_format not in ("auto", "dummy"):
-            raise InvalidRequestError(f"unknown load format {load_format!r}; choose auto or dummy")
-        self.model_name = model or "smollm2-135m-instruct"
-        if load_format == "dummy":  # random weights of a config's shapes (kvkeeper.model.dummy), made on the device
-            from ..model import dummy
-
-            cfg, self.model_path = dummy.load_config(self.model_name)
-            state = dummy.dummy_state(cfg, torch_dtype, device, seed=seed)
-            self.tokenizer = dummy.load_dummy_tokenizer(self.model_path, cfg.vocab_size)
+    def __init__(self, model: str | EngineConfig | None = None, **settings):
+        if isinstance(model, EngineConfig):
+            cfg = dataclasses.replace(model, **settings)
         else:
-            self.model_path = resolve_model_path(model)
-            cfg, state = load_weights(self.model_path)
-            self.tokenizer = load_tokenizer(self.model_path)
+            cfg = EngineConfig(**({"model": model} if model is not None else {}), **settings)
         self.config = cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        device = resolve_device(cfg.device)
+        torch_dtype = parse_dtype(cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+        self.model_name = cfg.model
+        mcfg, state = self._load(cfg, torch_dtype, device)
+        self.model_config = mcfg
         try:
-            kv_format = parse_kv_format(kv_dtype if kv_dtype is not None else torch_dtype)
+            kv_format = parse_kv_format(cfg.kv_dtype if cfg.kv_dtype is not None else torch_dtype)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
-        bytes_per_token = kv_format.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        if num_kv_blocks is None:
-            budget = kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
-            num_kv_blocks = budget // (bytes_per_token * block_size)
-            if num_kv_blocks < 1:
-                raise InvalidRequestError(f"kv_cache_bytes={budget} is smaller than one block ({bytes_per_token * block_size} bytes)")
-        self.block_size = block_size
+        num_blocks = cfg.num_kv_blocks or self._blocks_for_budget(kv_format, mcfg)
+        self.block_size = cfg.block_size
         try:
-            self.runner = ModelRunner(cfg, state, num_kv_blocks, block_size, dtype=torch_dtype, device=device,
-                                      kv_dtype=kv_format, attention_backend=attention_backend)
+            self.runner = ModelRunner(mcfg, state, num_blocks, cfg.block_size, dtype=torch_dtype, device=device,
+                                      kv_dtype=kv_format, attention_backend=cfg.attention_backend)
         except ValueError as e:  # unknown or unavailable attention backend
             raise InvalidRequestError(str(e)) from None
         del state
-        self.pool = BlockPool(num_kv_blocks, block_size, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-                                   reclaim=self._reclaim_from_sessions)
-        self.context_length = min(cfg.context_length, max_model_len or cfg.context_length)
-        self.namespace = Namespace(cfg.revision, kv_dtype=kv_format.name)
-        eos = set(cfg.eos_token_ids)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
+                                   reclaim=self.reclaim)
+        self.context_length = min(mcfg.context_length, cfg.max_model_len or mcfg.context_length)
+        self.namespace = Namespace(mcfg.revision, kv_dtype=kv_format.name)
+        eos = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = eos
+        self.processor = OutputProcessor(self.tokenizer, eos)
         self._req_ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
-        self.sessions: dict[str, "Session"] = {}  # noqa: F821  (sessions register themselves)
-        self.detached: dict[int, Sequence] = {}  # finished requests whose blocks a session has yet to take
+        self.holders: list[KVHolder] = []
         self.num_steps = 0
-        self.step_hooks: list = []  # called before each step (the circuit breaker's evaluate)
-        self.breaker = None  # a kvkeeper.sessions.breaker.CircuitBreaker once attached
-        self.capture_first_logits = False  # tests and audits: keep each request's first-token logits
-        if validate_every is None:
-            validate_every = int(os.environ.get("KVKEEPER_VALIDATE", "0") or 0)
-        self.validate_every = validate_every  # run the KV integrity validators every N steps (0: never)
-        if cuda_graphs:  # decode-step CUDA graphs (a no-op on CPU; see kvkeeper.model.cuda_graphs)
-            self.runner.capture_cuda_graphs(max_num_seqs, self.context_length)
-        from ..sessions.offload import SessionStore
+        self.step_hooks: list[Callable[[], object]] = []  # before each step (a circuit breaker's evaluate)
+        self.first_token_hooks: list[Callable[[Sequence, torch.Tensor], None]] = []  # (seq, (vocab,) logits)
+        self.capture_first_logits = False  # tests: keep each request's first-token logits in seq.first_logits
+        self.validate_every = cfg.validate_every  # KV integrity validators every N steps (0: never)
+        if cfg.cuda_graphs:  # decode-step CUDA graphs (a no-op on CPU; see kvkeeper.model.cuda_graphs)
+            self.runner.capture_cuda_graphs(cfg.max_num_seqs, self.context_length)
 
-        self.offload_store = SessionStore(self, data_dir, host_offload_bytes)
-        self.offload_store.load_sessions()
-        try:
-            self.auditor = ReuseAuditor(audit_fraction, audit_seed, audit_tolerance)  # reuse audit (0: off)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
+    def _load(self, cfg: EngineConfig, dtype: torch.dtype, device: torch.device):
+        """(model config, state dict); sets ``model_path`` and ``tokenizer``."""
+        if cfg.load_format == "dummy":  # random weights of a config's shapes (kvkeeper.model.dummy), made on the device
+            from ..model import dummy
 
-    # ---- requests ----------------------------------------------------------
+            mcfg, self.model_path = dummy.load_config(cfg.model)
+            self.tokenizer = dummy.load_dummy_tokenizer(self.model_path, mcfg.vocab_size)
+            return mcfg, dummy.dummy_state(mcfg, dtype, device, seed=cfg.seed)
+        self.model_path = resolve_model_path(cfg.model)
+        mcfg, state = load_weights(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        return mcfg, state
+
+    def _blocks_for_budget(self, kv_format, mcfg) -> int:
+        budget = self.config.kv_budget_bytes
+        per_block = kv_format.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim) * self.config.block_size
+        if budget < per_block:
+            raise InvalidRequestError(f"kv_cache_bytes={budget} is smaller than one block ({per_block} bytes)")
+        return budget // per_block
+
     @property
     def kv_bytes_per_token(self) -> int:
         return self.runner.kv_bytes_per_token
 
+    # ---- prompts -------------------------------------------------------------
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation, exactly as the model's chat template renders it."""
         if not messages:
@@ -197,6 +156,10 @@ class LLMEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template's text of ``messages`` (dicts with ``role`` and ``content``).
+
+        Raises :class:`InvalidRequestError` for a malformed message or one the template rejects.
+        """
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
@@ -208,17 +171,7 @@ class LLMEngine:
                 raise InvalidRequestError(f"the model's chat template rejected the conversation: {e}") from e
             raise
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    namespace: Namespace | None = None, compression: KVCompression | None = None) -> Sequence:
-        """Queue a request; returns its :class:`Sequence`.
-
-        compression: drop prompt tokens from the KV cache at the end of prefill
-        (see :mod:`kvkeeper.kvcache.compression`); None keeps everything.
-
-        Raises :class:`InvalidRequestError` for an empty prompt and
-        :class:`ContextLengthError` when the prompt leaves no room for a token.
-        """
-        params = params or SamplingParams()
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty: give at least one token of text")
@@ -227,26 +180,48 @@ class LLMEngine:
             ids = [int(t) for t in prompt]
         if not ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
-        if len(ids) >= self.context_length:
-            raise ContextLengthError(len(ids), self.context_length)
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
+                                      f"(0..{self.model_config.vocab_size - 1})")
+        return ids
+
+    # ---- requests ----------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    namespace: Namespace | None = None, compression: KVCompression | None = None, *,
+                    strict_max_tokens: bool = False, max_new_tokens: int | None = None) -> Sequence:
+        """Queue a request; returns its :class:`Sequence` (until the next :meth:`step` a caller may give it
+        KV it holds, as a session's turn does).
+
+        compression: drop prompt tokens from the KV cache at the end of prefill
+        (see :mod:`kvkeeper.kvcache.compression`); None keeps everything.
+        ``max_tokens`` beyond the context window is cut to fit, unless ``strict_max_tokens`` (the
+        server's rule: refuse).  max_new_tokens: an operator's cap on generated tokens.
+        Raises :class:`InvalidRequestError` for an empty prompt, a token outside the vocabulary or a
+        request id in use, and :class:`ContextLengthError` when the prompt leaves no room for a token.
+        """
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt)
+        ctx = self.context_length
+        if len(ids) >= ctx:
+            raise ContextLengthError(len(ids), ctx)
+        if strict_max_tokens and params.max_tokens is not None and len(ids) + params.max_tokens > ctx:
+            raise ContextLengthError(len(ids), ctx, params.max_tokens)
         request_id = request_id or f"req-{next(self._req_ids)}"
         if request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params, namespace or self.namespace)
         seq.compression = compression
-        seq.audit = self.auditor.sample()
-        max_new = self.context_length - len(ids)
-        seq.max_total_tokens = len(ids) + min(max_new, params.max_tokens or max_new)
+        new = min(x for x in (ctx - len(ids), params.max_tokens, max_new_tokens) if x is not None)
+        seq.max_total_tokens = len(ids) + new
         seq.generator = make_generator(params)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        self.processor.start(seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> None:
+        """Finish a running or waiting request now (``finish_reason`` "abort"); unknown ids are ignored."""
         seq = self._seqs.get(request_id)
         if seq is not None and not seq.finished:
             seq.finish_reason = "abort"
@@ -255,22 +230,22 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         seq.t_finished = time.perf_counter()
         self.scheduler.finish(seq)
-        if not seq.keep_blocks:
-            self.kv.free(seq)
-        else:  # a session takes the blocks over (Session.keep); until then they are owned here
-            self.detached[id(seq)] = seq
         self._seqs.pop(seq.request_id, None)
+        if seq.kv_keeper is not None:
+            seq.kv_keeper(seq)  # a session takes the blocks over
+        else:
+            self.kv.free(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- the step ----------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Schedule, run the model once, sample; returns sequences that finished in this step."""
+        """Schedule, run the model once, sample; returns the sequences that finished in this step."""
         for hook in self.step_hooks:
             hook()
         if self.validate_every and self.num_steps % self.validate_every == 0:
-            assert_engine_ok(self)  # before scheduling: every finished request's blocks have their owner by now
+            assert_engine_ok(self)
         out = self.scheduler.schedule()
         finished: list[Sequence] = []
         for seq in out.rejected:
@@ -283,87 +258,32 @@ class LLMEngine:
         for seq, _ in out.scheduled:
             if seq.compression is not None and seq.observer is None and not seq.compressed:
                 seq.observer = PrefillObserver(seq.compression, len(seq.token_ids) - seq.kv_offset,
-                                               self.config.num_layers, self.config.num_kv_heads)
+                                               self.model_config.num_layers, self.model_config.num_kv_heads)
         logits, seqs = self.runner.execute(out.scheduled)
         for seq, n in out.scheduled:
             seq.num_computed += n
             self.kv.commit(seq)
-        if logits is None:
-            return finished
-        ids, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        now = time.perf_counter()
-        for row, (seq, tok, lp) in enumerate(zip(seqs, ids, logps)):
-            if self.capture_first_logits and seq.first_logits is None:
-                seq.first_logits = logits[row].cpu().clone()
-            if seq.audit:  # first token: the prompt's KV is complete; compare it with a recompute (before any free)
-                seq.audit = False
-                self._audit(seq, logits[row])
-            seq.token_ids.append(tok)
-            if seq.t_first_token is None:
-                seq.t_first_token = now
-            seq.t_last_token = now
-            if lp is not None:
-                k = seq.params.logprobs or 0
-                top = torch.topk(lp, k) if k else None
-                seq.logprobs.append({
-                    "token_id": tok, "logprob": float(lp[tok]),
-                    "top": [] if top is None else list(zip(top.indices.tolist(), top.values.tolist())),
-                })
-            delta = seq.detokenizer.add(tok)
-            seq.text += delta
-            reason = None
-            if seq.detokenizer.stopped:
-                reason, seq.stop_string = "stop", seq.detokenizer.stop_string
-            elif (tok in self.eos_token_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids:
-                reason = "stop"
-            elif len(seq.token_ids) >= seq.max_total_tokens:
-                reason = "length"
-            if reason:
-                if not seq.detokenizer.stopped:
-                    seq.text += seq.detokenizer.flush()
-                seq.finish_reason = reason
-                self._finish(seq)
-                finished.append(seq)
+        if logits is not None:
+            finished += self._take_samples(logits, seqs)
         for seq, _ in out.scheduled:
             obs = seq.observer
             if obs is not None and not seq.finished and seq.num_computed - seq.kv_offset >= obs.length:
-                self._compress(seq)
+                compress_prompt(seq, self.pool, self.runner.kv_caches, self.reclaim)
         return finished
 
-    def _audit(self, seq: Sequence, logits: torch.Tensor) -> None:
-        try:
-            self.auditor.audit(self, seq, logits)
-        except Exception:  # the audit must never take a request down
-            log.exception("KV reuse audit of %s failed", seq.request_id)
-            self.auditor.skipped += 1
-
-    @torch.inference_mode()
-    def _compress(self, seq: Sequence) -> None:
-        """Apply the sequence's KV compression now that its prefill is complete (see kvcache.compression)."""
-        obs, comp = seq.observer, seq.compression
-        seq.observer, seq.compressed = None, True
-        L = obs.length
-        k = comp.n_keep(L)
-        if k >= L:
-            return
-        bs = self.block_size
-        need = -(-k // bs)
-        if need > self.pool.num_free and not (self._reclaim_from_sessions(need - self.pool.num_free) > 0
-                                              and need <= self.pool.num_free):
-            log.warning("no free blocks to compress %s into; its KV stays whole", seq.request_id)
-            return
-        new = self.pool.allocate(need)
-        old = torch.tensor(seq.block_table[: -(-L // bs)], dtype=torch.int64)
-        j = torch.arange(k)
-        dst = torch.tensor(new, dtype=torch.int64)[j // bs] * bs + j % bs
-        for layer, cache in enumerate(self.runner.kv_caches):
-            keys = cache.gather_keys(old, L, torch.float32)
-            idx = select(comp, obs, layer, keys)  # (KVH, k)
-            cache.copy_tokens(old[idx // bs] * bs + idx % bs, dst)
-        self.pool.free_all(seq.block_table)
-        seq.block_table, seq.block_hashes = new, []
-        seq.kv_offset = L - k
-        seq.num_kv_dropped += L - k
+    def _take_samples(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sequence]:
+        """Sample one token per sequence, run the first-token hooks, post-process; returns the finished ones."""
+        ids, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for row, seq in enumerate(seqs):
+            if seq.t_first_token is None:  # its prompt KV is complete: hooks see it before anything is freed
+                if self.capture_first_logits:
+                    seq.first_logits = logits[row].cpu().clone()
+                for hook in self.first_token_hooks:
+                    hook(seq, logits[row])
+        done = self.processor.process(seqs, ids, logps)
+        for seq in done:
+            self._finish(seq)
+        return done
 
     def run_until_done(self, seqs: list[Sequence]) -> None:
         while any(not s.finished for s in seqs):
@@ -380,128 +300,48 @@ class LLMEngine:
         self.run_until_done(seqs)
         return [RequestOutput.from_seq(s) for s in seqs]
 
-    # ---- sessions ------------------------------------------------------------
     def isolated_namespace(self, tag: str = "") -> Namespace:
         """A fresh namespace that shares no cached blocks with any other (recompute baselines, tests)."""
-        import uuid
-
         return Namespace(self.namespace.model_revision, tenant_salt=f"isolated-{tag}-{uuid.uuid4().hex}",
                          kv_dtype=self.namespace.kv_dtype)
 
-    def new_session(self, system: str | None = None, session_id: str | None = None, **kw):
-        """Open a :class:`~kvkeeper.sessions.session.Session`; raises OverloadedError while a breaker is degraded."""
-        from ..sessions.session import Session
+    # ---- KV held outside requests --------------------------------------------
+    def add_kv_holder(self, holder: KVHolder) -> None:
+        """Register something that holds KV between requests (a session manager)."""
+        self.holders.append(holder)
 
-        if self.breaker is not None:
-            self.breaker.check_new_session(session_id or "")
-
-        return Session(self, system=system, session_id=session_id, **kw)
-
-    def list_sessions(self) -> list[dict]:
-        return [s.info() for s in self.sessions.values()]
-
-    def close_session(self, session_id: str) -> None:
-        from ..errors import SessionNotFoundError
-
-        s = self.sessions.get(session_id)
-        if s is None:
-            raise SessionNotFoundError(f"no open session {session_id!r}; open ones: {sorted(self.sessions)}")
-        s.close()
-
-    def _reclaim_from_sessions(self, n_blocks: int) -> int:
-        """Release idle sessions' blocks, least recently used first; returns the block references dropped.
-
-        A session's KV goes to the host offload tier when that tier has a budget (it comes back on
-        the session's next turn); otherwise, or when that fails, the session is unpinned (its full
-        blocks stay in the prefix cache until evicted).
-        """
-        freed = self.offload_idle_sessions(n_blocks, tier="host") if self.offload_store.host_budget > 0 else 0
-        for s in sorted(self.sessions.values(), key=lambda s: s.last_used):
+    def reclaim(self, n_blocks: int) -> int:
+        """Ask the KV holders to release about ``n_blocks`` pool blocks; returns how many they released."""
+        freed = 0
+        for h in self.holders:
             if freed >= n_blocks:
                 break
-            freed += s.unpin()  # what the host tier could not take (busy, compressed or failed)
+            freed += h.reclaim(n_blocks - freed)
         return freed
 
-    def kv_owners(self):
-        """Yield (owner name, sequence) for everything that holds KV blocks.
-
-        Running and waiting requests, finished requests whose blocks wait for their
-        session (``detached``) and sessions' pinned states (``session:<id>``).
-        """
+    def kv_owners(self) -> Iterator[tuple[str, Sequence]]:
+        """Yield (owner name, sequence) for everything that holds KV blocks: running and waiting
+        requests (by request id), then each holder's (``session:<id>``)."""
         sched = self.scheduler
-        live = list(sched.running) + list(sched.waiting)
-        for seq in live:
+        for seq in list(sched.running) + list(sched.waiting):
             yield seq.request_id, seq
-        for seq in list(self.detached.values()):
-            yield f"detached:{seq.request_id}", seq
-        for sid, s in self.sessions.items():
-            st = getattr(s, "_state", None)
-            if st is not None and st.block_table and not any(st is q for q in live):
-                yield f"session:{sid}", st
-
-    @torch.inference_mode()
-    def compact(self) -> dict:
-        """Evict unreferenced cached blocks and defragment the pool (the circuit breaker's first tier).
-
-        Owned blocks are renumbered to ids ``0..k-1``, each owner's table contiguous in
-        table order; their K/V move with them (raw copy, every layer) and every block
-        table is rewritten.  Call between steps only.  Returns
-        ``{"evicted": cached blocks dropped, "moved": blocks whose id changed}``.
-        """
-        evicted = self.pool.evict_cached()
-        tables: list[list[int]] = []
-        seen_tables: set[int] = set()
-        order: list[int] = []
-        seen: set[int] = set()
-        for _, seq in self.kv_owners():
-            if id(seq.block_table) in seen_tables:
-                continue
-            seen_tables.add(id(seq.block_table))
-            tables.append(seq.block_table)
-            for b in seq.block_table:
-                if b not in seen:
-                    seen.add(b)
-                    order.append(b)
-        mapping = self.pool.defragment(order)
-        moved = [(o, n) for o, n in mapping.items() if o != n and n < len(order)]
-        if moved:
-            src = torch.tensor([o for o, _ in moved], dtype=torch.int64, device=self.runner.device)
-            dst = torch.tensor([n for _, n in moved], dtype=torch.int64, device=self.runner.device)
-            for cache in self.runner.kv_caches:
-                cache.move_blocks(src, dst)
-        for t in tables:
-            t[:] = [mapping[b] for b in t]
-        return {"evicted": evicted, "moved": len(moved)}
+        for h in self.holders:
+            yield from h.kv_owners()
 
     def offloaded_blocks(self) -> int:
-        """Blocks' worth of session KV held outside the pool (host memory and disk tiers)."""
-        return self.offload_store.num_blocks()
+        """Blocks' worth of KV the holders keep outside the pool (host memory and disk tiers)."""
+        return sum(h.offloaded_blocks() for h in self.holders)
 
-    def offload_idle_sessions(self, n_blocks: int, tier: str = "host") -> int:
-        """Offload idle sessions, least recently used first, until ``n_blocks`` pool blocks are released.
+    def compact(self) -> dict:
+        """Evict unreferenced cached blocks and defragment the pool (see :func:`kvkeeper.kvcache.surgery.compact`).
 
-        tier: "host" (host memory; over its budget the oldest move on to disk) or "disk".
-        Returns the blocks released (may be fewer when not enough idle sessions pin KV).  Sessions
-        with a request in flight or compressed KV are skipped.  Raises :class:`InvalidRequestError`
-        for an unknown or disabled tier.
+        Call between steps only.  Returns ``{"evicted": cached blocks dropped, "moved": blocks whose id changed}``.
         """
-        store = self.offload_store
-        store._check_tier(tier)
-        freed = 0
-        for s in sorted(self.sessions.values(), key=lambda s: s.last_used):
-            if freed >= n_blocks:
-                break
-            if store.is_idle(s):
-                try:
-                    freed += store.offload(s, tier)
-                except KVKeeperError as e:  # a failed disk write: that session keeps its KV in the pool
-                    log.warning("could not offload session %s: %s", s.id, e)
-        return freed
+        return compact(self.pool, (seq.block_table for _, seq in self.kv_owners()), self.runner.kv_caches,
+                       self.runner.device)
 
     def pool_stats(self):
         """Block states and fragmentation figures now (a :class:`kvkeeper.kvcache.telemetry.PoolStats`)."""
-        from ..kvcache.telemetry import pool_stats
-
         return pool_stats(self.pool, self.kv_owners(), self.offloaded_blocks())
 
     def stats(self) -> dict:
@@ -515,10 +355,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "sessions": len(self.sessions),
             "kv_bytes_per_token": self.kv_bytes_per_token,
-            "offload": self.offload_store.stats(),
-            **self.auditor.stats(),
         }
 
 

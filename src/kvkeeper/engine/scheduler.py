@@ -76,8 +76,6 @@ class Scheduler:
                 break
             if seq is not head and seq.block_table:
                 self.kv.free(seq)
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = -1
         return self.kv.pool.num_free - before
 
     def _chunk(self, remaining: int, budget: int, first: bool) -> int:
@@ -87,8 +85,15 @@ class Scheduler:
         return remaining if (remaining <= budget or first) else 0
 
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running sequences first, then admissions while budget and blocks last."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Give running sequences their tokens, preempting the newest when blocks run out; returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -100,62 +105,61 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
-                    break
-            else:
-                out.scheduled.append((seq, n))
-                budget -= max(n, 0)
-                i += 1
-                continue
-            break  # seq itself was preempted: it was the last running one
-        if out.preempted:
-            return out
+                    return budget  # seq itself was preempted: it was the last running one
+            out.scheduled.append((seq, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences, oldest first, while the budget, ``max_num_seqs`` and the pool allow."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
-                hit = self.kv.match_prefix(seq)
-                if seq.num_cached_tokens < 0:
-                    seq.num_cached_tokens = hit
-            elif seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = seq.num_computed  # a session handed its blocks over
+                self.kv.match_prefix(seq)
             n = self._chunk(seq.num_uncomputed, budget, not out.scheduled)
             if n == 0:
                 break
             # admit only with headroom: one free block per running sequence to grow into, so that an
             # admission does not force a preemption on the next step (vLLM keeps a watermark likewise)
-            headroom = len(self.running)
-            if self.kv.blocks_needed(seq, n) + headroom > self.kv.pool.num_free and self.running:
+            if self.running and self.kv.blocks_needed(seq, n) + len(self.running) > self.kv.pool.num_free:
                 self.kv.free(seq)  # do not hold prefix hits while waiting
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = -1
                 break
-            if not self.kv.allocate(seq, n):
-                short = self.kv.blocks_needed(seq, n) - self.kv.pool.num_free
-                if not (self.reclaim is not None and self.reclaim(short) > 0 and self.kv.allocate(seq, n)) and not (
-                        not self.running and self._release_waiting(seq, short) > 0 and self.kv.allocate(seq, n)):
-                    if not self.running and not out.scheduled:
-                        # nothing else holds blocks that could be waited for: this request can never fit
-                        self.waiting.popleft()
-                        total_need = -(-len(seq.token_ids) // self.kv.block_size)
-                        seq.error = (
-                            f"request needs {total_need} KV blocks ({len(seq.token_ids)} tokens of "
-                            f"{self.kv.block_size}) but only {self.kv.pool.num_free + len(seq.block_table)} of the "
-                            f"pool's {self.kv.pool.num_blocks} blocks can be had; raise the KV budget or close sessions"
-                        )
-                        self.kv.free(seq)
-                        out.rejected.append(seq)
-                        continue
+            if not self._allocate(seq, n):
+                if self.running or out.scheduled:
                     self.kv.free(seq)  # do not hold prefix hits while waiting
-                    if seq.num_preemptions == 0:
-                        seq.num_cached_tokens = -1
                     break
+                self._reject(seq, out)  # nothing else holds blocks that could be waited for: it can never fit
+                continue
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
+            if seq.num_cached_tokens is None:  # first admission: what it holds now was reused, not computed
+                seq.num_cached_tokens = seq.num_computed
             if seq.t_scheduled is None:
                 seq.t_scheduled = time.perf_counter()
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
-        return out
+
+    def _allocate(self, seq: Sequence, n: int) -> bool:
+        """Blocks for ``n`` more tokens of ``seq``, reclaiming idle sessions' KV (then waiting requests') if short."""
+        if self.kv.allocate(seq, n):
+            return True
+        short = self.kv.blocks_needed(seq, n) - self.kv.pool.num_free
+        if self.reclaim is not None and self.reclaim(short) > 0 and self.kv.allocate(seq, n):
+            return True
+        return not self.running and self._release_waiting(seq, short) > 0 and self.kv.allocate(seq, n)
+
+    def _reject(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.waiting.popleft()
+        total_need = -(-len(seq.token_ids) // self.kv.block_size)
+        seq.error = (
+            f"request needs {total_need} KV blocks ({len(seq.token_ids)} tokens of "
+            f"{self.kv.block_size}) but only {self.kv.pool.num_free + len(seq.block_table)} of the "
+            f"pool's {self.kv.pool.num_blocks} blocks can be had; raise the KV budget or close sessions"
+        )
+        self.kv.free(seq)
+        out.rejected.append(seq)
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:

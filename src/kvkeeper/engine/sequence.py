@@ -6,11 +6,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from ..kvcache.namespace import Namespace
-from .sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 
 _ids = itertools.count()
 
@@ -29,6 +30,11 @@ class Sequence:
         ``num_computed - kv_offset`` slots of the block table (kv_offset > 0 after KV compression).
     block_table: block ids holding those tokens, in order.
     block_hashes: chained prefix-cache hashes of the full blocks at the head of block_table.
+    num_handed_over: tokens of KV a session gave the request before it was scheduled (its turn's reuse).
+    num_cached_tokens: tokens whose KV the request held when first admitted (prefix-cache hits or a
+        session's hand-over); None until then.
+    kv_keeper: called with the sequence when it finishes, to take its blocks over (a session's end of
+        turn); None: the engine frees them.
     """
 
     request_id: str
@@ -40,7 +46,8 @@ class Sequence:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
-    num_cached_tokens: int = -1  # prefix reused at first admission (tokens); -1 until admitted
+    num_handed_over: int = 0
+    num_cached_tokens: int | None = None
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
@@ -51,8 +58,7 @@ class Sequence:
     text: str = ""
     logprobs: list = field(default_factory=list)
     first_logits: torch.Tensor | None = None  # (vocab,) float32, kept when the engine captures logits
-    audit: bool = False  # sampled for the reuse audit (kvkeeper.diagnostics.audit), until its first token
-    keep_blocks: bool = False  # a session takes the blocks over when the request finishes
+    kv_keeper: Callable[["Sequence"], None] | None = None
     compression: object | None = None  # kvcache.compression.KVCompression applied at the end of prefill
     observer: object | None = None  # its PrefillObserver while the prompt is being prefilled
     kv_offset: int = 0  # prompt tokens dropped by compression: KV index = token index - kv_offset

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 
-from ..engine.sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
          "memorize it. I will quiz you about it.\n")

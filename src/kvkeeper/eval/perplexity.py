@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from ..engine.sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence
 from ..errors import InvalidRequestError
+from ..kvcache.surgery import compress_prompt
 
 
 def read_text_tokens(engine, path: str | Path, context: int, skip_tokens: int = 0) -> list[int]:
@@ -82,8 +83,8 @@ def perplexity(engine, token_ids: list[int], chunk: int = 512, compression=None,
     n = len(token_ids)
     if n < 2:
         raise InvalidRequestError("perplexity needs at least 2 tokens")
-    if n > engine.config.context_length:
-        raise InvalidRequestError(f"{n} tokens exceed the model's context window of {engine.config.context_length}")
+    if n > engine.model_config.context_length:
+        raise InvalidRequestError(f"{n} tokens exceed the model's context window of {engine.model_config.context_length}")
     if score_tokens is not None and not (1 <= score_tokens < n):
         raise InvalidRequestError(f"score_tokens must be between 1 and {n - 1}, got {score_tokens}")
     if compression is not None and score_tokens is None:
@@ -101,10 +102,11 @@ def perplexity(engine, token_ids: list[int], chunk: int = 512, compression=None,
         else:
             if compression is not None:
                 seq.compression = compression
-                seq.observer = PrefillObserver(compression, ctx, engine.config.num_layers, engine.config.num_kv_heads)
+                mc = engine.model_config
+                seq.observer = PrefillObserver(compression, ctx, mc.num_layers, mc.num_kv_heads)
             nll, scored = _run_chunks(engine, seq, ctx, chunk, targets, ctx - 1)
             if compression is not None:
-                engine._compress(seq)
+                compress_prompt(seq, engine.pool, engine.runner.kv_caches, engine.reclaim)
             kv_tokens = ctx - seq.kv_offset
             more, k = _run_chunks(engine, seq, n - 1, chunk, targets, ctx)  # the last token predicts nothing
             nll, scored = nll + more, scored + k

@@ -9,7 +9,7 @@ local engine) and drawn by ``kvkeeper kv map`` (terminal) and the server page ``
       "states": "ffoocc...",       # one letter per block id: f free, c cached, o owned (len B)
       "owner":  [-1, -1, 0, 3, ...],  # per block id: index into "owners", -1 none, -2 shared (len B)
       "shared": [[bid, [i, j]], ...], # owners of each block held by several owners
-      "owners": [{"name", "kind", "blocks", "tokens"}, ...],  # kind: request / session / detached
+      "owners": [{"name", "kind", "blocks", "tokens"}, ...],  # kind: request / session
       "offloaded": N,                # blocks' worth of session KV outside the pool
       "stats": PoolStats.to_dict(),  # counts and figures now (kvkeeper.kvcache.telemetry)
       "windows": {"1s": {...}, "10s": {...}, "60s": {...}},  # figure means (FragmentationMonitor)
@@ -18,7 +18,7 @@ local engine) and drawn by ``kvkeeper kv map`` (terminal) and the server page ``
 States follow :mod:`kvkeeper.kvcache.telemetry`: *owned* = refcount above zero, *cached* =
 free but registered in the prefix cache, *free* otherwise.  An owned block that no listed
 owner holds (a raw allocation outside any sequence) has owner -1.  Owner names are those of
-``LLMEngine.kv_owners()``: request ids, ``session:<id>``, ``detached:<id>``.
+``LLMEngine.kv_owners()``: request ids and ``session:<id>``.
 
 Cost: O(B + total block-table length), about the cost of one ``pool_stats`` call.
 """
@@ -62,12 +62,8 @@ def owner_colour(name: str) -> str:
 
 
 def owner_kind(name: str) -> str:
-    """"session", "detached" or "request" from an owner name of ``LLMEngine.kv_owners()``."""
-    if name.startswith("session:"):
-        return "session"
-    if name.startswith("detached:"):
-        return "detached"
-    return "request"
+    """"session" or "request" from an owner name of ``LLMEngine.kv_owners()``."""
+    return "session" if name.startswith("session:") else "request"
 
 
 def block_map(pool, owners=(), offloaded_blocks: int = 0, stats=None, windows=None) -> dict:

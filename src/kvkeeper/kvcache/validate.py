@@ -1,10 +1,8 @@
 """Integrity validators for the paged KV cache: block tables, refcounts, positions, prefix-cache keys.
 
-``check_engine(engine)`` walks every owner of KV blocks -- running and waiting
-sequences and the sessions' pinned states -- and returns a list of
-:class:`Violation` (empty when all is well).  It checks:
-
-(plus finished requests whose blocks wait for their session to take them, ``engine.detached``)
+``check_engine(engine)`` walks every owner of KV blocks (``engine.kv_owners()``: running and
+waiting sequences, and what the engine's KV holders report, e.g. the sessions' pinned states)
+and returns a list of :class:`Violation` (empty when all is well).  It checks:
 
 * **indices**: every block id in a block table is in ``[0, num_blocks)``;
 * **refcounts**: each block's refcount equals the number of block tables holding it

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.sampling_params import SamplingParams
+from .params import SamplingParams
 
 
 def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | None:
@@ -63,7 +63,8 @@ def sample(
         if p.greedy:
             out.append(int(greedy_ids[i]))
             continue
-        filt = _filter(row / p.temperature, p.top_k, p.top_p)
+        # shifted by the max first: a tiny temperature (1e-270) sends the others to -inf, never to inf/NaN
+        filt = _filter((row - row.max()) / p.temperature, p.top_k, p.top_p)
         probs = filt.softmax(-1)
         out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
     return out, logps

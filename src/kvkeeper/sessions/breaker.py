@@ -8,7 +8,7 @@ order, giving each ``escalate_after_s`` seconds to work before the next:
 1. **compaction**: evict unreferenced cached blocks and defragment the pool
    (:meth:`LLMEngine.compact`: owned blocks renumbered contiguously, their KV moved);
 2. **offload**: move idle sessions' KV out of the pool, to host memory first, then to
-   disk when a data directory is configured (``LLMEngine.offload_idle_sessions``), until
+   disk when a data directory is configured (``SessionManager.offload_idle``), until
    usage would fall to ``recover_usage``;
 3. **degrade**: refuse new sessions (the server answers 503 with ``Retry-After``) and trim
    the oldest turns of the lowest-priority sessions: their pinned KV is released and,
@@ -40,21 +40,15 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from ..errors import KVKeeperError
+from ..argtypes import positive_int
+from ..errors import OverloadedError
+from ..options import option
 
 log = logging.getLogger(__name__)
 
 TIER_NAMES = ("closed", "compaction", "offload", "degrade")
-
-
-class OverloadedError(KVKeeperError):
-    """The circuit breaker is degraded and refuses new sessions; retry after ``retry_after_s`` seconds (HTTP 503)."""
-
-    def __init__(self, message: str, retry_after_s: int):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -65,15 +59,21 @@ class BreakerConfig:
     min(0.5, 0.75 x frag_threshold).  Raises ValueError for values out of range.
     """
 
-    frag_threshold: float = 0.683
-    usage_threshold: float = 0.95
-    recover_usage: float | None = None
+    frag_threshold: float = field(default=0.683, metadata=option(
+        "--breaker-frag-threshold", "trip at this pool fragmentation rate, 0..1", type=float, metavar="F"))
+    usage_threshold: float = field(default=0.95, metadata=option(
+        "--breaker-usage-threshold", "trip at this KV usage, 0..1", type=float, metavar="U"))
+    recover_usage: float | None = field(default=None, metadata=option(
+        "--breaker-recover-usage", "close again below this KV usage, 0..1 (default: min(0.80, 0.85 x the usage "
+        "threshold))", type=float, metavar="U"))
     recover_frag: float | None = None
     interval_s: float = 0.25
     escalate_after_s: float = 0.5
     cooldown_s: float = 2.0
     retry_after_s: int = 2
-    degrade_budget_tokens: int = 512
+    degrade_budget_tokens: int = field(default=512, metadata=option(
+        "--degrade-budget-tokens", "while degraded, the lowest-priority sessions' prompts keep only their newest "
+        "turns that fit N tokens", type=positive_int, metavar="N"))
 
     def __post_init__(self):
         if self.recover_usage is None:
@@ -94,14 +94,17 @@ class BreakerConfig:
 
 
 class CircuitBreaker:
-    """Watches ``engine`` (an :class:`~kvkeeper.engine.llm_engine.LLMEngine`) and applies the tiers.
+    """Watches ``engine`` (an :class:`~kvkeeper.engine.llm_engine.LLMEngine`) and applies the tiers to its
+    ``sessions`` (a :class:`~kvkeeper.sessions.manager.SessionManager`).
 
-    Call :meth:`evaluate` from the engine's thread between steps (it rate-limits itself to
-    ``interval_s``).  ``tier``: the highest tier applied in the current episode (0 = closed).
+    It runs before every engine step (it adds :meth:`evaluate` to ``engine.step_hooks``; call it too
+    while the engine idles: it rate-limits itself to ``interval_s``) and checks every new session
+    (``sessions.admission``).  ``tier``: the highest tier applied in the current episode (0 = closed).
     """
 
-    def __init__(self, engine, config: BreakerConfig | None = None, clock=time.monotonic):
+    def __init__(self, engine, sessions, config: BreakerConfig | None = None, clock=time.monotonic):
         self.engine = engine
+        self.sessions = sessions
         self.config = config or BreakerConfig()
         self.clock = clock
         self.tier = 0
@@ -113,8 +116,8 @@ class CircuitBreaker:
         self._tier_at = -math.inf  # when the current tier was applied
         self._calm_since: float | None = None
         self.last_stats = None
-        engine.breaker = self
         engine.step_hooks.append(self.evaluate)
+        sessions.admission = self.check_new_session
 
     # ---- state -----------------------------------------------------------------------
     @property
@@ -208,15 +211,14 @@ class CircuitBreaker:
     def _offload(self, st, log_empty: bool = True) -> None:
         """Offload idle sessions until usage would fall to the recovery level (host tier; it spills to disk)."""
         eng = self.engine
-        freed = eng.offload_idle_sessions(max(1, st.owned - self._calm_owned()), tier="host")
+        freed = self.sessions.offload_idle(max(1, st.owned - self._calm_owned()), tier="host")
         if log_empty or freed:
-            held = eng.offload_store.stats()["offloaded_bytes"]
+            held = self.sessions.store.stats()["offloaded_bytes"]
             self._event(2, "offload_idle_sessions", st, eng.pool_stats(), blocks=freed,
                         host_bytes=held.get("host", 0), disk_bytes=held.get("disk", 0))
 
     def _trim_lowest_priority(self, st) -> None:
-        eng = self.engine
-        idle = [s for s in eng.sessions.values() if not s.closed]
+        idle = [s for s in self.sessions if not s.closed]
         if not idle:
             return
         low = min(s.priority for s in idle)
@@ -225,13 +227,13 @@ class CircuitBreaker:
                 continue
             s.trim_budget = self.config.degrade_budget_tokens
             self.trimmed_sessions.add(s.id)
-            freed = s.unpin() if not _busy(eng, s) else 0
+            freed = s.unpin() if s.turn is None else 0
             self._event(3, "trim_session", st, session=s.id, priority=low, blocks=freed,
                         budget_tokens=self.config.degrade_budget_tokens)
 
     def _close(self, st) -> None:
         for sid in self.trimmed_sessions:
-            s = self.engine.sessions.get(sid)
+            s = self.sessions.sessions.get(sid)
             if s is not None:
                 s.trim_budget = None
         n = len(self.trimmed_sessions)
@@ -257,8 +259,3 @@ class CircuitBreaker:
                 "trimmed_sessions": sorted(self.trimmed_sessions), "events": list(self.events),
                 "config": asdict(self.config)}
 
-
-def _busy(engine, session) -> bool:
-    st = getattr(session, "_state", None)
-    return st is not None and (any(st is q for q in engine.scheduler.running)
-                               or any(st is q for q in engine.scheduler.waiting))

@@ -1,51 +1,41 @@
-"""Sessions: one conversation whose KV stays in the pool between turns.
+"""Sessions: one conversation whose KV stays in the pool between turns, and the one turn protocol.
 
-Each turn appends the user's message, renders the chat template over the
-whole conversation and turns it into token ids.  When the rendered text
-starts with the text the session's KV already covers (the previous prompt plus
-the model's reply), the new ids are the old ids followed by the tokens of the
-new text only, so turn N prefills just its new tokens (the llama.cpp server
-does the same with its slot cache).  Otherwise the session falls back to the
-template's own tokenisation and reuses the longest common token prefix.
+Both doors run a turn the same way: the library's :meth:`Session.send` and the HTTP
+server (a client resending its history with ``X-Session-ID``) call :meth:`Session.begin_turn`
+with the conversation so far and get a queued :class:`~kvkeeper.engine.sequence.Sequence`;
+when the engine finishes it, the session's end of turn takes its blocks over.
 
-Between turns the session pins its blocks (holds a reference).  Under memory
-pressure the engine may unpin an idle session: its full blocks stay in the
-prefix cache and are usually found again on the next turn.  An idle session
-may also be offloaded (:meth:`Session.offload`, see :mod:`kvkeeper.sessions.offload`):
-its KV moves to host memory or disk and comes back at its next turn.
+**The reuse rule** (one for both doors).  The conversation is rendered with the chat template
+(under the session's context budget, :mod:`kvkeeper.sessions.budget`).  When the rendered text
+extends the text the session's KV covers (the previous prompt plus the model's own reply,
+special tokens included), the prompt is the session's own token ids followed by the tokens of
+the new text only: the generated tokens are reused even when the reply, resent as text, would
+tokenize differently (the llama.cpp server does the same with its slot cache).  Otherwise the
+prompt is the template's own tokenization and the longest common token prefix is reused.  A raw
+text prompt follows the same rule on its text; token-id prompts keep the longest common prefix.
+
+**Where a turn's state lives.**  Between turns the session pins its KV in ``Session.kv`` (the
+finished sequence of its last turn: token ids, block table); while a turn runs, that KV has
+been handed to the turn's sequence (``Session.turn``) and nothing else holds it; an idle
+session's KV may instead sit in an offload tier (:mod:`kvkeeper.sessions.offload`), from which
+the next turn restores it.  Under memory pressure an idle session may be unpinned: its full
+blocks stay in the prefix cache and are usually found again on the next turn.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from ..engine.sampling_params import SamplingParams
+from ..engine.outputs import TurnResult
+from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence
-from ..errors import InvalidRequestError, KVKeeperError
+from ..errors import InvalidRequestError, KVKeeperError, SessionBusyError
+from .budget import trim_oldest_turns
 
 
-@dataclass
-class TurnResult:
-    """Stats and output of one turn.  Times in seconds, speed in tokens/s."""
-
-    turn: int
-    text: str
-    token_ids: list[int]
-    prompt_token_ids: list[int]
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    ttft_s: float | None
-    decode_tok_per_s: float | None
-    finish_reason: str | None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token id lists."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -53,48 +43,64 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+@dataclass
+class Turn:
+    """A turn in flight: its sequence, the text its prompt renders (None for token ids) and the
+    conversation it answers (None for a raw prompt).  handed_over: tokens of KV the session gave it."""
+
+    seq: Sequence
+    prompt_text: str | None
+    messages: list[dict] | None
+    handed_over: int = 0
+
+
 class Session:
-    """A multi-turn conversation on an :class:`LLMEngine` (created by ``engine.new_session``).
+    """A multi-turn conversation on an engine, opened by :meth:`SessionManager.open`.
 
     reuse=False makes every turn recompute the whole conversation (a baseline for tests and benchmarks).
+    Attributes: ``messages`` (the conversation), ``turns`` (a :class:`TurnResult` per finished turn),
+    ``kv`` (the pinned KV between turns), ``text`` (the text that KV covers), ``turn`` (the turn in
+    flight), ``priority`` (the circuit breaker trims the lowest first), ``trim_budget`` (tokens:
+    render without the oldest turns to fit; set while the breaker is degraded).
     """
 
-    def __init__(self, engine, system: str | None = None, session_id: str | None = None, reuse: bool = True,
+    def __init__(self, manager, session_id: str, system: str | None = None, reuse: bool = True,
                  params: SamplingParams | None = None):
-        self.engine = engine
-        self.id = session_id or f"sess-{uuid.uuid4().hex[:12]}"
-        if self.id in engine.sessions:
-            raise InvalidRequestError(f"session id {self.id!r} is already open")
-        self.messages: list[dict] = []
-        if system is not None:
-            self.messages.append({"role": "system", "content": system})
+        self.manager = manager
+        self.engine = manager.engine
+        self.id = session_id
+        self.messages: list[dict] = [] if system is None else [{"role": "system", "content": system}]
         self.reuse = reuse
         self.params = params or SamplingParams()
-        self.priority = 0  # higher is more important; the circuit breaker trims the lowest first
-        self.trim_budget: int | None = None  # tokens: render without the oldest turns to fit (set while degraded)
+        self.priority = 0
+        self.trim_budget: int | None = None
         self.trimmed_turns = 0  # turns left out of the last prompt by trim_budget
         self.turns: list[TurnResult] = []
         self.last_used = time.monotonic()
         self.closed = False
-        # KV state carried between turns (a detached Sequence holding the blocks)
-        self._state: Sequence | None = None
-        self._text = ""  # the text whose tokens are in _state.token_ids
-        engine.sessions[self.id] = self
+        self.kv: Sequence | None = None
+        self.text = ""
+        self.turn: Turn | None = None
 
     # ---- bookkeeping -----------------------------------------------------------
     @property
     def num_tokens(self) -> int:
-        return len(self._state.token_ids) if self._state else 0
+        return len(self.kv.token_ids) if self.kv else 0
 
     @property
     def num_blocks(self) -> int:
-        return len(self._state.block_table) if self._state else 0
+        return len(self.kv.block_table) if self.kv else 0
 
     @property
     def tier(self) -> str:
         """Where the session's KV is: "pool", "host" or "disk" (see :mod:`kvkeeper.sessions.offload`)."""
-        store = getattr(self.engine, "offload_store", None)
-        return (store.tier_of(self.id) if store is not None else None) or "pool"
+        return self.manager.store.tier_of(self.id) or "pool"
+
+    @property
+    def idle(self) -> bool:
+        """Open, no turn in flight, and pinning uncompressed KV in the pool (so it may be offloaded)."""
+        st = self.kv
+        return not self.closed and self.turn is None and st is not None and bool(st.block_table) and not st.kv_offset
 
     def info(self) -> dict:
         return {"id": self.id, "turns": len(self.turns), "tokens": self.num_tokens, "blocks": self.num_blocks,
@@ -103,147 +109,138 @@ class Session:
     def offload(self, tier: str = "host") -> int:
         """Move this idle session's KV out of the pool to ``tier`` ("host" or "disk"); returns blocks released.
 
-        The KV comes back on the next turn (:meth:`send` / :meth:`hand_over`).  Raises
-        :class:`InvalidRequestError` for a closed session, an unknown or disabled tier or a request
-        in flight, and ``OffloadError`` when the disk write fails (the KV then stays in the pool).
+        The KV comes back on the next turn.  Raises :class:`InvalidRequestError` for a closed session,
+        an unknown or disabled tier or a request in flight, and ``OffloadError`` when the disk write
+        fails (the KV then stays in the pool).
         """
         if self.closed:
             raise InvalidRequestError(f"session {self.id} is closed")
-        return self.engine.offload_store.offload(self, tier)
+        return self.manager.store.offload(self, tier)
 
     def unpin(self) -> int:
         """Release the pinned blocks (full ones stay in the prefix cache); returns how many were held."""
-        if self._state is None or not self._state.block_table:
+        if self.kv is None or not self.kv.block_table:
             return 0
-        n = len(self._state.block_table)
-        self.engine.kv.free(self._state)
+        n = len(self.kv.block_table)
+        self.engine.kv.free(self.kv)
         return n
 
     def close(self) -> None:
-        """Free the session's blocks (and any offloaded copy) and forget it."""
-        self.unpin()
-        store = getattr(self.engine, "offload_store", None)
-        if store is not None:
-            store.discard(self.id)
-        self._state = None
-        self.closed = True
-        self.engine.sessions.pop(self.id, None)
+        """Free the session's blocks (and any offloaded copy) and forget it; a turn in flight frees its own.
 
-    # ---- KV hand-over (also used by the HTTP server, which renders prompts itself) ----------
-    def hand_over(self, seq: Sequence) -> int:
-        """Give the session's pinned KV to ``seq``, a request just added to the engine and not yet scheduled.
+        Closing a closed session does nothing."""
+        if not self.closed:
+            self.manager.close(self.id)
 
-        Keeps the longest common token prefix of the pinned tokens and ``seq``'s
-        prompt (at least one prompt token is left to compute) and frees the rest;
-        KV computed under another namespace (tenant salt) is freed, never handed
-        over.  Marks ``seq`` so the engine leaves its blocks for :meth:`keep`.
-        An offloaded session's KV is first restored into the pool (or, when it
-        cannot be, recomputed).  Returns the number of tokens handed over.
-        """
-        eng = self.engine
-        seq.keep_blocks = True
-        store = getattr(eng, "offload_store", None)
-        if store is not None and store.tier_of(self.id):
-            st = self._state
-            if self.reuse and st is not None and st.namespace == seq.namespace:
-                store.restore(self)
-            else:
-                store.discard(self.id)
-        st = self._state
-        if st is None or not st.block_table:
-            return 0
-        if not self.reuse or st.namespace != seq.namespace or st.kv_offset:
-            eng.kv.free(st)  # another tenant's KV, or compressed KV: never given to a request expecting the full one
-            return 0
-        ids = seq.token_ids
-        keep = min(_common_prefix(st.token_ids[: st.num_computed], ids), len(ids) - 1)
-        eng.kv.truncate(st, keep)
-        seq.block_table, seq.block_hashes, seq.num_computed = st.block_table, st.block_hashes, st.num_computed
-        st.block_table, st.block_hashes, st.num_computed = [], [], 0
-        return seq.num_computed
-
-    def keep(self, seq: Sequence) -> None:
-        """Pin a finished request's blocks as the session's state (frees any older pinned state).
-
-        On a closed session the blocks are freed instead.
-        """
-        eng = self.engine
-        eng.detached.pop(id(seq), None)
-        if self.closed:
-            eng.kv.free(seq)
-            return
-        if self._state is not None and self._state is not seq and self._state.block_table:
-            eng.kv.free(self._state)
-        self._state = seq
-        self.last_used = time.monotonic()
-        from ..engine.llm_engine import RequestOutput
-
-        r = RequestOutput.from_seq(seq)
-        self.turns.append(TurnResult(len(self.turns) + 1, r.text, r.token_ids, r.prompt_token_ids, r.prompt_tokens,
-                                     r.cached_tokens, r.completion_tokens, r.ttft_s, r.decode_tok_per_s,
-                                     r.finish_reason))
-
-    # ---- turns ---------------------------------------------------------------
-    def context_messages(self, messages: list[dict] | None = None) -> list[dict]:
+    # ---- the turn protocol ----------------------------------------------------------
+    def context_messages(self, messages: list[dict]) -> list[dict]:
         """The messages a prompt is rendered from: all of them, or without the oldest turns while
         :attr:`trim_budget` is set (see :mod:`kvkeeper.sessions.budget`); sets :attr:`trimmed_turns`."""
-        messages = self.messages if messages is None else messages
         self.trimmed_turns = 0
         if self.trim_budget is None:
             return messages
-        from .budget import trim_oldest_turns
-
         kept, self.trimmed_turns = trim_oldest_turns(messages, lambda m: len(self.engine.encode_chat(m)),
                                                      self.trim_budget)
         return kept
 
-    def _prompt(self) -> tuple[list[int], str]:
-        """(token ids, rendered text) of the next prompt."""
+    def begin_turn(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
+                   params: SamplingParams | None = None, request_id: str | None = None, **request) -> Sequence:
+        """Start a turn from the whole conversation (``messages``) or a raw ``prompt`` (text or token ids).
+
+        Derives the prompt ids by the reuse rule, queues the request on the engine (``request``: the
+        keyword arguments of ``LLMEngine.add_request``: namespace, compression, strict_max_tokens,
+        max_new_tokens) and hands it the session's KV (restored first when offloaded).  Returns the
+        sequence; when it finishes, the session keeps its KV and records the turn.  Raises
+        :class:`InvalidRequestError` for a closed session, :class:`SessionBusyError` while a turn is in
+        flight, and what ``add_request`` raises (the session is then unchanged).
+        """
+        if self.closed:
+            raise InvalidRequestError(f"session {self.id} is closed")
+        if self.turn is not None:
+            raise SessionBusyError(f"session {self.id} has a turn in flight ({self.turn.seq.request_id}); "
+                                   "send the next turn once it has finished")
+        if (messages is None) == (prompt is None):
+            raise InvalidRequestError("a turn needs exactly one of messages or prompt")
+        text = None
+        if messages is not None:
+            text = self.engine.render_chat(self.context_messages(messages), add_generation_prompt=True)
+        elif isinstance(prompt, str):
+            text = prompt
+        ids = self._prompt_ids(text, prompt, chat=messages is not None)
+        if not self.reuse:
+            request["namespace"] = self.engine.isolated_namespace("noreuse")
+        request_id = request_id or f"{self.id}-t{len(self.turns) + 1}"
+        seq = self.engine.add_request(ids, params or self.params, request_id, **request)
+        turn = Turn(seq, text, None if messages is None else list(messages))
+        turn.handed_over = seq.num_handed_over = self._hand_over(seq)
+        seq.kv_keeper = self._end_turn
+        self.turn = turn
+        return seq
+
+    def _prompt_ids(self, text: str | None, prompt, chat: bool) -> list[int] | str:
+        """The reuse rule: the session's own ids plus the new text's, when the text extends the session's."""
+        st, tok = self.kv, self.engine.tokenizer
+        if text is None:
+            return prompt  # token ids: the hand-over keeps the longest common prefix
+        if self.reuse and st is not None and self.text and text.startswith(self.text):
+            return list(st.token_ids) + tok.encode(text[len(self.text):], add_special_tokens=False)
+        return tok.encode(text, add_special_tokens=False) if chat else text
+
+    def _hand_over(self, seq: Sequence) -> int:
+        """Give the session's KV to ``seq`` (not yet scheduled); returns the tokens handed over.
+
+        Keeps the longest common token prefix of the session's tokens and the prompt (at least one
+        prompt token is left to compute) and frees the rest.  KV of another namespace (tenant salt) or
+        compressed KV is freed, never handed over.  Offloaded KV is restored first (or, when it cannot
+        be, the prompt is recomputed).
+        """
+        store, st = self.manager.store, self.kv
+        if store.tier_of(self.id):
+            if self.reuse and st is not None and st.namespace == seq.namespace:
+                store.restore(self)
+            else:
+                store.discard(self.id)
+        if st is None or not st.block_table:
+            return 0
+        if not self.reuse or st.namespace != seq.namespace or st.kv_offset:
+            self.engine.kv.free(st)
+            return 0
+        ids = seq.token_ids
+        self.engine.kv.truncate(st, min(common_prefix(st.token_ids[: st.num_computed], ids), len(ids) - 1))
+        seq.block_table, seq.block_hashes, seq.num_computed = st.block_table, st.block_hashes, st.num_computed
+        st.block_table, st.block_hashes, st.num_computed = [], [], 0
+        return seq.num_computed
+
+    def _end_turn(self, seq: Sequence) -> None:
+        """The engine finished the turn's sequence: pin its KV, record the turn (the ``kv_keeper`` callback)."""
+        turn, self.turn = self.turn, None
         eng = self.engine
-        text = eng.render_chat(self.context_messages(), add_generation_prompt=True)
-        st = self._state
-        if self.reuse and st is not None and self._text and text.startswith(self._text):
-            return list(st.token_ids) + eng.tokenizer.encode(text[len(self._text):], add_special_tokens=False), text
-        return eng.tokenizer.encode(text, add_special_tokens=False), text
+        if self.closed or turn is None or turn.seq is not seq or seq.finish_reason == "error":
+            eng.kv.free(seq)  # a failed turn changes nothing but the KV it was given (recomputed next turn)
+            return
+        if self.kv is not None and self.kv.block_table:
+            eng.kv.free(self.kv)
+        self.kv = seq
+        self.text = "" if turn.prompt_text is None else (
+            turn.prompt_text + eng.tokenizer.decode(seq.output_token_ids, skip_special_tokens=False))
+        if turn.messages is not None:
+            self.messages = turn.messages + [{"role": "assistant", "content": seq.text}]
+        self.turns.append(TurnResult.from_seq(len(self.turns) + 1, seq))
+        self.last_used = time.monotonic()
+        if not self.reuse:
+            eng.kv.free(seq)
 
     def send(self, content: str, params: SamplingParams | None = None, role: str = "user") -> TurnResult:
         """Add a message, generate the reply, keep the KV; returns the turn's :class:`TurnResult`.
 
-        Raises :class:`InvalidRequestError` for an empty message or a closed session and
-        :class:`ContextLengthError` when the conversation no longer fits the context
-        (the message is then not kept, so the session can go on after trimming).
+        Raises :class:`InvalidRequestError` for an empty message or a closed session,
+        :class:`ContextLengthError` when the conversation no longer fits the context, and
+        :class:`KVKeeperError` when the request fails; the conversation is then as before the call.
         """
-        if self.closed:
-            raise InvalidRequestError(f"session {self.id} is closed")
         if not isinstance(content, str) or not content.strip():
             raise InvalidRequestError("the message is empty: give some text")
-        eng = self.engine
-        params = params or self.params
-        self.messages.append({"role": role, "content": content})
-        try:
-            ids, prompt_text = self._prompt()
-            seq = eng.add_request(ids, params, request_id=f"{self.id}-t{len(self.turns) + 1}")
-        except KVKeeperError:
-            self.messages.pop()
-            raise
-        self.hand_over(seq)
-        if not self.reuse:
-            seq.namespace = eng.isolated_namespace("noreuse")
-        eng.run_until_done([seq])
-        eng.detached.pop(id(seq), None)
-        self._state = seq
-        if not self.reuse:
-            eng.kv.free(seq)
-        reply = seq.text
-        self._text = prompt_text + eng.tokenizer.decode(seq.output_token_ids, skip_special_tokens=False)
-        self.messages.append({"role": "assistant", "content": reply})
-        self.last_used = time.monotonic()
-        from ..engine.llm_engine import RequestOutput
-
-        r = RequestOutput.from_seq(seq)
-        res = TurnResult(len(self.turns) + 1, reply, r.token_ids, r.prompt_token_ids, r.prompt_tokens, r.cached_tokens,
-                         r.completion_tokens, r.ttft_s, r.decode_tok_per_s, r.finish_reason)
+        seq = self.begin_turn(messages=self.messages + [{"role": role, "content": content}], params=params)
+        self.engine.run_until_done([seq])
         if seq.finish_reason == "error":
             raise KVKeeperError(seq.error or "request failed")
-        self.turns.append(res)
-        return res
+        return self.turns[-1]

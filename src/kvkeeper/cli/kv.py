@@ -1,4 +1,7 @@
-"""``kvkeeper kv dump | diff | audit``: the diagnostics subcommands (wired into ``kvkeeper.cli``).
+"""``kvkeeper kv map | dump | diff | audit``: the KV cache inspection subcommands.
+
+* ``kv map``   the block pool of a running server (``--server``) or of a local engine (``--demo``),
+               drawn in the terminal (see ``kvkeeper.diagnostics.kvmap``).
 
 * ``kv dump``  a prompt's K/V (computed here with the embedded model) or a running server's
                session (``--server URL --session ID``) to a safetensors file (see ``kvdump``).
@@ -14,23 +17,35 @@ import argparse
 import json
 from pathlib import Path
 
-from ..argtypes import fraction as _fraction
 from ..argtypes import non_negative_float as _non_negative_float
 from ..argtypes import positive_int as _positive_int
+from .common import EXIT_OK, CLIError, load_engine, out_console, stderr
 
 EXIT_DIVERGED = 1
 
 
-def add_audit_fraction(p: argparse.ArgumentParser) -> None:
-    """``--audit-fraction F`` (for ``serve`` and other engine commands)."""
-    p.add_argument("--audit-fraction", type=_fraction, default=0.0, metavar="F",
-                   help="share of requests whose prompt is recomputed without the cache to check the reused KV "
-                        "and first-token logits (reuse audit, default 0: off)")
-
-
-def add_kv_commands(ksub, parent: argparse.ArgumentParser) -> None:
-    """Add ``dump``, ``diff`` and ``audit`` to the ``kv`` subparsers ``ksub``; parent: the engine options."""
-    d = ksub.add_parser("dump", parents=[parent], help="write a prompt's or a session's K/V to a safetensors file",
+def add_parser(sub, parent: argparse.ArgumentParser) -> None:
+    """Add ``kv`` and its tools (map, dump, diff, audit) to the subcommands ``sub``; parent: the engine options."""
+    kvp = sub.add_parser("kv", help="inspect the KV cache: block map, dump, diff, audit",
+                         description="Inspect the KV cache of a server or of a local engine: the block map, "
+                                     "layer-wise dumps and diffs, the reuse audit.")
+    kvsub = kvp.add_subparsers(dest="kv_command", metavar="TOOL")
+    kvsub.required = True
+    km = kvsub.add_parser("map", parents=[parent], help="draw the KV block pool in the terminal",
+                          description="Draw every KV block as a coloured cell (free, cached, owned per owner, shared, "
+                                      "offloaded) with the fragmentation figures, from a server's /admin/kv.json or "
+                                      "(--demo) from a local engine after a few prompts.  Engine options apply to --demo.")
+    km.add_argument("--server", default="http://127.0.0.1:8000", metavar="URL",
+                    help="kvkeeper server base URL (default: http://127.0.0.1:8000)")
+    km.add_argument("--demo", action="store_true",
+                    help="no server: load the model, run a session and a request, draw that engine's pool")
+    km.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C (with --server)")
+    km.add_argument("--interval", type=float, default=1.0, metavar="S", help="refresh period with --watch (default: 1 s)")
+    km.add_argument("--rows", type=_positive_int, default=32, metavar="N",
+                    help="at most N rows of cells; larger pools draw several blocks per cell (default: 32)")
+    km.add_argument("--json", action="store_true", help="print the block-map document (JSON) instead of drawing it")
+    km.set_defaults(func=cmd_kv_map)
+    d = kvsub.add_parser("dump", parents=[parent], help="write a prompt's or a session's K/V to a safetensors file",
                         description="Dump K and V (layers x token positions) to a safetensors file with metadata. "
                                     "Either compute a prompt here (--prompt / --messages) or fetch a session's KV "
                                     "from a running server (--server URL --session ID).")
@@ -50,7 +65,7 @@ def add_kv_commands(ksub, parent: argparse.ArgumentParser) -> None:
     d.add_argument("-o", "--output", required=True, metavar="OUT.safetensors", help="output file")
     d.set_defaults(func=cmd_kv_dump)
 
-    f = ksub.add_parser("diff", help="compare two KV dumps layer by layer",
+    f = kvsub.add_parser("diff", help="compare two KV dumps layer by layer",
                         description="Per-layer max and mean |A - B| of K and V, and the first divergent layer and "
                                     "token.  Exit status 0: no divergence above --atol; 1: divergence; 2: error.")
     f.add_argument("a", metavar="A.safetensors")
@@ -60,7 +75,7 @@ def add_kv_commands(ksub, parent: argparse.ArgumentParser) -> None:
     f.add_argument("--json", action="store_true", help="print one JSON object")
     f.set_defaults(func=cmd_kv_diff, verbose=False)
 
-    a = ksub.add_parser("audit", parents=[parent], help="run prompts with every request audited (reuse vs recompute)",
+    a = kvsub.add_parser("audit", parents=[parent], help="run prompts with every request audited (reuse vs recompute)",
                         description="Run a prompt, a conversation or conversations from a JSONL file (one session "
                                     "per line, as `converse`) with the reuse audit on every request.  Exit status "
                                     "0: no divergence; 1: some request diverged.")
@@ -78,8 +93,6 @@ def add_kv_commands(ksub, parent: argparse.ArgumentParser) -> None:
 
 
 def _read_messages(path: str) -> list[dict]:
-    from ..cli import CLIError
-
     p = Path(path)
     try:
         obj = json.loads(p.read_text(encoding="utf-8"))
@@ -96,8 +109,6 @@ def _read_messages(path: str) -> list[dict]:
 
 def _read_input(args):
     """The messages of --messages, or the --prompt text; read and checked before the model loads."""
-    from ..cli import CLIError
-
     if args.messages is not None:
         return _read_messages(args.messages)
     if not args.prompt or not args.prompt.strip():
@@ -117,8 +128,6 @@ def _fetch_session_dump(args) -> bytes:
     import urllib.error
     import urllib.parse
     import urllib.request
-
-    from ..cli import CLIError
 
     params = {"session": args.session}
     for k in ("layers", "start", "end"):
@@ -141,8 +150,7 @@ def _fetch_session_dump(args) -> bytes:
 
 
 def cmd_kv_dump(args: argparse.Namespace) -> int:
-    from ..cli import EXIT_OK, CLIError, _load_engine, _stderr
-    from .kvdump import dump_prompt, parse_layers, to_bytes
+    from ..diagnostics.kvdump import dump_prompt, parse_layers, to_bytes
 
     parse_layers(args.layers, None)  # the list's syntax, before anything slow (the range is checked later)
     out = Path(args.output)
@@ -158,23 +166,22 @@ def cmd_kv_dump(args: argparse.Namespace) -> int:
         if args.server:
             raise CLIError("--server goes with --session; --prompt/--messages are computed locally")
         given = _read_input(args)
-        engine = _load_engine(args)
+        engine = load_engine(args)
         ids = _prompt_ids(engine, given)
         tensors, meta = dump_prompt(engine, ids, args.layers, args.start, args.end, warm_prefix=args.warm_prefix)
         data = to_bytes(tensors, meta)
     out.write_bytes(data)
-    from .kvdiff import load_dump
+    from ..diagnostics.kvdiff import load_dump
 
     _, meta = load_dump(out)
-    _stderr(f"wrote {out}: layers {meta['layers']}, positions {meta['token_start']}..{int(meta['token_end']) - 1}, "
+    stderr(f"wrote {out}: layers {meta['layers']}, positions {meta['token_start']}..{int(meta['token_end']) - 1}, "
             f"{meta['tensor_dtype']} (KV {meta['kv_dtype']}, {meta['cached_tokens']} tokens reused), "
             f"{len(data):,} bytes")
     return EXIT_OK
 
 
 def cmd_kv_diff(args: argparse.Namespace) -> int:
-    from ..cli import EXIT_OK
-    from .kvdiff import diff_files, format_report, to_json
+    from ..diagnostics.kvdiff import diff_files, format_report, to_json
 
     r = diff_files(args.a, args.b, args.atol)
     print(to_json(r) if args.json else format_report(r))
@@ -184,20 +191,29 @@ def cmd_kv_diff(args: argparse.Namespace) -> int:
 # ---- audit -----------------------------------------------------------------------
 
 
+def new_auditor(engine):
+    """A reuse auditor on every request of ``engine`` from now on."""
+    from ..diagnostics.audit import ReuseAuditor
+
+    return ReuseAuditor(1.0).attach(engine)
+
+
 def cmd_kv_audit(args: argparse.Namespace) -> int:
-    from ..cli import EXIT_OK, CLIError, _load_engine, _stderr, load_conversations
-    from ..engine.sampling_params import SamplingParams
+    from ..sampling.params import SamplingParams
+    from ..sessions.manager import SessionManager
+    from .chat import load_conversations
 
     if args.max_tokens < 1:
         raise CLIError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     convs = load_conversations(args.conversations, args.limit) if args.conversations else None
     given = None if convs is not None else _read_input(args)
-    args.audit_fraction = 1.0
-    engine = _load_engine(args)
+    engine = load_engine(args)
+    au = new_auditor(engine)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     if convs is not None:
+        sessions = SessionManager(engine)
         for _, turns in convs:
-            s = engine.new_session(params=params)
+            s = sessions.open(params=params)
             try:
                 for t in turns:
                     s.send(t)
@@ -205,9 +221,31 @@ def cmd_kv_audit(args: argparse.Namespace) -> int:
                 s.close()
     else:
         engine.generate([_prompt_ids(engine, given)], params)
-    au = engine.auditor
     for r in au.reports:
         print(json.dumps(r.to_dict()) if args.json else r.summary())
-    _stderr(f"audited {au.total} requests: {au.mismatches} diverged, {au.skipped} skipped"
+    stderr(f"audited {au.total} requests: {au.mismatches} diverged, {au.skipped} skipped"
             + ("" if au.total <= len(au.reports) else f" (the last {len(au.reports)} are listed)"))
     return EXIT_OK if au.mismatches == 0 else EXIT_DIVERGED
+
+
+def cmd_kv_map(args: argparse.Namespace) -> int:
+    from ..diagnostics.kvmap import demo_block_map, fetch_block_map, show
+
+    if args.interval <= 0:
+        raise CLIError(f"--interval must be a positive number of seconds, got {args.interval}")
+    if args.demo:
+        if args.watch:
+            raise CLIError("--watch needs a server (--server URL); --demo draws one snapshot")
+        doc = demo_block_map(load_engine(args))
+        get_doc = lambda: doc  # noqa: E731
+    else:
+        get_doc = lambda: fetch_block_map(args.server)  # noqa: E731
+    if args.json:
+        print(json.dumps(get_doc()))
+        return EXIT_OK
+    try:
+        show(out_console(), get_doc, watch=args.watch, interval=args.interval, max_rows=args.rows)
+    except KeyboardInterrupt:
+        if not args.watch:
+            raise
+    return EXIT_OK  # Ctrl-C is how --watch ends

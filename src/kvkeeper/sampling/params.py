@@ -6,12 +6,15 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidRequestError
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature: 0 means greedy (argmax).  top_p in (0, 1], top_k (0 or -1 = off).
+    temperature: 0 means greedy (argmax), and so does any temperature below 1e-5 (as in vLLM: dividing
+    logits by it would overflow).  top_p in (0, 1], top_k (0 or -1 = off).
     seed: makes sampling reproducible for this request, whatever else is batched with it.
     max_tokens: new tokens at most (None: up to the context window).
     stop: strings that end generation; the matched string is not returned.
@@ -52,4 +55,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1

@@ -1,0 +1,138 @@
+"""Turning a request's stream into an HTTP response: collected JSON, or server-sent events.
+
+Both completions endpoints go through :func:`respond`; each gives its own chunk and body
+builders.  A client that goes away mid-request aborts it (its blocks are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .errors import APIError, error_body
+from .streams import ChoiceDelta, EngineDeadError, GenerationRequest, RequestStream, Usage
+
+log = logging.getLogger(__name__)
+
+
+def finish_reason(r: str | None) -> str | None:
+    """The OpenAI finish reason of an engine one ("abort" stays, "error" never reaches here)."""
+    return r if r in (None, "stop", "length", "abort") else "stop"
+
+
+def choice_error(d: ChoiceDelta) -> APIError:
+    return APIError(400, d.error or "the request failed", code="request_failed")
+
+
+@dataclass
+class Collected:
+    """A whole request's output, per choice: text, logprob entries, token ids, finish reason; and its usage."""
+
+    n: int
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[list[dict]] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    reasons: list[str | None] = field(default_factory=list)
+    usage: Usage | None = None
+
+    def __post_init__(self):
+        self.texts, self.reasons = [""] * self.n, [None] * self.n
+        self.logprobs, self.token_ids = [[] for _ in range(self.n)], [[] for _ in range(self.n)]
+
+    def add(self, d: ChoiceDelta) -> None:
+        self.texts[d.index] += d.text
+        self.logprobs[d.index].extend(d.logprobs)
+        self.token_ids[d.index].extend(d.token_ids)
+        if d.finish_reason:
+            self.reasons[d.index] = d.finish_reason
+
+
+async def _watch_disconnect(request: Request, stream: RequestStream) -> None:
+    while not stream.finished:
+        if await request.is_disconnected():
+            log.info("client went away; aborting %s", stream.request_id)
+            stream.abort()
+            return
+        await asyncio.sleep(0.25)
+
+
+async def collect(request: Request, stream: RequestStream, n: int) -> Collected:
+    """Run a request to the end; raises :class:`APIError` (400) when a choice failed."""
+    out = Collected(n)
+    watcher = asyncio.create_task(_watch_disconnect(request, stream))
+    try:
+        async for step in stream:
+            for d in step.deltas:
+                if d.finish_reason == "error":
+                    raise choice_error(d)
+                out.add(d)
+            if step.finished:
+                out.usage = step.usage
+    finally:
+        watcher.cancel()
+        stream.abort()
+    return out
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _events(stream: RequestStream, make_chunk: Callable[[ChoiceDelta], dict], first_chunks: list[dict],
+                  include_usage: bool, base: dict) -> AsyncIterator[str]:
+    try:
+        for c in first_chunks:
+            yield sse(c)
+        async for out in stream:
+            for d in out.deltas:
+                if d.finish_reason == "error":
+                    yield sse(choice_error(d).body())
+                    yield "data: [DONE]\n\n"
+                    return
+                yield sse(make_chunk(d))
+            if out.finished and include_usage:
+                yield sse({**base, "choices": [], "usage": out.usage.to_dict()})
+        yield "data: [DONE]\n\n"
+    except EngineDeadError as e:
+        log.error("stream %s failed: %s", stream.request_id, e)
+        yield sse(error_body("the engine failed; see the server log", "server_error"))
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.abort()  # no-op when finished; frees the blocks when the client went away
+
+
+@dataclass
+class Renderer:
+    """How an endpoint renders its output.
+
+    base: the fields every chunk or body carries (id, object, created, model).
+    chunk(stream, delta) -> one streamed chunk; first(stream) -> chunks sent before any output;
+    body(stream, collected) -> the non-streamed JSON body.
+    """
+
+    base: dict
+    chunk: Callable[[RequestStream, ChoiceDelta], dict]
+    first: Callable[[RequestStream], list[dict]]
+    body: Callable[[RequestStream, Collected], dict]
+
+
+async def respond(request: Request, engine, gen: GenerationRequest, stream: bool, include_usage: bool,
+                  render: Renderer):
+    """Submit ``gen`` and answer with SSE (``stream``) or one JSON body; a degraded session's trimmed turns
+    are named in ``X-KVKeeper-Trimmed-Turns``."""
+    s = await engine.submit(gen)
+    headers = {"X-KVKeeper-Trimmed-Turns": str(s.trimmed_turns)} if s.trimmed_turns else {}
+    if stream:
+        extra = {"usage": None} if include_usage else {}
+        events = _events(s, lambda d: {**render.chunk(s, d), **extra}, [{**c, **extra} for c in render.first(s)],
+                         include_usage, render.base)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+    got = await collect(request, s, len(gen.params))
+    return JSONResponse(render.body(s, got), headers=headers)

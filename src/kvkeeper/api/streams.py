@@ -1,0 +1,110 @@
+"""What crosses between the HTTP handlers (asyncio) and the engine thread: requests in, step outputs out."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..sampling.params import SamplingParams
+from ..kvcache.namespace import Namespace
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed or stopped; requests in flight are ended with this error."""
+
+
+@dataclass
+class GenerationRequest:
+    """One HTTP request: ``messages`` (chat) or ``prompt`` (text or token ids), ``n`` sampling params."""
+
+    request_id: str
+    params: list[SamplingParams]
+    messages: list[dict] | None = None
+    prompt: str | list[int] | None = None
+    namespace: Namespace | None = None
+    session_id: str | None = None
+    compression: Any = None  # kvkeeper.kvcache.compression.KVCompression
+    session_priority: int | None = None  # X-Session-Priority: higher is trimmed later by the circuit breaker
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice produced since the last :class:`StepOutput`.
+
+    token_ids: the new token ids.  logprobs: entries ``{"token", "logprob", "bytes",
+    "top_logprobs": [{"token", "logprob", "bytes"}]}`` when the request asked for them.
+    finish_reason: "stop", "length", "abort" or "error" (then ``error`` says why), None while running.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Usage:
+    """Token counts of a whole request (the prompt counted once whatever ``n``)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class StepOutput:
+    deltas: list[ChoiceDelta]
+    finished: bool = False
+    usage: Usage | None = None
+
+
+@dataclass
+class Accepted:
+    """What the engine thread answers when it takes a request: prompt ids and turns the breaker trimmed."""
+
+    prompt_token_ids: list[int]
+    trimmed_turns: int = 0
+
+
+class RequestStream:
+    """The asynchronous output of one accepted request: iterate for :class:`StepOutput` objects.
+
+    prompt_token_ids: the ids the request prefills (a session turn's, which reuse its own tokens);
+    trimmed_turns: oldest turns the circuit breaker left out of a degraded session's prompt.
+    """
+
+    def __init__(self, request_id: str, accepted: Accepted, q: asyncio.Queue, abort: Callable[[str], None]):
+        self.request_id = request_id
+        self.prompt_token_ids = accepted.prompt_token_ids
+        self.prompt_tokens = len(accepted.prompt_token_ids)
+        self.trimmed_turns = accepted.trimmed_turns
+        self.finished = False
+        self._q = q
+        self._abort = abort
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._q.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._abort(self.request_id)

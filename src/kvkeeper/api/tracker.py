@@ -1,0 +1,200 @@
+"""The engine thread's view of HTTP requests: add them, release their sibling choices, publish their output.
+
+A request with ``X-Session-ID`` runs as a turn of that session (``Session.begin_turn``,
+the same turn protocol as the library's ``Session.send``): its first choice gets the
+session's KV and, when it finishes, the session keeps its blocks and records the turn.
+Choices ``1..n-1`` join once the first has computed its prompt, so that they take the
+prompt's full blocks from the prefix cache instead of prefilling it ``n`` times.
+
+Everything here runs on the engine thread; outputs reach the request's ``asyncio.Queue``
+through ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..sampling.params import SamplingParams
+from ..engine.sequence import Sequence
+from ..errors import InvalidRequestError
+from .metrics import ServerMetrics
+from .streams import Accepted, ChoiceDelta, EngineDeadError, GenerationRequest, StepOutput, Usage
+from .token_text import TokenText
+
+log = logging.getLogger(__name__)
+
+_LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+def put(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item) -> None:
+    """Hand ``item`` to an event loop's queue from the engine thread (dropped when the loop has closed)."""
+    try:
+        loop.call_soon_threadsafe(q.put_nowait, item)
+    except RuntimeError:  # the loop is closed (shutdown)
+        pass
+
+
+@dataclass
+class Tracked:
+    """A request in flight: its sequences (one per started choice), where its output goes, what was sent."""
+
+    req: GenerationRequest
+    seqs: list[Sequence]
+    loop: asyncio.AbstractEventLoop
+    q: asyncio.Queue
+    emitted: list[list[int]] = field(default_factory=list)  # per choice: [text chars, logprob entries, reported]
+    pending: list[SamplingParams] = field(default_factory=list)  # choices 1..n-1 until choice 0 has its prompt's KV
+
+
+class RequestTracker:
+    """Requests of the HTTP server on one engine (and its sessions, when given).
+
+    max_new_tokens: the operator's cap on tokens per choice (``serve --max-new-tokens``).
+    tracer: a :class:`kvkeeper.api.tracing.RequestTracer` or None.
+    """
+
+    def __init__(self, engine, sessions=None, metrics: ServerMetrics | None = None, tracer=None,
+                 max_new_tokens: int | None = None):
+        self.engine = engine
+        self.sessions = sessions
+        self.metrics = metrics or ServerMetrics()
+        self.tracer = tracer
+        self.max_new_tokens = max_new_tokens
+        self.tracked: dict[str, Tracked] = {}
+        self._token_text = TokenText(engine.tokenizer)
+
+    # ---- adding --------------------------------------------------------------------------------
+    def add(self, req: GenerationRequest, loop, q) -> Accepted:
+        """Add the request's first choice; a session opened for it is closed again if it is refused.
+
+        Raises :class:`InvalidRequestError` (bad prompt, id in use), ``ContextLengthError``,
+        ``OverloadedError`` (no new sessions now) and ``SessionBusyError``.
+        """
+        if req.request_id in self.tracked:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+        sid = req.session_id
+        opened = sid is not None and sid not in self.sessions
+        try:
+            seq, trimmed = self._start(req)
+        except BaseException:
+            if opened and sid in self.sessions:
+                self.sessions.close(sid)  # no empty session stays open per refused first request
+            raise
+        n = len(req.params)
+        self.tracked[req.request_id] = Tracked(req, [seq], loop, q, [[0, 0, 0] for _ in range(n)],
+                                               pending=list(req.params[1:]))
+        return Accepted(seq.token_ids[: seq.num_prompt_tokens], trimmed)
+
+    def _start(self, req: GenerationRequest) -> tuple[Sequence, int]:
+        """Queue choice 0, as a session turn when the request names a session; returns it and the turns trimmed."""
+        kw: dict[str, Any] = dict(request_id=f"{req.request_id}-0", namespace=req.namespace,
+                                  compression=req.compression, strict_max_tokens=True,
+                                  max_new_tokens=self.max_new_tokens)
+        if req.session_id is None:
+            prompt = self.engine.encode_chat(req.messages) if req.messages is not None else req.prompt
+            return self.engine.add_request(prompt, req.params[0], **kw), 0
+        if self.sessions is None:
+            raise InvalidRequestError("this server keeps no sessions; send the request without X-Session-ID")
+        s = self.sessions.sessions.get(req.session_id) or self.sessions.open(session_id=req.session_id)
+        if req.session_priority is not None:
+            s.priority = req.session_priority
+        seq = s.begin_turn(messages=req.messages, prompt=None if req.messages is not None else req.prompt,
+                           params=req.params[0], **kw)
+        return seq, s.trimmed_turns
+
+    def release_siblings(self) -> None:
+        """Add the waiting choices of requests whose first choice has computed its prompt."""
+        for rid, t in self.tracked.items():
+            lead = t.seqs[0]
+            if not t.pending or not (lead.finished or lead.num_output_tokens > 0):
+                continue
+            if lead.finish_reason in ("abort", "error"):
+                t.pending = []  # the request ends with its first choice
+                continue
+            prompt = lead.token_ids[: lead.num_prompt_tokens]
+            for p in t.pending:
+                t.seqs.append(self.engine.add_request(prompt, p, request_id=f"{rid}-{len(t.seqs)}",
+                                                      namespace=t.req.namespace, compression=t.req.compression,
+                                                      max_new_tokens=self.max_new_tokens))
+            t.pending = []
+
+    def abort(self, request_id: str) -> None:
+        """Abort every sequence of a request (its blocks are freed, or kept by its session)."""
+        t = self.tracked.get(request_id)
+        if t is not None:
+            t.pending = []
+            for s in t.seqs:
+                self.engine.abort(s.request_id)
+
+    # ---- output ----------------------------------------------------------------------------------
+    def publish(self) -> None:
+        """Push what each tracked request produced since the last call; retire finished requests."""
+        now = time.perf_counter()
+        for rid in list(self.tracked):
+            t = self.tracked[rid]
+            deltas = [d for i in range(len(t.seqs)) if (d := self._delta(t, i, now)) is not None]
+            finished = not t.pending and all(s.finished for s in t.seqs)
+            usage = None
+            if finished:
+                for i in range(len(t.seqs), len(t.emitted)):  # aborted or failed before the other choices began
+                    deltas.append(ChoiceDelta(i, "", [], [], t.seqs[0].finish_reason, t.seqs[0].error))
+                usage = self._retire(rid, t)
+            if deltas or finished:
+                put(t.loop, t.q, StepOutput(deltas, finished, usage))
+
+    def _delta(self, t: Tracked, i: int, now: float) -> ChoiceDelta | None:
+        seq, em = t.seqs[i], t.emitted[i]
+        text, lps = seq.text[em[0]:], seq.logprobs[em[1]:]
+        done_now = seq.finished and not em[2]
+        new_ids = seq.output_token_ids[em[1]:] if seq.params.logprobs is None else [e["token_id"] for e in lps]
+        if not text and not new_ids and not done_now:
+            return None
+        em[0] += len(text)
+        em[1] += len(new_ids)
+        d = ChoiceDelta(i, text, new_ids, self._logprob_entries(lps) if seq.params.logprobs is not None else [])
+        if done_now:
+            d.finish_reason, d.error = seq.finish_reason, seq.error
+            em[2] = 1
+            self.metrics.observe_sequence(seq, now)
+        return d
+
+    def _retire(self, rid: str, t: Tracked) -> Usage:
+        lead = t.seqs[0]
+        usage = Usage(lead.num_prompt_tokens, sum(s.num_output_tokens for s in t.seqs), lead.num_cached_tokens or 0)
+        del self.tracked[rid]
+        if self.tracer is not None:
+            try:
+                self.tracer.record(rid, "chat" if t.req.messages is not None else "text_completion", t.seqs, usage,
+                                   t.req.session_id, t.req.namespace is not None)
+            except Exception:  # tracing must never take a request down
+                log.exception("could not record the trace of %s", rid)
+        return usage
+
+    def _logprob_entries(self, entries: list[dict]) -> list[dict]:
+        tt = self._token_text
+        out = []
+        for e in entries:
+            tok, raw = tt(e["token_id"])
+            top = []
+            for tid, lp in e["top"]:
+                s, b = tt(tid)
+                top.append({"token": s, "logprob": max(float(lp), _LOGPROB_FLOOR), "bytes": b})
+            out.append({"token": tok, "logprob": max(float(e["logprob"]), _LOGPROB_FLOOR), "bytes": raw,
+                        "top_logprobs": top})
+        return out
+
+    def fail_all(self, e: BaseException) -> None:
+        """End every request in flight with :class:`EngineDeadError` (the engine step raised ``e``)."""
+        for rid, t in list(self.tracked.items()):
+            for s in t.seqs:
+                try:
+                    self.engine.abort(s.request_id)
+                except Exception:  # pragma: no cover
+                    log.exception("abort failed")
+            put(t.loop, t.q, EngineDeadError(f"the engine failed: {type(e).__name__}"))
+            del self.tracked[rid]
+

@@ -1,0 +1,103 @@
+"""What every subcommand shares: errors and exit codes, consoles, the engine options, loading the engine.
+
+The engine options are the fields of :class:`~kvkeeper.engine.config.EngineConfig` (one default,
+declared there).  This is the edge of the program: the only place that reads environment
+variables (``KVKEEPER_VALIDATE`` is the default of ``--validate-every``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+from ..argtypes import non_negative_int, positive_int
+from ..engine.config import EngineConfig
+from ..sampling.params import SamplingParams
+from ..options import add_options, from_args
+
+EXIT_OK = 0
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+class CLIError(Exception):
+    """A usage or input problem found by the CLI itself (bad input file, empty prompt...)."""
+
+
+def err_console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def out_console():
+    from rich.console import Console
+
+    # When stdout is not a terminal rich assumes 80 columns and would squeeze the table.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def stderr(msg: str, style: str | None = "dim") -> None:
+    err_console().print(msg, style=style, markup=False)
+
+
+def engine_parent() -> argparse.ArgumentParser:
+    """A parent parser with the engine options (EngineConfig's fields) and ``-v``."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("engine options")
+    add_options(g, EngineConfig)
+    p.set_defaults(validate_every=int(os.environ.get("KVKEEPER_VALIDATE", "0") or 0))
+    g.add_argument("-v", "--verbose", action="store_true", help="log engine activity (INFO) to stderr")
+    return p
+
+
+def add_sampling(p: argparse.ArgumentParser, max_tokens: int, temperature: float, top: bool = False) -> None:
+    g = p.add_argument_group("sampling options")
+    g.add_argument("--max-tokens", type=positive_int, default=max_tokens, metavar="N",
+                   help=f"new tokens at most per reply (default: {max_tokens})")
+    g.add_argument("--temperature", type=float, default=temperature, metavar="T",
+                   help=f"sampling temperature, 0 = greedy (default: {temperature:g})")
+    if top:
+        g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1] (default: 1)")
+        g.add_argument("--top-k", type=non_negative_int, default=0, metavar="K", help="keep the K most likely tokens, 0 = off")
+    g.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for reproducible sampling")
+
+
+def sampling(args: argparse.Namespace, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, **extra)
+
+
+def load_engine(args: argparse.Namespace):
+    """The engine the engine options describe, with a load line on stderr (model, dtypes, KV pool, context)."""
+    from ..engine.llm_engine import LLMEngine
+    from ..model.registry import resolve_model_path
+
+    cfg = from_args(EngineConfig, args)
+    if cfg.load_format == "dummy":
+        from ..model.dummy import resolve_config
+
+        resolve_config(cfg.model)  # fail fast, listing the shipped config names
+    else:
+        resolve_model_path(cfg.model)  # fail fast (and listing the known ids) before anything slow
+    t0 = time.perf_counter()
+    # Keep stdout clean for results: anything a library prints while loading goes to stderr.
+    with err_console().status(f"loading {cfg.model} ..."), contextlib.redirect_stdout(sys.stderr):
+        engine = LLMEngine(cfg)
+    r = engine.runner
+    stderr(f"loaded {engine.model_name} ({str(r.dtype).removeprefix('torch.')} on {r.device}, KV {r.kv_format.name} at "
+           f"{engine.kv_bytes_per_token:,} bytes/token, {engine.pool.num_blocks} KV blocks of {engine.block_size} "
+           f"tokens, context {engine.context_length}) in {time.perf_counter() - t0:.1f} s")
+    return engine
+
+
+def fmt_s(x: float | None, nd: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+def stats_line(r) -> str:
+    speed = "n/a tok/s" if r.decode_tok_per_s is None else f"{r.decode_tok_per_s:.1f} tok/s"
+    return (f"[turn {r.turn}] prompt {r.prompt_tokens} tok, cached {r.cached_tokens} tok, "
+            f"completion {r.completion_tokens} tok, TTFT {fmt_s(r.ttft_s)} s, {speed}")

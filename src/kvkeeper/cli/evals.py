@@ -1,0 +1,92 @@
+"""``kvkeeper eval perplexity | passkey``: quality through kvkeeper's own KV cache (quantized or compressed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..argtypes import non_negative_int, positive_int
+from .common import EXIT_ERROR, EXIT_OK, load_engine, out_console, stderr
+
+
+def add_parser(sub, parent: argparse.ArgumentParser) -> None:
+    e = sub.add_parser("eval", help="quality under KV quantization: perplexity of a long text",
+                       description="Evaluate the model through kvkeeper's own KV cache.")
+    esub = e.add_subparsers(dest="eval_command", metavar="TASK")
+    esub.required = True
+    pp = esub.add_parser("perplexity", parents=[parent], help="perplexity of the first N tokens of a UTF-8 text",
+                         description="Run the first --context tokens of --text as one sequence (prefilled in chunks "
+                                     "through the paged KV cache) and report its perplexity.")
+    pp.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file")
+    pp.add_argument("--context", type=positive_int, required=True, metavar="N", help="tokens to score")
+    pp.add_argument("--skip-tokens", type=non_negative_int, default=0, metavar="N",
+                    help="start N tokens into the text (e.g. past a title page)")
+    pp.add_argument("--chunk", type=positive_int, default=512, metavar="N", help="prefill chunk in tokens (default: 512)")
+    pp.add_argument("--policy", choices=["streaming_llm", "h2o", "snapkv", "knorm"],
+                    help="compress the context's KV with this policy, then score --score-tokens more tokens")
+    pp.add_argument("--ratio", type=float, default=0.5, metavar="R",
+                    help="fraction of the context's tokens the policy drops, in [0, 1) (default: 0.5)")
+    pp.add_argument("--score-tokens", type=positive_int, metavar="M",
+                    help="score only the M tokens after the --context tokens (continuation perplexity; "
+                         "default 256 with --policy, else every position of the context is scored)")
+    pp.add_argument("--json", action="store_true", help="print one JSON object: ppl, tokens, kv_bytes_per_token, ...")
+    pp.set_defaults(func=cmd_eval_perplexity)
+    pk = esub.add_parser("passkey", parents=[parent], help="passkey retrieval accuracy over lengths and depths",
+                         description="Hide a five-digit pass key at each depth of a filler text of each length and "
+                                     "ask for it (greedy); report the accuracy per cell and overall.")
+    pk.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096], metavar="N",
+                    help="prompt lengths in tokens (default: 1024 2048 4096)")
+    pk.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.5, 1.0], metavar="D",
+                    help="needle depths in [0, 1] (default: 0 0.5 1)")
+    pk.add_argument("--trials", type=positive_int, default=2, metavar="K", help="keys per cell (default: 2)")
+    pk.add_argument("--policy", choices=["streaming_llm", "h2o", "snapkv", "knorm"],
+                    help="compress each prompt's KV with this policy after prefill")
+    pk.add_argument("--ratio", type=float, default=0.5, metavar="R", help="fraction dropped (default: 0.5)")
+    pk.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default: 0)")
+    pk.add_argument("--json", action="store_true", help="print one JSON object with the cells and the accuracy")
+    pk.set_defaults(func=cmd_eval_passkey)
+
+
+def cmd_eval_perplexity(args: argparse.Namespace) -> int:
+    from ..eval.perplexity import perplexity, read_text_tokens
+    from ..kvcache.compression import KVCompression
+
+    comp = KVCompression(args.policy, args.ratio) if args.policy else None
+    score = args.score_tokens or (256 if comp is not None else None)
+    engine = load_engine(args)
+    ids = read_text_tokens(engine, args.text, args.context + (score or 0), args.skip_tokens)
+    r = perplexity(engine, ids, chunk=args.chunk, compression=comp, score_tokens=score)
+    r["text"] = str(args.text)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        pol = f", {r['policy']} at ratio {r['ratio']}: {r['kv_tokens']} of {args.context} context tokens kept" \
+            if r["policy"] else ""
+        out_console().print(f"perplexity {r['ppl']:.4f} over {r['scored_tokens']} predicted tokens "
+                             f"(KV {r['kv_dtype']}, {r['kv_bytes_per_token']:,} bytes/token{pol}, {r['seconds']:.1f} s)")
+    return EXIT_OK
+
+
+def cmd_eval_passkey(args: argparse.Namespace) -> int:
+    from ..eval.passkey import passkey_grid
+    from ..kvcache.compression import KVCompression
+
+    bad = [d for d in args.depths if not 0.0 <= d <= 1.0]
+    if bad:
+        stderr(f"error: depths must be in [0, 1], got {bad[0]}", None)
+        return EXIT_ERROR
+    comp = KVCompression(args.policy, args.ratio) if args.policy else None
+    engine = load_engine(args)
+    too_long = [n for n in args.lengths if n >= engine.context_length]
+    if too_long:
+        stderr(f"error: length {too_long[0]} does not fit the context window of {engine.context_length} tokens", None)
+        return EXIT_ERROR
+    r = passkey_grid(engine, args.lengths, args.depths, trials=args.trials, seed=args.seed, compression=comp)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        for c in r["cells"]:
+            out_console().print(f"length {c['length']:>6}  depth {c['depth']:.2f}  {c['solved']}/{c['trials']}")
+        out_console().print(f"accuracy {r['accuracy']:.0%} over {r['trials']} trials ({r['seconds']:.1f} s)")
+    return EXIT_OK
+

@@ -1,0 +1,98 @@
+"""EngineConfig: every setting of an :class:`~kvkeeper.engine.llm_engine.LLMEngine`, with its one default.
+
+The command line builds its engine options from these fields (:mod:`kvkeeper.options`), so a
+default is written here and nowhere else.  The engine reads no environment variable; the CLI
+(the edge) maps ``KVKEEPER_VALIDATE`` onto ``validate_every``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..argtypes import non_negative_int, positive_int, size
+from ..errors import InvalidRequestError
+from ..kvcache.quant import KV_DTYPE_CHOICES
+from ..model.registry import DEFAULT_MODEL
+from ..options import option
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB
+
+
+@dataclass
+class EngineConfig:
+    """Model, device, KV cache and scheduling settings (units: tokens, blocks, bytes).
+
+    model: a known id (``kvkeeper.model.registry``) or a path to a GGUF file / Hugging Face folder.
+    dtype: weights and activations (None: float32 on CPU, bfloat16 on CUDA).
+    device: "auto" (CUDA when available), "cpu", "cuda" or "cuda:N".
+    load_format: "auto" (the model's files) or "dummy" (random weights of a shipped config, seeded by ``seed``).
+    attention_backend: "auto" (Triton kernels on CUDA when they import), "torch" (the reference) or "triton".
+    cuda_graphs: replay decode steps as CUDA graphs (CUDA only; a no-op on CPU).
+    kv_dtype: KV cache storage "fp32", "bf16", "fp16", "int8" or "fp8" (None: the ``dtype``).
+    block_size: tokens per KV block.  KV budget: ``num_kv_blocks``, else ``kv_cache_bytes`` (default 1 GiB).
+    max_num_seqs: running sequences at most.  max_num_batched_tokens: tokens per step (the prefill chunk).
+    max_model_len: cap on the context window (None: the model's own).  num_threads: torch CPU threads.
+    validate_every: run the KV integrity validators before every N-th step (0: never).
+    Raises :class:`InvalidRequestError` for a value out of range.
+    """
+
+    model: str = field(default=DEFAULT_MODEL, metadata=option(
+        "--model", "known model id or path to a .gguf file / Hugging Face folder", metavar="ID_OR_PATH"))
+    dtype: str | None = field(default=None, metadata=option(
+        "--dtype", "weights and activations dtype (default: float32 on CPU, bfloat16 on CUDA)",
+        choices=["float32", "bfloat16", "float16"]))
+    device: str = field(default="auto", metadata=option(
+        "--device", "where weights and the KV block pool live (auto = cuda when available)", metavar="{auto,cpu,cuda}"))
+    load_format: str = field(default="auto", metadata=option(
+        "--load-format", "dummy: random weights for --model = a shipped config name (llama-3.1-8b, llama-3-8b, "
+        "qwen2.5-7b) or a config.json path, to measure speed without weight files", choices=["auto", "dummy"]))
+    attention_backend: str = field(default="auto", metadata=option(
+        "--attention-backend", "attention kernels: auto (Triton on CUDA), torch (the reference) or triton",
+        choices=["auto", "torch", "triton"]))
+    cuda_graphs: bool = field(default=True, metadata=option(
+        "--enforce-eager", "CUDA: no decode CUDA graphs", action="store_true", negate=True))
+    kv_dtype: str | None = field(default=None, metadata=option(
+        "--kv-dtype", "KV cache storage; int8 and fp8 (e4m3) are quantized per token and KV head "
+        "(default: the --dtype)", choices=list(KV_DTYPE_CHOICES)))
+    block_size: int = field(default=16, metadata=option(
+        "--block-size", "tokens per KV block", type=positive_int, metavar="N"))
+    kv_cache_bytes: int | None = field(default=None, metadata=option(
+        "--kv-cache-bytes", "KV cache budget in bytes, suffixes K/M/G allowed (default: 1G)", type=size,
+        metavar="N", exclusive="kv"))
+    num_kv_blocks: int | None = field(default=None, metadata=option(
+        "--kv-blocks", "KV cache size in blocks (instead of the byte budget)", type=positive_int, metavar="N",
+        exclusive="kv"))
+    max_num_seqs: int = field(default=64, metadata=option(
+        "--max-num-seqs", "running sequences at most per step", type=positive_int, metavar="N"))
+    max_num_batched_tokens: int = field(default=512, metadata=option(
+        "--max-batched-tokens", "token budget per engine step, i.e. the prefill chunk size", type=positive_int,
+        metavar="N"))
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = field(default=True, metadata=option(
+        "--no-prefix-caching", "never reuse cached blocks across requests", action="store_true", negate=True))
+    max_model_len: int | None = field(default=None, metadata=option(
+        "--max-model-len", "cap the context window at N tokens (default: the model's own)", type=positive_int,
+        metavar="N"))
+    num_threads: int | None = field(default=None, metadata=option(
+        "--threads", "CPU threads for torch (default: torch's choice)", type=positive_int, metavar="N"))
+    validate_every: int = field(default=0, metadata=option(
+        "--validate-every", "run the KV integrity validators before every N-th step, 0 = never "
+        "(default: $KVKEEPER_VALIDATE, else 0)", type=non_negative_int, metavar="N"))
+    seed: int = 0  # random weights of load_format "dummy"
+
+    def __post_init__(self):
+        if self.load_format not in ("auto", "dummy"):
+            raise InvalidRequestError(f"unknown load format {self.load_format!r}; choose auto or dummy")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len", "num_threads"):
+            v = getattr(self, name)
+            if v is not None and int(v) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1 (or unset), got {v}")
+        if self.validate_every < 0:
+            raise InvalidRequestError(f"validate_every must be >= 0 (0 = never), got {self.validate_every}")
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES

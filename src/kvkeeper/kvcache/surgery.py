@@ -1,0 +1,92 @@
+"""KV surgery on the paged store: compressing a prompt's KV and compacting the pool.
+
+Both move raw K/V between blocks of every layer's :class:`~kvkeeper.kvcache.quant.PagedKV`
+and rewrite block tables; neither changes a value (quantized blocks move with their scales).
+Call them between engine steps only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+import torch
+
+from .block_pool import BlockPool
+from .compression import select
+
+log = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def compress_prompt(seq, pool: BlockPool, caches: list, reclaim: Callable[[int], int] | None = None) -> bool:
+    """Keep the tokens ``seq.compression`` selects from its just-prefilled prompt; returns True when applied.
+
+    seq: a sequence whose ``observer`` (a :class:`~kvkeeper.kvcache.compression.PrefillObserver`) saw its
+    whole prompt.  The kept K/V (per layer and KV head, ``k = compression.n_keep(L)`` tokens) go to
+    fresh blocks; the prompt's blocks are released (their full blocks stay in the prefix cache, which
+    still holds the uncompressed KV); ``seq.kv_offset`` records the tokens dropped, so later tokens keep
+    their true RoPE positions.  When the pool has no room even after ``reclaim(n_blocks)`` the KV stays
+    whole (logged) and False is returned.
+    """
+    obs, comp = seq.observer, seq.compression
+    seq.observer, seq.compressed = None, True
+    L = obs.length
+    k = comp.n_keep(L)
+    if k >= L:
+        return False
+    bs = pool.block_size
+    need = -(-k // bs)
+    if need > pool.num_free and reclaim is not None:
+        reclaim(need - pool.num_free)
+    if need > pool.num_free:
+        log.warning("no free blocks to compress %s into; its KV stays whole", seq.request_id)
+        return False
+    new = pool.allocate(need)
+    old = torch.tensor(seq.block_table[: -(-L // bs)], dtype=torch.int64)
+    j = torch.arange(k)
+    dst = torch.tensor(new, dtype=torch.int64)[j // bs] * bs + j % bs
+    for layer, cache in enumerate(caches):
+        keys = cache.gather_keys(old, L, torch.float32)
+        idx = select(comp, obs, layer, keys)  # (KVH, k)
+        cache.copy_tokens(old[idx // bs] * bs + idx % bs, dst)
+    pool.free_all(seq.block_table)
+    seq.block_table, seq.block_hashes = new, []
+    seq.kv_offset = L - k
+    seq.num_kv_dropped += L - k
+    return True
+
+
+@torch.inference_mode()
+def compact(pool: BlockPool, tables: Iterable[list[int]], caches: list, device: torch.device) -> dict:
+    """Evict unreferenced cached blocks and renumber owned blocks to ids ``0..k-1``.
+
+    tables: every block table holding blocks (each owner's, in order; the same list object
+    may appear more than once).  Each owner's blocks become contiguous in table order; their K/V
+    move with them (raw copy, every layer of ``caches``) and the tables are rewritten in place.
+    Returns ``{"evicted": cached blocks dropped, "moved": blocks whose id changed}``.
+    """
+    evicted = pool.evict_cached()
+    unique: list[list[int]] = []
+    seen_tables: set[int] = set()
+    order: list[int] = []
+    seen: set[int] = set()
+    for t in tables:
+        if id(t) in seen_tables:
+            continue
+        seen_tables.add(id(t))
+        unique.append(t)
+        for b in t:
+            if b not in seen:
+                seen.add(b)
+                order.append(b)
+    mapping = pool.defragment(order)
+    moved = [(o, n) for o, n in mapping.items() if o != n and n < len(order)]
+    if moved:
+        src = torch.tensor([o for o, _ in moved], dtype=torch.int64, device=device)
+        dst = torch.tensor([n for _, n in moved], dtype=torch.int64, device=device)
+        for cache in caches:
+            cache.move_blocks(src, dst)
+    for t in unique:
+        t[:] = [mapping[b] for b in t]
+    return {"evicted": evicted, "moved": len(moved)}

@@ -1,0 +1,188 @@
+"""The session manager: opens, lists, closes, reclaims and offloads the sessions of one engine.
+
+::
+
+    from kvkeeper import LLMEngine, SessionManager
+    eng = LLMEngine()
+    sessions = SessionManager(eng, data_dir="state")   # a disk tier; saved sessions are reopened
+    s = sessions.open(system="You are terse.")
+    s.send("Name three colours.")
+
+The manager registers itself with the engine as a *KV holder*: the engine asks it to release
+blocks when the pool runs short (idle sessions go to the host tier, else are unpinned, least
+recently used first) and lists its sessions' blocks for the validators and the telemetry.
+A circuit breaker (:mod:`kvkeeper.sessions.breaker`) may install an ``admission`` check that
+refuses new sessions while KV memory is short.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from ..argtypes import size
+from ..sampling.params import SamplingParams
+from ..engine.sequence import Sequence, SeqStatus
+from ..errors import InvalidRequestError, KVKeeperError, SessionNotFoundError
+from ..options import option
+from .offload import DEFAULT_HOST_OFFLOAD_BYTES, SessionStore
+from .session import Session
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionConfig:
+    """Offload tiers of idle sessions: ``data_dir`` (disk tier under ``data_dir/sessions``; None: none)
+    and ``host_offload_bytes`` (host tier budget, bytes).  ``offload_write_delay_s``: a test hook
+    (seconds slept before each file of a disk write is renamed into place)."""
+
+    data_dir: str | None = field(default=None, metadata=option(
+        "--data-dir", "disk tier of session offload: sessions are saved under DIR/sessions and reopened at start "
+        "(default: none, no disk tier)", metavar="DIR"))
+    host_offload_bytes: int = field(default=DEFAULT_HOST_OFFLOAD_BYTES, metadata=option(
+        "--host-offload-bytes", "host-memory budget of offloaded session KV, suffixes K/M/G allowed (default: 1G)", type=size,
+        metavar="N"))
+    offload_write_delay_s: float = 0.0
+
+
+class SessionManager:
+    """The sessions of one :class:`~kvkeeper.engine.llm_engine.LLMEngine` and their offload tiers.
+
+    ``SessionManager(engine, config=None, **settings)``: settings are the fields of :class:`SessionConfig`.
+    Sessions saved in the disk tier are reopened (offloaded to disk) at construction.
+    Raises :class:`InvalidRequestError` when the data directory cannot be created.
+    """
+
+    def __init__(self, engine, config: SessionConfig | None = None, **settings):
+        self.engine = engine
+        self.config = config or SessionConfig(**settings)
+        c = self.config
+        self.sessions: dict[str, Session] = {}
+        self.admission: Callable[[str], None] | None = None  # raises OverloadedError to refuse a new session
+        self.store = SessionStore(engine, c.data_dir, c.host_offload_bytes, c.offload_write_delay_s)
+        engine.add_kv_holder(self)
+        self._reopen_saved()
+
+    # ---- opening and closing ----------------------------------------------------------------
+    def open(self, system: str | None = None, session_id: str | None = None, reuse: bool = True,
+             params: SamplingParams | None = None) -> Session:
+        """A new session (id ``sess-<hex>`` unless given).  Raises :class:`InvalidRequestError` for an id
+        already open, and ``OverloadedError`` while a circuit breaker refuses new sessions."""
+        sid = session_id or f"sess-{uuid.uuid4().hex[:12]}"
+        if sid in self.sessions:
+            raise InvalidRequestError(f"session id {sid!r} is already open")
+        if self.admission is not None:
+            self.admission(sid)
+        s = Session(self, sid, system=system, reuse=reuse, params=params)
+        self.sessions[sid] = s
+        return s
+
+    def get(self, session_id: str) -> Session:
+        """The open session ``session_id``; raises :class:`SessionNotFoundError`."""
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise SessionNotFoundError(f"no open session {session_id!r}")
+        return s
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self.sessions
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self.sessions.values()))
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def list(self) -> list[dict]:
+        """One :meth:`Session.info` dict per open session."""
+        return [s.info() for s in self.sessions.values()]
+
+    def close(self, session_id: str) -> int:
+        """Free a session's blocks (and any offloaded copy) and forget it; returns the blocks it pinned.
+
+        A turn in flight runs on and frees its blocks when it finishes.  Raises :class:`SessionNotFoundError`.
+        """
+        s = self.get(session_id)
+        freed = s.unpin()
+        self.store.discard(s.id)
+        s.kv, s.closed = None, True
+        del self.sessions[session_id]
+        return freed
+
+    def _reopen_saved(self) -> None:
+        """Register the disk tier's saved sessions as open sessions whose KV is on disk."""
+        for saved in self.store.scan():
+            if saved.session_id in self.sessions:
+                log.warning("skipping the saved session in %s: session id %r is already open", saved.path,
+                            saved.session_id)
+                continue
+            s = Session(self, saved.session_id, reuse=saved.reuse)
+            s.messages, s.text, s.turns = saved.messages, saved.text, saved.turns
+            s.kv = Sequence(f"{saved.session_id}-saved", saved.token_ids, SamplingParams(), saved.namespace,
+                            num_prompt_tokens=len(saved.token_ids), status=SeqStatus.FINISHED)
+            self.sessions[s.id] = s
+            self.store.adopt(saved, s)
+        if self.sessions:
+            log.info("registered %d saved sessions from %s", len(self.sessions), self.store.sessions_dir)
+
+    # ---- offload -------------------------------------------------------------------------------
+    def offload(self, session_id: str, tier: str = "host") -> int:
+        """Offload one idle session (see :meth:`Session.offload`); returns the pool blocks released."""
+        return self.get(session_id).offload(tier)
+
+    def offload_idle(self, n_blocks: int, tier: str = "host") -> int:
+        """Offload idle sessions, least recently used first, until ``n_blocks`` pool blocks are released.
+
+        tier: "host" (host memory; over its budget the oldest move on to disk) or "disk".
+        Returns the blocks released (may be fewer when not enough idle sessions pin KV).  Sessions
+        with a turn in flight or compressed KV are skipped.  Raises :class:`InvalidRequestError`
+        for an unknown or disabled tier.
+        """
+        self.store.check_tier(tier)
+        freed = 0
+        for s in sorted(self.sessions.values(), key=lambda s: s.last_used):
+            if freed >= n_blocks:
+                break
+            if s.idle:
+                try:
+                    freed += self.store.offload(s, tier)
+                except KVKeeperError as e:  # a failed disk write: that session keeps its KV in the pool
+                    log.warning("could not offload session %s: %s", s.id, e)
+        return freed
+
+    def save_all(self) -> int:
+        """Write every session holding KV to the disk tier (graceful shutdown); returns how many."""
+        return self.store.save_all(self.sessions.values())
+
+    # ---- the engine's KV holder protocol --------------------------------------------------------
+    def reclaim(self, n_blocks: int) -> int:
+        """Release idle sessions' blocks, least recently used first; returns the block references dropped.
+
+        A session's KV goes to the host offload tier when that tier has a budget (it comes back on
+        the session's next turn); otherwise, or when that fails, the session is unpinned (its full
+        blocks stay in the prefix cache until evicted).
+        """
+        freed = self.offload_idle(n_blocks, tier="host") if self.store.host_budget > 0 else 0
+        for s in sorted(self.sessions.values(), key=lambda s: s.last_used):
+            if freed >= n_blocks:
+                break
+            if s.turn is None:
+                freed += s.unpin()  # what the host tier could not take (compressed or failed)
+        return freed
+
+    def kv_owners(self) -> Iterator[tuple[str, Sequence]]:
+        """(``session:<id>``, pinned state) for every session pinning blocks between turns."""
+        for sid, s in self.sessions.items():
+            if s.turn is None and s.kv is not None and s.kv.block_table:
+                yield f"session:{sid}", s.kv
+
+    def offloaded_blocks(self) -> int:
+        return self.store.num_blocks()
+
+    def stats(self) -> dict:
+        """Open sessions, blocks they pin, and the offload tiers' counters (for /metrics)."""
+        return {"sessions": len(self.sessions), "pinned_blocks": sum(s.num_blocks for s in self.sessions.values()),
+                "offload": self.store.stats()}

@@ -1,0 +1,201 @@
+"""The package's shape: imports flow down the layers the README states, no import cycle, short functions.
+
+Imports are read with ``ast`` from every module, at module level and inside functions alike.
+The layer order is parsed from the README's architecture table (the README stays the one statement
+of it); a module may import its own layer or lower ones, never a higher one.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src"
+PKG = "kvkeeper"
+MAX_FUNCTION_LINES = 60
+SHORT_FUNCTION_DIRS = ("engine", "sessions", "api")
+
+
+def read_layers(readme: Path) -> dict[str, int]:
+    """{top-level part of the package: layer number} from the README's table between the layer markers."""
+    text = readme.read_text(encoding="utf-8")
+    m = re.search(r"<!-- layers:begin -->(.*?)<!-- layers:end -->", text, re.S)
+    assert m, "README.md lacks the layer table (<!-- layers:begin --> ... <!-- layers:end -->)"
+    layers: dict[str, int] = {}
+    for line in m.group(1).splitlines():
+        row = re.match(r"\|\s*(\d+)\s*\|([^|]*)\|", line)
+        if row:
+            for name in re.findall(r"`([\w.]+)`", row.group(2)):
+                layers[name] = int(row.group(1))
+    assert layers, "the README's layer table has no rows"
+    return layers
+
+
+def module_imports(src: Path, pkg: str) -> dict[str, set[str]]:
+    """{module: modules of the package it imports}, module-level and function-level imports alike."""
+    mods: dict[str, tuple[Path, bool]] = {}
+    for path in sorted((src / pkg).rglob("*.py")):
+        rel = path.relative_to(src).with_suffix("")
+        is_pkg = rel.name == "__init__"
+        name = ".".join(rel.parent.parts if is_pkg else rel.parts)
+        mods[name] = (path, is_pkg)
+    graph: dict[str, set[str]] = {}
+    for name, (path, is_pkg) in mods.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                cands = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = name if is_pkg else name.rsplit(".", 1)[0]
+                for _ in range(max(node.level - 1, 0)):
+                    base = base.rsplit(".", 1)[0]
+                mod = (base + ("." + node.module if node.module else "")) if node.level else (node.module or "")
+                cands = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            else:
+                continue
+            for c in cands:
+                if c in mods and c != name and not c.startswith(name + ".") and not name.startswith(c + "."):
+                    targets.add(c)
+        graph[name] = targets
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def part_of(module: str, pkg: str) -> str:
+    """The top-level part a module belongs to: ``kvkeeper.engine.scheduler`` -> ``engine``; the root -> ``kvkeeper``."""
+    parts = module.split(".")
+    return pkg if len(parts) == 1 else parts[1]
+
+
+def layer_violations(graph: dict[str, set[str]], layers: dict[str, int], pkg: str) -> list[str]:
+    """Imports of a higher layer than the importer's; parts missing from the table are reported too."""
+    bad = []
+    for mod, targets in sorted(graph.items()):
+        p = part_of(mod, pkg)
+        if p not in layers:
+            bad.append(f"{mod}: its part {p!r} has no layer in the README's table")
+            continue
+        for t in sorted(targets):
+            q = part_of(t, pkg)
+            if q in layers and layers[q] < layers[p]:
+                bad.append(f"{mod} (layer {layers[p]}) imports {t} (layer {layers[q]}, above it)")
+    return bad
+
+
+def long_functions(root: Path, limit: int) -> list[str]:
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{path}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+# ---- the package ----------------------------------------------------------------------------
+
+
+def test_no_import_cycle():
+    assert find_cycles(module_imports(SRC, PKG)) == []
+
+
+def test_imports_follow_the_readme_layers():
+    assert layer_violations(module_imports(SRC, PKG), read_layers(ROOT / "README.md"), PKG) == []
+
+
+@pytest.mark.parametrize("part", SHORT_FUNCTION_DIRS)
+def test_functions_are_short(part):
+    assert long_functions(SRC / PKG / part, MAX_FUNCTION_LINES) == []
+
+
+def test_no_repeated_code_in_engine_sessions_api():
+    """The library's `duplicates` tool (a machine tool, not a Python package): skipped where it is absent."""
+    tool = shutil.which("duplicates")
+    if tool is None:
+        pytest.skip("the `duplicates` command is not on this machine")
+    for part in SHORT_FUNCTION_DIRS:
+        out = subprocess.run([tool, "--repo", str(SRC / PKG / part)], capture_output=True, text=True,
+                             timeout=60).stdout
+        assert out.startswith("no duplicates"), f"{part}:\n{out}"
+
+
+# ---- the checks themselves can fail -----------------------------------------------------------
+
+
+def _fake_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = tmp_path / "fake" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return tmp_path
+
+
+def test_an_upward_import_inside_a_function_is_caught(tmp_path):
+    src = _fake_package(tmp_path, {
+        "__init__.py": "",
+        "engine/__init__.py": "",
+        "engine/core.py": "def f():\n    from ..sessions.manager import M\n    return M\n",
+        "sessions/__init__.py": "",
+        "sessions/manager.py": "from ..engine.core import f\nM = 1\n",
+    })
+    graph = module_imports(src, "fake")
+    assert graph["fake.engine.core"] == {"fake.sessions.manager"}
+    assert find_cycles(graph) == [["fake.engine.core", "fake.sessions.manager"]]
+    bad = layer_violations(graph, {"fake": 1, "sessions": 2, "engine": 3}, "fake")
+    assert bad == ["fake.engine.core (layer 3) imports fake.sessions.manager (layer 2, above it)"]
+    missing = layer_violations(graph, {"fake": 1, "sessions": 2}, "fake")
+    assert "fake.engine.core: its part 'engine' has no layer in the README's table" in missing
+
+
+def test_a_long_function_is_caught(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    src = _fake_package(tmp_path, {"mod.py": "def long():\n" + body + "    return 0\n"})
+    assert len(long_functions(src, MAX_FUNCTION_LINES)) == 1
+
+
+def test_the_readme_table_is_read(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n<!-- layers:begin -->\n| layer | parts |\n|---|---|\n| 1 | `api`, `cli` |\n| 2 | `engine` |\n"
+                      "<!-- layers:end -->\n")
+    assert read_layers(readme) == {"api": 1, "cli": 1, "engine": 2}
