@@ -77,7 +77,7 @@ class RequestTracker:
         if req.request_id in self.tracked:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         sid = req.session_id
-        opened = sid is not None and sid not in self.sessions
+        opened = sid is not None and self.sessions is not None and sid not in self.sessions
         try:
             seq, trimmed = self._start(req)
         except BaseException:
