@@ -37,6 +37,22 @@ def non_negative_int(s: str) -> int:
     return v
 
 
+def port(s: str) -> int:
+    """A TCP port, 1..65535."""
+    v = _int(s)
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1..65535, got {v}")
+    return v
+
+
+def validate_every_arg(s: str) -> int:
+    """``--validate-every`` (whose default comes from ``$KVKEEPER_VALIDATE``): a whole number >= 0."""
+    try:
+        return non_negative_int(s)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (from --validate-every or $KVKEEPER_VALIDATE)") from None
+
+
 def fraction(s: str) -> float:
     """A number in [0, 1]."""
     v = _float(s, "a number in [0, 1]")

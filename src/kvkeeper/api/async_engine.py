@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "EngineDeadError", "GenerationRequest", "RequestStream"]
 
+DEFAULT_MAX_QUEUE = 256  # requests that may wait before new ones get 503 (ServerConfig.max_queue)
+
 
 def _resolve(fut: asyncio.Future, result=None, exc: BaseException | None = None) -> None:
     if fut.done():
@@ -60,7 +62,7 @@ class AsyncEngine:
     per choice.  tracer: a :class:`kvkeeper.api.tracing.RequestTracer` (None: no traces).
     """
 
-    def __init__(self, engine, sessions=None, max_queue: int = 256, metrics: ServerMetrics | None = None,
+    def __init__(self, engine, sessions=None, max_queue: int = DEFAULT_MAX_QUEUE, metrics: ServerMetrics | None = None,
                  tracer=None, max_new_tokens: int | None = None, breaker=None, auditor=None):
         self.engine = engine
         self.sessions = sessions
@@ -168,22 +170,26 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished())
-                if self.engine.has_unfinished():
-                    try:
-                        self.engine.step()
-                    except Exception as e:  # a bug: end what is in flight, keep serving
-                        log.exception("engine step failed")
-                        self.tracker.fail_all(e)
-                    self.tracker.release_siblings()
-                    self.tracker.publish()
-                elif self.breaker is not None:
-                    self.breaker.evaluate()  # idle: let the breaker cool down and close
-                self._sample_fragmentation()
-                self._publish_stats()
+                try:
+                    self._iterate()
+                except Exception as e:  # a bug: end what is in flight, keep serving
+                    log.exception("engine step failed")
+                    self.tracker.fail_all(e)
         except BaseException as e:  # pragma: no cover - last resort
             log.exception("engine thread died")
             self.error = e
             self.tracker.fail_all(e)
+
+    def _iterate(self) -> None:
+        """One step and its output when there is work; else let the breaker cool down; then the telemetry."""
+        if self.engine.has_unfinished():
+            self.engine.step()
+            self.tracker.release_siblings()
+            self.tracker.publish()
+        elif self.breaker is not None:
+            self.breaker.evaluate()  # idle: let the breaker cool down and close
+        self._sample_fragmentation()
+        self._publish_stats()
 
     def _drain(self, block: bool) -> None:
         try:

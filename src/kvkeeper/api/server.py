@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..argtypes import positive_int, size
+from ..argtypes import port, positive_int, size
 from ..diagnostics.audit import AuditConfig, ReuseAuditor
 from ..options import option
 from ..sessions.breaker import BreakerConfig, CircuitBreaker
 from ..sessions.manager import SessionConfig, SessionManager
 from .app import DEFAULT_MAX_BODY_BYTES, create_app
-from .async_engine import AsyncEngine
+from .async_engine import DEFAULT_MAX_QUEUE, AsyncEngine
 from .tracing import EXPORTERS, RequestTracer, configure_tracing
 
 log = logging.getLogger(__name__)
@@ -27,11 +27,11 @@ class ServerConfig:
     """HTTP server settings (bytes, tokens, seconds).  ``breaker``: watch KV memory (False: no circuit breaker)."""
 
     host: str = field(default="127.0.0.1", metadata=option("--host", "address to bind"))
-    port: int = field(default=8000, metadata=option("--port", "TCP port", type=positive_int))
+    port: int = field(default=8000, metadata=option("--port", "TCP port, 1..65535", type=port))
     served_model_name: str | None = field(default=None, metadata=option(
         "--served-model-name", "the model id clients send and /v1/models lists (default: the --model value)",
         metavar="NAME"))
-    max_queue: int = field(default=256, metadata=option(
+    max_queue: int = field(default=DEFAULT_MAX_QUEUE, metadata=option(
         "--max-queue", "requests that may wait before new ones get 503", type=positive_int, metavar="N"))
     max_body_bytes: int = field(default=DEFAULT_MAX_BODY_BYTES, metadata=option(
         "--max-body-bytes", "larger request bodies get 413, suffixes K/M/G allowed (default: 4M)", type=size,

@@ -26,8 +26,7 @@ async def list_sessions(request: Request):
     sessions = _sessions(request)
 
     def ls(_):
-        return [{"id": s.id, "object": "session", "tokens": s.num_tokens, "blocks": s.num_blocks,
-                 "turns": len(s.turns), "tier": s.tier} for s in sessions]
+        return [{**s.info(), "object": "session"} for s in sessions]
 
     return {"object": "list", "data": await request.app.state.engine.call(ls)}
 

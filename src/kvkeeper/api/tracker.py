@@ -48,6 +48,7 @@ class Tracked:
     q: asyncio.Queue
     emitted: list[list[int]] = field(default_factory=list)  # per choice: [text chars, logprob entries, reported]
     pending: list[SamplingParams] = field(default_factory=list)  # choices 1..n-1 until choice 0 has its prompt's KV
+    opened_session: bool = False  # the request opened its session (closed again if its first turn fails)
 
 
 class RequestTracker:
@@ -86,7 +87,7 @@ class RequestTracker:
             raise
         n = len(req.params)
         self.tracked[req.request_id] = Tracked(req, [seq], loop, q, [[0, 0, 0] for _ in range(n)],
-                                               pending=list(req.params[1:]))
+                                               pending=list(req.params[1:]), opened_session=opened)
         return Accepted(seq.token_ids[: seq.num_prompt_tokens], trimmed)
 
     def _start(self, req: GenerationRequest) -> tuple[Sequence, int]:
@@ -166,6 +167,10 @@ class RequestTracker:
         lead = t.seqs[0]
         usage = Usage(lead.num_prompt_tokens, sum(s.num_output_tokens for s in t.seqs), lead.num_cached_tokens or 0)
         del self.tracked[rid]
+        sid = t.req.session_id
+        if t.opened_session and lead.finish_reason == "error" and sid in self.sessions \
+                and not self.sessions.get(sid).turns:
+            self.sessions.close(sid)  # a first turn that failed leaves no empty session behind
         if self.tracer is not None:
             try:
                 self.tracer.record(rid, "chat" if t.req.messages is not None else "text_completion", t.seqs, usage,

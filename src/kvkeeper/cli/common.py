@@ -49,7 +49,8 @@ def engine_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("engine options")
     add_options(g, EngineConfig)
-    p.set_defaults(validate_every=int(os.environ.get("KVKEEPER_VALIDATE", "0") or 0))
+    # a string default goes through the option's type, so a bad $KVKEEPER_VALIDATE is a usage error (exit 2)
+    p.set_defaults(validate_every=os.environ.get("KVKEEPER_VALIDATE", "0") or "0")
     g.add_argument("-v", "--verbose", action="store_true", help="log engine activity (INFO) to stderr")
     return p
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 from ..api.server import ServerConfig
 from ..diagnostics.audit import AuditConfig
 from ..options import add_options, from_args
 from ..sessions.breaker import BreakerConfig
 from ..sessions.manager import SessionConfig
-from .common import EXIT_ERROR, EXIT_OK, load_engine, stderr
+from .common import EXIT_ERROR, EXIT_OK, CLIError, load_engine, stderr
 
 
 def add_parser(sub, parent: argparse.ArgumentParser) -> None:
@@ -41,11 +42,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stderr(f"error: {e}", None)
         return EXIT_ERROR
     # test hook, read here at the edge: seconds slept inside each disk write (to kill a server mid-write)
-    delay = float(os.environ.get("KVKEEPER_TEST_OFFLOAD_DELAY", "0") or 0)
+    raw = os.environ.get("KVKEEPER_TEST_OFFLOAD_DELAY", "0") or "0"
+    try:
+        delay = float(raw)
+    except ValueError:
+        raise CLIError(f"$KVKEEPER_TEST_OFFLOAD_DELAY must be a number of seconds, got {raw!r}") from None
     sessions = from_args(SessionConfig, args, offload_write_delay_s=delay)
+    _check_port_free(config.host, config.port)  # before the model loads
     engine = load_engine(args)
     config.served_model_name = config.served_model_name or args.model
     app = build_server(engine, config, sessions, breaker if config.breaker else None, from_args(AuditConfig, args))
     stderr(f"serving {config.served_model_name} on http://{config.host}:{config.port}/v1")
     run_server(app, config)
     return EXIT_OK
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise :class:`CLIError` when ``host:port`` cannot be listened on (in use, or not an address here)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise CLIError(f"cannot listen on {host}:{port}: {e}; give another --host") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise CLIError(f"cannot listen on {host}:{port}: {e.strerror or e}; stop what uses it or give "
+                           "another --port") from None

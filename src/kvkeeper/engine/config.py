@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..argtypes import non_negative_int, positive_int, size
+from ..argtypes import positive_int, size, validate_every_arg
 from ..errors import InvalidRequestError
 from ..kvcache.quant import KV_DTYPE_CHOICES
 from ..model.registry import DEFAULT_MODEL
@@ -77,7 +77,7 @@ class EngineConfig:
         "--threads", "CPU threads for torch (default: torch's choice)", type=positive_int, metavar="N"))
     validate_every: int = field(default=0, metadata=option(
         "--validate-every", "run the KV integrity validators before every N-th step, 0 = never "
-        "(default: $KVKEEPER_VALIDATE, else 0)", type=non_negative_int, metavar="N"))
+        "(default: $KVKEEPER_VALIDATE, else 0)", type=validate_every_arg, metavar="N"))
     seed: int = 0  # random weights of load_format "dummy"
 
     def __post_init__(self):

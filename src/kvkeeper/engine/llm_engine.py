@@ -220,6 +220,10 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request of this id is queued or running."""
+        return request_id in self._seqs
+
     def abort(self, request_id: str) -> None:
         """Finish a running or waiting request now (``finish_reason`` "abort"); unknown ids are ignored."""
         seq = self._seqs.get(request_id)

@@ -34,9 +34,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 enable_chunked_prefill: bool = True, reclaim: Callable[[int], int] | None = None):
-        """reclaim(n_blocks) is called when admission lacks blocks; it may release idle sessions' blocks and returns how many it freed."""
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool, reclaim: Callable[[int], int] | None = None):
+        """Settings as in :class:`~kvkeeper.engine.config.EngineConfig`.  reclaim(n_blocks) is called when admission
+        lacks blocks; it may release idle sessions' blocks and returns how many it freed."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.kv = kv
@@ -115,6 +116,9 @@ class Scheduler:
         """Admit waiting sequences, oldest first, while the budget, ``max_num_seqs`` and the pool allow."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if -(-len(seq.token_ids) // self.kv.block_size) > self.kv.pool.num_blocks:
+                self._reject(seq, out)  # more blocks than the whole pool: refused before any work or reclaim
+                continue
             if not seq.block_table:
                 self.kv.match_prefix(seq)
             n = self._chunk(seq.num_uncomputed, budget, not out.scheduled)
@@ -152,12 +156,12 @@ class Scheduler:
 
     def _reject(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.waiting.popleft()
+        pool = self.kv.pool
         total_need = -(-len(seq.token_ids) // self.kv.block_size)
-        seq.error = (
-            f"request needs {total_need} KV blocks ({len(seq.token_ids)} tokens of "
-            f"{self.kv.block_size}) but only {self.kv.pool.num_free + len(seq.block_table)} of the "
-            f"pool's {self.kv.pool.num_blocks} blocks can be had; raise the KV budget or close sessions"
-        )
+        can_have = (f"the pool has only {pool.num_blocks} blocks" if total_need > pool.num_blocks else
+                    f"only {pool.num_free + len(seq.block_table)} of the pool's {pool.num_blocks} blocks can be had")
+        seq.error = (f"request needs {total_need} KV blocks ({len(seq.token_ids)} tokens of {self.kv.block_size}) "
+                     f"but {can_have}; raise the KV budget or close sessions")
         self.kv.free(seq)
         out.rejected.append(seq)
 

@@ -53,10 +53,6 @@ class Violation:
         return f"[{self.kind}] {self.owner}{where}{tok}: {self.detail}"
 
 
-def _owners(engine):
-    return engine.kv_owners()
-
-
 def check_engine(engine) -> list[Violation]:
     """All violations found in ``engine``'s KV bookkeeping (see the module docstring)."""
     pool = engine.pool
@@ -64,7 +60,7 @@ def check_engine(engine) -> list[Violation]:
     out: list[Violation] = []
     holders: Counter[int] = Counter()
     seen_tables: set[int] = set()
-    for owner, seq in _owners(engine):
+    for owner, seq in engine.kv_owners():
         if id(seq.block_table) in seen_tables:  # a session state that is also a live sequence
             continue
         seen_tables.add(id(seq.block_table))

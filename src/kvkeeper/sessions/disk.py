@@ -191,7 +191,11 @@ class DiskTier:
         if sha != man["sha256"]:
             raise OffloadError(f"session {session_id}: {d / man['kv_file']} is corrupt (sha256 {sha[:16]}..., "
                                f"the manifest says {man['sha256'][:16]}...)")
-        if Namespace(**man["namespace"]) != namespace:
+        try:
+            same = Namespace(**man["namespace"]) == namespace
+        except TypeError as e:  # not a dict of Namespace's fields
+            raise OffloadError(f"session {session_id}: the manifest's namespace is malformed: {e}") from None
+        if not same:
             raise OffloadError(f"session {session_id}: the file's KV namespace differs from the session's")
         if man["num_computed"] != num_computed or man["num_blocks"] != num_blocks:
             raise OffloadError(f"session {session_id}: the file holds {man['num_computed']} tokens, "
@@ -265,7 +269,11 @@ class DiskTier:
 
 
 def session_manifest(session, st, nc: int, nb: int, nbytes: int) -> dict:
-    """The per-session part of a manifest (see :meth:`DiskTier.write`): ids, namespace, conversation."""
+    """The per-session part of a manifest (see :meth:`DiskTier.write`): ids, namespace, conversation.
+
+    The conversation's token ids are kept once; the turns keep their counts and texts, not their
+    ``prompt_token_ids`` (a reopened session's turns have them empty).
+    """
     turns = []
     for t in session.turns:
         d = t.to_dict()

@@ -183,6 +183,6 @@ class SessionManager:
         return self.store.num_blocks()
 
     def stats(self) -> dict:
-        """Open sessions, blocks they pin, and the offload tiers' counters (for /metrics)."""
-        return {"sessions": len(self.sessions), "pinned_blocks": sum(s.num_blocks for s in self.sessions.values()),
-                "offload": self.store.stats()}
+        """Open sessions, distinct blocks they pin (a shared prefix block once), and the offload tiers' counters."""
+        pinned = {b for s in self.sessions.values() if s.kv is not None for b in s.kv.block_table}
+        return {"sessions": len(self.sessions), "pinned_blocks": len(pinned), "offload": self.store.stats()}

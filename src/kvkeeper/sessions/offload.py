@@ -78,10 +78,10 @@ class SessionStore:
     Raises :class:`InvalidRequestError` when ``data_dir`` cannot be created or the budget is negative.
     """
 
-    def __init__(self, engine, data_dir: str | os.PathLike | None = None, host_offload_bytes: int | None = None,
-                 write_delay_s: float = 0.0):
+    def __init__(self, engine, data_dir: str | os.PathLike | None = None,
+                 host_offload_bytes: int = DEFAULT_HOST_OFFLOAD_BYTES, write_delay_s: float = 0.0):
         self.engine = engine
-        self.host_budget = DEFAULT_HOST_OFFLOAD_BYTES if host_offload_bytes is None else int(host_offload_bytes)
+        self.host_budget = int(host_offload_bytes)
         if self.host_budget < 0:
             raise InvalidRequestError(f"host_offload_bytes must be >= 0, got {self.host_budget}")
         self.data_dir = Path(data_dir) if data_dir is not None else None
@@ -138,8 +138,8 @@ class SessionStore:
         """Move an idle session's KV out of the pool into ``tier``; returns the pool blocks released.
 
         A session already in the host tier moves to disk when ``tier`` is "disk"; a session
-        already in ``tier`` (or holding no KV) gives 0.  Raises :class:`InvalidRequestError` for
-        an unknown or disabled tier or a session with a turn in flight or compressed KV, and
+        already in ``tier``, holding no KV, or with a turn in flight (its KV belongs to the turn) gives
+        0.  Raises :class:`InvalidRequestError` for an unknown or disabled tier or compressed KV, and
         :class:`OffloadError` when the disk write fails (the session then keeps its KV in the pool).
         """
         self.check_tier(tier)
@@ -151,10 +151,10 @@ class SessionStore:
         st = session.kv
         if st is None or not st.block_table:
             return 0
+        if st.kv_offset:
+            raise InvalidRequestError(f"session {session.id} holds compressed KV, which is never offloaded")
         if not session.idle:
-            if st.kv_offset:
-                raise InvalidRequestError(f"session {session.id} holds compressed KV, which is never offloaded")
-            raise InvalidRequestError(f"session {session.id} has a request in flight; offload it when idle")
+            return 0
         eng = self.engine
         nc = st.num_computed
         nb = -(-nc // eng.block_size)

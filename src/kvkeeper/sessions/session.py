@@ -45,13 +45,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 @dataclass
 class Turn:
-    """A turn in flight: its sequence, the text its prompt renders (None for token ids) and the
-    conversation it answers (None for a raw prompt).  handed_over: tokens of KV the session gave it."""
+    """A turn in flight: its sequence (``seq.num_handed_over``: tokens of KV the session gave it), the
+    text its prompt renders (None for token ids) and the conversation it answers (None for a raw prompt)."""
 
     seq: Sequence
     prompt_text: str | None
     messages: list[dict] | None
-    handed_over: int = 0
 
 
 class Session:
@@ -109,9 +108,9 @@ class Session:
     def offload(self, tier: str = "host") -> int:
         """Move this idle session's KV out of the pool to ``tier`` ("host" or "disk"); returns blocks released.
 
-        The KV comes back on the next turn.  Raises :class:`InvalidRequestError` for a closed session,
-        an unknown or disabled tier or a request in flight, and ``OffloadError`` when the disk write
-        fails (the KV then stays in the pool).
+        The KV comes back on the next turn.  While a turn runs the KV belongs to it: nothing is moved (0).
+        Raises :class:`InvalidRequestError` for a closed session, an unknown or disabled tier or compressed
+        KV, and ``OffloadError`` when the disk write fails (the KV then stays in the pool).
         """
         if self.closed:
             raise InvalidRequestError(f"session {self.id} is closed")
@@ -169,13 +168,22 @@ class Session:
         ids = self._prompt_ids(text, prompt, chat=messages is not None)
         if not self.reuse:
             request["namespace"] = self.engine.isolated_namespace("noreuse")
-        request_id = request_id or f"{self.id}-t{len(self.turns) + 1}"
-        seq = self.engine.add_request(ids, params or self.params, request_id, **request)
-        turn = Turn(seq, text, None if messages is None else list(messages))
-        turn.handed_over = seq.num_handed_over = self._hand_over(seq)
+        seq = self.engine.add_request(ids, params or self.params, request_id or self._request_id(), **request)
+        try:
+            seq.num_handed_over = self._hand_over(seq)
+        except BaseException:
+            self.engine.abort(seq.request_id)  # nothing of the turn stays queued (it frees what it was given)
+            raise
         seq.kv_keeper = self._end_turn
-        self.turn = turn
+        self.turn = Turn(seq, text, None if messages is None else list(messages))
         return seq
+
+    def _request_id(self) -> str:
+        """``<session id>-t<turn>``, with a suffix while a request of that id still runs (a closed namesake's)."""
+        rid, k = f"{self.id}-t{len(self.turns) + 1}", 1
+        while self.engine.has_request(rid):
+            rid, k = f"{self.id}-t{len(self.turns) + 1}.{k}", k + 1
+        return rid
 
     def _prompt_ids(self, text: str | None, prompt, chat: bool) -> list[int] | str:
         """The reuse rule: the session's own ids plus the new text's, when the text extends the session's."""
@@ -191,8 +199,10 @@ class Session:
 
         Keeps the longest common token prefix of the session's tokens and the prompt (at least one
         prompt token is left to compute) and frees the rest.  KV of another namespace (tenant salt) or
-        compressed KV is freed, never handed over.  Offloaded KV is restored first (or, when it cannot
-        be, the prompt is recomputed).
+        compressed KV is freed, never handed over; so is all of it when the request's compression policy
+        scores with the attention of every prompt query (h2o, snapkv: the whole prompt is computed, as
+        with the prefix cache).  Offloaded KV is restored first (or, when it cannot be, the prompt is
+        recomputed).
         """
         store, st = self.manager.store, self.kv
         if store.tier_of(self.id):
@@ -202,7 +212,8 @@ class Session:
                 store.discard(self.id)
         if st is None or not st.block_table:
             return 0
-        if not self.reuse or st.namespace != seq.namespace or st.kv_offset:
+        scored = seq.compression is not None and seq.compression.needs_attention
+        if not self.reuse or st.namespace != seq.namespace or st.kv_offset or scored:
             self.engine.kv.free(st)
             return 0
         ids = seq.token_ids
@@ -212,23 +223,30 @@ class Session:
         return seq.num_computed
 
     def _end_turn(self, seq: Sequence) -> None:
-        """The engine finished the turn's sequence: pin its KV, record the turn (the ``kv_keeper`` callback)."""
+        """The engine finished the turn's sequence (the ``kv_keeper`` callback): pin its KV and, when it ran to
+        its end (stop or length), record the turn and the reply in the conversation.
+
+        A failed turn changes nothing but the KV it was given (recomputed next turn); an aborted one (a
+        client went away) keeps its KV for reuse but records nothing: its reply was never delivered.
+        """
         turn, self.turn = self.turn, None
         eng = self.engine
         if self.closed or turn is None or turn.seq is not seq or seq.finish_reason == "error":
-            eng.kv.free(seq)  # a failed turn changes nothing but the KV it was given (recomputed next turn)
+            eng.kv.free(seq)
             return
         if self.kv is not None and self.kv.block_table:
             eng.kv.free(self.kv)
         self.kv = seq
         self.text = "" if turn.prompt_text is None else (
             turn.prompt_text + eng.tokenizer.decode(seq.output_token_ids, skip_special_tokens=False))
-        if turn.messages is not None:
-            self.messages = turn.messages + [{"role": "assistant", "content": seq.text}]
-        self.turns.append(TurnResult.from_seq(len(self.turns) + 1, seq))
         self.last_used = time.monotonic()
         if not self.reuse:
             eng.kv.free(seq)
+        if seq.finish_reason == "abort":
+            return
+        if turn.messages is not None:
+            self.messages = turn.messages + [{"role": "assistant", "content": seq.text}]
+        self.turns.append(TurnResult.from_seq(len(self.turns) + 1, seq))
 
     def send(self, content: str, params: SamplingParams | None = None, role: str = "user") -> TurnResult:
         """Add a message, generate the reply, keep the KV; returns the turn's :class:`TurnResult`.
