@@ -31,7 +31,7 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return False
 
-    def encode_chat(self, messages):
+    def encode_chat(self, messages, **chat):
         raise RuntimeError("secret internal detail")
 
 
@@ -133,7 +133,7 @@ def test_breaker_refusal_is_503_with_retry_after_and_priority_is_validated():
 class ContextFullEngine(FakeEngine):
     """Every prompt is over the context window."""
 
-    def encode_chat(self, messages):
+    def encode_chat(self, messages, **chat):
         from kvkeeper.errors import ContextLengthError
 
         raise ContextLengthError(100, self.context_length)

@@ -23,7 +23,15 @@ class UnsupportedArchitectureError(KVKeeperError):
 
 
 class InvalidRequestError(KVKeeperError, ValueError):
-    """A request's parameters or messages are invalid (empty conversation, bad sampling value...)."""
+    """A request's parameters or messages are invalid (empty conversation, bad sampling value...).
+
+    param: the request field at fault, as a client names it (``logit_bias``, ``response_format``...),
+    when one is; the HTTP server returns it as the error's ``param``.
+    """
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthError(InvalidRequestError):

@@ -30,6 +30,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, HTTPException
 
+from .access_log import AccessLogMiddleware
 from .admin import add_admin_routes
 from .async_engine import AsyncEngine
 from .errors import BodyTooLargeError, install_error_handlers
@@ -71,11 +72,13 @@ class BodyLimitMiddleware:
 
 
 def create_app(engine: AsyncEngine, served_model_name: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, refuse_unknown_fields: bool = True) -> FastAPI:
     """Build the app around an :class:`AsyncEngine` (started and stopped with the app's lifespan).
 
     served_model_name: the id clients must send as ``model`` (or omit); default the engine's model name.
-    max_body_bytes: larger request bodies get 413.
+    max_body_bytes: larger request bodies get 413.  refuse_unknown_fields: a request field no schema
+    declares gets 400 naming it (False: such fields are ignored).  Every request gets an access-log line
+    when the ``kvkeeper.access`` logger is enabled (:func:`kvkeeper.api.access_log.configure_access_log`).
     """
 
     @asynccontextmanager
@@ -88,7 +91,9 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
 
     app = FastAPI(title="kvkeeper", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(AccessLogMiddleware)  # outermost: 413s are logged too
     app.state.engine = engine
+    app.state.refuse_unknown_fields = refuse_unknown_fields
     app.state.model_name = served_model_name or engine.model_name
     app.state.base_ns = engine.engine.namespace  # frozen: safe to read from any thread
     app.state.created = int(time.time())

@@ -185,7 +185,7 @@ class AsyncEngine:
         if self.engine.has_unfinished():
             self.engine.step()
             self.tracker.release_siblings()
-            self.tracker.publish()
+            self.tracker.publish(before_send=self._publish_stats)  # gauges first: a response sees its effect
         elif self.breaker is not None:
             self.breaker.evaluate()  # idle: let the breaker cool down and close
         self._sample_fragmentation()
@@ -212,21 +212,23 @@ class AsyncEngine:
             self._answer(loop, fut, lambda: self.tracker.add(req, loop, q), f"could not add request {req.request_id}")
         elif kind == "abort":
             self.tracker.abort(cmd[1])
-            self.tracker.publish()
+            self.tracker.publish(before_send=self._publish_stats)
         elif kind == "call":
             _, fn, loop, fut = cmd
             self._answer(loop, fut, lambda: fn(self.engine), None)
 
-    @staticmethod
-    def _answer(loop, fut, fn: Callable[[], Any], unexpected: str | None) -> None:
-        """Resolve ``fut`` on its loop with ``fn()``'s result or exception (unexpected ones are logged)."""
+    def _answer(self, loop, fut, fn: Callable[[], Any], unexpected: str | None) -> None:
+        """Resolve ``fut`` on its loop with ``fn()``'s result or exception (unexpected ones are logged);
+        the gauges are published first (a session opened or closed shows in /metrics before the answer)."""
         try:
             res = fn()
         except Exception as e:
             if unexpected is not None and not isinstance(e, KVKeeperError):
                 log.exception("%s", unexpected)
+            self._publish_stats()
             loop.call_soon_threadsafe(_resolve, fut, None, e)
         else:
+            self._publish_stats()
             loop.call_soon_threadsafe(_resolve, fut, res)
 
     def _publish_stats(self) -> None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import (ContextLengthError, InvalidRequestError, KVKeeperError, ModelNotFoundError, OverloadedError,
-                      SessionBusyError, SessionNotFoundError)
+from ..errors import (ContextLengthError, KVKeeperError, ModelNotFoundError, OverloadedError, SessionBusyError,
+                      SessionNotFoundError)
 
 
 class APIError(Exception):
@@ -77,9 +77,7 @@ def from_kvkeeper_error(e: KVKeeperError) -> APIError:
         return APIError(404, str(e), type="not_found_error", code="session_not_found")
     if isinstance(e, ModelNotFoundError):
         return APIError(404, str(e), type="not_found_error", param="model", code="model_not_found")
-    if isinstance(e, InvalidRequestError):
-        return APIError(400, str(e))
-    return APIError(400, str(e))
+    return APIError(400, str(e), param=getattr(e, "param", None))
 
 
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

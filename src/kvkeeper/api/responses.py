@@ -15,6 +15,7 @@ from typing import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .access_log import record_usage
 from .errors import APIError, error_body
 from .streams import ChoiceDelta, EngineDeadError, GenerationRequest, RequestStream, Usage
 
@@ -40,6 +41,7 @@ class Collected:
     token_ids: list[list[int]] = field(default_factory=list)
     reasons: list[str | None] = field(default_factory=list)
     usage: Usage | None = None
+    prompt_logprobs: list[dict] | None = None
 
     def __post_init__(self):
         self.texts, self.reasons = [""] * self.n, [None] * self.n
@@ -49,6 +51,8 @@ class Collected:
         self.texts[d.index] += d.text
         self.logprobs[d.index].extend(d.logprobs)
         self.token_ids[d.index].extend(d.token_ids)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         if d.finish_reason:
             self.reasons[d.index] = d.finish_reason
 
@@ -74,6 +78,7 @@ async def collect(request: Request, stream: RequestStream, n: int) -> Collected:
                 out.add(d)
             if step.finished:
                 out.usage = step.usage
+                record_usage(request.scope, step.usage)
     finally:
         watcher.cancel()
         stream.abort()
@@ -84,8 +89,8 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _events(stream: RequestStream, make_chunk: Callable[[ChoiceDelta], dict], first_chunks: list[dict],
-                  include_usage: bool, base: dict) -> AsyncIterator[str]:
+async def _events(stream: RequestStream, make_chunk: Callable[[ChoiceDelta], dict | None], first_chunks: list[dict],
+                  include_usage: bool, base: dict, scope: dict) -> AsyncIterator[str]:
     try:
         for c in first_chunks:
             yield sse(c)
@@ -95,7 +100,11 @@ async def _events(stream: RequestStream, make_chunk: Callable[[ChoiceDelta], dic
                     yield sse(choice_error(d).body())
                     yield "data: [DONE]\n\n"
                     return
-                yield sse(make_chunk(d))
+                chunk = make_chunk(d)
+                if chunk is not None:
+                    yield sse(chunk)
+            if out.finished:
+                record_usage(scope, out.usage)
             if out.finished and include_usage:
                 yield sse({**base, "choices": [], "usage": out.usage.to_dict()})
         yield "data: [DONE]\n\n"
@@ -112,12 +121,13 @@ class Renderer:
     """How an endpoint renders its output.
 
     base: the fields every chunk or body carries (id, object, created, model).
-    chunk(stream, delta) -> one streamed chunk; first(stream) -> chunks sent before any output;
+    chunk(stream, delta) -> one streamed chunk (None: nothing to send yet, e.g. text held back while it may
+    start a tool call); first(stream) -> chunks sent before any output;
     body(stream, collected) -> the non-streamed JSON body.
     """
 
     base: dict
-    chunk: Callable[[RequestStream, ChoiceDelta], dict]
+    chunk: Callable[[RequestStream, ChoiceDelta], dict | None]
     first: Callable[[RequestStream], list[dict]]
     body: Callable[[RequestStream, Collected], dict]
 
@@ -130,8 +140,11 @@ async def respond(request: Request, engine, gen: GenerationRequest, stream: bool
     headers = {"X-KVKeeper-Trimmed-Turns": str(s.trimmed_turns)} if s.trimmed_turns else {}
     if stream:
         extra = {"usage": None} if include_usage else {}
-        events = _events(s, lambda d: {**render.chunk(s, d), **extra}, [{**c, **extra} for c in render.first(s)],
-                         include_usage, render.base)
+        def chunk(d: ChoiceDelta) -> dict | None:
+            c = render.chunk(s, d)
+            return None if c is None else {**c, **extra}
+
+        events = _events(s, chunk, [{**c, **extra} for c in render.first(s)], include_usage, render.base, request.scope)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     got = await collect(request, s, len(gen.params))

@@ -1,39 +1,117 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic v2 models).
 
-Validation failures become 400 errors (see :mod:`kvkeeper.api.errors`).  Unknown
-fields are ignored, as OpenAI clients send some this server does not use.
+Validation failures become 400 errors (see :mod:`kvkeeper.api.errors`).  Every field here is
+either applied or refused with a 400 that names it: the fields in :data:`REFUSED` are accepted only
+with their no-op value (so a client library that always sends, say, ``store: false`` still works).
+Fields no model here declares are collected (``extra="allow"``) and refused by the routes
+(:func:`unknown_fields`), unless the server runs with ``--ignore-unknown-fields``.
 Token counts are in tokens; ``temperature`` 0 means greedy.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+_OPEN = ConfigDict(extra="allow")  # unknown fields are kept, to be refused by name (or ignored on request)
+
 
 class StreamOptions(BaseModel):
+    model_config = _OPEN
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # refused when true: chunks are not padded
 
 
 class ContentPart(BaseModel):
     """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _OPEN
     type: str
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = _OPEN
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message of the history (as a response's ``tool_calls`` gave it)."""
+
+    model_config = _OPEN
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    model_config = _OPEN
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # applied when the chat template reads names, else refused
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the id of the call it answers
+    refusal: str | None = None  # refused when set
+    audio: Any = None  # refused when set
+    function_call: Any = None  # refused when set (deprecated functions API)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _OPEN
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; omitted: no arguments ({})
+    strict: bool | None = None  # calls are always constrained to the schema (see README)
+
+
+class Tool(BaseModel):
+    model_config = _OPEN
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = _OPEN
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _OPEN
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = Field("response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # omitted: any JSON object
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(BaseModel):
+    model_config = _OPEN
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` (its current name for the ``guided_*`` fields): exactly one of them."""
+
+    model_config = _OPEN
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class KVCompressionSpec(BaseModel):
     """Extension: compress the prompt's KV after prefill (see kvkeeper.kvcache.compression)."""
 
+    model_config = _OPEN
     policy: Literal["streaming_llm", "h2o", "snapkv", "knorm"]
     ratio: float = Field(0.5, ge=0, lt=1)
 
@@ -41,24 +119,45 @@ class KVCompressionSpec(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _OPEN
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # extension (vLLM): 0 or -1 = off
+    min_p: float | None = Field(None, ge=0, le=1)  # extension (vLLM)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # written to the access log
+    safety_identifier: str | None = None  # written to the access log
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    bad_words: list[str] | None = None  # extension (vLLM)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # extension (vLLM, older names of structured_outputs)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None  # extension (vLLM)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # extension (vLLM)
     ignore_eos: bool = False  # extension (vLLM)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # extension (vLLM): tenant isolation
     kv_compression: KVCompressionSpec | None = None  # extension: drop prompt KV after prefill
     return_token_ids: bool = False  # extension (vLLM): prompt and output token ids in the response
+    # OpenAI fields refused unless they hold their no-op value (see REFUSED)
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    moderation: Any = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -66,19 +165,80 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True  # extension (vLLM)
+    continue_final_message: bool = False  # extension (vLLM)
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
 
 
 class TokenizeRequest(BaseModel):
     """``POST /tokenize`` (as in vLLM): exactly one of ``prompt`` (text) or ``messages`` (chat)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _OPEN
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+_NOT_STORED = "this server keeps no stored completions"
+# Request fields refused with 400 unless they hold one of their no-op values: (no-op values, why).
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "audio": ((None,), "audio output is not supported; this server generates text"),
+    "modalities": ((None, ["text"]), "only the text modality is supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "function_call": ((None,), "the deprecated functions API is not supported; use tools and tool_choice"),
+    "functions": ((None,), "the deprecated functions API is not supported; use tools and tool_choice"),
+    "reasoning_effort": ((None,), "this model has no reasoning mode"),
+    "verbosity": ((None,), "this model has no verbosity setting; ask for brevity in the messages"),
+    "web_search_options": ((None,), "web search is not available"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier: auto (or default)"),
+    "store": ((None, False), _NOT_STORED),
+    "metadata": ((None, {}), f"metadata is kept only with stored completions; {_NOT_STORED}"),
+    "prompt_cache_key": ((None,), "every prompt prefix is cached in one shared cache; use cache_salt "
+                                  "(or X-Cache-Salt) to isolate a tenant's prefixes"),
+    "prompt_cache_retention": ((None,), "cached prefixes stay until evicted (least recently used first)"),
+    "prompt_cache_options": ((None,), "cached prefixes stay until evicted (least recently used first)"),
+    "moderation": ((None,), "there is no moderation model"),
+    "suffix": ((None, ""), "insertion (a suffix after the completion) is not supported"),
+}
+
+
+def refused_field(body: BaseModel) -> tuple[str, str] | None:
+    """(field, why) of the first :data:`REFUSED` field of ``body`` set to something else than a no-op."""
+    for name, (noop, why) in REFUSED.items():
+        if name in type(body).model_fields and getattr(body, name) not in noop:
+            return name, why
+    return None
+
+
+def unknown_fields(obj: Any, where: str = "") -> list[str]:
+    """Dotted paths of the fields no model declares, anywhere in a parsed body (e.g. ``messages.0.foo``)."""
+    out: list[str] = []
+    if isinstance(obj, BaseModel):
+        out += [f"{where}{k}" for k in (obj.model_extra or {})]
+        for name in type(obj).model_fields:
+            out += unknown_fields(getattr(obj, name), f"{where}{name}.")
+    elif isinstance(obj, list):
+        for i, x in enumerate(obj):
+            out += unknown_fields(x, f"{where}{i}.")
+    return out

@@ -15,6 +15,7 @@ from ..diagnostics.audit import AuditConfig, ReuseAuditor
 from ..options import option
 from ..sessions.breaker import BreakerConfig, CircuitBreaker
 from ..sessions.manager import SessionConfig, SessionManager
+from .access_log import configure_access_log
 from .app import DEFAULT_MAX_BODY_BYTES, create_app
 from .async_engine import DEFAULT_MAX_QUEUE, AsyncEngine
 from .tracing import EXPORTERS, RequestTracer, configure_tracing
@@ -47,6 +48,12 @@ class ServerConfig:
         "(implies --otel-traces otlp)", metavar="URL"))
     breaker: bool = field(default=True, metadata=option(
         "--no-breaker", "do not watch KV memory (no compaction/offload/degrade)", action="store_true", negate=True))
+    access_log: bool = field(default=True, metadata=option(
+        "--no-access-log", "write no access-log line per request (method, path, status, tokens, ms) on stderr",
+        action="store_true", negate=True))
+    refuse_unknown_fields: bool = field(default=True, metadata=option(
+        "--ignore-unknown-fields", "ignore request fields this server does not know, instead of answering 400 "
+        "naming them (for clients that send extra fields)", action="store_true", negate=True))
     log_level: str = "warning"
 
     @property
@@ -70,7 +77,8 @@ def build_server(engine, config: ServerConfig | None = None, sessions: SessionCo
     tracer = configure_tracing(config.trace_exporter, config.otlp_traces_endpoint)
     aeng = AsyncEngine(engine, manager, max_queue=config.max_queue, max_new_tokens=config.max_new_tokens,
                        tracer=RequestTracer(tracer, name) if tracer is not None else None, breaker=br, auditor=auditor)
-    return create_app(aeng, name, config.max_body_bytes)
+    configure_access_log(config.access_log)
+    return create_app(aeng, name, config.max_body_bytes, config.refuse_unknown_fields)
 
 
 def run_server(app, config: ServerConfig) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..sampling.params import SamplingParams
@@ -26,6 +26,8 @@ class GenerationRequest:
     session_id: str | None = None
     compression: Any = None  # kvkeeper.kvcache.compression.KVCompression
     session_priority: int | None = None  # X-Session-Priority: higher is trimmed later by the circuit breaker
+    chat: dict = field(default_factory=dict)  # how messages are rendered: add_generation_prompt, tools...
+    echo: bool = False  # completions: the prompt's text comes back before each choice's text
 
 
 @dataclass
@@ -35,6 +37,8 @@ class ChoiceDelta:
     token_ids: the new token ids.  logprobs: entries ``{"token", "logprob", "bytes",
     "top_logprobs": [{"token", "logprob", "bytes"}]}`` when the request asked for them.
     finish_reason: "stop", "length", "abort" or "error" (then ``error`` says why), None while running.
+    prompt_logprobs: once, on the first choice's first delta when the request asked for them: per prompt
+    token an entry as in ``logprobs`` plus ``token_id`` and ``rank`` (``logprob`` None for the first token).
     """
 
     index: int
@@ -43,6 +47,7 @@ class ChoiceDelta:
     logprobs: list[dict]
     finish_reason: str | None = None
     error: str | None = None
+    prompt_logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -72,6 +77,7 @@ class Accepted:
 
     prompt_token_ids: list[int]
     trimmed_turns: int = 0
+    echo_text: str | None = None  # the prompt's text, when the request echoes it
 
 
 class RequestStream:
@@ -86,6 +92,7 @@ class RequestStream:
         self.prompt_token_ids = accepted.prompt_token_ids
         self.prompt_tokens = len(accepted.prompt_token_ids)
         self.trimmed_turns = accepted.trimmed_turns
+        self.echo_text = accepted.echo_text
         self.finished = False
         self._q = q
         self._abort = abort

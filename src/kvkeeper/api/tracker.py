@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence
@@ -49,6 +49,7 @@ class Tracked:
     emitted: list[list[int]] = field(default_factory=list)  # per choice: [text chars, logprob entries, reported]
     pending: list[SamplingParams] = field(default_factory=list)  # choices 1..n-1 until choice 0 has its prompt's KV
     opened_session: bool = False  # the request opened its session (closed again if its first turn fails)
+    prompt_logprobs_sent: bool = False
 
 
 class RequestTracker:
@@ -88,7 +89,11 @@ class RequestTracker:
         n = len(req.params)
         self.tracked[req.request_id] = Tracked(req, [seq], loop, q, [[0, 0, 0] for _ in range(n)],
                                                pending=list(req.params[1:]), opened_session=opened)
-        return Accepted(seq.token_ids[: seq.num_prompt_tokens], trimmed)
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        echo = None
+        if req.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else self.engine.tokenizer.decode(prompt)
+        return Accepted(prompt, trimmed, echo)
 
     def _start(self, req: GenerationRequest) -> tuple[Sequence, int]:
         """Queue choice 0, as a session turn when the request names a session; returns it and the turns trimmed."""
@@ -96,7 +101,7 @@ class RequestTracker:
                                   compression=req.compression, strict_max_tokens=True,
                                   max_new_tokens=self.max_new_tokens)
         if req.session_id is None:
-            prompt = self.engine.encode_chat(req.messages) if req.messages is not None else req.prompt
+            prompt = self.engine.encode_chat(req.messages, **req.chat) if req.messages is not None else req.prompt
             return self.engine.add_request(prompt, req.params[0], **kw), 0
         if self.sessions is None:
             raise InvalidRequestError("this server keeps no sessions; send the request without X-Session-ID")
@@ -104,7 +109,7 @@ class RequestTracker:
         if req.session_priority is not None:
             s.priority = req.session_priority
         seq = s.begin_turn(messages=req.messages, prompt=None if req.messages is not None else req.prompt,
-                           params=req.params[0], **kw)
+                           params=req.params[0], **req.chat, **kw)
         return seq, s.trimmed_turns
 
     def release_siblings(self) -> None:
@@ -132,9 +137,14 @@ class RequestTracker:
                 self.engine.abort(s.request_id)
 
     # ---- output ----------------------------------------------------------------------------------
-    def publish(self) -> None:
-        """Push what each tracked request produced since the last call; retire finished requests."""
+    def publish(self, before_send: Callable[[], None] | None = None) -> None:
+        """Push what each tracked request produced since the last call; retire finished requests.
+
+        before_send: called once the requests are retired and before any output is handed over (the
+        server publishes its gauges there, so a client reading /metrics after its response sees them).
+        """
         now = time.perf_counter()
+        sends = []
         for rid in list(self.tracked):
             t = self.tracked[rid]
             deltas = [d for i in range(len(t.seqs)) if (d := self._delta(t, i, now)) is not None]
@@ -145,7 +155,11 @@ class RequestTracker:
                     deltas.append(ChoiceDelta(i, "", [], [], t.seqs[0].finish_reason, t.seqs[0].error))
                 usage = self._retire(rid, t)
             if deltas or finished:
-                put(t.loop, t.q, StepOutput(deltas, finished, usage))
+                sends.append((t.loop, t.q, StepOutput(deltas, finished, usage)))
+        if sends and before_send is not None:
+            before_send()
+        for loop, q, out in sends:
+            put(loop, q, out)
 
     def _delta(self, t: Tracked, i: int, now: float) -> ChoiceDelta | None:
         seq, em = t.seqs[i], t.emitted[i]
@@ -157,6 +171,9 @@ class RequestTracker:
         em[0] += len(text)
         em[1] += len(new_ids)
         d = ChoiceDelta(i, text, new_ids, self._logprob_entries(lps) if seq.params.logprobs is not None else [])
+        if seq.prompt_logprobs is not None and not t.prompt_logprobs_sent and (seq.num_output_tokens or done_now):
+            t.prompt_logprobs_sent = True
+            d.prompt_logprobs = self._prompt_entries(seq)
         if done_now:
             d.finish_reason, d.error = seq.finish_reason, seq.error
             em[2] = 1
@@ -179,7 +196,8 @@ class RequestTracker:
                 log.exception("could not record the trace of %s", rid)
         return usage
 
-    def _logprob_entries(self, entries: list[dict]) -> list[dict]:
+    def _logprob_entries(self, entries: list[dict], with_ids: bool = False) -> list[dict]:
+        """OpenAI logprob entries (token, logprob, bytes, top_logprobs); ``with_ids``: plus token ids and ranks."""
         tt = self._token_text
         out = []
         for e in entries:
@@ -187,10 +205,18 @@ class RequestTracker:
             top = []
             for tid, lp in e["top"]:
                 s, b = tt(tid)
-                top.append({"token": s, "logprob": max(float(lp), _LOGPROB_FLOOR), "bytes": b})
+                top.append({"token": s, "logprob": max(float(lp), _LOGPROB_FLOOR), "bytes": b,
+                            **({"token_id": tid} if with_ids else {})})
             out.append({"token": tok, "logprob": max(float(e["logprob"]), _LOGPROB_FLOOR), "bytes": raw,
-                        "top_logprobs": top})
+                        "top_logprobs": top, **({"token_id": e["token_id"], "rank": e["rank"]} if with_ids else {})})
         return out
+
+    def _prompt_entries(self, seq: Sequence) -> list[dict]:
+        """The prompt's logprob entries (see :class:`ChoiceDelta`); the first token's logprob is None."""
+        first = seq.token_ids[0]
+        tok, raw = self._token_text(first)
+        head = {"token": tok, "logprob": None, "bytes": raw, "top_logprobs": None, "token_id": first, "rank": None}
+        return [head] + self._logprob_entries([e for e in seq.prompt_logprobs[1:] if e is not None], with_ids=True)
 
     def fail_all(self, e: BaseException) -> None:
         """End every request in flight with :class:`EngineDeadError` (the engine step raised ``e``)."""

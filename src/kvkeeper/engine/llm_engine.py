@@ -38,8 +38,11 @@ from ..kvcache.validate import assert_engine_ok
 from ..model.loader import load_weights
 from ..model.registry import resolve_model_path
 from ..model.runner import ModelRunner, parse_dtype
-from ..sampling.sampler import make_generator, sample
+from ..sampling.processors import build_processors
+from ..sampling.sampler import make_generator, prompt_logprob_entries, sample
+from ..sampling.structured import GrammarCompiler, GrammarMask
 from ..text.tokenizer import load_tokenizer
+from ..text.tool_format import prepare_messages, template_has_tools, template_reads_names
 from .config import EngineConfig
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -112,6 +115,8 @@ class LLMEngine:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = eos
         self.processor = OutputProcessor(self.tokenizer, eos)
+        eos_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else min(eos)
+        self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size, int(eos_id))  # structured outputs
         self._req_ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.holders: list[KVHolder] = []
@@ -148,27 +153,46 @@ class LLMEngine:
         return self.runner.kv_bytes_per_token
 
     # ---- prompts -------------------------------------------------------------
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation, exactly as the model's chat template renders it."""
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **chat) -> list[int]:
+        """Token ids of a conversation, exactly as the model's chat template renders it (``chat``: the
+        other keyword arguments of :meth:`render_chat`)."""
         if not messages:
             raise InvalidRequestError("the conversation is empty: give at least one message")
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, **chat)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template's text of ``messages`` (dicts with ``role`` and ``content``).
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
+        """The chat template's text of ``messages`` (dicts with ``role`` and ``content``; an assistant's
+        may carry OpenAI ``tool_calls``, a ``tool`` message answers them).
 
+        continue_final_message: end the text inside the last message (no end-of-turn marker after it),
+        for the model to continue it (transformers' and vLLM's option; not with add_generation_prompt).
+        tools: OpenAI tool definitions, rendered as the template does or, when it has no tool syntax,
+        in the documented system-prompt format (:mod:`kvkeeper.text.tool_format`).
         Raises :class:`InvalidRequestError` for a malformed message or one the template rejects.
         """
+        template = self.tokenizer.chat_template
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+            if m.get("name") is not None and not template_reads_names(template):
+                raise InvalidRequestError(f"messages[{i}].name: the model's chat template has no participant "
+                                          "names; put the name in the content", param=f"messages.{i}.name")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message continues the last message: it needs "
+                                      "add_generation_prompt=false", param="continue_final_message")
+        msgs, extra = prepare_messages(messages, tools, template_has_tools(template))
+        if continue_final_message:
+            extra["continue_final_message"] = True
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **extra)
         except Exception as e:  # jinja2.TemplateError: the template rejects this conversation (raise_exception)
             if type(e).__module__.startswith("jinja2"):
                 raise InvalidRequestError(f"the model's chat template rejected the conversation: {e}") from e
+            if continue_final_message and isinstance(e, ValueError):  # no final message text to continue
+                raise InvalidRequestError(f"continue_final_message: {e}", param="continue_final_message") from e
             raise
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -215,10 +239,39 @@ class LLMEngine:
         new = min(x for x in (ctx - len(ids), params.max_tokens, max_new_tokens) if x is not None)
         seq.max_total_tokens = len(ids) + new
         seq.generator = make_generator(params)
+        seq.processors = self._processors(params, ids)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * len(ids)
         self.processor.start(seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _processors(self, params: SamplingParams, prompt_ids: list[int]):
+        """The request's logits processors (None without any); checks token ids against the vocabulary.
+
+        Raises :class:`InvalidRequestError` naming the field for a token id outside the vocabulary and
+        for a grammar that cannot be compiled.
+        """
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"{name}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                                          param=name)
+        words = [self._word_ids(w) for w in params.bad_words]
+        grammar = None
+        if params.structured is not None:
+            matcher = self.grammars.matcher(params.structured)  # compiled now: errors reach the caller
+            grammar = lambda: GrammarMask(matcher, self.grammars.eos_token_id)  # noqa: E731
+        return build_processors(params, prompt_ids, vocab, [w for ws in words for w in ws], grammar)
+
+    def _word_ids(self, word: str) -> list[list[int]]:
+        """vLLM's spellings of a bad word: its tokens alone and after a space (when they differ)."""
+        tok = self.tokenizer
+        alone = tok.encode(word.strip(), add_special_tokens=False)
+        spaced = tok.encode(" " + word.strip(), add_special_tokens=False)
+        return [alone] if spaced == alone else [alone, spaced]
 
     def has_request(self, request_id: str) -> bool:
         """Whether a request of this id is queued or running."""
@@ -263,7 +316,7 @@ class LLMEngine:
             if seq.compression is not None and seq.observer is None and not seq.compressed:
                 seq.observer = PrefillObserver(seq.compression, len(seq.token_ids) - seq.kv_offset,
                                                self.model_config.num_layers, self.model_config.num_kv_heads)
-        logits, seqs = self.runner.execute(out.scheduled)
+        logits, seqs = self._execute(out.scheduled)
         for seq, n in out.scheduled:
             seq.num_computed += n
             self.kv.commit(seq)
@@ -275,9 +328,36 @@ class LLMEngine:
                 compress_prompt(seq, self.pool, self.runner.kv_caches, self.reclaim)
         return finished
 
+    def _execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Run the model on a step's batch: (logits of the sequences that need a token, those sequences).
+
+        When a sequence asked for prompt logprobs and this step computes some of its prompt, the
+        logits of every such prompt position are computed as well and recorded (its prompt is computed
+        whole: see ``Sequence.computes_whole_prompt``); otherwise this is ``runner.execute``.
+        """
+        if not any(s.prompt_logprobs is not None and s.num_computed < s.num_prompt_tokens - 1 for s, _ in scheduled):
+            return self.runner.execute(scheduled)
+        r = self.runner
+        with torch.inference_mode():
+            input_ids, positions, meta, rows, seqs = r.build_batch(scheduled)
+            hidden = r.model(input_ids, positions, r.kv_caches, meta)
+            start = 0
+            for seq, n in scheduled:
+                c = seq.num_computed
+                end = min(c + n, seq.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
+                if seq.prompt_logprobs is not None and c < end:
+                    logits = r.model.compute_logits(hidden[start: start + end - c])
+                    entries = prompt_logprob_entries(logits, seq.token_ids[c + 1: end + 1], seq.params.prompt_logprobs)
+                    seq.prompt_logprobs[c + 1: end + 1] = entries
+                start += n
+            if not rows:
+                return None, []
+            return r.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device))), seqs
+
     def _take_samples(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sequence]:
         """Sample one token per sequence, run the first-token hooks, post-process; returns the finished ones."""
-        ids, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        ids, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                            [s.processors for s in seqs])
         for row, seq in enumerate(seqs):
             if seq.t_first_token is None:  # its prompt KV is complete: hooks see it before anything is freed
                 if self.capture_first_logits:

@@ -42,6 +42,8 @@ class OutputProcessor:
         finished = []
         for seq, tok, lp in zip(seqs, token_ids, logprobs):
             seq.token_ids.append(tok)
+            if seq.processors is not None:
+                seq.processors.accept(tok)  # penalties count it, a grammar advances
             if seq.t_first_token is None:
                 seq.t_first_token = now
             seq.t_last_token = now

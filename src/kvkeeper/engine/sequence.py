@@ -35,6 +35,10 @@ class Sequence:
         session's hand-over); None until then.
     kv_keeper: called with the sequence when it finishes, to take its blocks over (a session's end of
         turn); None: the engine frees them.
+    processors: its logits processors (:class:`kvkeeper.sampling.processors.RequestProcessors`), None
+        when its sampling needs none; advanced with each token appended.
+    prompt_logprobs: with ``params.prompt_logprobs``, one entry per prompt position (None for the first,
+        which nothing predicts): ``{"token_id", "logprob", "rank", "top"}``, filled while it is prefilled.
     """
 
     request_id: str
@@ -57,6 +61,8 @@ class Sequence:
     detokenizer: object | None = None
     text: str = ""
     logprobs: list = field(default_factory=list)
+    processors: object | None = None
+    prompt_logprobs: list | None = None
     first_logits: torch.Tensor | None = None  # (vocab,) float32, kept when the engine captures logits
     kv_keeper: Callable[["Sequence"], None] | None = None
     compression: object | None = None  # kvcache.compression.KVCompression applied at the end of prefill
@@ -74,6 +80,14 @@ class Sequence:
     def __post_init__(self):
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether its whole prompt must be computed, never taken from the prefix cache or a session: a
+        compression policy that scores with every prompt query's attention (h2o, snapkv), or prompt
+        logprobs (which need the logits of every prompt position)."""
+        comp = self.compression
+        return (comp is not None and comp.needs_attention) or self.params.prompt_logprobs is not None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -32,9 +32,8 @@ class KVCacheManager:
         bs = self.block_size
         if seq.block_table:
             return 0
-        comp = getattr(seq, "compression", None)
-        if comp is not None and comp.needs_attention:
-            return 0  # h2o / snapkv score with the attention of prompt queries: the whole prompt is computed
+        if getattr(seq, "computes_whole_prompt", False):
+            return 0  # h2o / snapkv (attention of every prompt query) or prompt logprobs: computed whole
         limit = (len(seq.token_ids) - 1) // bs
         parent = None
         hits: list[int] = []

@@ -1,10 +1,14 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request generator.
+"""Token sampling: logits processors, then greedy or temperature, min-p, top-k, top-p, with a per-request generator.
 
 Each request that samples has its own ``torch.Generator`` (seeded from
 ``SamplingParams.seed`` when given), so its draws do not depend on which other
 requests share the batch.  Top-p follows Holtzman et al., "The Curious Case of
 Neural Text Degeneration" (2020): keep the smallest set of tokens whose
-probability mass reaches p.
+probability mass reaches p.  Min-p follows Nguyen et al., "Turning Up the Heat:
+Min-p Sampling" (2024), as vLLM applies it (after the temperature, before top-k
+and top-p): drop tokens whose probability is below ``min_p`` times the largest.
+Penalties, logit biases, banned words and grammars are logits processors
+(:mod:`kvkeeper.sampling.processors`), applied batched to the rows that have them.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .params import SamplingParams
+from .processors import RequestProcessors, apply_processors
 
 
 def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | None:
@@ -25,8 +30,11 @@ def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | No
     return g
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits (V,) float32 -> logits with excluded tokens at -inf."""
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """logits (V,) float32, already divided by the temperature -> logits with excluded tokens at -inf."""
+    if min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -41,30 +49,55 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    processors: list[RequestProcessors | None] | None = None,
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Pick one token per row.
 
     logits: (B, V) float32, on any device (greedy rows are picked there: only the ids cross to the
-    host; rows that sample or return logprobs are copied to the CPU, where the generators live).
+    host; rows that sample, return logprobs or have processors are copied to the CPU, where the
+    generators live).  processors: per row its :class:`RequestProcessors` or None; rows that have
+    them are changed (in a copy) before the pick.
     Returns (token ids, per-row log-softmax (V,) of the unmodified logits when that row asked for
     logprobs, else None).
     """
     out: list[int] = []
     logps: list = []
     greedy_ids = logits.argmax(-1).tolist()
+    processed = apply_processors(logits, processors) if processors is not None and any(processors) else {}
+    for i, row in processed.items():
+        greedy_ids[i] = int(row.argmax())
     for i, p in enumerate(params):
         if p.greedy and p.logprobs is None:
             out.append(int(greedy_ids[i]))
             logps.append(None)
             continue
-        row = logits[i].cpu()
-        logps.append(torch.log_softmax(row, -1) if p.logprobs is not None else None)
+        raw = logits[i].cpu()
+        logps.append(torch.log_softmax(raw, -1) if p.logprobs is not None else None)
         if p.greedy:
             out.append(int(greedy_ids[i]))
             continue
+        row = processed.get(i, raw)
         # shifted by the max first: a tiny temperature (1e-270) sends the others to -inf, never to inf/NaN
-        filt = _filter((row - row.max()) / p.temperature, p.top_k, p.top_p)
+        filt = _filter((row - row.max()) / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = filt.softmax(-1)
         out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
     return out, logps
+
+
+def prompt_logprob_entries(logits: torch.Tensor, targets: list[int], k: int) -> list[dict]:
+    """Log-probabilities of prompt tokens (vLLM's ``prompt_logprobs``).
+
+    logits: (n, V) float32 of positions ``p .. p+n-1``; targets: the n tokens at ``p+1 .. p+n`` (what each
+    position predicts).  Returns per target ``{"token_id", "logprob", "rank", "top": [(id, logprob)] * k}``;
+    rank is 1 + the number of tokens more likely than the target (as vLLM's).
+    """
+    lp = torch.log_softmax(logits.float(), -1)
+    tgt = torch.tensor(targets, dtype=torch.int64, device=lp.device)
+    chosen = lp.gather(1, tgt[:, None])[:, 0]
+    ranks = (lp > chosen[:, None]).sum(-1) + 1
+    top = torch.topk(lp, k) if k else None
+    chosen, ranks = chosen.cpu().tolist(), ranks.cpu().tolist()
+    tops = [[]] * len(targets) if top is None else [
+        list(zip(ids, vals)) for ids, vals in zip(top.indices.cpu().tolist(), top.values.cpu().tolist())]
+    return [{"token_id": t, "logprob": c, "rank": r, "top": tp} for t, c, r, tp in zip(targets, chosen, ranks, tops)]

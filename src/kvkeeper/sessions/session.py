@@ -46,11 +46,21 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 @dataclass
 class Turn:
     """A turn in flight: its sequence (``seq.num_handed_over``: tokens of KV the session gave it), the
-    text its prompt renders (None for token ids) and the conversation it answers (None for a raw prompt)."""
+    text its prompt renders (None for token ids), the conversation it answers (None for a raw prompt)
+    and whether the reply continues the conversation's last message (``continue_final_message``)."""
 
     seq: Sequence
     prompt_text: str | None
     messages: list[dict] | None
+    continues: bool = False
+
+
+def _with_reply(messages: list[dict], reply: str, continues: bool) -> list[dict]:
+    """The conversation after a reply: a new assistant message, or the last message continued by it."""
+    if continues and messages:
+        last = messages[-1]
+        return messages[:-1] + [{**last, "content": (last.get("content") or "") + reply}]
+    return messages + [{"role": "assistant", "content": reply}]
 
 
 class Session:
@@ -143,12 +153,17 @@ class Session:
         return kept
 
     def begin_turn(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
-                   params: SamplingParams | None = None, request_id: str | None = None, **request) -> Sequence:
+                   params: SamplingParams | None = None, request_id: str | None = None, *,
+                   add_generation_prompt: bool = True, continue_final_message: bool = False,
+                   tools: list[dict] | None = None, **request) -> Sequence:
         """Start a turn from the whole conversation (``messages``) or a raw ``prompt`` (text or token ids).
 
         Derives the prompt ids by the reuse rule, queues the request on the engine (``request``: the
         keyword arguments of ``LLMEngine.add_request``: namespace, compression, strict_max_tokens,
-        max_new_tokens) and hands it the session's KV (restored first when offloaded).  Returns the
+        max_new_tokens) and hands it the session's KV (restored first when offloaded).
+        add_generation_prompt, continue_final_message, tools: how the conversation is rendered (see
+        ``LLMEngine.render_chat``); a continued last message gets the reply appended to it in the
+        session's conversation.  Returns the
         sequence; when it finishes, the session keeps its KV and records the turn.  Raises
         :class:`InvalidRequestError` for a closed session, :class:`SessionBusyError` while a turn is in
         flight, and what ``add_request`` raises (the session is then unchanged).
@@ -162,7 +177,8 @@ class Session:
             raise InvalidRequestError("a turn needs exactly one of messages or prompt")
         text = None
         if messages is not None:
-            text = self.engine.render_chat(self.context_messages(messages), add_generation_prompt=True)
+            text = self.engine.render_chat(self.context_messages(messages), add_generation_prompt,
+                                           continue_final_message, tools)
         elif isinstance(prompt, str):
             text = prompt
         ids = self._prompt_ids(text, prompt, chat=messages is not None)
@@ -175,7 +191,7 @@ class Session:
             self.engine.abort(seq.request_id)  # nothing of the turn stays queued (it frees what it was given)
             raise
         seq.kv_keeper = self._end_turn
-        self.turn = Turn(seq, text, None if messages is None else list(messages))
+        self.turn = Turn(seq, text, None if messages is None else list(messages), continue_final_message)
         return seq
 
     def _request_id(self) -> str:
@@ -199,9 +215,9 @@ class Session:
 
         Keeps the longest common token prefix of the session's tokens and the prompt (at least one
         prompt token is left to compute) and frees the rest.  KV of another namespace (tenant salt) or
-        compressed KV is freed, never handed over; so is all of it when the request's compression policy
-        scores with the attention of every prompt query (h2o, snapkv: the whole prompt is computed, as
-        with the prefix cache).  Offloaded KV is restored first (or, when it cannot be, the prompt is
+        compressed KV is freed, never handed over; so is all of it when the request computes its whole
+        prompt (``seq.computes_whole_prompt``: a compression policy scoring with the attention of every
+        prompt query, h2o or snapkv, or prompt logprobs; as with the prefix cache).  Offloaded KV is restored first (or, when it cannot be, the prompt is
         recomputed).
         """
         store, st = self.manager.store, self.kv
@@ -212,8 +228,7 @@ class Session:
                 store.discard(self.id)
         if st is None or not st.block_table:
             return 0
-        scored = seq.compression is not None and seq.compression.needs_attention
-        if not self.reuse or st.namespace != seq.namespace or st.kv_offset or scored:
+        if not self.reuse or st.namespace != seq.namespace or st.kv_offset or seq.computes_whole_prompt:
             self.engine.kv.free(st)
             return 0
         ids = seq.token_ids
@@ -245,7 +260,7 @@ class Session:
         if seq.finish_reason == "abort":
             return
         if turn.messages is not None:
-            self.messages = turn.messages + [{"role": "assistant", "content": seq.text}]
+            self.messages = _with_reply(turn.messages, seq.text, turn.continues)
         self.turns.append(TurnResult.from_seq(len(self.turns) + 1, seq))
 
     def send(self, content: str, params: SamplingParams | None = None, role: str = "user") -> TurnResult:
