@@ -105,7 +105,7 @@ def _chat_message(text: str, reason: str | None, tools: ToolUse | None) -> tuple
     if tools is None or not tools.parses:
         return {"role": "assistant", "content": text}, finish_reason(reason)
     calls = ChoiceCalls()
-    content, tc = calls.feed(text, True)
+    content, tc = calls.feed(text, True, streamed=False)
     msg = {"role": "assistant", "content": content or None, **({"tool_calls": tc} if tc else {})}
     return msg, finish_with_calls(finish_reason(reason), calls)
 

@@ -70,6 +70,9 @@ def _refuse_message_fields(i: int, m: ChatMessage) -> None:
                       ("function_call", "the deprecated functions API is not supported; use tool_calls")):
         if getattr(m, name) is not None:
             raise APIError(400, f"messages[{i}].{name} is not supported: {why}", param=f"messages.{i}.{name}")
+    if m.annotations:
+        raise APIError(400, f"messages[{i}].annotations are not supported (this server cites nothing); drop them",
+                       param=f"messages.{i}.annotations")
     if m.tool_calls and m.role != "assistant":
         raise APIError(400, f"messages[{i}].tool_calls: only assistant messages carry tool calls",
                        param=f"messages.{i}.tool_calls")

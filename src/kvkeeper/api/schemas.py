@@ -56,6 +56,7 @@ class ChatMessage(BaseModel):
     refusal: str | None = None  # refused when set
     audio: Any = None  # refused when set
     function_call: Any = None  # refused when set (deprecated functions API)
+    annotations: list[Any] | None = None  # a response message's (url citations): refused unless empty
 
 
 class FunctionDefinition(BaseModel):

@@ -81,21 +81,22 @@ class ChoiceCalls:
     parser: CallParser = field(default_factory=CallParser)
     count: int = 0
 
-    def _calls(self, calls: list[tuple[str, str]]) -> list[dict]:
+    def _calls(self, calls: list[tuple[str, str]], streamed: bool) -> list[dict]:
         out = []
         for name, args in calls:
-            out.append({"index": self.count, "id": _call_id(), "type": "function",
+            out.append({**({"index": self.count} if streamed else {}), "id": _call_id(), "type": "function",
                         "function": {"name": name, "arguments": args}})
             self.count += 1
         return out
 
-    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
-        """(content, calls as ``delta.tool_calls`` entries) released by ``text``; ``final``: the choice ended."""
+    def feed(self, text: str, final: bool, streamed: bool = True) -> tuple[str, list[dict]]:
+        """(content, calls) released by ``text``; ``final``: the choice ended.  Calls are ``delta.tool_calls``
+        entries (with ``index``) when ``streamed``, else ``message.tool_calls`` entries."""
         content, calls = self.parser.feed(text)
         if final:
             rest, more = self.parser.flush()
             content, calls = content + rest, calls + more
-        return content, self._calls(calls)
+        return content, self._calls(calls, streamed)
 
 
 def finish_with_calls(reason: str | None, calls: ChoiceCalls) -> str | None:
