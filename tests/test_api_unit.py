@@ -159,3 +159,86 @@ def test_session_priority_junk_is_400(junk):
     with TestClient(app) as c:
         r = c.post("/v1/chat/completions", json=BODY, headers={"X-Session-ID": "s", "X-Session-Priority": junk})
         assert r.status_code == 400 and r.json()["error"]["param"] == "X-Session-Priority", r.text
+
+
+# ---- gauges are published before a response leaves the engine thread ---------------------------
+
+
+def test_gauges_are_published_before_outputs_and_answers(tmp_path, monkeypatch):
+    """Driven by hand on the test's thread: when an output or an answer is handed to the event loop, the
+    metrics snapshot already shows its effect (a session opened, KV freed at the end, a session closed)."""
+    import asyncio
+
+    from tiny_models import tiny_llama_folder
+
+    from kvkeeper import LLMEngine, SamplingParams
+    from kvkeeper.api import async_engine as ae
+    from kvkeeper.api import tracker as tr
+    from kvkeeper.api.streams import GenerationRequest
+    from kvkeeper.sessions.manager import SessionManager
+
+    eng = LLMEngine(str(tiny_llama_folder(tmp_path / "tiny")), num_kv_blocks=64, block_size=4)
+    aeng = AsyncEngine(eng, SessionManager(eng))
+    seen = []  # the snapshot at each hand-over
+    real_put, real_resolve = tr.put, ae._resolve
+    monkeypatch.setattr(tr, "put", lambda loop, q, item: (seen.append(("out", dict(aeng.metrics.snapshot), item)),
+                                                          real_put(loop, q, item)))
+
+    def handle(kind, *args):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        snap = {}
+        monkeypatch.setattr(ae, "_resolve", lambda f, r=None, e=None: (snap.update(aeng.metrics.snapshot),
+                                                                       real_resolve(f, r, e)))
+        aeng._handle((kind, *args, loop, fut) if kind == "call" else (kind, args[0], loop, fut, args[1]))
+        return fut, snap
+
+    async def run():
+        q: asyncio.Queue = asyncio.Queue()
+        req = GenerationRequest("r1", [SamplingParams(max_tokens=3, ignore_eos=True)], prompt="hello there",
+                                session_id="s1")
+        fut, snap = handle("add", req, q)
+        await fut
+        assert snap["sessions"] == 1  # the request opened its session: published before the answer
+        while eng.has_unfinished():
+            aeng._iterate()
+        last = [s for kind, s, item in seen if kind == "out" and item.finished][0]
+        assert last["sessions"] == 1 and last["num_running"] == 0  # finished, as the final output says
+        fut, snap = handle("call", lambda e: aeng.sessions.close("s1"))
+        await fut
+        assert snap["sessions"] == 0 and snap["kv_usage"] == 0  # closed and freed before the answer
+
+    asyncio.run(run())
+
+
+def test_unknown_fields_refused_or_ignored_and_the_access_log(caplog):
+    """Unknown fields: 400 naming them, or ignored with refuse_unknown_fields=False (``--ignore-unknown-fields``);
+    one access-log line per request while the access logger is on (``--no-access-log`` turns it off)."""
+    import logging
+
+    from kvkeeper.api.access_log import ACCESS_LOGGER, configure_access_log
+
+    body = {**BODY, "frobnicate": True, "messages": [{"role": "user", "content": "hi", "colour": "red"}]}
+    eng = ContextFullEngine()
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    for refuse in (True, False):
+        log = configure_access_log(True)
+        log.addHandler(Keep())
+        with TestClient(create_app(AsyncEngine(eng, FakeSessions(eng)), refuse_unknown_fields=refuse)) as c:
+            r = c.post("/v1/chat/completions", json=body)
+        if refuse:
+            assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+        else:  # the fields were ignored: the request reached the engine (whose prompts are all too long)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert len(lines) == 2 and all('"POST /v1/chat/completions" 400 prompt_tokens=- ' in ln for ln in lines)
+    configure_access_log(False)
+    logging.getLogger(ACCESS_LOGGER).addHandler(Keep())
+    with TestClient(create_app(AsyncEngine(eng, FakeSessions(eng)))) as c:
+        c.post("/v1/chat/completions", json=BODY)
+    assert len(lines) == 2  # off: no line
+    configure_access_log(False)

@@ -156,16 +156,16 @@ class CallParser:
                 content += self._content(self.buf[: len(self.buf) - keep])
                 self.buf = self.buf[len(self.buf) - keep:]
                 return content, calls
-            end = self.buf.find(CALL_CLOSE, start)
+            before = self.buf[:start].rstrip()
+            content += self._content(before)
+            self.buf = self.buf[len(before):]  # the whitespace before the tag stays until the call is known
+            end = self.buf.find(CALL_CLOSE)
             if end < 0:
-                content += self._content(self.buf[:start].rstrip())
-                self.buf = self.buf[start:]
                 return content, calls
-            content += self._content(self.buf[:start].rstrip())
-            whole = self.buf[start: end + len(CALL_CLOSE)]
-            call = parse_call(whole[len(CALL_OPEN): -len(CALL_CLOSE)].strip())
+            whole = self.buf[: end + len(CALL_CLOSE)]
+            call = parse_call(whole.strip()[len(CALL_OPEN): -len(CALL_CLOSE)].strip())
             if call is None:
-                content += whole
+                content += self._content(whole)  # not a call: its text (and the space before it) is content
             else:
                 calls.append(call)
                 self.after_call = True
