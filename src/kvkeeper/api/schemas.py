@@ -14,13 +14,21 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-_OPEN = ConfigDict(extra="allow")  # unknown fields are kept, to be refused by name (or ignored on request)
+# Unknown fields are kept, to be refused by name (or ignored with --ignore-unknown-fields); the published
+# schema (/openapi.json) says what the server accepts by default: no additional properties.
+_OPEN = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
+
+
+def _only(*noop: Any) -> Any:
+    """A field refused unless it holds one of its no-op values: the published schema allows only those
+    (the server answers other values with a 400 that names the field and says why)."""
+    return Field(None, json_schema_extra={"enum": list(noop)})
 
 
 class StreamOptions(BaseModel):
     model_config = _OPEN
     include_usage: bool = False
-    include_obfuscation: bool | None = None  # refused when true: chunks are not padded
+    include_obfuscation: bool | None = _only(None, False)  # refused when true: chunks are not padded
 
 
 class ContentPart(BaseModel):
@@ -53,10 +61,10 @@ class ChatMessage(BaseModel):
     name: str | None = None  # applied when the chat template reads names, else refused
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool: the id of the call it answers
-    refusal: str | None = None  # refused when set
-    audio: Any = None  # refused when set
-    function_call: Any = None  # refused when set (deprecated functions API)
-    annotations: list[Any] | None = None  # a response message's (url citations): refused unless empty
+    refusal: str | None = _only(None)  # refused when set
+    audio: Any = _only(None)  # refused when set
+    function_call: Any = _only(None)  # refused when set (deprecated functions API)
+    annotations: list[Any] | None = _only(None, [])  # a response message's (url citations): refused unless empty
 
 
 class FunctionDefinition(BaseModel):
@@ -85,7 +93,7 @@ class NamedToolChoice(BaseModel):
 
 
 class JsonSchemaSpec(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, json_schema_extra={"additionalProperties": False})
     name: str = Field("response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")  # omitted: any JSON object
@@ -138,7 +146,8 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)  # extension (vLLM)
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={  # token id (as a string) -> bias
+        "propertyNames": {"pattern": "^[0-9]{1,9}$"}, "additionalProperties": {"minimum": -100, "maximum": 100}})
     bad_words: list[str] | None = None  # extension (vLLM)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # extension (vLLM, older names of structured_outputs)
@@ -152,13 +161,13 @@ class _SamplingFields(BaseModel):
     kv_compression: KVCompressionSpec | None = None  # extension: drop prompt KV after prefill
     return_token_ids: bool = False  # extension (vLLM): prompt and output token ids in the response
     # OpenAI fields refused unless they hold their no-op value (see REFUSED)
-    service_tier: str | None = None
-    store: bool | None = None
-    metadata: dict[str, Any] | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: Any = None
-    prompt_cache_options: Any = None
-    moderation: Any = None
+    service_tier: str | None = _only(None, "auto", "default")
+    store: bool | None = _only(None, False)
+    metadata: dict[str, Any] | None = _only(None, {})
+    prompt_cache_key: str | None = _only(None)
+    prompt_cache_retention: Any = _only(None)
+    prompt_cache_options: Any = _only(None)
+    moderation: Any = _only(None)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -171,14 +180,14 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True  # extension (vLLM)
     continue_final_message: bool = False  # extension (vLLM)
-    audio: Any = None
-    function_call: Any = None
-    functions: Any = None
-    modalities: list[str] | None = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    web_search_options: Any = None
+    audio: Any = _only(None)
+    function_call: Any = _only(None)
+    functions: Any = _only(None)
+    modalities: list[str] | None = _only(None, ["text"])
+    prediction: Any = _only(None)
+    reasoning_effort: Any = _only(None)
+    verbosity: Any = _only(None)
+    web_search_options: Any = _only(None)
 
 
 class CompletionRequest(_SamplingFields):
@@ -186,7 +195,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None
+    suffix: str | None = _only(None, "")
 
 
 class TokenizeRequest(BaseModel):

@@ -114,13 +114,18 @@ class GrammarCompiler:
         if so.kind == "choice" and (not so.spec or not all(isinstance(c, str) and c for c in so.spec)):
             raise InvalidRequestError("a choice needs a non-empty list of non-empty strings", param=so.param)
         try:
+            lltok = self._lltokenizer()
+        except AttributeError:  # not a fast (Rust) tokenizer
+            raise InvalidRequestError(f"{so.param}: structured outputs need a fast (tokenizers) tokenizer, which "
+                                      "this model lacks", param=so.param) from None
+        try:  # whatever fails while compiling a client's grammar is the client's input
             grammar = self.grammar(so)
-        except (ValueError, TypeError) as e:
+            err = llguidance.LLMatcher.validate_grammar(grammar, lltok)
+        except Exception as e:  # noqa: BLE001 - ValueError mostly; llguidance's converters raise others too
             raise InvalidRequestError(f"{so.param}: invalid grammar: {e}", param=so.param) from None
-        err = llguidance.LLMatcher.validate_grammar(grammar, self._lltokenizer())
         if err:
             raise InvalidRequestError(f"{so.param}: the grammar cannot be used: {err.strip()}", param=so.param)
-        m = llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0)
+        m = llguidance.LLMatcher(lltok, grammar, log_level=0)
         if m.is_error():
             raise InvalidRequestError(f"{so.param}: the grammar cannot be used: {m.get_error()}", param=so.param)
         return m
