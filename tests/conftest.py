@@ -18,10 +18,11 @@ def mt_bench():
 
 @pytest.fixture(scope="session")
 def engine():
-    """The embedded SmolLM2-135M-Instruct on a 1 GiB fp32 paged KV cache."""
+    """The embedded SmolLM2-135M-Instruct, float32 weights (the exact path, the parity reference), on a 1 GiB
+    fp32 paged KV cache."""
     from kvkeeper import LLMEngine
 
-    return LLMEngine()
+    return LLMEngine(quantization="none")
 
 
 @pytest.fixture(scope="session")

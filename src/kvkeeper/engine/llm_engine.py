@@ -104,6 +104,9 @@ class LLMEngine:
     Offload tiers of idle sessions (:mod:`kvkeeper.sessions.offload`): ``host_offload_bytes`` (host
     memory budget, default 1 GiB) and ``data_dir`` (disk tier under ``data_dir/sessions``; None: no disk
     tier); sessions saved there are registered as open sessions at start.
+    quantization: weight format, "none", "gguf", "int8" or "int4" (default: the model file's, see
+    kvkeeper.model.quant_weights; ``runner.weight_format`` says which runs); InvalidRequestError names the
+    formats a file supports.
     Raises ModelNotFoundError / ModelFormatError / UnsupportedArchitectureError while loading.
     """
 
@@ -115,7 +118,7 @@ class LLMEngine:
                  data_dir: str | os.PathLike | None = None, host_offload_bytes: int | None = None,
                  audit_fraction: float = 0.0, audit_seed: int | None = 0, audit_tolerance=None,
                  load_format: str = "auto", attention_backend: str = "auto", cuda_graphs: bool = True,
-                 seed: int = 0):
+                 seed: int = 0, quantization: str | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
         device = resolve_device(device)
@@ -148,7 +151,8 @@ class LLMEngine:
         self.block_size = block_size
         try:
             self.runner = ModelRunner(cfg, state, num_kv_blocks, block_size, dtype=torch_dtype, device=device,
-                                      kv_dtype=kv_format, attention_backend=attention_backend)
+                                      kv_dtype=kv_format, attention_backend=attention_backend,
+                                      quantization=quantization)
         except ValueError as e:  # unknown or unavailable attention backend
             raise InvalidRequestError(str(e)) from None
         del state

@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention
+from .attention_backend import paged_attention
+from .attn_meta import AttentionMetadata
 from .config import ModelConfig
+from .quant_weights import PackedWeight, QuantEmbedding, QuantLinear, qmm
 from .rope import RotaryEmbedding, apply_rope
 
 
@@ -154,11 +156,31 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32) -> None:
         """Copy a HF-named state dict in (q/k/v and gate/up are fused here).
 
+        A :class:`~kvkeeper.model.quant_weights.PackedWeight` under a fused projection's name (e.g.
+        ``model.layers.0.self_attn.qkv_proj.weight``) or the embedding's / LM head's name replaces that
+        module by a :class:`QuantLinear` / :class:`QuantEmbedding` (see kvkeeper.model.quant_weights).
         Raises :class:`ModelFormatError` naming missing or misshaped tensors.
         """
         from ..errors import ModelFormatError
 
         state = dict(state)
+        for name in [n for n, t in state.items() if isinstance(t, PackedWeight)]:
+            pw = state.pop(name)
+            mod_name = name.removesuffix(".weight")
+            old = self.get_submodule(mod_name)
+            if (pw.n, pw.k) != tuple(old.weight.shape):
+                raise ModelFormatError(f"tensor {name} has shape {(pw.n, pw.k)}, config expects {tuple(old.weight.shape)}")
+            if isinstance(old, nn.Embedding):
+                new = QuantEmbedding(pw)
+            else:
+                parts = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj")}.get(mod_name.split(".", 3)[-1], ())
+                names = [f"{mod_name.rpartition('.')[0]}.{p}.bias" for p in parts]
+                bias = state.pop(f"{mod_name}.bias", None)
+                if bias is None and names and all(n in state for n in names):
+                    bias = torch.cat([state.pop(n) for n in names], dim=0)
+                new = QuantLinear(pw, bias)
+            parent, _, child = mod_name.rpartition(".")
+            setattr(self.get_submodule(parent), child, new)
         for i in range(self.config.num_layers):
             pre = f"model.layers.{i}."
             for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -183,6 +205,12 @@ class LlamaForCausalLM(nn.Module):
     def lm_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
+    @property
+    def lm_packed(self) -> PackedWeight | None:
+        """The LM head's packed blocks when it is quantized (tied: the embedding's), else None."""
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        return getattr(head, "packed", None)
+
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions, x.dtype)  # once per step, shared by all layers
@@ -195,12 +223,16 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.add_transposed_copy()
-        self._lm_t = self.lm_weight.detach().t().contiguous()
+        if self.lm_packed is None:
+            self._lm_t = self.lm_weight.detach().t().contiguous()
 
     _lm_t: torch.Tensor | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden_size) -> float32 logits (N, vocab_size)."""
+        head = self.lm_packed
+        if head is not None:
+            return qmm(hidden, head)
         if self._lm_t is not None and hidden.shape[0] <= 2:
             return torch.mm(hidden, self._lm_t).float()
         return F.linear(hidden, self.lm_weight).float()
