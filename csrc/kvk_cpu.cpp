@@ -28,6 +28,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <immintrin.h>
 
@@ -241,57 +242,74 @@ ActScratch& act_scratch() {
   return s;
 }
 
-// x: (M, K) float32; qs: (G, nb, 256|512) uint8; sc: (G, nb, 2, 16) float16; returns (M, N) float32.
-torch::Tensor qmm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc, int64_t bits, int64_t N) {
+// A packed weight as the kernels see it (see kvkeeper.model.quant_weights.PackedWeight).
+struct QW {
+  const uint8_t* qs;
+  const uint16_t* sc;
+  int64_t bits, n, k, groups;
+};
+
+QW make_qw(const torch::Tensor& qs, const torch::Tensor& sc, int64_t bits, int64_t N) {
   TORCH_CHECK(bits == 4 || bits == 8, "qmm: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qmm: x must be a 2-D float32 tensor, got ",
-              x.scalar_type(), " of ", x.dim(), " dims");
   TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
               "qmm: qs must be a contiguous (G, blocks, bytes) uint8 tensor");
   TORCH_CHECK(sc.dim() == 4 && sc.scalar_type() == at::kHalf && sc.is_contiguous() && sc.size(2) == 2 &&
                   sc.size(3) == 16, "qmm: sc must be a contiguous (G, blocks, 2, 16) float16 tensor");
-  const int64_t G = qs.size(0), nb = qs.size(1), K = nb * QK;
+  const int64_t G = qs.size(0), nb = qs.size(1);
   TORCH_CHECK(qs.size(2) == (bits == 4 ? 256 : 512), "qmm: qs last dimension must be ", bits == 4 ? 256 : 512);
   TORCH_CHECK(sc.size(0) == G && sc.size(1) == nb, "qmm: sc shape does not match qs");
-  TORCH_CHECK(x.size(1) == K, "qmm: x has ", x.size(1), " columns, the weight ", K);
   TORCH_CHECK(N > 16 * (G - 1) && N <= 16 * G, "qmm: N=", N, " does not fit ", G, " groups of 16 rows");
-  const auto xc = x.contiguous();
-  const int64_t M = xc.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
+  return {qs.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>()), bits, N, nb * QK, G};
+}
+
+// y (M, w.n) = x (M, w.k) @ W^T, both row-major float32.
+void qmm_raw(const float* x, int64_t M, const QW& w, float* y) {
+  if (M == 0) return;
+  const int64_t K = w.k, nb = K / QK, N = w.n;
   auto& s = act_scratch();
   s.xq.resize(M * K);
   s.dx.resize(M * nb);
   s.sx.resize(M * nb);
   const bool fast = use_avx512();
   if (fast)
-    quantize_rows_avx512(xc.data_ptr<float>(), M, K, s.xq.data(), s.dx.data(), s.sx.data());
+    quantize_rows_avx512(x, M, K, s.xq.data(), s.dx.data(), s.sx.data());
   else
-    quantize_rows_generic(xc.data_ptr<float>(), M, K, s.xq.data(), s.dx.data(), s.sx.data());
-  const uint8_t* q = qs.data_ptr<uint8_t>();
-  const uint16_t* scp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>());
-  const int64_t qstride = nb * (bits == 4 ? 256 : 512), sstride = nb * 32;
+    quantize_rows_generic(x, M, K, s.xq.data(), s.dx.data(), s.sx.data());
+  const int64_t qstride = nb * (w.bits == 4 ? 256 : 512), sstride = nb * 32;
   const int8_t* xq = s.xq.data();
   const float* dx = s.dx.data();
   const float* sx = s.sx.data();
-  float* yp = y.data_ptr<float>();
-  // grain: enough rows of work per task that small products stay on one thread
+  const uint8_t* q = w.qs;
+  const uint16_t* scp = w.sc;
+  const int64_t bits = w.bits;
+  // grain: enough work per task that small products stay on one thread
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, M * nb));
-  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+  at::parallel_for(0, w.groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       if (fast) {
         if (bits == 4)
-          qmm_group_avx512<4>(q + g * qstride, scp + g * sstride, nb, xq, dx, sx, M, K, yp, N, 16 * g);
+          qmm_group_avx512<4>(q + g * qstride, scp + g * sstride, nb, xq, dx, sx, M, K, y, N, 16 * g);
         else
-          qmm_group_avx512<8>(q + g * qstride, scp + g * sstride, nb, xq, dx, sx, M, K, yp, N, 16 * g);
+          qmm_group_avx512<8>(q + g * qstride, scp + g * sstride, nb, xq, dx, sx, M, K, y, N, 16 * g);
       } else {
         if (bits == 4)
-          qmm_group_generic<4>(q + g * qstride, scp + g * sstride, nb, xq, dx, sx, M, K, yp, N, 16 * g);
+          qmm_group_generic<4>(q + g * qstride, scp + g * sstride, nb, xq, dx, sx, M, K, y, N, 16 * g);
         else
-          qmm_group_generic<8>(q + g * qstride, scp + g * sstride, nb, xq, dx, sx, M, K, yp, N, 16 * g);
+          qmm_group_generic<8>(q + g * qstride, scp + g * sstride, nb, xq, dx, sx, M, K, y, N, 16 * g);
       }
     }
   });
+}
+
+// x: (M, K) float32; qs: (G, nb, 256|512) uint8; sc: (G, nb, 2, 16) float16; returns (M, N) float32.
+torch::Tensor qmm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc, int64_t bits, int64_t N) {
+  const QW w = make_qw(qs, sc, bits, N);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qmm: x must be a 2-D float32 tensor, got ",
+              x.scalar_type(), " of ", x.dim(), " dims");
+  TORCH_CHECK(x.size(1) == w.k, "qmm: x has ", x.size(1), " columns, the weight ", w.k);
+  const auto xc = x.contiguous();
+  auto y = torch::empty({xc.size(0), N}, x.options());
+  qmm_raw(xc.data_ptr<float>(), xc.size(0), w, y.data_ptr<float>());
   return y;
 }
 
@@ -510,6 +528,66 @@ KVK_AVX512 void attn_item_avx512_dispatch(const AttnArgs& a, const WorkItem& it,
   }
 }
 
+struct AttnScratch {
+  std::vector<WorkItem> items;
+  std::vector<int64_t> first;
+  std::vector<float> po, pm, ps;
+};
+
+// Decode attention of B sequences (a.q pre-scaled) into out (B, H, D) float32.
+void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* out) {
+  thread_local AttnScratch s;
+  const int64_t G = a.G, D = a.D, H = a.H, KVH = a.KVH, BS = a.BS;
+  s.items.clear();
+  s.first.assign(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    s.first[b] = static_cast<int64_t>(s.items.size());
+    const int64_t nblocks = (a.ctx[b] + BS - 1) / BS;
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t s0 = 0; s0 < nblocks; s0 += split_blocks)
+        s.items.push_back({b, h, s0, std::min(nblocks, s0 + split_blocks)});
+  }
+  s.first[B] = static_cast<int64_t>(s.items.size());
+  const int64_t NI = static_cast<int64_t>(s.items.size());
+  s.po.resize(NI * G * D);
+  s.pm.resize(NI * G);
+  s.ps.resize(NI * G);
+  const bool fast = use_avx512() && (D == 32 || D == 64 || D == 128 || D == 256) && G <= MAXG;
+  const WorkItem* items = s.items.data();
+  float *po = s.po.data(), *pm = s.pm.data(), *ps = s.ps.data();
+  at::parallel_for(0, NI, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (fast)
+        attn_item_avx512_dispatch(a, items[i], po + i * G * D, pm + i * G, ps + i * G);
+      else
+        attn_item_generic(a, items[i], po + i * G * D, pm + i * G, ps + i * G);
+    }
+  });
+  std::fill(out, out + B * H * D, 0.f);
+  // combine the splits of each (KV head, query head) of each row
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < KVH; ++h) {
+      for (int64_t g = 0; g < G; ++g) {
+        float M = -std::numeric_limits<float>::infinity();
+        for (int64_t i = s.first[b]; i < s.first[b + 1]; ++i)
+          if (items[i].h == h) M = std::max(M, pm[i * G + g]);
+        if (M == -std::numeric_limits<float>::infinity()) continue;  // empty context: zeros
+        float L = 0.f;
+        float* dst = out + (b * H + h * G + g) * D;
+        for (int64_t i = s.first[b]; i < s.first[b + 1]; ++i) {
+          if (items[i].h != h) continue;
+          const float w = std::exp(pm[i * G + g] - M);
+          L += ps[i * G + g] * w;
+          const float* src = po + (i * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] += w * src[d];
+        }
+        const float inv = 1.f / L;
+        for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
+      }
+    }
+  }
+}
+
 // q (B, H, D) float32; k, v (NB, BS, KVH, D) in the storage dtype (float8 passed as its uint8 bytes with
 // kind = 4); k_scale, v_scale (NB, BS, KVH) float16 for int8/fp8, else empty; block_tables (B, W) int64;
 // context_lens (B,) int64; split_blocks: blocks per work item.  Returns (B, H, D) float32.
@@ -543,60 +621,213 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   const auto ctx = context_lens.contiguous();
   const int64_t W = bt.size(1);
   const int64_t* ctxp = ctx.data_ptr<int64_t>();
-  std::vector<WorkItem> items;
-  std::vector<int64_t> first(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) {
-    first[b] = static_cast<int64_t>(items.size());
-    const int64_t len = ctxp[b];
-    TORCH_CHECK(len >= 0 && len <= W * BS, "decode_attention: context length ", len, " of row ", b,
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(ctxp[b] >= 0 && ctxp[b] <= W * BS, "decode_attention: context length ", ctxp[b], " of row ", b,
                 " exceeds its block table (", W, " blocks of ", BS, ")");
-    const int64_t nblocks = (len + BS - 1) / BS;
-    for (int64_t h = 0; h < KVH; ++h)
-      for (int64_t s0 = 0; s0 < nblocks; s0 += split_blocks)
-        items.push_back({b, h, s0, std::min(nblocks, s0 + split_blocks)});
-  }
-  first[B] = static_cast<int64_t>(items.size());
-  const int64_t NI = static_cast<int64_t>(items.size());
-  std::vector<float> po(NI * G * D), pm(NI * G), ps(NI * G);
   AttnArgs a{qs.data_ptr<float>(), k.data_ptr(), v.data_ptr(),
              quant ? reinterpret_cast<const uint16_t*>(k_scale.data_ptr<at::Half>()) : nullptr,
              quant ? reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>()) : nullptr,
              bt.data_ptr<int64_t>(), ctxp, kind, H, KVH, D, BS, W, G};
-  const bool fast = use_avx512() && D % 16 == 0 && (D == 32 || D == 64 || D == 128 || D == 256) && G <= MAXG;
-  at::parallel_for(0, NI, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      if (fast)
-        attn_item_avx512_dispatch(a, items[i], &po[i * G * D], &pm[i * G], &ps[i * G]);
-      else
-        attn_item_generic(a, items[i], &po[i * G * D], &pm[i * G], &ps[i * G]);
+  auto out = torch::empty({B, H, D}, q.options());
+  attention_raw(a, B, split_blocks, out.data_ptr<float>());
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 3. a whole decode step of a Llama-family model with packed weights, in one call
+//    (x <- layer(x) for every layer; see kvkeeper.model.fused_decode for the contract)
+// ---------------------------------------------------------------------------------------------------
+// RMSNorm (Zhang & Sennrich, 2019): y = x * rsqrt(mean(x^2) + eps) * w, per row, float32.
+void rmsnorm_rows(const float* x, const float* w, int64_t M, int64_t N, float eps, float* y) {
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x + r * N;
+    double ss = 0.0;
+    for (int64_t i = 0; i < N; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float inv = 1.f / std::sqrt(static_cast<float>(ss / N) + eps);
+    for (int64_t i = 0; i < N; ++i) y[r * N + i] = xr[i] * inv * w[i];
+  }
+}
+
+// RoPE, half-split layout (as kvkeeper.model.rope.apply_rope): x (heads, D) of one token, cos/sin (D).
+void rope_heads(float* x, int64_t heads, int64_t D, const float* cs, const float* sn) {
+  const int64_t h2 = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* xh = x + h * D;
+    for (int64_t i = 0; i < h2; ++i) {
+      const float a = xh[i], b = xh[i + h2];
+      xh[i] = a * cs[i] - b * sn[i];
+      xh[i + h2] = b * cs[i + h2] + a * sn[i + h2];
     }
-  });
-  auto out = torch::zeros({B, H, D}, q.options());
-  float* op = out.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) {
-    // combine the splits of each (KV head, query head) of row b
-    for (int64_t h = 0; h < KVH; ++h) {
-      for (int64_t g = 0; g < G; ++g) {
-        float M = -std::numeric_limits<float>::infinity();
-        for (int64_t i = first[b]; i < first[b + 1]; ++i)
-          if (items[i].h == h) M = std::max(M, pm[i * G + g]);
-        if (M == -std::numeric_limits<float>::infinity()) continue;  // empty context: zeros
-        float L = 0.f;
-        float* dst = op + (b * H + h * G + g) * D;
-        for (int64_t i = first[b]; i < first[b + 1]; ++i) {
-          if (items[i].h != h) continue;
-          const float w = std::exp(pm[i * G + g] - M);
-          L += ps[i * G + g] * w;
-          const float* src = &po[(i * G + g) * D];
-          for (int64_t d = 0; d < D; ++d) dst[d] += w * src[d];
+  }
+}
+
+// Store one token's K or V (KVH, D) at a slot, as kvkeeper.kvcache.quant.PagedKV.write does (same rounding:
+// scale = float16(max(max|x| / qmax, 2^-14)), q = x / scale rounded half to even (int8) or cast (fp8 e4m3)).
+void store_token(const float* x, int64_t KVH, int64_t D, void* data, uint16_t* scales, int64_t slot, int64_t kind) {
+  const int64_t base = slot * KVH * D;
+  for (int64_t h = 0; h < KVH; ++h) {
+    const float* xh = x + h * D;
+    const int64_t o = base + h * D;
+    switch (kind) {
+      case KV_F32: std::memcpy(static_cast<float*>(data) + o, xh, D * sizeof(float)); break;
+      case KV_BF16:
+        for (int64_t i = 0; i < D; ++i) static_cast<c10::BFloat16*>(data)[o + i] = c10::BFloat16(xh[i]);
+        break;
+      case KV_F16:
+        for (int64_t i = 0; i < D; ++i) static_cast<c10::Half*>(data)[o + i] = c10::Half(xh[i]);
+        break;
+      default: {
+        const float qmax = kind == KV_I8 ? 127.f : 448.f;
+        float amax = 0.f;
+        for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(xh[i]));
+        const c10::Half sc(std::max(amax / qmax, 6.103515625e-05f));
+        const float scf = static_cast<float>(sc);
+        scales[slot * KVH + h] = sc.x;
+        for (int64_t i = 0; i < D; ++i) {
+          const float y = std::min(std::max(xh[i] / scf, -qmax), qmax);
+          if (kind == KV_I8)
+            static_cast<int8_t*>(data)[o + i] = static_cast<int8_t>(std::nearbyint(y));
+          else
+            static_cast<c10::Float8_e4m3fn*>(data)[o + i] = c10::Float8_e4m3fn(y);
         }
-        const float inv = 1.f / L;
-        for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
       }
     }
   }
-  return out;
 }
+
+struct DecodeLayer {
+  torch::Tensor ln1, ln2, qkv_bias;                       // (hidden,), (hidden,), (qkv_out,) or undefined
+  torch::Tensor qkv_qs, qkv_sc, o_qs, o_sc, gu_qs, gu_sc, dn_qs, dn_sc;
+  int64_t qkv_bits, o_bits, gu_bits, dn_bits;
+  torch::Tensor k, v, ks, vs;                             // this layer's paged cache (ks, vs undefined unless quantized)
+};
+
+class DecodeModel {
+ public:
+  DecodeModel(int64_t hidden, int64_t inter, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+              int64_t kind)
+      : hidden_(hidden), inter_(inter), H_(heads), KVH_(kv_heads), D_(head_dim), eps_(static_cast<float>(eps)),
+        kind_(kind) {
+    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0 && kind >= 0 && kind <= 4, "DecodeModel: bad shapes");
+  }
+
+  void add_layer(const torch::Tensor& ln1, const torch::Tensor& ln2, const torch::Tensor& qkv_bias,
+                 const torch::Tensor& qkv_qs, const torch::Tensor& qkv_sc, int64_t qkv_bits,
+                 const torch::Tensor& o_qs, const torch::Tensor& o_sc, int64_t o_bits,
+                 const torch::Tensor& gu_qs, const torch::Tensor& gu_sc, int64_t gu_bits,
+                 const torch::Tensor& dn_qs, const torch::Tensor& dn_sc, int64_t dn_bits,
+                 const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& ks, const torch::Tensor& vs) {
+    const int64_t qkv_n = (H_ + 2 * KVH_) * D_;
+    // shape checks happen here, once, so that step() can use raw pointers
+    make_qw(qkv_qs, qkv_sc, qkv_bits, qkv_n);
+    make_qw(o_qs, o_sc, o_bits, hidden_);
+    make_qw(gu_qs, gu_sc, gu_bits, 2 * inter_);
+    make_qw(dn_qs, dn_sc, dn_bits, hidden_);
+    TORCH_CHECK(qkv_qs.size(1) * QK == hidden_ && o_qs.size(1) * QK == H_ * D_ && gu_qs.size(1) * QK == hidden_ &&
+                    dn_qs.size(1) * QK == inter_, "DecodeModel: weight input sizes do not match the model");
+    TORCH_CHECK(ln1.scalar_type() == at::kFloat && ln1.numel() == hidden_ && ln1.is_contiguous() &&
+                    ln2.scalar_type() == at::kFloat && ln2.numel() == hidden_ && ln2.is_contiguous(),
+                "DecodeModel: norms must be contiguous float32 (hidden,)");
+    TORCH_CHECK(!qkv_bias.defined() || qkv_bias.numel() == 0 ||
+                    (qkv_bias.numel() == qkv_n && qkv_bias.scalar_type() == at::kFloat && qkv_bias.is_contiguous()),
+                "DecodeModel: qkv bias must be float32 (q+k+v outputs,)");
+    const at::ScalarType want[] = {at::kFloat, at::kBFloat16, at::kHalf, at::kChar, at::kByte};
+    TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.dim() == 4 && k.sizes() == v.sizes() &&
+                    k.size(2) == KVH_ && k.size(3) == D_ && k.scalar_type() == want[kind_] &&
+                    v.scalar_type() == want[kind_], "DecodeModel: KV cache shape or dtype does not match");
+    if (kind_ == KV_I8 || kind_ == KV_FP8)
+      TORCH_CHECK(ks.defined() && ks.scalar_type() == at::kHalf && ks.is_contiguous() && vs.is_contiguous() &&
+                      ks.numel() == k.numel() / D_ && vs.sizes() == ks.sizes(),
+                  "DecodeModel: quantized KV needs float16 scales (blocks, block_size, kv_heads)");
+    layers_.push_back({ln1, ln2, qkv_bias.defined() && qkv_bias.numel() ? qkv_bias : torch::Tensor(), qkv_qs, qkv_sc,
+                       o_qs, o_sc, gu_qs, gu_sc, dn_qs, dn_sc, qkv_bits, o_bits, gu_bits, dn_bits, k, v, ks, vs});
+  }
+
+  // x (B, hidden) float32, updated in place: every layer applied to one new token per sequence.
+  // cos, sin (B, D) float32 for the tokens' positions; slots (B,) int64; block_tables (B, W) int64;
+  // context_lens (B,) int64 (including the new token).
+  void step(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
+            const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, int64_t split_blocks) {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                "DecodeModel.step: x must be contiguous float32 (B, hidden)");
+    const int64_t B = x.size(0);
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                    sin.scalar_type() == at::kFloat && cos.numel() == B * D_ && sin.numel() == B * D_,
+                "DecodeModel.step: cos and sin must be contiguous float32 (B, head_dim)");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == B && block_tables.scalar_type() == at::kLong &&
+                    block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.is_contiguous() &&
+                    context_lens.scalar_type() == at::kLong && context_lens.numel() == B &&
+                    context_lens.is_contiguous() && slots.is_contiguous(),
+                "DecodeModel.step: slots (B,), block_tables (B, W), context_lens (B,) int64 contiguous");
+    if (layers_.empty() || B == 0) return;
+    const int64_t BS = layers_[0].k.size(1), W = block_tables.size(1), NB = layers_[0].k.size(0);
+    const int64_t* ctx = context_lens.data_ptr<int64_t>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(ctx[b] >= 1 && ctx[b] <= W * BS, "DecodeModel.step: context length ", ctx[b], " of row ", b,
+                  " outside its block table");
+      TORCH_CHECK(sl[b] >= 0 && sl[b] < NB * BS, "DecodeModel.step: slot ", sl[b], " outside the cache");
+    }
+    const int64_t qn = H_ * D_, kvn = KVH_ * D_, qkv_n = qn + 2 * kvn;
+    h_.resize(B * hidden_);
+    qkv_.resize(B * qkv_n);
+    att_.resize(B * qn);
+    gu_.resize(B * 2 * inter_);
+    act_.resize(B * inter_);
+    y_.resize(B * hidden_);
+    float* xp = x.data_ptr<float>();
+    const float* cs = cos.data_ptr<float>();
+    const float* sn = sin.data_ptr<float>();
+    const float fscale = static_cast<float>(scale);
+    for (const DecodeLayer& L : layers_) {
+      rmsnorm_rows(xp, L.ln1.data_ptr<float>(), B, hidden_, eps_, h_.data());
+      qmm_raw(h_.data(), B, make_qw(L.qkv_qs, L.qkv_sc, L.qkv_bits, qkv_n), qkv_.data());
+      const bool quant = kind_ == KV_I8 || kind_ == KV_FP8;
+      for (int64_t b = 0; b < B; ++b) {
+        float* row = qkv_.data() + b * qkv_n;
+        if (L.qkv_bias.defined()) {
+          const float* bias = L.qkv_bias.data_ptr<float>();
+          for (int64_t i = 0; i < qkv_n; ++i) row[i] += bias[i];
+        }
+        rope_heads(row, H_ + KVH_, D_, cs + b * D_, sn + b * D_);  // q and k heads are adjacent
+        for (int64_t i = 0; i < qn; ++i) row[i] *= fscale;         // the softmax scale, folded into q
+        store_token(row + qn, KVH_, D_, L.k.data_ptr(), quant ? reinterpret_cast<uint16_t*>(L.ks.data_ptr<at::Half>()) : nullptr,
+                    sl[b], kind_);
+        store_token(row + qn + kvn, KVH_, D_, L.v.data_ptr(), quant ? reinterpret_cast<uint16_t*>(L.vs.data_ptr<at::Half>()) : nullptr,
+                    sl[b], kind_);
+      }
+      // attention reads q as (B, H, D): gather the q parts of the qkv rows
+      qbuf_.resize(B * qn);
+      for (int64_t b = 0; b < B; ++b) std::memcpy(qbuf_.data() + b * qn, qkv_.data() + b * qkv_n, qn * sizeof(float));
+      AttnArgs a{qbuf_.data(), L.k.data_ptr(), L.v.data_ptr(),
+                 quant ? reinterpret_cast<const uint16_t*>(L.ks.data_ptr<at::Half>()) : nullptr,
+                 quant ? reinterpret_cast<const uint16_t*>(L.vs.data_ptr<at::Half>()) : nullptr,
+                 block_tables.data_ptr<int64_t>(), ctx, kind_, H_, KVH_, D_, BS, W, H_ / KVH_};
+      attention_raw(a, B, split_blocks, att_.data());
+      qmm_raw(att_.data(), B, make_qw(L.o_qs, L.o_sc, L.o_bits, hidden_), y_.data());
+      for (int64_t i = 0; i < B * hidden_; ++i) xp[i] += y_[i];
+      rmsnorm_rows(xp, L.ln2.data_ptr<float>(), B, hidden_, eps_, h_.data());
+      qmm_raw(h_.data(), B, make_qw(L.gu_qs, L.gu_sc, L.gu_bits, 2 * inter_), gu_.data());
+      for (int64_t b = 0; b < B; ++b) {
+        const float* g = gu_.data() + b * 2 * inter_;
+        const float* u = g + inter_;
+        float* o = act_.data() + b * inter_;
+        for (int64_t i = 0; i < inter_; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];  // SiLU(gate) * up
+      }
+      qmm_raw(act_.data(), B, make_qw(L.dn_qs, L.dn_sc, L.dn_bits, hidden_), y_.data());
+      for (int64_t i = 0; i < B * hidden_; ++i) xp[i] += y_[i];
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  int64_t hidden_, inter_, H_, KVH_, D_;
+  float eps_;
+  int64_t kind_;
+  std::vector<DecodeLayer> layers_;
+  std::vector<float> h_, qkv_, att_, qbuf_, gu_, act_, y_;
+};
 
 }  // namespace
 
@@ -611,4 +842,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention read in place (see the file header)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_scale"), py::arg("v_scale"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("kind"), py::arg("split_blocks"));
+  py::class_<DecodeModel>(m, "DecodeModel", "a whole decode step over packed weights (kvkeeper.model.fused_decode)")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("hidden"),
+           py::arg("inter"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("kind"))
+      .def("add_layer", &DecodeModel::add_layer)
+      .def("step", &DecodeModel::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
+           py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("split_blocks"))
+      .def("num_layers", &DecodeModel::num_layers);
 }

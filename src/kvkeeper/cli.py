@@ -78,6 +78,10 @@ def _engine_parent() -> argparse.ArgumentParser:
                    help="dummy: random weights for --model = a shipped config name (llama-3.1-8b, llama-3-8b, "
                         "qwen2.5-7b) or a config.json path, to measure speed without weight files")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
+    g.add_argument("--quantization", default=None, metavar="{auto,none,gguf,int8,int4}",
+                   help="weight format: none = float32 (exact), gguf = the GGUF file's Q4_0/Q4_1/Q8_0 blocks computed "
+                        "in place, int8 / int4 = round-to-nearest groups of 32 (default: auto, the fastest format "
+                        "meeting the quality bar for the file: gguf for the embedded model)")
     g.add_argument("--kv-dtype", choices=["fp32", "bf16", "fp16", "int8", "fp8"], default=None,
                    help="KV cache storage; int8 and fp8 (e4m3) are quantized per token and KV head "
                         "(default: the --dtype)")
@@ -278,6 +282,8 @@ def _load_engine(args: argparse.Namespace):
         kw["num_threads"] = args.threads
     if args.kv_dtype is not None:
         kw["kv_dtype"] = args.kv_dtype
+    if getattr(args, "quantization", None) is not None:
+        kw["quantization"] = args.quantization
     if getattr(args, "data_dir", None) is not None:
         kw["data_dir"] = args.data_dir
     if getattr(args, "host_offload_bytes", None) is not None:
@@ -288,7 +294,8 @@ def _load_engine(args: argparse.Namespace):
     # Keep stdout clean for results: anything a library prints while loading goes to stderr.
     with _err_console().status(f"loading {args.model} ..."), contextlib.redirect_stdout(sys.stderr):
         engine = LLMEngine(args.model, **kw)
-    _stderr(f"loaded {engine.model_name} ({str(engine.runner.dtype).removeprefix('torch.')} on {engine.runner.device}, KV {engine.runner.kv_format.name} at "
+    _stderr(f"loaded {engine.model_name} ({str(engine.runner.dtype).removeprefix('torch.')} on {engine.runner.device}, "
+            f"weights {engine.runner.weight_description}, KV {engine.runner.kv_format.name} at "
             f"{engine.kv_bytes_per_token:,} bytes/token, {engine.pool.num_blocks} KV blocks of {engine.block_size} "
             f"tokens, context {engine.context_length}) in {time.perf_counter() - t0:.1f} s")
     return engine

@@ -521,6 +521,7 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "sessions": len(self.sessions),
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "weight_format": self.runner.weight_format,
             "offload": self.offload_store.stats(),
             **self.auditor.stats(),
         }

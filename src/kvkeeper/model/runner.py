@@ -18,6 +18,7 @@ from .attention_backend import resolve_attention_backend, triton_available  # no
 from .attn_meta import AttentionMetadata, PrefillSpan
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs
+from .fused_decode import FusedDecode
 from .llama import LlamaForCausalLM, skip_init
 from .quant_weights import prepare_weights
 
@@ -86,6 +87,9 @@ class ModelRunner:
         self.graphs = None  # a cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
         self.kv_caches = [PagedKV(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.device,
                                   layer_idx=i) for i in range(cfg.num_layers)]
+        # one C++ call per decode step when the weights are packed (kvkeeper.model.fused_decode)
+        self.fused_decode = (FusedDecode.build(self.model, self.kv_caches)
+                             if self.attention_backend == "cpu" and self.weight_format != "none" else None)
 
     def _check_kernels(self) -> None:
         """Compare the kernels with the PyTorch path on a small step of this model's shapes; on an error or a
@@ -179,7 +183,10 @@ class ModelRunner:
                                             meta.decode_block_tables, meta.decode_context_lens)
                 return logits, seqs
             self.graphs.eager_steps += 1
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.fused_decode is not None and meta.backend == "cpu" and meta.decode_only:
+            hidden = self.fused_decode(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not rows:
             return None, []
         h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device))
