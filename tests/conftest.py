@@ -4,6 +4,9 @@ from pathlib import Path
 
 # KV integrity validators before every engine step in every test (and in servers the tests start)
 os.environ.setdefault("KVKEEPER_VALIDATE", "1")
+# float32 weights (the exact path, the parity reference) for every engine, server and CLI run that does not name a
+# --quantization; tests of the quantized formats pass theirs (tests/test_quant_engine.py)
+os.environ.setdefault("KVKEEPER_QUANTIZATION", "none")
 
 import pytest
 

@@ -27,7 +27,7 @@ TEXT_B = ("A small bakery on the corner sold bread, pastries and cakes to the pe
 def eng():
     """SmolLM2 fp32 with every request audited; validators off (the fault tests corrupt the cache on purpose,
     each in its own namespace); the clean-run test turns them back on."""
-    return LLMEngine(num_kv_blocks=320, audit_fraction=1.0, validate_every=0)
+    return LLMEngine(num_kv_blocks=320, audit_fraction=1.0, validate_every=0, quantization="none")
 
 
 def _report(eng, request_id):

@@ -11,8 +11,11 @@ the rounding of :meth:`kvkeeper.kvcache.quant.PagedKV.write`, decode attention r
 (:mod:`kvkeeper.model.cpu_attention`), the output projection, RMSNorm, gate/up, SiLU(gate) * up, down,
 residual adds.  The embedding lookup, final norm and LM head stay in Python (one call each).
 
-Differences from the layer-by-layer path are float32 rounding only (RMSNorm sums squares in float64 here,
-SiLU uses ``exp``); tests compare the two.  ``KVKEEPER_FUSED_DECODE=0`` turns it off.
+The layer-by-layer path of such a model calls the same C++ routines for RMSNorm, RoPE and SiLU(gate) * up
+(:meth:`kvkeeper.model.llama.LlamaForCausalLM.use_cpu_kernels`), the same block matmul and the same decode
+attention, so a decode token's result is identical bit for bit on both paths (tested): whether a step runs
+fused (decode only) or layer by layer (mixed with a prefill) does not change any output.
+``KVKEEPER_FUSED_DECODE=0`` turns the fused step off.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class FusedDecode:
     def __init__(self, model: LlamaForCausalLM, kv_caches, mod):
         cfg = model.config
         self.model = model
+        self.kernels = mod
         self.scale = cfg.head_dim**-0.5
         kind = _KIND[kv_caches[0].k.dtype]
         self.dm = mod.DecodeModel(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,

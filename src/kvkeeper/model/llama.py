@@ -24,12 +24,16 @@ from .rope import RotaryEmbedding, apply_rope
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich, 2019), computed in float32 like transformers."""
 
+    kernels = None  # the C++ kernels module when the model's weights are packed (see use_cpu_kernels)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rmsnorm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
@@ -69,6 +73,8 @@ class Linear(nn.Linear):
 class Attention(nn.Module):
     """Grouped-query attention (Ainslie et al., 2023) with one fused q/k/v projection."""
 
+    kernels = None  # see LlamaForCausalLM.use_cpu_kernels
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -80,15 +86,25 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), *cos_sin)
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), *cos_sin)
+        qkv = self.qkv_proj(x)
+        if self.kernels is not None:  # RoPE in place on the q and k heads, the fused decode step's routine
+            cos, sin = cos_sin
+            self.kernels.rope_qk(qkv, cos.view(T, -1), sin.view(T, -1), self.num_heads + self.num_kv_heads,
+                                 self.head_dim)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(T, self.num_heads, self.head_dim), *cos_sin)
+            k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), *cos_sin)
         o = paged_attention(q, k, v.view(T, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, -1))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward (Shazeer, 2020) with one fused gate/up projection."""
+
+    kernels = None  # see LlamaForCausalLM.use_cpu_kernels
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -97,6 +113,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -217,6 +235,15 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, cos_sin, kv, meta)
         return self.model.norm(x)
+
+    def use_cpu_kernels(self, kernels) -> None:
+        """Compute RMSNorm, RoPE and SiLU(gate) * up with the C++ routines of the fused decode step
+        (:mod:`kvkeeper.model.fused_decode`), so that a decode token's result is the same bit for bit whether its
+        step runs fused or layer by layer (mixed with a prefill).  For packed (quantized) float32 models on CPU;
+        the float32 reference path keeps PyTorch's operators."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.kernels = kernels
 
     def add_transposed_copies(self) -> None:
         """Keep a transposed copy of every projection and of the LM head (CPU decode speed; ~2x weight memory)."""

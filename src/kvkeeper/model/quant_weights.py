@@ -25,6 +25,7 @@ perplexity and greedy agreement against ``none``), else ``none``.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +56,8 @@ def resolve_quantization(requested: str | None, *, source: str, gguf_types: set[
     """The weight format to run: ``requested`` checked against the model file, or the default.
 
     source: "gguf" (a GGUF file; gguf_types: the tensor types of its projection matrices), "hf" (a Hugging
-    Face folder) or "dummy" (random weights).  Default (``requested`` None or "auto"): "gguf" for a GGUF
+    Face folder) or "dummy" (random weights).  ``requested`` None takes ``$KVKEEPER_QUANTIZATION`` when set
+    (the test suite sets "none" there).  Default (``requested`` None or "auto"): "gguf" for a GGUF
     file whose projection matrices are all Q4_0/Q4_1/Q8_0, on CPU in float32, when the kernels load;
     otherwise "none".  An explicit quantized format whose kernels do not load falls back to "none" with a
     logged warning (the model still runs, at float32 speed).
@@ -65,6 +67,8 @@ def resolve_quantization(requested: str | None, *, source: str, gguf_types: set[
     """
     dev = torch.device(device)
     supported = supported_formats(source)
+    if requested is None:
+        requested = os.environ.get("KVKEEPER_QUANTIZATION") or None
     if requested is None or str(requested).lower() == "auto":
         if (source == "gguf" and gguf_types and set(gguf_types) <= set(GGUF_IN_PLACE) and dev.type == "cpu"
                 and dtype == torch.float32 and cpu_kernels.available()):

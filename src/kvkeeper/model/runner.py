@@ -87,9 +87,12 @@ class ModelRunner:
         self.graphs = None  # a cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
         self.kv_caches = [PagedKV(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.device,
                                   layer_idx=i) for i in range(cfg.num_layers)]
-        # one C++ call per decode step when the weights are packed (kvkeeper.model.fused_decode)
+        # one C++ call per decode step when the weights are packed (kvkeeper.model.fused_decode); the
+        # layer-by-layer path then uses the same C++ element-wise routines
         self.fused_decode = (FusedDecode.build(self.model, self.kv_caches)
                              if self.attention_backend == "cpu" and self.weight_format != "none" else None)
+        if self.fused_decode is not None:
+            self.model.use_cpu_kernels(self.fused_decode.kernels)
 
     def _check_kernels(self) -> None:
         """Compare the kernels with the PyTorch path on a small step of this model's shapes; on an error or a
