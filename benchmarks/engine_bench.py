@@ -863,7 +863,8 @@ def argmax_all_positions(engine: LLMEngine, ids: list[int]) -> list[int]:
 
 
 def single_decode_tok_s(engine: LLMEngine, ids: list[int], n: int) -> float | None:
-    engine.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True), namespace=engine.isolated_namespace("w"))
+    for _ in range(2):  # warm-up (the first steps after a load run slower)
+        engine.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True), namespace=engine.isolated_namespace("w"))
     o = engine.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True),
                         namespace=engine.isolated_namespace("fmt"))[0]
     return o.decode_tok_per_s

@@ -79,24 +79,47 @@ void set_isa(const std::string& name) {
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
 // ---------------------------------------------------------------------------------------------------
-// 1. activation quantization (Q8_1 style: per row and block of 32, int8 with scale and scaled sum)
+// 1. activation quantization, per row and block of 32: x ~= dx * q with q = round(x / dx) integer and
+//    sx = dx * sum(q) (llama.cpp's Q8_1 keeps that scaled sum too).  16-bit (default): dx = max|x| / 32639 and
+//    q = 256 * q_hi + q_lo with q_hi = floor(q / 256 + 1/2) in [-127, 127] and q_lo in [-128, 127], both int8, so
+//    the u8 x s8 dot products (VPDPBUSD) run twice per block and sum(u q) = 256 sum(u q_hi) + sum(u q_lo) exactly.
+//    8-bit: dx = max|x| / 127, q_hi = q, no q_lo (llama.cpp's precision: faster, less exact).
+//    Layout: a row of xq holds K bytes of q_hi then, in 16-bit mode, K bytes of q_lo.
 // ---------------------------------------------------------------------------------------------------
 constexpr int QK = 32;
+constexpr float Q16MAX = 32639.f;  // 127 * 257: q_hi stays within int8
+bool g_act16 = true;
+
+int activation_bits() { return g_act16 ? 16 : 8; }
+
+void set_activation_bits(int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits);
+  g_act16 = bits == 16;
+}
+
+inline int64_t xq_stride(int64_t K) { return g_act16 ? 2 * K : K; }
 
 void quantize_rows_generic(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
-  const int64_t nb = K / QK;
+  const int64_t nb = K / QK, xs = xq_stride(K);
+  const float qmax = g_act16 ? Q16MAX : 127.f;
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * K + b * QK;
       float amax = 0.f;
       for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / 127.f;
+      const float d = amax / qmax;
       const float id = d != 0.f ? 1.f / d : 0.f;
       int sum = 0;
       for (int i = 0; i < QK; ++i) {
         const int q = static_cast<int>(std::nearbyint(xb[i] * id));  // round half to even, as cvtps2dq
-        xq[r * K + b * QK + i] = static_cast<int8_t>(q);
         sum += q;
+        if (g_act16) {
+          const int hi = (q + 128) >> 8;  // floor((q + 128) / 256): arithmetic shift
+          xq[r * xs + b * QK + i] = static_cast<int8_t>(hi);
+          xq[r * xs + K + b * QK + i] = static_cast<int8_t>(q - 256 * hi);
+        } else {
+          xq[r * xs + b * QK + i] = static_cast<int8_t>(q);
+        }
       }
       dx[r * nb + b] = d;
       sx[r * nb + b] = d * static_cast<float>(sum);
@@ -105,8 +128,10 @@ void quantize_rows_generic(const float* x, int64_t M, int64_t K, int8_t* xq, flo
 }
 
 KVK_AVX512 void quantize_rows_avx512(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
-  const int64_t nb = K / QK;
+  const int64_t nb = K / QK, xs = xq_stride(K);
+  const float qmax = g_act16 ? Q16MAX : 127.f;
   const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512i c128 = _mm512_set1_epi32(128);
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * K + b * QK;
@@ -114,13 +139,25 @@ KVK_AVX512 void quantize_rows_avx512(const float* x, int64_t M, int64_t K, int8_
       const __m512 c = _mm512_loadu_ps(xb + 16);
       const __m512 amaxv = _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, c));
       const float amax = _mm512_reduce_max_ps(amaxv);
-      const float d = amax / 127.f;
+      const float d = amax / qmax;
       const float id = d != 0.f ? 1.f / d : 0.f;
       const __m512 idv = _mm512_set1_ps(id);
       const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, idv));  // MXCSR default: round half to even
       const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, idv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * K + b * QK), _mm512_cvtepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * K + b * QK + 16), _mm512_cvtepi32_epi8(qc));
+      int8_t* dst = xq + r * xs + b * QK;
+      if (g_act16) {
+        const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, c128), 8);
+        const __m512i hc = _mm512_srai_epi32(_mm512_add_epi32(qc, c128), 8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(ha));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(hc));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + K),
+                         _mm512_cvtepi32_epi8(_mm512_sub_epi32(qa, _mm512_slli_epi32(ha, 8))));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + K + 16),
+                         _mm512_cvtepi32_epi8(_mm512_sub_epi32(qc, _mm512_slli_epi32(hc, 8))));
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qc));
+      }
       const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
       dx[r * nb + b] = d;
       sx[r * nb + b] = d * static_cast<float>(sum);
@@ -148,15 +185,21 @@ void qmm_group_generic(const uint8_t* qs, const uint16_t* sc, int64_t nb, const 
                        const float* sx, int64_t M, int64_t K, float* y, int64_t N, int64_t n0) {
   constexpr int BYTES = BITS == 4 ? 256 : 512;
   const int rows = static_cast<int>(std::min<int64_t>(16, N - n0));
+  const int64_t xs = xq_stride(K);
   for (int64_t r = 0; r < M; ++r) {
     float acc[16] = {0};
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = qs + b * BYTES;
       const uint16_t* s = sc + b * 32;
-      const int8_t* xb = xq + r * K + b * QK;
+      const int8_t* xb = xq + r * xs + b * QK;
       for (int i = 0; i < 16; ++i) {
         int isum = 0;
         for (int k = 0; k < QK; ++k) isum += code_at<BITS>(blk, i, k) * static_cast<int>(xb[k]);
+        if (g_act16) {
+          int lo = 0;
+          for (int k = 0; k < QK; ++k) lo += code_at<BITS>(blk, i, k) * static_cast<int>(xb[K + k]);
+          isum = isum * 256 + lo;
+        }
         const float dw = half_to_float(s[i]), mw = half_to_float(s[16 + i]);
         acc[i] = std::fma(static_cast<float>(isum), dw * dx[r * nb + b], acc[i]);
         acc[i] = std::fma(mw, sx[r * nb + b], acc[i]);
@@ -166,10 +209,11 @@ void qmm_group_generic(const uint8_t* qs, const uint16_t* sc, int64_t nb, const 
   }
 }
 
-template <int BITS, int MT>
+template <int BITS, int MT, bool A16>
 KVK_AVX512 inline void qmm_tile_avx512(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* xq,
                                        const float* dx, const float* sx, int64_t K, float* y, int64_t N,
                                        int64_t n0, __mmask16 mask) {
+  const int64_t xs = A16 ? 2 * K : K;
   constexpr int BYTES = BITS == 4 ? 256 : 512;
   __m512 acc[MT];
 #pragma GCC unroll 8
@@ -193,10 +237,17 @@ KVK_AVX512 inline void qmm_tile_avx512(const uint8_t* qs, const uint16_t* sc, in
     const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b * 32 + 16)));
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
-      const int32_t* xb = reinterpret_cast<const int32_t*>(xq + m * K + b * QK);
+      const int32_t* xb = reinterpret_cast<const int32_t*>(xq + m * xs + b * QK);
       __m512i is = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) is = _mm512_dpbusd_epi32(is, w[j], _mm512_set1_epi32(xb[j]));
+      if (A16) {
+        const int32_t* xl = reinterpret_cast<const int32_t*>(xq + m * xs + K + b * QK);
+        __m512i il = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) il = _mm512_dpbusd_epi32(il, w[j], _mm512_set1_epi32(xl[j]));
+        is = _mm512_add_epi32(_mm512_slli_epi32(is, 8), il);
+      }
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(dw, _mm512_set1_ps(dx[m * nb + b])), acc[m]);
       acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[m * nb + b]), acc[m]);
     }
@@ -205,29 +256,31 @@ KVK_AVX512 inline void qmm_tile_avx512(const uint8_t* qs, const uint16_t* sc, in
   for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(y + m * N + n0, mask, acc[m]);
 }
 
-template <int BITS>
+template <int BITS, bool A16>
 KVK_AVX512 void qmm_group_avx512(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* xq,
                                  const float* dx, const float* sx, int64_t M, int64_t K, float* y, int64_t N,
                                  int64_t n0) {
   const int rows = static_cast<int>(std::min<int64_t>(16, N - n0));
   const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1u);
+  const int64_t xs = A16 ? 2 * K : K;
+  constexpr int MT = A16 ? 6 : 8;  // rows per tile: the 16-bit mode keeps two int32 sums per row live
   int64_t r = 0;
-  for (; r + 8 <= M; r += 8)
-    qmm_tile_avx512<BITS, 8>(qs, sc, nb, xq + r * K, dx + r * nb, sx + r * nb, K, y + r * N, N, n0, mask);
+  for (; r + MT <= M; r += MT)
+    qmm_tile_avx512<BITS, MT, A16>(qs, sc, nb, xq + r * xs, dx + r * nb, sx + r * nb, K, y + r * N, N, n0, mask);
   const int64_t rem = M - r;
-  const int8_t* xr = xq + r * K;
+  const int8_t* xr = xq + r * xs;
   const float* dr = dx + r * nb;
   const float* sr = sx + r * nb;
   float* yr = y + r * N;
   switch (rem) {
     case 0: break;
-    case 1: qmm_tile_avx512<BITS, 1>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
-    case 2: qmm_tile_avx512<BITS, 2>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
-    case 3: qmm_tile_avx512<BITS, 3>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
-    case 4: qmm_tile_avx512<BITS, 4>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
-    case 5: qmm_tile_avx512<BITS, 5>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
-    case 6: qmm_tile_avx512<BITS, 6>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
-    default: qmm_tile_avx512<BITS, 7>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
+    case 1: qmm_tile_avx512<BITS, 1, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
+    case 2: qmm_tile_avx512<BITS, 2, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
+    case 3: qmm_tile_avx512<BITS, 3, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
+    case 4: qmm_tile_avx512<BITS, 4, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
+    case 5: qmm_tile_avx512<BITS, 5, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
+    case 6: qmm_tile_avx512<BITS, 6, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
+    default: qmm_tile_avx512<BITS, 7, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, mask); break;
   }
 }
 
@@ -267,7 +320,7 @@ void qmm_raw(const float* x, int64_t M, const QW& w, float* y) {
   if (M == 0) return;
   const int64_t K = w.k, nb = K / QK, N = w.n;
   auto& s = act_scratch();
-  s.xq.resize(M * K);
+  s.xq.resize(M * xq_stride(K));
   s.dx.resize(M * nb);
   s.sx.resize(M * nb);
   const bool fast = use_avx512();
@@ -282,15 +335,22 @@ void qmm_raw(const float* x, int64_t M, const QW& w, float* y) {
   const uint8_t* q = w.qs;
   const uint16_t* scp = w.sc;
   const int64_t bits = w.bits;
+  const bool a16 = g_act16;
   // grain: enough work per task that small products stay on one thread
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, M * nb));
   at::parallel_for(0, w.groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       if (fast) {
-        if (bits == 4)
-          qmm_group_avx512<4>(q + g * qstride, scp + g * sstride, nb, xq, dx, sx, M, K, y, N, 16 * g);
+        const uint8_t* qg = q + g * qstride;
+        const uint16_t* sg = scp + g * sstride;
+        if (bits == 4 && a16)
+          qmm_group_avx512<4, true>(qg, sg, nb, xq, dx, sx, M, K, y, N, 16 * g);
+        else if (bits == 4)
+          qmm_group_avx512<4, false>(qg, sg, nb, xq, dx, sx, M, K, y, N, 16 * g);
+        else if (a16)
+          qmm_group_avx512<8, true>(qg, sg, nb, xq, dx, sx, M, K, y, N, 16 * g);
         else
-          qmm_group_avx512<8>(q + g * qstride, scp + g * sstride, nb, xq, dx, sx, M, K, y, N, 16 * g);
+          qmm_group_avx512<8, false>(qg, sg, nb, xq, dx, sx, M, K, y, N, 16 * g);
       } else {
         if (bits == 4)
           qmm_group_generic<4>(q + g * qstride, scp + g * sstride, nb, xq, dx, sx, M, K, y, N, 16 * g);
@@ -313,19 +373,25 @@ torch::Tensor qmm(const torch::Tensor& x, const torch::Tensor& qs, const torch::
   return y;
 }
 
-// The activation quantization alone (tests): x (M, K) float32 -> (q int8 (M, K), dx (M, K/32), sx (M, K/32)).
+// The activation quantization alone (tests): x (M, K) float32 -> (q (M, K) int32, dx (M, K/32), sx (M, K/32)),
+// q the integer code of each element (q_hi * 256 + q_lo in 16-bit mode) so that x ~= dx * q.
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % QK == 0,
               "quantize_activations: x must be (M, K) float32 with K a multiple of 32");
   const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), nb = K / QK;
-  auto q = torch::empty({M, K}, x.options().dtype(at::kChar));
+  const int64_t M = xc.size(0), K = xc.size(1), nb = K / QK, xs = xq_stride(K);
+  std::vector<int8_t> raw(M * xs);
   auto d = torch::empty({M, nb}, x.options());
   auto s = torch::empty({M, nb}, x.options());
   if (use_avx512())
-    quantize_rows_avx512(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+    quantize_rows_avx512(xc.data_ptr<float>(), M, K, raw.data(), d.data_ptr<float>(), s.data_ptr<float>());
   else
-    quantize_rows_generic(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+    quantize_rows_generic(xc.data_ptr<float>(), M, K, raw.data(), d.data_ptr<float>(), s.data_ptr<float>());
+  auto q = torch::empty({M, K}, x.options().dtype(at::kInt));
+  int32_t* qp = q.data_ptr<int32_t>();
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t k = 0; k < K; ++k)
+      qp[r * K + k] = g_act16 ? 256 * raw[r * xs + k] + raw[r * xs + K + k] : raw[r * xs + k];
   return {q, d, s};
 }
 
@@ -916,7 +982,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_has_avx512", &cpu_has_avx512, "whether this CPU has AVX-512 F/BW/VL/DQ + VNNI + F16C + FMA");
   m.def("qmm", &qmm, "y (M, N) float32 = x (M, K) float32 @ W^T over interleaved 4-/8-bit blocks",
         py::arg("x"), py::arg("qs"), py::arg("sc"), py::arg("bits"), py::arg("n"));
-  m.def("quantize_activations", &quantize_activations, "x (M, K) float32 -> (int8 (M, K), dx, sx (M, K/32))");
+  m.def("quantize_activations", &quantize_activations, "x (M, K) float32 -> (codes int32 (M, K), dx, sx (M, K/32))");
+  m.def("activation_bits", &activation_bits, "bits of the activation codes in qmm: 16 (default) or 8");
+  m.def("set_activation_bits", &set_activation_bits, "16 (default) or 8: llama.cpp's Q8_1 precision (measurements)");
   m.def("rmsnorm", &rmsnorm, "RMSNorm of x (..., N) float32 by w (N,) (the fused step's routine)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of gate_up (M, 2I) float32 -> (M, I)");
   m.def("rope_qk", &rope_qk, "RoPE in place on the first heads of qkv (T, ...) float32, cos/sin (T, D)");
