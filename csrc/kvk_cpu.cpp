@@ -33,6 +33,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -700,6 +701,266 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
 }
 
 // ---------------------------------------------------------------------------------------------------
+// 2b. paged prefill ("extend") attention: several new tokens of a sequence over its cached plus new K/V, causal,
+//     read from the blocks in place.  FlashAttention-2 style tiling (Dao, 2023) laid out for AVX-512: a tile is
+//     16 consecutive query tokens of one sequence and all G query heads of one KV head; scores are kept
+//     transposed (one 16-lane vector over the tile's queries per key), so the softmax's maxima and sums are
+//     vertical operations, and every key and value element is broadcast once for the G heads.
+// ---------------------------------------------------------------------------------------------------
+struct ExtendItem {
+  int64_t span, h, i0;  // sequence span, KV head, first query of the tile (index within the span)
+};
+
+struct ExtendArgs {
+  const float* q;       // (T, H, D) float32, not scaled
+  float* out;           // (T, H, D) float32
+  const void* k;        // (NB, BS, KVH, D)
+  const void* v;
+  const uint16_t* ks;   // (NB, BS, KVH) float16 or null
+  const uint16_t* vs;
+  const int64_t* starts;    // (S,) first packed token of each span
+  const int64_t* qlens;     // (S,)
+  const int64_t* ctxs;      // (S,) KV length after the step
+  const int64_t* bt;        // (S, W) block tables
+  int64_t W, kind, H, KVH, D, BS, G;
+  float scale;
+};
+
+// Convert n tokens (from slot `slot0` on, within one block) of KV head h to float32 rows (n, D), scaled.
+KVK_AVX512 inline void kv_rows_to_f32(const void* base, const uint16_t* scales, int64_t kind, int64_t slot0,
+                                      int64_t n, int64_t KVH, int64_t h, int64_t D, float* dst) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t row = (slot0 + t) * KVH + h;
+    const __m512 sc = _mm512_set1_ps(scales ? half_to_float(scales[row]) : 1.f);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(dst + t * D + d, _mm512_mul_ps(load16(base, row * D + d, kind), sc));
+  }
+}
+
+template <int G_, int DV>
+KVK_AVX512 void extend_item_avx512(const ExtendArgs& a, const ExtendItem& it) {
+  constexpr int D = 16 * DV;
+  const int64_t G = G_, H = a.H, KVH = a.KVH, BS = a.BS;
+  const int64_t qlen = a.qlens[it.span], ctx = a.ctxs[it.span], start = a.starts[it.span];
+  const int64_t nq = std::min<int64_t>(16, qlen - it.i0);      // queries in this tile
+  const int64_t qpos0 = ctx - qlen + it.i0;                    // position of the tile's first query
+  const int64_t kend = qpos0 + nq;                             // keys [0, kend) are visible to some query
+  const __mmask16 qmask = static_cast<__mmask16>((1u << nq) - 1u);
+  alignas(64) float Qt[G_][D][16];   // transposed, scaled queries
+  alignas(64) float Ot[G_][D][16];   // transposed unnormalized outputs
+  alignas(64) float Kf[16][D];
+  alignas(64) float Vf[16][D];
+  alignas(64) float P[G_][16][16];   // per head, per key: probabilities over the tile's queries
+  for (int g = 0; g < G_; ++g) {
+    for (int64_t j = 0; j < 16; ++j) {
+      const float* src = a.q + ((start + it.i0 + std::min<int64_t>(j, nq - 1)) * H + it.h * G + g) * D;
+      for (int d = 0; d < D; ++d) Qt[g][d][j] = src[d] * a.scale;
+    }
+    for (int d = 0; d < D; ++d) _mm512_store_ps(Ot[g][d], _mm512_setzero_ps());
+  }
+  __m512 m[G_], l[G_];
+  for (int g = 0; g < G_; ++g) {
+    m[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    l[g] = _mm512_setzero_ps();
+  }
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i qposv = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(qpos0)), lane);
+  const int64_t* bt = a.bt + it.span * a.W;
+  for (int64_t k0 = 0; k0 < kend; k0 += 16) {
+    // 16 keys (or fewer) from one or two blocks
+    const int64_t n = std::min<int64_t>(16, kend - k0);
+    for (int64_t t = 0; t < n;) {
+      const int64_t pos = k0 + t, blk = pos / BS, off = pos % BS;
+      const int64_t take = std::min<int64_t>(n - t, BS - off);
+      const int64_t slot = bt[blk] * BS + off;
+      kv_rows_to_f32(a.k, a.ks, a.kind, slot, take, KVH, it.h, D, &Kf[t][0]);
+      kv_rows_to_f32(a.v, a.vs, a.kind, slot, take, KVH, it.h, D, &Vf[t][0]);
+      t += take;
+    }
+    // scores, transposed: S[g][t] = sum_d Qt[g][d] * K[t][d]
+    __m512 S[G_][16];
+    for (int64_t t = 0; t < n; t += 4) {
+      const int nk = static_cast<int>(std::min<int64_t>(4, n - t));
+      __m512 acc[G_][4];
+      for (int g = 0; g < G_; ++g)
+        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int d = 0; d < D; ++d) {
+        __m512 qv[G_];
+        for (int g = 0; g < G_; ++g) qv[g] = _mm512_load_ps(Qt[g][d]);
+        for (int c = 0; c < 4; ++c) {
+          if (c >= nk) break;
+          const __m512 kb = _mm512_set1_ps(Kf[t + c][d]);
+          for (int g = 0; g < G_; ++g) acc[g][c] = _mm512_fmadd_ps(qv[g], kb, acc[g][c]);
+        }
+      }
+      for (int c = 0; c < nk; ++c)
+        for (int g = 0; g < G_; ++g) S[g][t + c] = acc[g][c];
+    }
+    // causal mask (a key at position p is visible to queries at positions >= p) and padding lanes
+    const bool diag = k0 + n - 1 > qpos0;
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < n; ++t) {
+      __mmask16 vis = qmask;
+      if (diag) vis &= _mm512_cmpge_epi32_mask(qposv, _mm512_set1_epi32(static_cast<int>(k0 + t)));
+      for (int g = 0; g < G_; ++g) S[g][t] = _mm512_mask_mov_ps(ninf, vis, S[g][t]);
+    }
+    // online softmax, per query lane
+    for (int g = 0; g < G_; ++g) {
+      __m512 bm = S[g][0];
+      for (int64_t t = 1; t < n; ++t) bm = _mm512_max_ps(bm, S[g][t]);
+      const __m512 mnew = _mm512_max_ps(m[g], bm);
+      // lanes that saw no key yet keep -inf: use 0 there so that exp() gives 0 (not NaN)
+      const __mmask16 live = _mm512_cmp_ps_mask(mnew, ninf, _CMP_NEQ_OQ);
+      const __m512 msafe = _mm512_mask_mov_ps(_mm512_setzero_ps(), live, mnew);
+      const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m[g], ninf, _CMP_NEQ_OQ),
+                                               exp512(_mm512_sub_ps(m[g], msafe)));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < n; ++t) {
+        const __mmask16 vis = _mm512_cmp_ps_mask(S[g][t], ninf, _CMP_NEQ_OQ);
+        const __m512 p = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(S[g][t], msafe)));
+        _mm512_store_ps(P[g][t], p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      l[g] = _mm512_add_ps(_mm512_mul_ps(l[g], alpha), sum);
+      m[g] = mnew;
+      for (int d = 0; d < D; ++d) _mm512_store_ps(Ot[g][d], _mm512_mul_ps(_mm512_load_ps(Ot[g][d]), alpha));
+    }
+    // O[g][d] += sum_t P[g][t] * V[t][d], eight dims at a time
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      __m512 o[G_][8];
+      for (int g = 0; g < G_; ++g)
+        for (int dd = 0; dd < 8; ++dd) o[g][dd] = _mm512_load_ps(Ot[g][d0 + dd]);
+      for (int64_t t = 0; t < n; ++t) {
+        __m512 pv[G_];
+        for (int g = 0; g < G_; ++g) pv[g] = _mm512_load_ps(P[g][t]);
+        for (int dd = 0; dd < 8; ++dd) {
+          const __m512 vb = _mm512_set1_ps(Vf[t][d0 + dd]);
+          for (int g = 0; g < G_; ++g) o[g][dd] = _mm512_fmadd_ps(pv[g], vb, o[g][dd]);
+        }
+      }
+      for (int g = 0; g < G_; ++g)
+        for (int dd = 0; dd < 8; ++dd) _mm512_store_ps(Ot[g][d0 + dd], o[g][dd]);
+    }
+  }
+  // normalize and write the tile's rows back
+  for (int g = 0; g < G_; ++g) {
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
+    for (int64_t j = 0; j < nq; ++j) {
+      float* dst = a.out + ((start + it.i0 + j) * H + it.h * G + g) * D;
+      for (int d = 0; d < D; ++d) dst[d] = Ot[g][d][j] * inv[j];
+    }
+  }
+}
+
+// Portable version: one query at a time, online softmax over its visible keys.
+void extend_item_generic(const ExtendArgs& a, const ExtendItem& it) {
+  const int64_t G = a.G, D = a.D, H = a.H, BS = a.BS;
+  const int64_t qlen = a.qlens[it.span], ctx = a.ctxs[it.span], start = a.starts[it.span];
+  const int64_t nq = std::min<int64_t>(16, qlen - it.i0);
+  const int64_t* bt = a.bt + it.span * a.W;
+  std::vector<float> kf(D), vf(D), o(D);
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t qpos = ctx - qlen + it.i0 + j;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qr = a.q + ((start + it.i0 + j) * H + it.h * G + g) * D;
+      float mx = -std::numeric_limits<float>::infinity(), sm = 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t p = 0; p <= qpos; ++p) {
+        const int64_t row = (bt[p / BS] * BS + p % BS) * a.KVH + it.h;
+        const float kscale = a.ks ? half_to_float(a.ks[row]) : 1.f;
+        const float vscale = a.vs ? half_to_float(a.vs[row]) : 1.f;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * a.scale * (load_scalar(a.k, row * D + d, a.kind) * kscale);
+        const float mnew = std::max(mx, dot);
+        const float alpha = std::exp(mx - mnew), pw = std::exp(dot - mnew);
+        sm = sm * alpha + pw;
+        for (int64_t d = 0; d < D; ++d) o[d] = o[d] * alpha + pw * (load_scalar(a.v, row * D + d, a.kind) * vscale);
+        mx = mnew;
+      }
+      float* dst = a.out + ((start + it.i0 + j) * H + it.h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = o[d] / sm;
+    }
+  }
+}
+
+KVK_AVX512 void extend_item_avx512_dispatch(const ExtendArgs& a, const ExtendItem& it) {
+#define KVK_EXT_CASE(GG, DDV) if (a.G == GG && a.D == 16 * DDV) return extend_item_avx512<GG, DDV>(a, it);
+  KVK_EXT_CASE(1, 4) KVK_EXT_CASE(2, 4) KVK_EXT_CASE(3, 4) KVK_EXT_CASE(4, 4)
+  KVK_EXT_CASE(1, 8) KVK_EXT_CASE(2, 8) KVK_EXT_CASE(4, 8) KVK_EXT_CASE(8, 8)
+  KVK_EXT_CASE(1, 2) KVK_EXT_CASE(2, 2) KVK_EXT_CASE(4, 2) KVK_EXT_CASE(5, 4) KVK_EXT_CASE(6, 4)
+#undef KVK_EXT_CASE
+  extend_item_generic(a, it);
+}
+
+inline bool extend_fast(int64_t G, int64_t D) {
+  const int combos[][2] = {{1, 64}, {2, 64}, {3, 64}, {4, 64}, {1, 128}, {2, 128}, {4, 128}, {8, 128},
+                           {1, 32}, {2, 32}, {4, 32}, {5, 64}, {6, 64}};
+  for (auto& c : combos)
+    if (G == c[0] && D == c[1]) return true;
+  return false;
+}
+
+// q (T, H, D) float32 (packed tokens of every span); spans: starts, q_lens, context_lens (S,) int64 and
+// block_tables (S, W) int64; KV as in decode_attention.  Returns (T, H, D) float32 with the spans' rows filled
+// (rows outside every span are left as zeros).
+torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& k_scale, const torch::Tensor& v_scale, const torch::Tensor& starts,
+                               const torch::Tensor& q_lens, const torch::Tensor& context_lens,
+                               const torch::Tensor& block_tables, double scale, int64_t kind) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "extend_attention: q must be (T, H, D) float32");
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes(),
+              "extend_attention: k and v must be contiguous (blocks, block_size, kv_heads, head_dim) tensors");
+  TORCH_CHECK(kind >= 0 && kind <= 4, "extend_attention: unknown KV kind ", kind);
+  const at::ScalarType want[] = {at::kFloat, at::kBFloat16, at::kHalf, at::kChar, at::kByte};
+  TORCH_CHECK(k.scalar_type() == want[kind] && v.scalar_type() == want[kind], "extend_attention: KV dtype mismatch");
+  const bool quant = kind == KV_I8 || kind == KV_FP8;
+  if (quant)
+    TORCH_CHECK(k_scale.defined() && k_scale.numel() == k.numel() / k.size(3) && k_scale.scalar_type() == at::kHalf &&
+                    k_scale.is_contiguous() && v_scale.is_contiguous() && v_scale.sizes() == k_scale.sizes(),
+                "extend_attention: int8/fp8 KV needs contiguous float16 scales");
+  const int64_t S = starts.numel();
+  TORCH_CHECK(starts.scalar_type() == at::kLong && q_lens.scalar_type() == at::kLong &&
+                  context_lens.scalar_type() == at::kLong && block_tables.scalar_type() == at::kLong &&
+                  q_lens.numel() == S && context_lens.numel() == S && block_tables.dim() == 2 &&
+                  block_tables.size(0) == S,
+              "extend_attention: starts, q_lens, context_lens (S,) and block_tables (S, W) must be int64");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), BS = k.size(1), KVH = k.size(2);
+  TORCH_CHECK(k.size(3) == D && H % KVH == 0, "extend_attention: head_dim or head counts do not match");
+  const auto qc = q.contiguous();
+  const auto st = starts.contiguous(), ql = q_lens.contiguous(), cl = context_lens.contiguous();
+  const auto bt = block_tables.contiguous();
+  const int64_t W = bt.size(1);
+  const int64_t *stp = st.data_ptr<int64_t>(), *qlp = ql.data_ptr<int64_t>(), *clp = cl.data_ptr<int64_t>();
+  std::vector<ExtendItem> items;
+  for (int64_t i = 0; i < S; ++i) {
+    TORCH_CHECK(qlp[i] >= 1 && clp[i] >= qlp[i] && clp[i] <= W * BS && stp[i] >= 0 && stp[i] + qlp[i] <= T,
+                "extend_attention: span ", i, " (start ", stp[i], ", ", qlp[i], " queries, context ", clp[i],
+                ") does not fit q or its block table");
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t i0 = 0; i0 < qlp[i]; i0 += 16) items.push_back({i, h, i0});
+  }
+  auto out = torch::zeros({T, H, D}, q.options());
+  ExtendArgs a{qc.data_ptr<float>(), out.data_ptr<float>(), k.data_ptr(), v.data_ptr(),
+               quant ? reinterpret_cast<const uint16_t*>(k_scale.data_ptr<at::Half>()) : nullptr,
+               quant ? reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>()) : nullptr,
+               stp, qlp, clp, bt.data_ptr<int64_t>(), W, kind, H, KVH, D, BS, H / KVH, static_cast<float>(scale)};
+  const bool fast = use_avx512() && extend_fast(H / KVH, D);
+  // dynamic scheduling: tiles late in a causal prompt see more keys
+  std::atomic<int64_t> next{0};
+  const int64_t NI = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < NI; i = next++) {
+      if (fast)
+        extend_item_avx512_dispatch(a, items[i]);
+      else
+        extend_item_generic(a, items[i]);
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // 3. a whole decode step of a Llama-family model with packed weights, in one call
 //    (x <- layer(x) for every layer; see kvkeeper.model.fused_decode for the contract)
 // ---------------------------------------------------------------------------------------------------
@@ -985,6 +1246,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "x (M, K) float32 -> (codes int32 (M, K), dx, sx (M, K/32))");
   m.def("activation_bits", &activation_bits, "bits of the activation codes in qmm: 16 (default) or 8");
   m.def("set_activation_bits", &set_activation_bits, "16 (default) or 8: llama.cpp's Q8_1 precision (measurements)");
+  m.def("extend_attention", &extend_attention, "paged causal attention of prefill spans, read in place",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_scale"), py::arg("v_scale"), py::arg("starts"),
+        py::arg("q_lens"), py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("kind"));
   m.def("rmsnorm", &rmsnorm, "RMSNorm of x (..., N) float32 by w (N,) (the fused step's routine)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of gate_up (M, 2I) float32 -> (M, I)");
   m.def("rope_qk", &rope_qk, "RoPE in place on the first heads of qkv (T, ...) float32, cos/sin (T, D)");

@@ -5,8 +5,8 @@
   rounding differs: relative 1e-5) and (b) the float32 product of the dequantized weights (the activation
   rounding per 32 values: relative 1e-3 with 16-bit codes, 5e-2 with 8-bit ones; measured about 2e-5 and 6e-3);
 * the interleaved packing, GGUF block decoding and round-to-nearest quantization;
-* decode attention read in place against the gathering reference
-  (:func:`kvkeeper.model.attention.decode_attention`) on awkward lengths, GQA and every KV format.
+* decode and prefill ("extend") attention read in place against the gathering reference
+  (:mod:`kvkeeper.model.attention`) on awkward lengths, GQA and every KV format.
 
 The kernels are built by ``make setup``.  Without them these tests skip locally and fail under CI (CI=true).
 """
@@ -244,6 +244,31 @@ def test_decode_attention_7001_tokens(kernels, kv):
     assert _rel(cpu_attention.decode_attention(q, c_k, m_k, 0.125), want) < 1e-4
 
 
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("seqs", [[(1, 1), (15, 15)], [(16, 16), (17, 17)], [(301, 301)], [(37, 20), (50, 1)],
+                                  [(7001, 45), (33, 2), (40, 1)]],
+                         ids=["1+15", "16+17", "301", "mixed", "7001-tail"])
+def test_extend_attention_matches_reference(kernels, isa, kv, seqs):
+    """Prefill spans (and decode tokens of a mixed step) through the whole CPU step against the reference; every
+    token is read back from the cache in both (with nothing cached, the reference attends to the unrounded new
+    K/V instead: a bfloat16/float16 cache then differs by its rounding)."""
+    q, k, v, c_ref, c_k, m_ref, m_k = kernel_check.random_step(seqs, 9, 3, 64, 16, kv, torch.float32, "cpu",
+                                                               seed=len(seqs), extra_cols=1)
+    want = ref.paged_attention(q, k, v, c_ref, m_ref, 0.125)
+    got = cpu_attention.paged_attention(q, k, v, c_k, m_k, 0.125)
+    fresh = any(c == ql and ql > 1 for c, ql in seqs)
+    assert _rel(got, want) < (5e-3 if fresh and kv in ("bfloat16", "float16") else 1e-4)
+
+
+@pytest.mark.parametrize("H,KVH,D,bs", [(8, 2, 128, 8), (4, 4, 32, 16), (6, 1, 64, 5), (4, 2, 24, 16),
+                                        (10, 2, 64, 16)])
+def test_extend_attention_gqa_shapes_and_block_sizes(kernels, isa, H, KVH, D, bs):
+    q, k, v, c_ref, c_k, m_ref, m_k = kernel_check.random_step([(130, 40), (33, 33), (9, 1)], H, KVH, D, bs, "int8",
+                                                               torch.float32, "cpu", seed=H * D)
+    want = ref.paged_attention(q, k, v, c_ref, m_ref, D**-0.5)
+    assert _rel(cpu_attention.paged_attention(q, k, v, c_k, m_k, D**-0.5), want) < 1e-4
+
+
 def test_decode_attention_is_batch_invariant(kernels):
     q, _, c_k, _, m_k = _decode_case([1000, 37, 600], 9, 3, 64, 16, "float32", seed=5)
     whole = cpu_attention.decode_attention(q, c_k, m_k, 0.125)
@@ -254,6 +279,7 @@ def test_decode_attention_is_batch_invariant(kernels):
 
 
 def test_start_up_check_catches_a_wrong_kernel(kernels, monkeypatch):
+    """The mixed step of the check goes through the prefill kernel, the decode-only one through decode."""
     err = kernel_check.self_check(9, 3, 64, "int8", torch.float32, "cpu", 16, backend="cpu")
     assert err < kernel_check.SELF_CHECK_TOL[torch.float32]
     orig = cpu_attention.decode_attention

@@ -1,4 +1,4 @@
-"""Decode attention on CPU that reads the paged KV cache in place (the C++ kernel of csrc/kvk_cpu.cpp).
+"""Attention on CPU that reads the paged KV cache in place (the C++ kernels of csrc/kvk_cpu.cpp).
 
 :func:`decode_attention` has the contract of :func:`kvkeeper.model.attention.decode_attention` (the
 reference, which gathers every block of every sequence into a padded tensor each step): qd (B, H, D) ->
@@ -9,6 +9,11 @@ with an online softmax (Milakov & Gimelshein, 2018); the context is cut into chu
 :data:`SPLIT_BLOCKS` blocks that run in parallel and are combined at the end (flash-decoding, Dao et al.,
 2023).  The chunking depends only on each sequence's own length, so a sequence's result does not depend
 on the other sequences of the batch.  Computed in float32 (a bfloat16/float16 query is converted).
+
+:func:`paged_attention` is the whole step with the contract of :func:`kvkeeper.model.attention.paged_attention`:
+the new K/V are written, prefill spans go through ``extend_attention`` (causal, FlashAttention-2 style tiles of
+16 queries times the GQA group, over the blocks in place: no gather of the context), decode tokens through
+:func:`decode_attention`.  Every token, new ones included, is attended to as the cache holds it.
 """
 
 from __future__ import annotations
@@ -29,17 +34,59 @@ def supported(cache: PagedKV) -> bool:
     return cache.k.dtype in _KIND and cache.k.device.type == "cpu"
 
 
+def _kv_args(cache: PagedKV):
+    k, v = cache.k, cache.v
+    kind = _KIND[k.dtype]
+    if kind == 4:  # float8 bytes (the kernels decode e4m3 themselves)
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    ks = cache.k_scale if cache.k_scale is not None else _EMPTY
+    vs = cache.v_scale if cache.v_scale is not None else _EMPTY
+    return k, v, ks, vs, kind
+
+
+def _extend_inputs(meta: AttentionMetadata):
+    """Per step (built once, shared by all layers): the prefill spans as int64 tensors."""
+    cached = getattr(meta, "_cpu_extend", None)
+    if cached is not None:
+        return cached
+    spans = meta.prefills
+    width = max(p.block_table.numel() for p in spans)
+    bt = torch.zeros(len(spans), width, dtype=torch.int64)
+    for i, p in enumerate(spans):
+        bt[i, : p.block_table.numel()] = p.block_table
+    res = (torch.tensor([p.start for p in spans], dtype=torch.int64),
+           torch.tensor([p.q_len for p in spans], dtype=torch.int64),
+           torch.tensor([p.context_len for p in spans], dtype=torch.int64), bt)
+    meta._cpu_extend = res
+    return res
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKV, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q (T, H, D), k and v (T, KVH, D) of the step's new tokens -> (T, H, D) in q's dtype (see the module
+    docstring).  Raises RuntimeError when the kernels are not loaded."""
+    mod = cpu_kernels.load()
+    if mod is None:
+        raise RuntimeError(f"the CPU kernels are unavailable ({cpu_kernels.unavailable_reason()})")
+    cache.write(k, v, meta.slot_mapping)
+    if meta.decode_only:
+        return decode_attention(q, cache, meta, scale)
+    kc, vc, ks, vs, kind = _kv_args(cache)
+    starts, qlens, ctxs, bt = _extend_inputs(meta)
+    qf = q if q.dtype == torch.float32 else q.float()
+    out = mod.extend_attention(qf, kc, vc, ks, vs, starts, qlens, ctxs, bt, scale, kind)
+    if meta.decode_indices is not None and meta.decode_indices.numel():
+        qd = qf.index_select(0, meta.decode_indices)
+        out.index_copy_(0, meta.decode_indices, decode_attention(qd, cache, meta, scale))
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
 def decode_attention(qd: torch.Tensor, cache: PagedKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """qd (B, H, D) float -> (B, H, D) in qd's dtype; raises RuntimeError when the kernels are not loaded."""
     mod = cpu_kernels.load()
     if mod is None:
         raise RuntimeError(f"the CPU kernels are unavailable ({cpu_kernels.unavailable_reason()})")
-    k, v = cache.k, cache.v
-    kind = _KIND[k.dtype]
-    if kind == 4:  # float8 bytes (the kernel decodes e4m3 itself)
-        k, v = k.view(torch.uint8), v.view(torch.uint8)
-    ks = cache.k_scale if cache.k_scale is not None else _EMPTY
-    vs = cache.v_scale if cache.v_scale is not None else _EMPTY
+    k, v, ks, vs, kind = _kv_args(cache)
     out = mod.decode_attention(qd if qd.dtype == torch.float32 else qd.float(), k, v, ks, vs,
                                meta.decode_block_tables, meta.decode_context_lens, scale, kind, SPLIT_BLOCKS)
     return out if qd.dtype == torch.float32 else out.to(qd.dtype)
