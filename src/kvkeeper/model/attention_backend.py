@@ -7,8 +7,8 @@ none of them imports this module.  Backends, named in ``AttentionMetadata.backen
 
 * ``torch``: :func:`kvkeeper.model.attention.paged_attention` as is (gathers each decode sequence's blocks).
 * ``cpu``: the C++ kernels, which read the blocks in place, for prefill spans and decode tokens
-  (:mod:`kvkeeper.model.cpu_attention`; a step whose prefill collects attention statistics for KV compression
-  runs the reference for its prefill spans).
+  (:mod:`kvkeeper.model.cpu_attention`; attention statistics for KV compression are observed as the reference
+  observes them).
 * ``triton``: the Triton kernels for everything (a step whose prefill collects attention statistics for KV
   compression runs the reference instead: the kernels do not produce them).
 """
@@ -30,8 +30,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     :func:`kvkeeper.model.attention.paged_attention` (q (T, H, D), k and v (T, KVH, D) -> (T, H, D))."""
     backend = meta.backend
     if backend == "cpu":
-        if any(p.observer is not None for p in meta.prefills):  # attention statistics for KV compression
-            return attention.paged_attention(q, k, v, cache, meta, scale, decode=cpu_attention.decode_attention)
         return cpu_attention.paged_attention(q, k, v, cache, meta, scale)
     if backend == "triton" and not any(p.observer is not None for p in meta.prefills):
         from .triton_attention import triton_paged_attention  # CUDA (or Triton's interpreter) only

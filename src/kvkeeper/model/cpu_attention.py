@@ -13,7 +13,9 @@ on the other sequences of the batch.  Computed in float32 (a bfloat16/float16 qu
 :func:`paged_attention` is the whole step with the contract of :func:`kvkeeper.model.attention.paged_attention`:
 the new K/V are written, prefill spans go through ``extend_attention`` (causal, FlashAttention-2 style tiles of
 16 queries times the GQA group, over the blocks in place: no gather of the context), decode tokens through
-:func:`decode_attention`.  Every token, new ones included, is attended to as the cache holds it.
+:func:`decode_attention`.  Every token, new ones included, is attended to as the cache holds it.  A span whose
+prefill collects attention statistics for KV compression hands its observer the same queries and keys as the
+reference does; its output does not depend on whether it is observed.
 """
 
 from __future__ import annotations
@@ -78,6 +80,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     if meta.decode_indices is not None and meta.decode_indices.numel():
         qd = qf.index_select(0, meta.decode_indices)
         out.index_copy_(0, meta.decode_indices, decode_attention(qd, cache, meta, scale))
+    for p in meta.prefills:  # attention statistics for KV compression, with the reference's inputs
+        if p.observer is not None:
+            qs = q[p.start: p.start + p.q_len]
+            if p.context_len == p.q_len and not cache.fmt.quantized:
+                p.observer.observe(cache.layer_idx, qs, k[p.start: p.start + p.q_len], 0, scale)
+            else:
+                keys = cache.gather_keys(p.block_table, p.context_len, q.dtype)
+                p.observer.observe(cache.layer_idx, qs, keys, p.context_len - p.q_len, scale)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
