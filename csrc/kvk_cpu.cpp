@@ -431,40 +431,43 @@ struct AttnArgs {
 };
 
 struct WorkItem {
-  int64_t b, h, blk0, blk1;  // batch row, KV head, block range [blk0, blk1) of its table
+  int64_t b, blk0, blk1;  // batch row, block range [blk0, blk1) of its table (every KV head)
 };
 
 // One work item, portable code: writes the unnormalized output (G, D), the running max (G) and sum (G).
 void attn_item_generic(const AttnArgs& a, const WorkItem& it, float* o, float* mx, float* sm) {
-  const int64_t G = a.G, D = a.D;
-  std::vector<float> kf(D), vf(D), s(G);
-  for (int64_t g = 0; g < G; ++g) {
-    mx[g] = -std::numeric_limits<float>::infinity();
-    sm[g] = 0.f;
-    for (int64_t d = 0; d < D; ++d) o[g * D + d] = 0.f;
+  const int64_t G = a.G, D = a.D, H = a.H;
+  std::vector<float> kf(D), vf(D);
+  for (int64_t i = 0; i < H; ++i) {
+    mx[i] = -std::numeric_limits<float>::infinity();
+    sm[i] = 0.f;
   }
-  const float* qb = a.q + (it.b * a.H + it.h * G) * D;
+  for (int64_t i = 0; i < H * D; ++i) o[i] = 0.f;
   const int64_t len = a.ctx[it.b];
   for (int64_t blk = it.blk0; blk < it.blk1; ++blk) {
     const int64_t bid = a.bt[it.b * a.W + blk];
     const int64_t n = std::min<int64_t>(a.BS, len - blk * a.BS);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t row = (bid * a.BS + t) * a.KVH + it.h;  // token slot, KV head
-      const float kscale = a.ks ? half_to_float(a.ks[row]) : 1.f;
-      const float vscale = a.vs ? half_to_float(a.vs[row]) : 1.f;
-      for (int64_t d = 0; d < D; ++d) {
-        kf[d] = load_scalar(a.k, row * D + d, a.kind) * kscale;
-        vf[d] = load_scalar(a.v, row * D + d, a.kind) * vscale;
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qb[g * D + d] * kf[d];
-        const float mnew = std::max(mx[g], dot);
-        const float alpha = std::exp(mx[g] - mnew);  // exp(-inf) = 0 on the first token
-        const float p = std::exp(dot - mnew);
-        sm[g] = sm[g] * alpha + p;
-        for (int64_t d = 0; d < D; ++d) o[g * D + d] = o[g * D + d] * alpha + p * vf[d];
-        mx[g] = mnew;
+    for (int64_t h = 0; h < a.KVH; ++h) {
+      const float* qb = a.q + (it.b * H + h * G) * D;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t row = (bid * a.BS + t) * a.KVH + h;  // token slot, KV head
+        const float kscale = a.ks ? half_to_float(a.ks[row]) : 1.f;
+        const float vscale = a.vs ? half_to_float(a.vs[row]) : 1.f;
+        for (int64_t d = 0; d < D; ++d) {
+          kf[d] = load_scalar(a.k, row * D + d, a.kind) * kscale;
+          vf[d] = load_scalar(a.v, row * D + d, a.kind) * vscale;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t hq = h * G + g;
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qb[g * D + d] * kf[d];
+          const float mnew = std::max(mx[hq], dot);
+          const float alpha = std::exp(mx[hq] - mnew);  // exp(-inf) = 0 on the first token
+          const float p = std::exp(dot - mnew);
+          sm[hq] = sm[hq] * alpha + p;
+          for (int64_t d = 0; d < D; ++d) o[hq * D + d] = o[hq * D + d] * alpha + p * vf[d];
+          mx[hq] = mnew;
+        }
       }
     }
   }
@@ -540,88 +543,111 @@ constexpr int MAXG = 16;   // query heads per KV head
 constexpr int MAXDV = 16;  // head_dim / 16
 constexpr int TCH = 16;    // tokens per score chunk
 
-template <int DV>
-KVK_AVX512 void attn_item_avx512(const AttnArgs& a, const WorkItem& it, float* o, float* mx, float* sm) {
-  const int64_t G = a.G, D = 16 * DV;
-  __m512 qv[MAXG][DV];
-  __m512 ov[MAXG][DV];
-  float m[MAXG], l[MAXG];
-  const float* qb = a.q + (it.b * a.H + it.h * G) * D;
-  for (int64_t g = 0; g < G; ++g) {
-    for (int dv = 0; dv < DV; ++dv) {
-      qv[g][dv] = _mm512_loadu_ps(qb + g * D + 16 * dv);
-      ov[g][dv] = _mm512_setzero_ps();
-    }
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.f;
-  }
-  const int64_t len = a.ctx[it.b];
-  alignas(64) float s[MAXG][TCH];
+// One block (n tokens from slot bid * BS) of one KV head h for the G query heads of its group, continuing the
+// online softmax held in (o, m, l): o (G, D) unnormalized outputs, m and l (G) running maxima and sums.
+// KIND is the storage format (a template argument: no per-element branch); quantized formats apply their per-token
+// scales to the 16 scores and to the 16 probabilities of a chunk instead of to every element.
+template <int DV, int KIND>
+KVK_AVX512 void attn_block_head_avx512(const AttnArgs& a, const float* qh, int64_t h, int64_t bid, int64_t n,
+                                       float* o, float* m, float* l) {
+  constexpr bool QUANT = KIND == KV_I8 || KIND == KV_FP8;
+  const int64_t G = a.G, KVH = a.KVH, BS = a.BS;
+  constexpr int64_t D = 16 * DV;
   alignas(64) float p[MAXG][TCH];
-  const int64_t kvh = a.KVH, BS = a.BS;
+  alignas(64) float ksc[TCH], vsc[TCH];
+  __m512 qv[MAXG][DV];
+  for (int64_t g = 0; g < G; ++g)
+    for (int dv = 0; dv < DV; ++dv) qv[g][dv] = _mm512_loadu_ps(qh + g * D + 16 * dv);
+  for (int64_t t0 = 0; t0 < n; t0 += TCH) {
+    const int nt = static_cast<int>(std::min<int64_t>(TCH, n - t0));
+    if (QUANT) {
+      for (int t = 0; t < TCH; ++t) {
+        const int64_t row = (bid * BS + t0 + std::min(t, nt - 1)) * KVH + h;
+        ksc[t] = half_to_float(a.ks[row]);
+        vsc[t] = half_to_float(a.vs[row]);
+      }
+    }
+    // scores: per token and head a vector of partial products, summed across lanes 16 tokens at a time
+    __m512 part[MAXG][TCH];
+    for (int t = 0; t < nt; ++t) {
+      const int64_t row = (bid * BS + t0 + t) * KVH + h;
+      __m512 kf[DV];
+      for (int dv = 0; dv < DV; ++dv) kf[dv] = load16(a.k, row * D + 16 * dv, KIND);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kf[0]);
+        for (int dv = 1; dv < DV; ++dv) acc = _mm512_fmadd_ps(qv[g][dv], kf[dv], acc);
+        part[g][t] = acc;
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1u);
+    __m512 ov[MAXG][DV];
+    for (int64_t g = 0; g < G; ++g) {
+      for (int t = nt; t < TCH; ++t) part[g][t] = _mm512_setzero_ps();
+      __m512 sv = transpose_reduce16(part[g]);
+      if (QUANT) sv = _mm512_mul_ps(sv, _mm512_load_ps(ksc));
+      sv = _mm512_maskz_mov_ps(valid, sv);
+      const float cmax = _mm512_mask_reduce_max_ps(valid, sv);
+      const float mnew = std::max(m[g], cmax);
+      const float alpha = std::exp(m[g] - mnew);  // 0 on the first token (m = -inf)
+      const __m512 pv = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
+      _mm512_store_ps(p[g], QUANT ? _mm512_mul_ps(pv, _mm512_load_ps(vsc)) : pv);
+      l[g] = l[g] * alpha + _mm512_reduce_add_ps(pv);
+      m[g] = mnew;
+      const __m512 av = _mm512_set1_ps(alpha);
+      for (int dv = 0; dv < DV; ++dv) ov[g][dv] = _mm512_mul_ps(_mm512_loadu_ps(o + g * D + 16 * dv), av);
+    }
+    for (int t = 0; t < nt; ++t) {
+      const int64_t row = (bid * BS + t0 + t) * KVH + h;
+      __m512 vf[DV];
+      for (int dv = 0; dv < DV; ++dv) vf[dv] = load16(a.v, row * D + 16 * dv, KIND);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 pt = _mm512_set1_ps(p[g][t]);
+        for (int dv = 0; dv < DV; ++dv) ov[g][dv] = _mm512_fmadd_ps(pt, vf[dv], ov[g][dv]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int dv = 0; dv < DV; ++dv) _mm512_storeu_ps(o + g * D + 16 * dv, ov[g][dv]);
+  }
+}
+
+// A work item: every KV head of row it.b over its blocks [blk0, blk1), block by block (all heads of a block
+// before the next block).  Writes o (H, D) unnormalized, mx and sm (H).
+template <int DV, int KIND>
+KVK_AVX512 void attn_item_avx512(const AttnArgs& a, const WorkItem& it, float* o, float* mx, float* sm) {
+  constexpr int64_t D = 16 * DV;
+  const int64_t H = a.H, G = a.G;
+  for (int64_t i = 0; i < H * D; ++i) o[i] = 0.f;
+  for (int64_t i = 0; i < H; ++i) {
+    mx[i] = -std::numeric_limits<float>::infinity();
+    sm[i] = 0.f;
+  }
+  const float* qb = a.q + it.b * H * D;
+  const int64_t len = a.ctx[it.b];
   for (int64_t blk = it.blk0; blk < it.blk1; ++blk) {
     const int64_t bid = a.bt[it.b * a.W + blk];
-    const int64_t nblk = std::min<int64_t>(BS, len - blk * BS);
-    for (int64_t t0 = 0; t0 < nblk; t0 += TCH) {
-      const int n = static_cast<int>(std::min<int64_t>(TCH, nblk - t0));
-      // scores of n tokens for the G query heads: per token and head a vector of partial products, summed
-      // across lanes 16 tokens at a time
-      __m512 part[MAXG][TCH];
-      for (int t = 0; t < n; ++t) {
-        const int64_t row = (bid * BS + t0 + t) * kvh + it.h;
-        __m512 kf[DV];
-        const __m512 ksc = _mm512_set1_ps(a.ks ? half_to_float(a.ks[row]) : 1.f);
-        for (int dv = 0; dv < DV; ++dv) kf[dv] = _mm512_mul_ps(load16(a.k, row * D + 16 * dv, a.kind), ksc);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 acc = _mm512_mul_ps(qv[g][0], kf[0]);
-          for (int dv = 1; dv < DV; ++dv) acc = _mm512_fmadd_ps(qv[g][dv], kf[dv], acc);
-          part[g][t] = acc;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        for (int t = n; t < TCH; ++t) part[g][t] = _mm512_setzero_ps();
-        _mm512_store_ps(s[g], transpose_reduce16(part[g]));
-      }
-      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 sv = _mm512_maskz_loadu_ps(valid, s[g]);
-        const float cmax = _mm512_mask_reduce_max_ps(valid, sv);
-        const float mnew = std::max(m[g], cmax);
-        const float alpha = std::exp(m[g] - mnew);
-        const __m512 pv = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
-        _mm512_store_ps(p[g], pv);
-        l[g] = l[g] * alpha + _mm512_reduce_add_ps(pv);
-        m[g] = mnew;
-        if (alpha != 1.f) {
-          const __m512 av = _mm512_set1_ps(alpha);
-          for (int dv = 0; dv < DV; ++dv) ov[g][dv] = _mm512_mul_ps(ov[g][dv], av);
-        }
-      }
-      for (int t = 0; t < n; ++t) {
-        const int64_t row = (bid * BS + t0 + t) * kvh + it.h;
-        __m512 vf[DV];
-        const __m512 vsc = _mm512_set1_ps(a.vs ? half_to_float(a.vs[row]) : 1.f);
-        for (int dv = 0; dv < DV; ++dv) vf[dv] = _mm512_mul_ps(load16(a.v, row * D + 16 * dv, a.kind), vsc);
-        for (int64_t g = 0; g < G; ++g) {
-          const __m512 pt = _mm512_set1_ps(p[g][t]);
-          for (int dv = 0; dv < DV; ++dv) ov[g][dv] = _mm512_fmadd_ps(pt, vf[dv], ov[g][dv]);
-        }
-      }
-    }
+    const int64_t n = std::min<int64_t>(a.BS, len - blk * a.BS);
+    for (int64_t h = 0; h < a.KVH; ++h)
+      attn_block_head_avx512<DV, KIND>(a, qb + h * G * D, h, bid, n, o + h * G * D, mx + h * G, sm + h * G);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    for (int dv = 0; dv < DV; ++dv) _mm512_storeu_ps(o + g * D + 16 * dv, ov[g][dv]);
-    mx[g] = m[g];
-    sm[g] = l[g];
+}
+
+template <int DV>
+KVK_AVX512 void attn_item_avx512_kind(const AttnArgs& a, const WorkItem& it, float* o, float* mx, float* sm) {
+  switch (a.kind) {
+    case KV_F32: attn_item_avx512<DV, KV_F32>(a, it, o, mx, sm); break;
+    case KV_BF16: attn_item_avx512<DV, KV_BF16>(a, it, o, mx, sm); break;
+    case KV_F16: attn_item_avx512<DV, KV_F16>(a, it, o, mx, sm); break;
+    case KV_I8: attn_item_avx512<DV, KV_I8>(a, it, o, mx, sm); break;
+    default: attn_item_avx512<DV, KV_FP8>(a, it, o, mx, sm); break;
   }
 }
 
 KVK_AVX512 void attn_item_avx512_dispatch(const AttnArgs& a, const WorkItem& it, float* o, float* mx, float* sm) {
   switch (a.D / 16) {
-    case 2: attn_item_avx512<2>(a, it, o, mx, sm); break;
-    case 4: attn_item_avx512<4>(a, it, o, mx, sm); break;
-    case 8: attn_item_avx512<8>(a, it, o, mx, sm); break;
-    default: attn_item_avx512<16>(a, it, o, mx, sm); break;  // D = 256; other sizes take the generic path
+    case 2: attn_item_avx512_kind<2>(a, it, o, mx, sm); break;
+    case 4: attn_item_avx512_kind<4>(a, it, o, mx, sm); break;
+    case 8: attn_item_avx512_kind<8>(a, it, o, mx, sm); break;
+    default: attn_item_avx512_kind<16>(a, it, o, mx, sm); break;  // D = 256; other sizes take the generic path
   }
 }
 
@@ -634,53 +660,48 @@ struct AttnScratch {
 // Decode attention of B sequences (a.q pre-scaled) into out (B, H, D) float32.
 void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* out) {
   thread_local AttnScratch s;
-  const int64_t G = a.G, D = a.D, H = a.H, KVH = a.KVH, BS = a.BS;
+  const int64_t D = a.D, H = a.H, BS = a.BS;
   s.items.clear();
   s.first.assign(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     s.first[b] = static_cast<int64_t>(s.items.size());
     const int64_t nblocks = (a.ctx[b] + BS - 1) / BS;
-    for (int64_t h = 0; h < KVH; ++h)
-      for (int64_t s0 = 0; s0 < nblocks; s0 += split_blocks)
-        s.items.push_back({b, h, s0, std::min(nblocks, s0 + split_blocks)});
+    for (int64_t s0 = 0; s0 < nblocks; s0 += split_blocks)
+      s.items.push_back({b, s0, std::min(nblocks, s0 + split_blocks)});
   }
   s.first[B] = static_cast<int64_t>(s.items.size());
   const int64_t NI = static_cast<int64_t>(s.items.size());
-  s.po.resize(NI * G * D);
-  s.pm.resize(NI * G);
-  s.ps.resize(NI * G);
-  const bool fast = use_avx512() && (D == 32 || D == 64 || D == 128 || D == 256) && G <= MAXG;
+  s.po.resize(NI * H * D);
+  s.pm.resize(NI * H);
+  s.ps.resize(NI * H);
+  const bool fast = use_avx512() && (D == 32 || D == 64 || D == 128 || D == 256) && a.G <= MAXG;
   const WorkItem* items = s.items.data();
   float *po = s.po.data(), *pm = s.pm.data(), *ps = s.ps.data();
   at::parallel_for(0, NI, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       if (fast)
-        attn_item_avx512_dispatch(a, items[i], po + i * G * D, pm + i * G, ps + i * G);
+        attn_item_avx512_dispatch(a, items[i], po + i * H * D, pm + i * H, ps + i * H);
       else
-        attn_item_generic(a, items[i], po + i * G * D, pm + i * G, ps + i * G);
+        attn_item_generic(a, items[i], po + i * H * D, pm + i * H, ps + i * H);
     }
   });
   std::fill(out, out + B * H * D, 0.f);
-  // combine the splits of each (KV head, query head) of each row
+  // combine the splits of each query head of each row
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < KVH; ++h) {
-      for (int64_t g = 0; g < G; ++g) {
-        float M = -std::numeric_limits<float>::infinity();
-        for (int64_t i = s.first[b]; i < s.first[b + 1]; ++i)
-          if (items[i].h == h) M = std::max(M, pm[i * G + g]);
-        if (M == -std::numeric_limits<float>::infinity()) continue;  // empty context: zeros
-        float L = 0.f;
-        float* dst = out + (b * H + h * G + g) * D;
-        for (int64_t i = s.first[b]; i < s.first[b + 1]; ++i) {
-          if (items[i].h != h) continue;
-          const float w = std::exp(pm[i * G + g] - M);
-          L += ps[i * G + g] * w;
-          const float* src = po + (i * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] += w * src[d];
-        }
-        const float inv = 1.f / L;
-        for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
+    for (int64_t hq = 0; hq < H; ++hq) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t i = s.first[b]; i < s.first[b + 1]; ++i) M = std::max(M, pm[i * H + hq]);
+      if (M == -std::numeric_limits<float>::infinity()) continue;  // empty context: zeros
+      float L = 0.f;
+      float* dst = out + (b * H + hq) * D;
+      for (int64_t i = s.first[b]; i < s.first[b + 1]; ++i) {
+        const float w = std::exp(pm[i * H + hq] - M);
+        L += ps[i * H + hq] * w;
+        const float* src = po + (i * H + hq) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] += w * src[d];
       }
+      const float inv = 1.f / L;
+      for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
     }
   }
 }
