@@ -540,6 +540,7 @@ KVK_AVX512 inline __m512 transpose_reduce16(const __m512* a) {
 }
 
 constexpr int MAXG = 16;   // query heads per KV head
+
 constexpr int MAXDV = 16;  // head_dim / 16
 constexpr int TCH = 16;    // tokens per score chunk
 
@@ -547,10 +548,9 @@ constexpr int TCH = 16;    // tokens per score chunk
 // online softmax held in (o, m, l): o (G, D) unnormalized outputs, m and l (G) running maxima and sums.
 // KIND is the storage format (a template argument: no per-element branch); quantized formats apply their per-token
 // scales to the 16 scores and to the 16 probabilities of a chunk instead of to every element.
-template <int DV, int KIND>
+template <int DV, int KIND, bool QUANT>
 KVK_AVX512 void attn_block_head_avx512(const AttnArgs& a, const float* qh, int64_t h, int64_t bid, int64_t n,
                                        float* o, float* m, float* l) {
-  constexpr bool QUANT = KIND == KV_I8 || KIND == KV_FP8;
   const int64_t G = a.G, KVH = a.KVH, BS = a.BS;
   constexpr int64_t D = 16 * DV;
   alignas(64) float p[MAXG][TCH];
@@ -615,6 +615,7 @@ KVK_AVX512 void attn_block_head_avx512(const AttnArgs& a, const float* qh, int64
 template <int DV, int KIND>
 KVK_AVX512 void attn_item_avx512(const AttnArgs& a, const WorkItem& it, float* o, float* mx, float* sm) {
   constexpr int64_t D = 16 * DV;
+  constexpr bool QUANT = KIND == KV_I8 || KIND == KV_FP8;
   const int64_t H = a.H, G = a.G;
   for (int64_t i = 0; i < H * D; ++i) o[i] = 0.f;
   for (int64_t i = 0; i < H; ++i) {
@@ -623,11 +624,26 @@ KVK_AVX512 void attn_item_avx512(const AttnArgs& a, const WorkItem& it, float* o
   }
   const float* qb = a.q + it.b * H * D;
   const int64_t len = a.ctx[it.b];
+  constexpr int64_t ebytes = KIND == KV_F32 ? 4 : (KIND == KV_BF16 || KIND == KV_F16) ? 2 : 1;
+  const int64_t block_bytes = a.BS * a.KVH * D * ebytes;
   for (int64_t blk = it.blk0; blk < it.blk1; ++blk) {
     const int64_t bid = a.bt[it.b * a.W + blk];
     const int64_t n = std::min<int64_t>(a.BS, len - blk * a.BS);
+    // The heads of a token are interleaved in a block ((block_size, kv_heads, head_dim) rows), so the per-head
+    // passes below read it out of order; requesting the next block's K and V lines in address order meanwhile
+    // keeps the memory streams sequential (measured, 30 layers of 7,000 tokens, blocks in shuffled order: fp32
+    // 19 -> 16 ms, int8 13 -> 10 ms; copying each block to float32 buffers first gained under 7%: not kept).
+    if (blk + 1 < it.blk1) {
+      const int64_t nb = a.bt[it.b * a.W + blk + 1];
+      const char* kn = static_cast<const char*>(a.k) + nb * block_bytes;
+      const char* vn = static_cast<const char*>(a.v) + nb * block_bytes;
+      for (int64_t off = 0; off < block_bytes; off += 64) {
+        _mm_prefetch(kn + off, _MM_HINT_T0);
+        _mm_prefetch(vn + off, _MM_HINT_T0);
+      }
+    }
     for (int64_t h = 0; h < a.KVH; ++h)
-      attn_block_head_avx512<DV, KIND>(a, qb + h * G * D, h, bid, n, o + h * G * D, mx + h * G, sm + h * G);
+      attn_block_head_avx512<DV, KIND, QUANT>(a, qb + h * G * D, h, bid, n, o + h * G * D, mx + h * G, sm + h * G);
   }
 }
 
