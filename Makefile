@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 # Not fatal: without the kernels the engine runs its PyTorch paths (float32 weights) and says so; the kernel
 # tests fail under CI (CI=true) and skip elsewhere.
 $(EXT_STAMP): csrc/kvk_cpu.cpp $(STAMP)
-	$(VPY) -m kvkeeper.model.cpu_kernels --build || echo "warning: the C++ CPU kernels did not build (see above); kvkeeper will run its PyTorch paths"
+	$(VPY) -m kvkeeper.model.build_kernels || echo "warning: the C++ CPU kernels did not build (see above); kvkeeper will run its PyTorch paths"
 
 demo: setup
 	$(VPY) -m kvkeeper.cli converse data/mt_bench/question.jsonl --limit 5 --max-tokens 64 --json demo_turns.json

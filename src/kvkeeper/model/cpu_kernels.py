@@ -1,6 +1,6 @@
 """The C++ CPU kernels (``csrc/kvk_cpu.cpp``): how they are built, found and loaded.
 
-``make setup`` runs ``python -m kvkeeper.model.cpu_kernels --build``, which compiles the source with
+``make setup`` runs ``python -m kvkeeper.model.build_kernels``, which compiles the source with
 ``torch.utils.cpp_extension`` (g++ and ninja, OpenMP through torch's own libgomp) into
 ``src/kvkeeper/model/_ext/`` next to a stamp holding the source's sha256.  :func:`load` imports that
 module; when it is missing, stale (the source changed since the build), fails to import, or
@@ -76,12 +76,12 @@ def _import() -> ModuleType:
     so = _so_path()
     if so is None:
         raise ImportError(f"not built (no {EXT_NAME}*.so in {EXT_DIR}); run `make setup` "
-                          f"(or python -m kvkeeper.model.cpu_kernels --build)")
+                          f"(or python -m kvkeeper.model.build_kernels)")
     if SOURCE.exists():
         built = STAMP.read_text().strip() if STAMP.exists() else ""
         if built != _sha(SOURCE):
             raise ImportError(f"{so.name} is stale ({SOURCE.name} changed since it was built); run `make setup` "
-                              f"(or python -m kvkeeper.model.cpu_kernels --build)")
+                              f"(or python -m kvkeeper.model.build_kernels)")
     loader = importlib.machinery.ExtensionFileLoader(EXT_NAME, str(so))
     spec = importlib.util.spec_from_file_location(EXT_NAME, str(so), loader=loader)
     mod = importlib.util.module_from_spec(spec)
@@ -112,12 +112,14 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def _main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Build or check kvkeeper's C++ CPU kernels (csrc/kvk_cpu.cpp).")
-    ap.add_argument("--build", action="store_true", help="compile the kernels into " + str(EXT_DIR))
+def main(argv=None) -> int:
+    """Command line of :mod:`kvkeeper.model.build_kernels`: build (``--build``) and/or report the kernels."""
+    ap = argparse.ArgumentParser(prog="python -m kvkeeper.model.build_kernels",
+                                 description="Build or check kvkeeper's C++ CPU kernels (csrc/kvk_cpu.cpp).")
+    ap.add_argument("--check", action="store_true", help="only report whether the built kernels load")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
-    if args.build:
+    if not args.check:
         so = build(verbose=args.verbose)
         print(f"built {so}")
     mod = load()
@@ -126,7 +128,3 @@ def _main(argv=None) -> int:
         return 1
     print(f"kvkeeper CPU kernels: {_so_path()}, ISA {mod.isa()}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())
