@@ -90,10 +90,12 @@ def test_round_to_nearest_formats_on_a_hf_folder(kernels, tiny_folder, fmt):
         LLMEngine(str(tiny_folder), quantization="gguf", num_kv_blocks=8)
 
 
-def test_fused_decode_is_batch_invariant_and_equals_mixed_steps(kernels, tiny_folder):
-    """A decode token gives the same logits whether its step is decode-only (one fused C++ call) or mixed with a
-    prefill (the layer-by-layer path), and whatever else is in the batch."""
-    eng = LLMEngine(str(tiny_folder), quantization="int4", num_kv_blocks=64)
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp16", "int8", "fp8"])
+def test_fused_decode_is_batch_invariant_and_equals_mixed_steps(kernels, tiny_folder, kv):
+    """A decode token gives the same logits whether its step is decode-only (one fused C++ call, which also writes
+    the KV) or mixed with a prefill (the layer-by-layer path, PagedKV.write), and whatever else is in the batch."""
+    eng = LLMEngine(str(tiny_folder), quantization="int4", num_kv_blocks=64, kv_dtype=kv)
+    assert eng.runner.fused_decode is not None
     p1, p2 = list(range(7, 40)), list(range(100, 160))
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1)
     alone = eng.generate([p1], params, namespace=eng.isolated_namespace())[0]
