@@ -173,7 +173,7 @@ def test_gguf_perplexity_within_one_percent_of_float32_at_4k(engine, gguf_engine
 
 @pytest.mark.slow
 def test_gguf_audit_tolerance_sits_above_activation_rounding(kernels, mt_bench):
-    """Reused and recomputed KV differ by int8 activation rounding flips under gguf; the reuse audit's default
+    """Reused and recomputed KV differ by activation rounding flips under gguf; the reuse audit's default
     tolerance for quantized weights passes clean sessions and still names a foreign block."""
     from kvkeeper.diagnostics import faults
 
