@@ -97,7 +97,9 @@ class LLMEngine:
         self.block_size = cfg.block_size
         try:
             self.runner = ModelRunner(mcfg, state, num_blocks, cfg.block_size, dtype=torch_dtype, device=device,
-                                      kv_dtype=kv_format, attention_backend=cfg.attention_backend)
+                                      kv_dtype=kv_format, attention_backend=cfg.attention_backend,
+                                      quantization=cfg.quantization, fused_decode=cfg.fused_decode,
+                                      cache_dir=cfg.cache_dir)
         except ValueError as e:  # unknown or unavailable attention backend
             raise InvalidRequestError(str(e)) from None
         del state
@@ -132,8 +134,8 @@ class LLMEngine:
             self.tokenizer = dummy.load_dummy_tokenizer(self.model_path, mcfg.vocab_size)
             return mcfg, dummy.dummy_state(mcfg, dtype, device, seed=cfg.seed)
         self.model_path = resolve_model_path(cfg.model)
-        mcfg, state = load_weights(self.model_path)
-        self.tokenizer = load_tokenizer(self.model_path)
+        mcfg, state = load_weights(self.model_path, cfg.cache_dir)
+        self.tokenizer = load_tokenizer(self.model_path, cfg.cache_dir)
         return mcfg, state
 
     def _blocks_for_budget(self, kv_format, mcfg) -> int:
@@ -360,6 +362,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "weight_format": self.runner.weight_format,
         }
 
 
