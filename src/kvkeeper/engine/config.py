@@ -32,7 +32,8 @@ class EngineConfig:
     attention_backend: "auto", "torch" (the reference), "cpu" (C++ kernels) or "triton" (CUDA).
     fused_decode: a decode-only step as one C++ call over packed weights (CPU, quantized weights).
     cuda_graphs: replay decode steps as CUDA graphs (CUDA only; a no-op on CPU).
-    kv_dtype: KV cache storage "fp32", "bf16", "fp16", "int8" or "fp8" (None: the ``dtype``).
+    kv_dtype: KV cache storage "fp32", "bf16", "fp16", "int8" or "fp8" (None: bf16 with quantized weights,
+    else the ``dtype``).
     block_size: tokens per KV block.  KV budget: ``num_kv_blocks``, else ``kv_cache_bytes`` (default 1 GiB).
     max_num_seqs: running sequences at most.  max_num_batched_tokens: tokens per step (the prefill chunk).
     max_model_len: cap on the context window (None: the model's own).  num_threads: torch CPU threads.
@@ -66,7 +67,7 @@ class EngineConfig:
         "--enforce-eager", "CUDA: no decode CUDA graphs", action="store_true", negate=True))
     kv_dtype: str | None = field(default=None, metadata=option(
         "--kv-dtype", "KV cache storage; int8 and fp8 (e4m3) are quantized per token and KV head "
-        "(default: the --dtype)", choices=list(KV_DTYPE_CHOICES)))
+        "(default: bf16 with quantized weights, else the --dtype)", choices=list(KV_DTYPE_CHOICES)))
     block_size: int = field(default=16, metadata=option(
         "--block-size", "tokens per KV block", type=positive_int, metavar="N"))
     kv_cache_bytes: int | None = field(default=None, metadata=option(

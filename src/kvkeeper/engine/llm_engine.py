@@ -36,6 +36,7 @@ from ..kvcache.surgery import compact, compress_prompt
 from ..kvcache.telemetry import pool_stats
 from ..kvcache.validate import assert_engine_ok
 from ..model.loader import load_weights
+from ..model.quant_weights import weight_format_for
 from ..model.registry import resolve_model_path
 from ..model.runner import ModelRunner, parse_dtype
 from ..sampling.sampler import make_generator, sample
@@ -90,15 +91,19 @@ class LLMEngine:
         mcfg, state = self._load(cfg, torch_dtype, device)
         self.model_config = mcfg
         try:
-            kv_format = parse_kv_format(cfg.kv_dtype if cfg.kv_dtype is not None else torch_dtype)
-        except ValueError as e:
+            weights = weight_format_for(state, cfg.quantization, device, torch_dtype)
+            # quantized weights (the fast path) keep KV in bf16 by default, as llama.cpp keeps f16; the exact
+            # float32 path keeps it in its dtype
+            kv_format = parse_kv_format(cfg.kv_dtype if cfg.kv_dtype is not None else
+                                        ("bf16" if weights != "none" else torch_dtype))
+        except ValueError as e:  # an unknown KV dtype, or a weight format this file cannot run
             raise InvalidRequestError(str(e)) from None
         num_blocks = cfg.num_kv_blocks or self._blocks_for_budget(kv_format, mcfg)
         self.block_size = cfg.block_size
         try:
             self.runner = ModelRunner(mcfg, state, num_blocks, cfg.block_size, dtype=torch_dtype, device=device,
                                       kv_dtype=kv_format, attention_backend=cfg.attention_backend,
-                                      quantization=cfg.quantization, fused_decode=cfg.fused_decode,
+                                      quantization=weights, fused_decode=cfg.fused_decode,
                                       cache_dir=cfg.cache_dir)
         except ValueError as e:  # unknown or unavailable attention backend
             raise InvalidRequestError(str(e)) from None

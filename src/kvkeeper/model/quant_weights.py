@@ -469,6 +469,20 @@ class PreparedWeights:
     description: str
 
 
+def weight_format_for(state, quantization: str | None, device="cpu", dtype=torch.float32) -> str:
+    """The format :func:`prepare_weights` will run for these weights (:func:`resolve_quantization` with the
+    GGUF file's tensor types); raises :class:`QuantizationError` for one the file cannot run."""
+    source = getattr(state, "source", "dummy")
+    gguf_types = None
+    if source == "gguf" and (quantization is None or str(quantization).lower() in ("auto", "gguf")):
+        gguf_types = getattr(state, "gguf_types", None)
+        path = getattr(state, "path", None)
+        if gguf_types is None and path is not None:
+            gguf_types = gguf_tensor_types(path)
+        gguf_types = _projection_types(gguf_types or {})
+    return resolve_quantization(quantization, source=source, gguf_types=gguf_types, device=device, dtype=dtype)
+
+
 def prepare_weights(state, cfg, quantization: str | None, device="cpu", dtype=torch.float32,
                     cache=None) -> PreparedWeights:
     """Resolve the weight format (:func:`resolve_quantization`) and replace the matrices it quantizes.
@@ -479,15 +493,8 @@ def prepare_weights(state, cfg, quantization: str | None, device="cpu", dtype=to
     next to the dequantized weights (``cache/weights``, see :func:`kvkeeper.text.tokenizer.cache_dir`).
     Raises :class:`QuantizationError`.
     """
-    source = getattr(state, "source", "dummy")
     path = getattr(state, "path", None)
-    gguf_types = None
-    if source == "gguf" and (quantization is None or str(quantization).lower() in ("auto", "gguf")):
-        gguf_types = getattr(state, "gguf_types", None)
-        if gguf_types is None and path is not None:
-            gguf_types = gguf_tensor_types(path)
-        gguf_types = _projection_types(gguf_types or {})
-    fmt = resolve_quantization(quantization, source=source, gguf_types=gguf_types, device=device, dtype=dtype)
+    fmt = weight_format_for(state, quantization, device, dtype)
     if fmt == "none":
         return PreparedWeights(state, "none", f"{str(dtype).removeprefix('torch.')} weights")
     packed_path = _cache_path(cfg, fmt, cache) if cfg.revision else None
