@@ -178,9 +178,14 @@ def test_gguf_audit_tolerance_sits_above_activation_rounding(kernels, mt_bench):
     tolerance for quantized weights passes clean sessions and still names a foreign block."""
     from kvkeeper.diagnostics import faults
 
-    eng = LLMEngine(quantization="gguf", num_kv_blocks=200, audit_fraction=1.0, validate_every=0)
+    from kvkeeper.diagnostics.audit import ReuseAuditor
+    from kvkeeper.sessions import SessionManager
+
+    eng = LLMEngine(quantization="gguf", num_kv_blocks=200, validate_every=0)
+    eng.auditor = ReuseAuditor(1.0).attach(eng)
+    sessions = SessionManager(eng)
     for q in mt_bench[:3]:
-        s = eng.new_session()
+        s = sessions.open()
         for turn in q["turns"]:
             s.send(turn, SamplingParams(max_tokens=16))
         s.close()
