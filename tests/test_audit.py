@@ -29,7 +29,7 @@ TEXT_B = ("A small bakery on the corner sold bread, pastries and cakes to the pe
 def eng():
     """SmolLM2 fp32 with every request audited; validators off (the fault tests corrupt the cache on purpose,
     each in its own namespace); the clean-run test turns them back on."""
-    e = LLMEngine(num_kv_blocks=320, validate_every=0)
+    e = LLMEngine(num_kv_blocks=320, validate_every=0, quantization="none")
     e.auditor = ReuseAuditor(1.0).attach(e)  # the tests read its counters and reports
     return e
 

@@ -1,4 +1,4 @@
-"""End-to-end checks of the engine on the real embedded model (SmolLM2-135M-Instruct, fp32)."""
+"""End-to-end checks of the engine on the real embedded model (SmolLM2-135M-Instruct, fp32 weights)."""
 
 import pytest
 import torch
@@ -128,7 +128,8 @@ def test_preemption_small_pool_completes_with_same_outputs(engine, mt_bench):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     big = engine.generate(prompts, params, namespace=engine.isolated_namespace())
     need = sum(-(-(len(p) + 40) // 16) for p in prompts)
-    small = LLMEngine(num_kv_blocks=max(len(max(prompts, key=len)) // 16 + 4, need // 3), max_num_batched_tokens=128)
+    small = LLMEngine(num_kv_blocks=max(len(max(prompts, key=len)) // 16 + 4, need // 3), max_num_batched_tokens=128,
+                      quantization="none")
     assert small.pool.num_blocks < need
     outs = small.generate(prompts, params)
     assert small.scheduler.num_preemptions > 0, "the pool was meant to be too small for all requests at once"

@@ -94,8 +94,10 @@ def test_dummy_weights_seeded_and_engine_runs_on_cpu(tiny_config):
     assert torch.equal(wa[name], wb[name]) and not torch.equal(wa[name], wc[name])
     assert abs(wa[name].std().item() - 0.02) < 0.003
     assert torch.equal(wa["model.norm.weight"], torch.ones(64))
-    # CPU: the reference attention and no CUDA graphs (eager), whatever was asked for
-    assert a.runner.attention_backend == "torch" and a.runner.graphs is None
+    # CPU: the C++ decode kernel when built (else the reference attention) and no CUDA graphs (eager)
+    from kvkeeper.model import cpu_kernels
+
+    assert a.runner.attention_backend == ("cpu" if cpu_kernels.available() else "torch") and a.runner.graphs is None
     assert a.runner.dtype == torch.float32
     out = a.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and all(0 <= t < 300 for t in out.token_ids)

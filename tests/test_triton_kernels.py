@@ -15,6 +15,7 @@ triton = pytest.importorskip("triton")
 
 from kvkeeper.kvcache.quant import PagedKV, parse_kv_format  # noqa: E402
 from kvkeeper.model import attention as ref  # noqa: E402
+from kvkeeper.model import kernel_check  # noqa: E402
 from kvkeeper.model import triton_attention as tk  # noqa: E402
 
 TOL = {"float32": 2e-5, "int8": 2e-5, "fp8_e4m3": 2e-5, "bfloat16": 2e-2}
@@ -22,7 +23,7 @@ TOL = {"float32": 2e-5, "int8": 2e-5, "fp8_e4m3": 2e-5, "bfloat16": 2e-2}
 
 def make_step(seqs, H, KVH, D, bs, kv, dtype=torch.float32, seed=0, extra_cols=0):
     """seqs: list of (context_len, q_len); see ``triton_attention.random_step`` (on CPU tensors)."""
-    return tk.random_step(seqs, H, KVH, D, bs, kv, dtype, "cpu", seed, extra_cols)
+    return kernel_check.random_step(seqs, H, KVH, D, bs, kv, dtype, "cpu", seed, extra_cols)
 
 
 def run_both(seqs, H, KVH, D, bs, kv, dtype=torch.float32, seed=0, **kw):
@@ -137,8 +138,8 @@ def test_broken_extend_kernel_is_caught():
                                          ("bfloat16", torch.bfloat16, 16), ("fp8_e4m3", torch.bfloat16, 8)])
 def test_start_up_self_check(kv, dtype, bs):
     # what the runner runs on CUDA before trusting the kernels: small against tolerance here, large when broken
-    err = tk.self_check(8, 2, 16, parse_kv_format(kv), dtype, "cpu", bs)
-    assert err < tk.SELF_CHECK_TOL[dtype]
+    err = kernel_check.self_check(8, 2, 16, parse_kv_format(kv), dtype, "cpu", bs)
+    assert err < kernel_check.SELF_CHECK_TOL[dtype]
     orig = tk.decode_attention
 
     def broken(q, cache, tables, lens, scale, **k):  # a wrong softmax scale (memory-safe, unlike a bad index here)
@@ -146,6 +147,7 @@ def test_start_up_self_check(kv, dtype, bs):
 
     tk.decode_attention = broken
     try:
-        assert tk.self_check(8, 2, 16, parse_kv_format(kv), dtype, "cpu", bs) > tk.SELF_CHECK_TOL[dtype]
+        err = kernel_check.self_check(8, 2, 16, parse_kv_format(kv), dtype, "cpu", bs)
+        assert err > kernel_check.SELF_CHECK_TOL[dtype]
     finally:
         tk.decode_attention = orig

@@ -16,6 +16,8 @@ kvkeeper:num_preemptions_total             counter    sequences preempted for la
 kvkeeper:sessions_open                     gauge      open sessions (``X-Session-ID``)
 kvkeeper:pinned_blocks                     gauge      KV blocks pinned by idle sessions (blocks)
 kvkeeper:kv_cache_bytes_per_token          gauge      KV bytes per token, all layers, values plus scales (bytes)
+kvkeeper:weight_format{format}             gauge      1 for the weight format the model runs (--quantization):
+                                                      none, gguf, int8 or int4
 kvkeeper:breaker_tier                      gauge      circuit breaker tier: 0 closed, 1 compaction, 2 offload, 3 degrade
 kvkeeper:breaker_trips_total               counter    times the breaker tripped from closed
 kvkeeper:breaker_actions_total             counter    breaker actions, labels ``tier`` and ``action``
@@ -113,6 +115,11 @@ class _SnapshotCollector:
             for tier in TIERS if tiered else (None,):
                 fam.add_metric([tier] if tiered else [], float(v.get(tier, 0) if isinstance(v, dict) else v))
             yield fam
+        if snap.get("weight_format"):
+            w = GaugeMetricFamily("kvkeeper:weight_format", "Weight format the model runs, label format "
+                                  "(--quantization: none, gguf, int8, int4); value 1.", labels=["format"])
+            w.add_metric([snap["weight_format"]], 1.0)
+            yield w
         br = snap.get("breaker")
         if br is not None:
             g = GaugeMetricFamily("kvkeeper:breaker_tier",

@@ -2,7 +2,9 @@
 
 The engine options are the fields of :class:`~kvkeeper.engine.config.EngineConfig` (one default,
 declared there).  This is the edge of the program: the only place that reads environment
-variables (``KVKEEPER_VALIDATE`` is the default of ``--validate-every``).
+variables, as option defaults: ``KVKEEPER_VALIDATE`` (``--validate-every``), ``KVKEEPER_QUANTIZATION``
+(``--quantization``), ``KVKEEPER_FUSED_DECODE=0`` (``--no-fused-decode``), ``KVKEEPER_CACHE``
+(``--cache-dir``); and ``KVKEEPER_CPU_KERNELS=0`` (never load the C++ kernels in this process).
 """
 
 from __future__ import annotations
@@ -49,8 +51,12 @@ def engine_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("engine options")
     add_options(g, EngineConfig)
-    # a string default goes through the option's type, so a bad $KVKEEPER_VALIDATE is a usage error (exit 2)
-    p.set_defaults(validate_every=os.environ.get("KVKEEPER_VALIDATE", "0") or "0")
+    # the edge of the program: environment variables become option defaults here and nowhere else (a string
+    # default goes through the option's type, so a bad $KVKEEPER_VALIDATE is a usage error, exit 2)
+    p.set_defaults(validate_every=os.environ.get("KVKEEPER_VALIDATE", "0") or "0",
+                   quantization=os.environ.get("KVKEEPER_QUANTIZATION") or None,
+                   fused_decode=os.environ.get("KVKEEPER_FUSED_DECODE", "1") != "0",
+                   cache_dir=os.environ.get("KVKEEPER_CACHE") or None)
     g.add_argument("-v", "--verbose", action="store_true", help="log engine activity (INFO) to stderr")
     return p
 
@@ -77,6 +83,10 @@ def load_engine(args: argparse.Namespace):
     from ..model.registry import resolve_model_path
 
     cfg = from_args(EngineConfig, args)
+    if os.environ.get("KVKEEPER_CPU_KERNELS", "1") == "0":
+        from ..model import cpu_kernels
+
+        cpu_kernels.disable("KVKEEPER_CPU_KERNELS=0")
     if cfg.load_format == "dummy":
         from ..model.dummy import resolve_config
 
@@ -88,7 +98,8 @@ def load_engine(args: argparse.Namespace):
     with err_console().status(f"loading {cfg.model} ..."), contextlib.redirect_stdout(sys.stderr):
         engine = LLMEngine(cfg)
     r = engine.runner
-    stderr(f"loaded {engine.model_name} ({str(r.dtype).removeprefix('torch.')} on {r.device}, KV {r.kv_format.name} at "
+    stderr(f"loaded {engine.model_name} ({str(r.dtype).removeprefix('torch.')} on {r.device}, weights "
+           f"{r.weight_description}, KV {r.kv_format.name} at "
            f"{engine.kv_bytes_per_token:,} bytes/token, {engine.pool.num_blocks} KV blocks of {engine.block_size} "
            f"tokens, context {engine.context_length}) in {time.perf_counter() - t0:.1f} s")
     return engine

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ..argtypes import positive_int, size, validate_every_arg
 from ..errors import InvalidRequestError
 from ..kvcache.quant import KV_DTYPE_CHOICES
+from ..model.quant_weights import QUANTIZATION_CHOICES
 from ..model.registry import DEFAULT_MODEL
 from ..options import option
 
@@ -26,13 +27,18 @@ class EngineConfig:
     dtype: weights and activations (None: float32 on CPU, bfloat16 on CUDA).
     device: "auto" (CUDA when available), "cpu", "cuda" or "cuda:N".
     load_format: "auto" (the model's files) or "dummy" (random weights of a shipped config, seeded by ``seed``).
-    attention_backend: "auto" (Triton kernels on CUDA when they import), "torch" (the reference) or "triton".
+    quantization: weight format "none", "gguf", "int8", "int4" or None/"auto" (the file's default, see
+    ``kvkeeper.model.quant_weights``; ``runner.weight_format`` says which runs).
+    attention_backend: "auto", "torch" (the reference), "cpu" (C++ kernels) or "triton" (CUDA).
+    fused_decode: a decode-only step as one C++ call over packed weights (CPU, quantized weights).
     cuda_graphs: replay decode steps as CUDA graphs (CUDA only; a no-op on CPU).
-    kv_dtype: KV cache storage "fp32", "bf16", "fp16", "int8" or "fp8" (None: the ``dtype``).
+    kv_dtype: KV cache storage "fp32", "bf16", "fp16", "int8" or "fp8" (None: bf16 with quantized weights,
+    else the ``dtype``).
     block_size: tokens per KV block.  KV budget: ``num_kv_blocks``, else ``kv_cache_bytes`` (default 1 GiB).
     max_num_seqs: running sequences at most.  max_num_batched_tokens: tokens per step (the prefill chunk).
     max_model_len: cap on the context window (None: the model's own).  num_threads: torch CPU threads.
     validate_every: run the KV integrity validators before every N-th step (0: never).
+    cache_dir: folder of the weight and tokenizer caches (None: ``~/.cache/kvkeeper``).
     Raises :class:`InvalidRequestError` for a value out of range.
     """
 
@@ -46,14 +52,22 @@ class EngineConfig:
     load_format: str = field(default="auto", metadata=option(
         "--load-format", "dummy: random weights for --model = a shipped config name (llama-3.1-8b, llama-3-8b, "
         "qwen2.5-7b) or a config.json path, to measure speed without weight files", choices=["auto", "dummy"]))
+    quantization: str | None = field(default=None, metadata=option(
+        "--quantization", "weight format: none = float32 (exact), gguf = the GGUF file's Q4_0/Q4_1/Q8_0 blocks "
+        "computed in place, int8 / int4 = round-to-nearest groups of 32 (default: $KVKEEPER_QUANTIZATION, else auto: "
+        "the fastest format meeting the quality bar for the file, gguf for the embedded model)",
+        metavar="{" + ",".join(["auto", *QUANTIZATION_CHOICES]) + "}"))
     attention_backend: str = field(default="auto", metadata=option(
-        "--attention-backend", "attention kernels: auto (Triton on CUDA), torch (the reference) or triton",
-        choices=["auto", "torch", "triton"]))
+        "--attention-backend", "attention kernels: auto (the C++ CPU kernels on CPU when built, Triton on CUDA), "
+        "torch (the PyTorch reference), cpu or triton", choices=["auto", "torch", "cpu", "triton"]))
+    fused_decode: bool = field(default=True, metadata=option(
+        "--no-fused-decode", "run decode steps layer by layer instead of one C++ call over packed weights "
+        "(default: fused, unless $KVKEEPER_FUSED_DECODE=0)", action="store_true", negate=True))
     cuda_graphs: bool = field(default=True, metadata=option(
         "--enforce-eager", "CUDA: no decode CUDA graphs", action="store_true", negate=True))
     kv_dtype: str | None = field(default=None, metadata=option(
         "--kv-dtype", "KV cache storage; int8 and fp8 (e4m3) are quantized per token and KV head "
-        "(default: the --dtype)", choices=list(KV_DTYPE_CHOICES)))
+        "(default: bf16 with quantized weights, else the --dtype)", choices=list(KV_DTYPE_CHOICES)))
     block_size: int = field(default=16, metadata=option(
         "--block-size", "tokens per KV block", type=positive_int, metavar="N"))
     kv_cache_bytes: int | None = field(default=None, metadata=option(
@@ -75,6 +89,9 @@ class EngineConfig:
         metavar="N"))
     num_threads: int | None = field(default=None, metadata=option(
         "--threads", "CPU threads for torch (default: torch's choice)", type=positive_int, metavar="N"))
+    cache_dir: str | None = field(default=None, metadata=option(
+        "--cache-dir", "folder of kvkeeper's caches: dequantized and packed GGUF weights, converted tokenizers "
+        "(default: $KVKEEPER_CACHE, else ~/.cache/kvkeeper)", metavar="DIR"))
     validate_every: int = field(default=0, metadata=option(
         "--validate-every", "run the KV integrity validators before every N-th step, 0 = never "
         "(default: $KVKEEPER_VALIDATE, else 0)", type=validate_every_arg, metavar="N"))

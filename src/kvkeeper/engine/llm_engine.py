@@ -36,6 +36,7 @@ from ..kvcache.surgery import compact, compress_prompt
 from ..kvcache.telemetry import pool_stats
 from ..kvcache.validate import assert_engine_ok
 from ..model.loader import load_weights
+from ..model.quant_weights import weight_format_for
 from ..model.registry import resolve_model_path
 from ..model.runner import ModelRunner, parse_dtype
 from ..sampling.processors import build_processors
@@ -93,14 +94,20 @@ class LLMEngine:
         mcfg, state = self._load(cfg, torch_dtype, device)
         self.model_config = mcfg
         try:
-            kv_format = parse_kv_format(cfg.kv_dtype if cfg.kv_dtype is not None else torch_dtype)
-        except ValueError as e:
+            weights = weight_format_for(state, cfg.quantization, device, torch_dtype)
+            # quantized weights (the fast path) keep KV in bf16 by default, as llama.cpp keeps f16; the exact
+            # float32 path keeps it in its dtype
+            kv_format = parse_kv_format(cfg.kv_dtype if cfg.kv_dtype is not None else
+                                        ("bf16" if weights != "none" else torch_dtype))
+        except ValueError as e:  # an unknown KV dtype, or a weight format this file cannot run
             raise InvalidRequestError(str(e)) from None
         num_blocks = cfg.num_kv_blocks or self._blocks_for_budget(kv_format, mcfg)
         self.block_size = cfg.block_size
         try:
             self.runner = ModelRunner(mcfg, state, num_blocks, cfg.block_size, dtype=torch_dtype, device=device,
-                                      kv_dtype=kv_format, attention_backend=cfg.attention_backend)
+                                      kv_dtype=kv_format, attention_backend=cfg.attention_backend,
+                                      quantization=weights, fused_decode=cfg.fused_decode,
+                                      cache_dir=cfg.cache_dir)
         except ValueError as e:  # unknown or unavailable attention backend
             raise InvalidRequestError(str(e)) from None
         del state
@@ -137,8 +144,8 @@ class LLMEngine:
             self.tokenizer = dummy.load_dummy_tokenizer(self.model_path, mcfg.vocab_size)
             return mcfg, dummy.dummy_state(mcfg, dtype, device, seed=cfg.seed)
         self.model_path = resolve_model_path(cfg.model)
-        mcfg, state = load_weights(self.model_path)
-        self.tokenizer = load_tokenizer(self.model_path)
+        mcfg, state = load_weights(self.model_path, cfg.cache_dir)
+        self.tokenizer = load_tokenizer(self.model_path, cfg.cache_dir)
         return mcfg, state
 
     def _blocks_for_budget(self, kv_format, mcfg) -> int:
@@ -440,6 +447,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "weight_format": self.runner.weight_format,
         }
 
 

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from .attention import AttentionMetadata
+from .attn_meta import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

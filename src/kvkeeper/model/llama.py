@@ -14,13 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention
+from .attention_backend import paged_attention
+from .attn_meta import AttentionMetadata
 from .config import ModelConfig
+from .quant_weights import PackedWeight, QuantEmbedding, QuantLinear, qmm
 from .rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich, 2019), computed in float32 like transformers."""
+
+    kernels = None  # the C++ kernels module when the model's weights are packed (see use_cpu_kernels)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -28,6 +32,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rmsnorm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
@@ -67,6 +73,8 @@ class Linear(nn.Linear):
 class Attention(nn.Module):
     """Grouped-query attention (Ainslie et al., 2023) with one fused q/k/v projection."""
 
+    kernels = None  # see LlamaForCausalLM.use_cpu_kernels
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -78,15 +86,25 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), *cos_sin)
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), *cos_sin)
+        qkv = self.qkv_proj(x)
+        if self.kernels is not None:  # RoPE in place on the q and k heads, the fused decode step's routine
+            cos, sin = cos_sin
+            self.kernels.rope_qk(qkv, cos.view(T, -1), sin.view(T, -1), self.num_heads + self.num_kv_heads,
+                                 self.head_dim)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(T, self.num_heads, self.head_dim), *cos_sin)
+            k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), *cos_sin)
         o = paged_attention(q, k, v.view(T, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, -1))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward (Shazeer, 2020) with one fused gate/up projection."""
+
+    kernels = None  # see LlamaForCausalLM.use_cpu_kernels
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -95,6 +113,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -154,11 +174,31 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32) -> None:
         """Copy a HF-named state dict in (q/k/v and gate/up are fused here).
 
+        A :class:`~kvkeeper.model.quant_weights.PackedWeight` under a fused projection's name (e.g.
+        ``model.layers.0.self_attn.qkv_proj.weight``) or the embedding's / LM head's name replaces that
+        module by a :class:`QuantLinear` / :class:`QuantEmbedding` (see kvkeeper.model.quant_weights).
         Raises :class:`ModelFormatError` naming missing or misshaped tensors.
         """
         from ..errors import ModelFormatError
 
         state = dict(state)
+        for name in [n for n, t in state.items() if isinstance(t, PackedWeight)]:
+            pw = state.pop(name)
+            mod_name = name.removesuffix(".weight")
+            old = self.get_submodule(mod_name)
+            if (pw.n, pw.k) != tuple(old.weight.shape):
+                raise ModelFormatError(f"tensor {name} has shape {(pw.n, pw.k)}, config expects {tuple(old.weight.shape)}")
+            if isinstance(old, nn.Embedding):
+                new = QuantEmbedding(pw)
+            else:
+                parts = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj")}.get(mod_name.split(".", 3)[-1], ())
+                names = [f"{mod_name.rpartition('.')[0]}.{p}.bias" for p in parts]
+                bias = state.pop(f"{mod_name}.bias", None)
+                if bias is None and names and all(n in state for n in names):
+                    bias = torch.cat([state.pop(n) for n in names], dim=0)
+                new = QuantLinear(pw, bias)
+            parent, _, child = mod_name.rpartition(".")
+            setattr(self.get_submodule(parent), child, new)
         for i in range(self.config.num_layers):
             pre = f"model.layers.{i}."
             for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -183,6 +223,12 @@ class LlamaForCausalLM(nn.Module):
     def lm_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
+    @property
+    def lm_packed(self) -> PackedWeight | None:
+        """The LM head's packed blocks when it is quantized (tied: the embedding's), else None."""
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        return getattr(head, "packed", None)
+
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions, x.dtype)  # once per step, shared by all layers
@@ -190,17 +236,30 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos_sin, kv, meta)
         return self.model.norm(x)
 
+    def use_cpu_kernels(self, kernels) -> None:
+        """Compute RMSNorm, RoPE and SiLU(gate) * up with the C++ routines of the fused decode step
+        (:mod:`kvkeeper.model.fused_decode`), so that a decode token's result is the same bit for bit whether its
+        step runs fused or layer by layer (mixed with a prefill).  For packed (quantized) float32 models on CPU;
+        the float32 reference path keeps PyTorch's operators."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.kernels = kernels
+
     def add_transposed_copies(self) -> None:
         """Keep a transposed copy of every projection and of the LM head (CPU decode speed; ~2x weight memory)."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.add_transposed_copy()
-        self._lm_t = self.lm_weight.detach().t().contiguous()
+        if self.lm_packed is None:
+            self._lm_t = self.lm_weight.detach().t().contiguous()
 
     _lm_t: torch.Tensor | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden_size) -> float32 logits (N, vocab_size)."""
+        head = self.lm_packed
+        if head is not None:
+            return qmm(hidden, head)
         if self._lm_t is not None and hidden.shape[0] <= 2:
             return torch.mm(hidden, self._lm_t).float()
         return F.linear(hidden, self.lm_weight).float()

@@ -2,7 +2,9 @@
 
 Both paths produce a :class:`ModelConfig` and a state dict in Hugging Face
 naming (``model.layers.{i}.self_attn.q_proj.weight`` ...), dequantised to
-float32 tensors; the model casts them to its dtype.
+float32 tensors (a :class:`ModelWeights`, which also says where they came from);
+the model casts them to its dtype, or :mod:`kvkeeper.model.quant_weights`
+replaces matrices by packed blocks (``--quantization``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ _GGUF_TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+
+class ModelWeights(dict):
+    """HF-named float32 tensors, plus their origin: ``source`` "gguf" or "hf", ``path`` the file or folder,
+    and for GGUF ``gguf_types`` (tensor name -> ggml type name, e.g. Q4_1) when known."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], source: str, path: Path,
+                 gguf_types: dict[str, str] | None = None):
+        super().__init__(tensors)
+        self.source, self.path, self.gguf_types = source, path, gguf_types
 
 
 def _file_revision(path: Path) -> str:
@@ -115,7 +127,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         eos_token_ids=[] if eos is None else [int(eos)],
         revision=_file_revision(path),
     )
-    state: dict[str, torch.Tensor] = {}
+    state = ModelWeights({}, "gguf", path, {name: t.tensor_type.name for name, t in tensors.items()})
     try:
         for name, t in tensors.items():
             arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
@@ -178,10 +190,10 @@ def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         raise ModelFormatError(f"{path}: weights lack model.embed_tokens.weight; is this a Llama-family checkpoint?")
     if "lm_head.weight" not in state:
         cfg.tie_word_embeddings = True
-    return cfg, {k: v.float() for k, v in state.items()}
+    return cfg, ModelWeights({k: v.float() for k, v in state.items()}, "hf", path)
 
 
-def _cached_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _cached_gguf(path: Path, cache=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """GGUF weights, dequantised once and kept as safetensors under the kvkeeper cache folder.
 
     The cache is keyed by the file's content id; a damaged cache file is rebuilt.
@@ -195,12 +207,20 @@ def _cached_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from ..text.tokenizer import cache_dir
 
     rev = _file_revision(path)
-    folder = cache_dir() / "weights"
+    folder = cache_dir(cache) / "weights"
     st_path, cfg_path = folder / f"{rev}.safetensors", folder / f"{rev}.json"
+    types_path = folder / f"{rev}.types.json"
     if st_path.exists() and cfg_path.exists():
         try:
             cfg = ModelConfig(**json.loads(cfg_path.read_text()))
-            return cfg, load_file(str(st_path))
+            if types_path.exists():
+                types = json.loads(types_path.read_text())
+            else:  # a cache written before the types were kept
+                import gguf
+
+                types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+                _write_json(types_path, types)
+            return cfg, ModelWeights(load_file(str(st_path)), "gguf", path, types)
         except Exception as e:  # rebuilt below
             logging.getLogger(__name__).warning("weights cache %s unreadable (%s); rebuilding", st_path, e)
     cfg, state = load_gguf(path)
@@ -212,15 +232,28 @@ def _cached_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         tmp = cfg_path.with_name(f"{cfg_path.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(dataclasses.asdict(cfg)))
         os.replace(tmp, cfg_path)
+        _write_json(types_path, state.gguf_types)
     except OSError as e:  # the cache is an optimisation only
         logging.getLogger(__name__).warning("could not cache dequantised weights: %s", e)
     return cfg, state
 
 
-def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _write_json(path: Path, obj) -> None:
+    import os
+
+    try:
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, path)
+    except OSError:  # the cache is an optimisation only
+        pass
+
+
+def load_weights(path: Path, cache=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Dispatch on the path: a folder is a Hugging Face checkpoint, a file must be GGUF.
 
-    GGUF weights are dequantised once and cached (see :func:`_cached_gguf`).
+    GGUF weights are dequantised once and cached under ``cache`` (a folder; default
+    :func:`kvkeeper.text.tokenizer.cache_dir`; see :func:`_cached_gguf`).
     """
     if not path.exists():
         raise ModelNotFoundError(f"no model file or folder at {path}")
@@ -230,4 +263,4 @@ def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf file or a Hugging Face folder")
-    return _cached_gguf(path)
+    return _cached_gguf(path, cache)

@@ -13,9 +13,14 @@ import logging
 import torch
 
 from ..kvcache.quant import KVFormat, PagedKV, parse_kv_format
-from .attention import AttentionMetadata, PrefillSpan
+from . import kernel_check
+from .attention_backend import resolve_attention_backend, triton_available  # noqa: F401  (re-exported)
+from .attn_meta import AttentionMetadata, PrefillSpan
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphs
+from .fused_decode import FusedDecode
 from .llama import LlamaForCausalLM, skip_init
+from .quant_weights import prepare_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -40,11 +45,18 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  kv_dtype: str | torch.dtype | KVFormat | None = None, transposed_weights: bool | None = None,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", quantization: str | None = None, fused_decode: bool = True,
+                 cache_dir=None):
         """kv_dtype: KV storage format (fp32, bf16, fp16, int8, fp8; default: the model dtype).
-        transposed_weights: keep W^T copies for fast few-row products (default: on for fp32 on CPU).
-        attention_backend: "torch" (kvkeeper.model.attention, the reference), "triton"
-        (kvkeeper.model.triton_attention) or "auto" (triton on a CUDA device when it imports, else torch)."""
+        transposed_weights: keep W^T copies for fast few-row products (default: on for fp32 on CPU with
+        unquantized weights).
+        attention_backend: "torch" (kvkeeper.model.attention, the reference), "cpu" (its prefill, the C++
+        decode kernel), "triton" (kvkeeper.model.triton_attention) or "auto" (see
+        kvkeeper.model.attention_backend.resolve_attention_backend).
+        quantization: weight format, None/"auto" for the model file's default (see
+        kvkeeper.model.quant_weights); raises QuantizationError (a ValueError) for one the file cannot run.
+        fused_decode: run a decode-only step as one C++ call when the weights are packed (False: layer by layer).
+        cache_dir: where packed weights are cached (default: kvkeeper.text.tokenizer.cache_dir())."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -55,10 +67,14 @@ class ModelRunner:
         with skip_init(), torch.device("meta"):
             model = LlamaForCausalLM(cfg)
         model.rope = type(model.rope)(cfg).to(self.device)  # buffers computed, not loaded
-        model.load_weights(state, device=self.device, dtype=dtype)
+        prepared = prepare_weights(state, cfg, quantization, self.device, dtype, cache=cache_dir)
+        self.weight_format = prepared.format  # "none", "gguf", "int8" or "int4"
+        self.weight_description = prepared.description
+        model.load_weights(prepared.state, device=self.device, dtype=dtype)
+        del prepared
         self.model = model.eval()
         if transposed_weights is None:
-            transposed_weights = self.device.type == "cpu" and dtype == torch.float32
+            transposed_weights = self.device.type == "cpu" and dtype == torch.float32 and self.weight_format == "none"
         if transposed_weights:
             self.model.add_transposed_copies()
         self.attention_backend = resolve_attention_backend(attention_backend, self.device)
@@ -69,27 +85,45 @@ class ModelRunner:
             self.attention_backend = "torch"
         if self.attention_backend == "triton" and self.device.type == "cuda":
             self._check_kernels()
+        if self.attention_backend == "cpu":
+            self._check_cpu_kernels()
         self.graphs = None  # a cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
         self.kv_caches = [PagedKV(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.device,
                                   layer_idx=i) for i in range(cfg.num_layers)]
+        # one C++ call per decode step when the weights are packed (kvkeeper.model.fused_decode); the
+        # layer-by-layer path then uses the same C++ element-wise routines
+        self.fused_decode = (FusedDecode.build(self.model, self.kv_caches) if fused_decode and
+                             self.attention_backend == "cpu" and self.weight_format != "none" else None)
+        if self.fused_decode is not None:
+            self.model.use_cpu_kernels(self.fused_decode.kernels)
 
     def _check_kernels(self) -> None:
         """Compare the kernels with the PyTorch path on a small step of this model's shapes; on an error or a
         mismatch, log it and use the PyTorch path (a GPU or Triton version the kernels do not handle)."""
-        from . import triton_attention as tk
-
         cfg = self.cfg
         try:
-            err = tk.self_check(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.dtype,
-                                self.device, self.block_size)
+            err = kernel_check.self_check(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.dtype,
+                                          self.device, self.block_size)
         except Exception as e:  # noqa: BLE001  (compile or launch failure)
             logging.getLogger(__name__).warning("Triton attention kernels failed (%s: %s); using the PyTorch path",
                                                 type(e).__name__, e)
             self.attention_backend, self.kernel_check_error = "torch", None
             return
         self.kernel_check_error = err
-        if not err <= tk.SELF_CHECK_TOL.get(self.dtype, 5e-2):
+        if not err <= kernel_check.SELF_CHECK_TOL.get(self.dtype, 5e-2):
             logging.getLogger(__name__).warning("Triton attention kernels differ from the PyTorch path by %.3g "
+                                                "(relative); using the PyTorch path", err)
+            self.attention_backend = "torch"
+
+    def _check_cpu_kernels(self) -> None:
+        """The C++ decode attention against the PyTorch path on a small random step of this model's shapes
+        (a few milliseconds); on a mismatch, log it and use the PyTorch path."""
+        cfg = self.cfg
+        err = kernel_check.self_check(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.dtype,
+                                      self.device, self.block_size, backend="cpu")
+        self.kernel_check_error = err
+        if not err <= kernel_check.SELF_CHECK_TOL.get(self.dtype, 5e-2):
+            logging.getLogger(__name__).warning("CPU attention kernel differs from the PyTorch path by %.3g "
                                                 "(relative); using the PyTorch path", err)
             self.attention_backend = "torch"
 
@@ -155,7 +189,10 @@ class ModelRunner:
                                             meta.decode_block_tables, meta.decode_context_lens)
                 return logits, seqs
             self.graphs.eager_steps += 1
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.fused_decode is not None and meta.backend == "cpu" and meta.decode_only:
+            hidden = self.fused_decode(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not rows:
             return None, []
         h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device))
@@ -168,32 +205,8 @@ class ModelRunner:
         """
         if self.device.type != "cuda" or self.attention_backend != "triton":
             return False
-        from .cuda_graphs import DecodeGraphs
-
         graphs = DecodeGraphs(self, max_model_len)
         graphs.capture(max_num_seqs)
         self.graphs = graphs if graphs.graphs else None
         return self.graphs is not None
 
-
-def triton_available() -> bool:
-    """True when ``triton`` imports (it is optional: the CPU path never needs it)."""
-    try:
-        import triton  # noqa: F401
-    except Exception:  # ImportError, or a broken install
-        return False
-    return True
-
-
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """"torch", "triton" or "auto" (triton on CUDA when importable) -> "torch" | "triton".
-
-    Raises ValueError for another name, or for "triton" when triton does not import.
-    """
-    if name not in ("auto", "torch", "triton"):
-        raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
-    if name == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
-    if name == "triton" and not triton_available():
-        raise ValueError("attention backend 'triton' needs the triton package: pip install triton")
-    return name

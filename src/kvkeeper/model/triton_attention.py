@@ -26,8 +26,10 @@ block_size, KVH)`` for K and for V):
 Quantized blocks are dequantized in the kernel: ``value.to(float32) * scale``, then cast to the query
 dtype before the product, as the reference (:mod:`kvkeeper.model.attention`) does.
 
-Only this module imports ``triton``, and only the kernel backend imports this module; importing it without triton installed
-fails with ImportError, so callers check :func:`kvkeeper.model.runner.triton_available` first.
+Only this module imports ``triton``, and only the dispatch (:mod:`kvkeeper.model.attention_backend`), the
+start-up check (:mod:`kvkeeper.model.kernel_check`) and the CUDA graphs import this module, lazily; it imports
+no other attention module.  Importing it without triton installed fails with ImportError, so callers check
+:func:`kvkeeper.model.attention_backend.triton_available` first.
 The kernels run on CPU tensors when ``TRITON_INTERPRET=1`` is set before this module is imported
 (``triton.jit`` reads it when the kernels are defined; the CI tests do that).
 
@@ -400,102 +402,3 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
                                 num_splits=getattr(meta, "decode_num_splits", None))
     starts, lens, ctx, bt, max_q = _extend_inputs(meta, q.device)
     return extend_attention(q, cache, starts, lens, ctx, bt, scale, max_q)
-
-
-# ---- random steps for comparing the two paths (start-up check, tests, benchmarks/gpu.py) -------------
-
-
-def random_step(seqs, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, fmt,
-                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0,
-                extra_cols: int = 0):
-    """One step over a random paged cache, twice (one copy per path).
-
-    seqs: list of (context_len, q_len).  Each sequence gets distinct, shuffled blocks (plus
-    ``extra_cols`` unused table entries); its first context_len - q_len tokens are already in the
-    cache (random K/V written through :meth:`PagedKV.write`); the q_len new tokens are ``k``, ``v``.
-    fmt: a KV format or its name.  Returns (q (T, H, D), k, v (T, KVH, D) in ``dtype``, cache_a,
-    cache_b (identical contents), meta_a, meta_b (identical :class:`AttentionMetadata`)).
-    """
-    from ..kvcache.quant import parse_kv_format
-    from .attention import AttentionMetadata, PrefillSpan
-
-    dev = torch.device(device)
-    g = torch.Generator().manual_seed(seed)
-    fmt = parse_kv_format(fmt)
-    bs = block_size
-    need = [-(-c // bs) for c, _ in seqs]
-    nblocks = sum(need) + 3 + extra_cols * len(seqs)
-    perm = torch.randperm(nblocks, generator=g)
-    cache = PagedKV(nblocks, bs, num_kv_heads, head_dim, fmt, dev)
-    tables, used = [], 0
-    for (c, ql), n in zip(seqs, need):
-        t = perm[used: used + n + extra_cols].to(dev)
-        tables.append(t)
-        used += n + extra_cols
-        old = c - ql
-        if old:
-            i = torch.arange(old, device=dev)
-            cache.write(torch.randn(old, num_kv_heads, head_dim, generator=g).to(dev),
-                        torch.randn(old, num_kv_heads, head_dim, generator=g).to(dev), t[i // bs] * bs + i % bs)
-    T = sum(ql for _, ql in seqs)
-    q = torch.randn(T, num_heads, head_dim, generator=g).to(dev, dtype)
-    k = torch.randn(T, num_kv_heads, head_dim, generator=g).to(dev, dtype)
-    v = torch.randn(T, num_kv_heads, head_dim, generator=g).to(dev, dtype)
-    slots, prefills, dec_idx, dec_bt, dec_len = [], [], [], [], []
-    start = 0
-    for (c, ql), t in zip(seqs, tables):
-        i = torch.arange(c - ql, c, device=dev)
-        slots.append(t[i // bs] * bs + i % bs)
-        if ql == 1:
-            dec_idx.append(start)
-            dec_bt.append(t)
-            dec_len.append(c)
-        else:
-            prefills.append(PrefillSpan(start, ql, c, t))
-        start += ql
-
-    def meta():
-        m = AttentionMetadata(slot_mapping=torch.cat(slots), prefills=list(prefills))
-        if dec_idx:
-            table = torch.zeros(len(dec_bt), max(len(b) for b in dec_bt), dtype=torch.int64, device=dev)
-            for j, b in enumerate(dec_bt):
-                table[j, : len(b)] = b
-            m.decode_indices = torch.tensor(dec_idx, device=dev)
-            m.decode_block_tables = table
-            m.decode_context_lens = torch.tensor(dec_len, device=dev)
-            m.decode_max_len = max(dec_len)
-        return m
-
-    cache2 = PagedKV(nblocks, bs, num_kv_heads, head_dim, fmt, dev)
-    for a, b in ((cache2.k, cache.k), (cache2.v, cache.v), (cache2.k_scale, cache.k_scale),
-                 (cache2.v_scale, cache.v_scale)):
-        if a is not None:
-            a.copy_(b)
-    return q, k, v, cache, cache2, meta(), meta()
-
-
-# ---- start-up check -----------------------------------------------------------------------------
-
-SELF_CHECK_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-
-
-def self_check(num_heads: int, num_kv_heads: int, head_dim: int, fmt, dtype: torch.dtype,
-               device: torch.device | str, block_size: int) -> float:
-    """Run a mixed step (a decode token at 37 tokens plus a 20-token chunk over 30 cached tokens) and a
-    decode-only step (37 and 50 tokens) through the kernels and through the PyTorch reference on small
-    random caches of the model's shapes (:func:`random_step`).
-
-    Returns the larger max |kernel - reference| / max |reference| of the two steps (compare it with
-    ``SELF_CHECK_TOL[dtype]``).  Compiles the variants the model will use, so it costs little extra.
-    """
-    from .attention import paged_attention
-
-    worst = 0.0
-    for seqs in ([(37, 1), (50, 20)], [(37, 1), (50, 1)]):
-        q, k, v, c_ref, c_tk, m_ref, m_tk = random_step(seqs, num_heads, num_kv_heads, head_dim, block_size, fmt,
-                                                        dtype, device)
-        m_ref.backend, m_tk.backend = "torch", "triton"
-        want = paged_attention(q, k, v, c_ref, m_ref, head_dim**-0.5).float()
-        got = paged_attention(q, k, v, c_tk, m_tk, head_dim**-0.5).float()
-        worst = max(worst, (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6))
-    return worst

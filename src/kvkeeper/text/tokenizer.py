@@ -4,7 +4,9 @@ A GGUF file carries its vocabulary, merges and chat template; transformers'
 ``AutoTokenizer`` converts them into a fast tokenizer.  The conversion takes a
 few seconds, so the result is cached as a tokenizer folder under
 ``$KVKEEPER_CACHE`` (default ``~/.cache/kvkeeper``), keyed by the GGUF file's
-size and modification time.  A Hugging Face folder is read directly.
+size and modification time.  A Hugging Face folder is read directly.  The cache folder is
+``EngineConfig.cache_dir`` (``--cache-dir``, whose default the CLI reads from ``$KVKEEPER_CACHE``),
+else ``~/.cache/kvkeeper``.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from ..errors import ModelFormatError
 log = logging.getLogger(__name__)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVKEEPER_CACHE", Path.home() / ".cache" / "kvkeeper"))
+def cache_dir(folder: str | os.PathLike | None = None) -> Path:
+    """kvkeeper's cache folder: ``folder`` when given, else ``~/.cache/kvkeeper``."""
+    return Path(folder) if folder is not None else Path.home() / ".cache" / "kvkeeper"
 
 
 def _gguf_key(path: Path) -> str:
@@ -29,8 +32,8 @@ def _gguf_key(path: Path) -> str:
     return h[:16]
 
 
-def load_tokenizer(model_path: str | os.PathLike):
-    """Load the tokenizer (with its chat template) for a GGUF file or HF folder.
+def load_tokenizer(model_path: str | os.PathLike, cache: str | os.PathLike | None = None):
+    """Load the tokenizer (with its chat template) for a GGUF file or HF folder (cache: see :func:`cache_dir`).
 
     Returns a ``transformers`` fast tokenizer.  Raises :class:`ModelFormatError`
     when the source holds no usable tokenizer.
@@ -41,7 +44,7 @@ def load_tokenizer(model_path: str | os.PathLike):
     try:
         if path.is_dir():
             return AutoTokenizer.from_pretrained(str(path))
-        cached = cache_dir() / "tokenizers" / _gguf_key(path)
+        cached = cache_dir(cache) / "tokenizers" / _gguf_key(path)
         if (cached / "tokenizer_config.json").exists():
             try:
                 return AutoTokenizer.from_pretrained(str(cached))

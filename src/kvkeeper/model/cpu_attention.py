@@ -1,0 +1,102 @@
+"""Attention on CPU that reads the paged KV cache in place (the C++ kernels of csrc/kvk_cpu.cpp).
+
+:func:`decode_attention` has the contract of :func:`kvkeeper.model.attention.decode_attention` (the
+reference, which gathers every block of every sequence into a padded tensor each step): qd (B, H, D) ->
+(B, H, D) in qd's dtype, for sequences whose KV lengths are ``meta.decode_context_lens`` and whose blocks
+are ``meta.decode_block_tables``.  The kernel walks each sequence's blocks where they lie, dequantizing
+int8 / fp8 tokens on the fly (value * float16 scale, as :func:`kvkeeper.kvcache.quant.dequantize`),
+with an online softmax (Milakov & Gimelshein, 2018); the context is cut into chunks of
+:data:`SPLIT_BLOCKS` blocks that run in parallel and are combined at the end (flash-decoding, Dao et al.,
+2023).  The chunking depends only on each sequence's own length, so a sequence's result does not depend
+on the other sequences of the batch.  Computed in float32 (a bfloat16/float16 query is converted).
+
+:func:`paged_attention` is the whole step with the contract of :func:`kvkeeper.model.attention.paged_attention`:
+the new K/V are written, prefill spans go through ``extend_attention`` (causal, FlashAttention-2 style tiles of
+16 queries times the GQA group, over the blocks in place: no gather of the context), decode tokens through
+:func:`decode_attention`.  Every token, new ones included, is attended to as the cache holds it.  A span whose
+prefill collects attention statistics for KV compression hands its observer the same queries and keys as the
+reference does; its output does not depend on whether it is observed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kvcache.quant import PagedKV
+from . import cpu_kernels
+from .attn_meta import AttentionMetadata
+
+SPLIT_BLOCKS = 16  # blocks per parallel work item (256 tokens at the default block size)
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
+_EMPTY = torch.empty(0, dtype=torch.float16)
+
+
+def supported(cache: PagedKV) -> bool:
+    """Whether the kernel reads this cache's storage dtype (float32, bfloat16, float16, int8, fp8 e4m3)."""
+    return cache.k.dtype in _KIND and cache.k.device.type == "cpu"
+
+
+def _kv_args(cache: PagedKV):
+    k, v = cache.k, cache.v
+    kind = _KIND[k.dtype]
+    if kind == 4:  # float8 bytes (the kernels decode e4m3 themselves)
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    ks = cache.k_scale if cache.k_scale is not None else _EMPTY
+    vs = cache.v_scale if cache.v_scale is not None else _EMPTY
+    return k, v, ks, vs, kind
+
+
+def _extend_inputs(meta: AttentionMetadata):
+    """Per step (built once, shared by all layers): the prefill spans as int64 tensors."""
+    cached = getattr(meta, "_cpu_extend", None)
+    if cached is not None:
+        return cached
+    spans = meta.prefills
+    width = max(p.block_table.numel() for p in spans)
+    bt = torch.zeros(len(spans), width, dtype=torch.int64)
+    for i, p in enumerate(spans):
+        bt[i, : p.block_table.numel()] = p.block_table
+    res = (torch.tensor([p.start for p in spans], dtype=torch.int64),
+           torch.tensor([p.q_len for p in spans], dtype=torch.int64),
+           torch.tensor([p.context_len for p in spans], dtype=torch.int64), bt)
+    meta._cpu_extend = res
+    return res
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKV, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q (T, H, D), k and v (T, KVH, D) of the step's new tokens -> (T, H, D) in q's dtype (see the module
+    docstring).  Raises RuntimeError when the kernels are not loaded."""
+    mod = cpu_kernels.load()
+    if mod is None:
+        raise RuntimeError(f"the CPU kernels are unavailable ({cpu_kernels.unavailable_reason()})")
+    cache.write(k, v, meta.slot_mapping)
+    if meta.decode_only:
+        return decode_attention(q, cache, meta, scale)
+    kc, vc, ks, vs, kind = _kv_args(cache)
+    starts, qlens, ctxs, bt = _extend_inputs(meta)
+    qf = q if q.dtype == torch.float32 else q.float()
+    out = mod.extend_attention(qf, kc, vc, ks, vs, starts, qlens, ctxs, bt, scale, kind)
+    if meta.decode_indices is not None and meta.decode_indices.numel():
+        qd = qf.index_select(0, meta.decode_indices)
+        out.index_copy_(0, meta.decode_indices, decode_attention(qd, cache, meta, scale))
+    for p in meta.prefills:  # attention statistics for KV compression, with the reference's inputs
+        if p.observer is not None:
+            qs = q[p.start: p.start + p.q_len]
+            if p.context_len == p.q_len and not cache.fmt.quantized:
+                p.observer.observe(cache.layer_idx, qs, k[p.start: p.start + p.q_len], 0, scale)
+            else:
+                keys = cache.gather_keys(p.block_table, p.context_len, q.dtype)
+                p.observer.observe(cache.layer_idx, qs, keys, p.context_len - p.q_len, scale)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def decode_attention(qd: torch.Tensor, cache: PagedKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """qd (B, H, D) float -> (B, H, D) in qd's dtype; raises RuntimeError when the kernels are not loaded."""
+    mod = cpu_kernels.load()
+    if mod is None:
+        raise RuntimeError(f"the CPU kernels are unavailable ({cpu_kernels.unavailable_reason()})")
+    k, v, ks, vs, kind = _kv_args(cache)
+    out = mod.decode_attention(qd if qd.dtype == torch.float32 else qd.float(), k, v, ks, vs,
+                               meta.decode_block_tables, meta.decode_context_lens, scale, kind, SPLIT_BLOCKS)
+    return out if qd.dtype == torch.float32 else out.to(qd.dtype)

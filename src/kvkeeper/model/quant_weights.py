@@ -1,0 +1,516 @@
+"""Weight formats (``--quantization``): which exist, which one a model file gets, and the packed weights.
+
+Formats (named as vLLM's ``--quantization`` option names its methods where one exists):
+
+* ``none``: every weight dequantized to the model dtype at load (float32 on CPU): the exact path and the
+  parity reference of the tests.
+* ``gguf``: a GGUF file's own Q4_0, Q4_1 and Q8_0 blocks are computed in place by the C++ kernel
+  (:mod:`kvkeeper.model.cpu_kernels`, ``qmm``); any other tensor type (F16, K-quants, ...) is
+  dequantized as with ``none``.  The blocks are repacked at load into an interleaved layout (16 output
+  rows per group, :func:`pack_blocks`) without changing a single weight: every block keeps its codes
+  and its float16 scale and minimum.  Activations are rounded to int8 per row and block of 32
+  (llama.cpp's Q8_1) inside the kernel: that is the only change against ``none``.
+* ``int8``: weight-only round-to-nearest int8, symmetric, groups of 32 along the input dimension
+  (Q8_0's scheme: scale = max|w| / 127 in float16), from the float32 weights of any model file.
+* ``int4``: weight-only round-to-nearest int4, asymmetric, groups of 32 (Q4_1's scheme: scale =
+  (max - min) / 15 and the minimum, both float16), from the float32 weights of any model file.
+
+Quantized formats run on CPU with float32 activations only; their matrices are :class:`PackedWeight`
+objects and the layers :class:`QuantLinear` / :class:`QuantEmbedding`.  Norms, biases and RoPE stay float32.
+The default (:func:`resolve_quantization`) is ``gguf`` for a GGUF file whose projection matrices are all
+Q4_0, Q4_1 or Q8_0 (the embedded SmolLM2-135M: Q4_1, embedding and LM head Q8_0; the README gives its
+perplexity and greedy agreement against ``none``), else ``none``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import cpu_kernels
+
+QUANTIZATION_CHOICES = ("none", "gguf", "int8", "int4")
+_ALIASES = {"fp32": "none", "float32": "none", "dequantized": "none"}
+GGUF_IN_PLACE = ("Q4_0", "Q4_1", "Q8_0")
+QK = 32  # weights per block
+ROWS = 16  # output rows per interleaved group
+
+_log = logging.getLogger(__name__)
+
+
+class QuantizationError(ValueError):
+    """A ``--quantization`` value this model file, device or dtype cannot run (the message says which can)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# choosing the format
+# ---------------------------------------------------------------------------------------------------
+def resolve_quantization(requested: str | None, *, source: str, gguf_types: set[str] | None = None,
+                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> str:
+    """The weight format to run: ``requested`` checked against the model file, or the default.
+
+    source: "gguf" (a GGUF file; gguf_types: the tensor types of its projection matrices), "hf" (a Hugging
+    Face folder) or "dummy" (random weights).  Default (``requested`` None or "auto"): "gguf" for a GGUF
+    file whose projection matrices are all Q4_0/Q4_1/Q8_0, on CPU in float32, when the kernels load;
+    otherwise "none".  An explicit quantized format whose kernels do not load falls back to "none" with a
+    logged warning (the model still runs, at float32 speed).
+
+    Raises :class:`QuantizationError` naming the formats this file supports when ``requested`` is unknown,
+    is "gguf" for a file that is not GGUF, or is quantized on a non-CPU device or with a non-float32 dtype.
+    """
+    dev = torch.device(device)
+    supported = supported_formats(source)
+    if requested is None or str(requested).lower() == "auto":
+        if (source == "gguf" and gguf_types and set(gguf_types) <= set(GGUF_IN_PLACE) and dev.type == "cpu"
+                and dtype == torch.float32 and cpu_kernels.available()):
+            return "gguf"
+        return "none"
+    name = _ALIASES.get(str(requested).lower(), str(requested).lower())
+    if name not in QUANTIZATION_CHOICES:
+        raise QuantizationError(f"unknown --quantization {requested!r}; this model file supports "
+                                f"{', '.join(supported)} (or auto)")
+    if name not in supported:
+        kind = {"hf": "a Hugging Face folder", "dummy": "dummy weights"}.get(source, source)
+        raise QuantizationError(f"--quantization {name} needs a GGUF file, and this model is {kind}; "
+                                f"choose one of {', '.join(supported)}")
+    if name != "none":
+        if dev.type != "cpu":
+            raise QuantizationError(f"--quantization {name} runs on CPU only (its kernels are C++ CPU code); "
+                                    f"on {dev.type} use --quantization none")
+        if dtype != torch.float32:
+            raise QuantizationError(f"--quantization {name} computes with float32 activations; use --dtype float32 "
+                                    f"or --quantization none with --dtype {str(dtype).removeprefix('torch.')}")
+        if not cpu_kernels.available():
+            _log.warning("--quantization %s needs the CPU kernels (%s); running --quantization none instead",
+                         name, cpu_kernels.unavailable_reason())
+            return "none"
+    return name
+
+
+def supported_formats(source: str) -> tuple[str, ...]:
+    """The --quantization values a model file of this kind accepts (source: gguf, hf or dummy)."""
+    return QUANTIZATION_CHOICES if source == "gguf" else ("none", "int8", "int4")
+
+
+# ---------------------------------------------------------------------------------------------------
+# packed weights
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class PackedWeight:
+    """A (N, K) weight as blocks of 32 with w = d * u + m, interleaved 16 rows at a time.
+
+    qs: (G, K/32, 256) uint8 for 4-bit codes or (G, K/32, 512) for 8-bit codes, G = ceil(N / 16): byte
+    ``64*s + 4*i + c`` of a 4-bit block holds u(row i, 4s + c) in its low nibble and u(row i, 16 + 4s + c)
+    in its high nibble (s < 4); of an 8-bit block, byte ``64*j + 4*i + c`` holds u(row i, 4j + c) (j < 8).
+    sc: (G, K/32, 2, 16) float16, the 16 rows' d then m.  Padding rows (N..16G) are zero.
+    kind: where the blocks came from (Q4_1, Q8_0, int4, ...), for reports.
+    """
+
+    qs: torch.Tensor
+    sc: torch.Tensor
+    bits: int
+    n: int
+    k: int
+    kind: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.sc.nbytes
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as float32 (N, K): d * u + m computed in float32 (exactly the values the file encodes)."""
+        u = unpack_codes(self)  # (N, K) int32
+        d = self.sc[:, :, 0, :].permute(0, 2, 1).reshape(-1, self.k // QK)[: self.n].float()
+        m = self.sc[:, :, 1, :].permute(0, 2, 1).reshape(-1, self.k // QK)[: self.n].float()
+        w = u.view(self.n, -1, QK).float() * d[:, :, None] + m[:, :, None]
+        return w.view(self.n, self.k)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (T,) int64 dequantized to float32 (T, K) (the embedding lookup)."""
+        g, i = ids // ROWS, ids % ROWS
+        nb = self.k // QK
+        if self.bits == 8:
+            u = self.qs.view(-1, nb, 8, ROWS, 4)[g, :, :, i, :].reshape(-1, nb, QK).int()
+        else:
+            b = self.qs.view(-1, nb, 4, ROWS, 4)[g, :, :, i, :].reshape(-1, nb, 16).int()
+            u = torch.cat([b & 0x0F, b >> 4], dim=-1)
+        sc = self.sc[g, :, :, i].float()  # (T, nb, 2)
+        return (u.float() * sc[:, :, 0:1] + sc[:, :, 1:2]).reshape(-1, self.k)
+
+
+def pack_blocks(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, kind: str) -> PackedWeight:
+    """Interleave codes u (N, K) integer in [0, 2**bits), d and m (N, K/32) float16 into a :class:`PackedWeight`.
+
+    Raises ValueError when K is not a multiple of 32, a code is out of range or the scales' shape differs.
+    """
+    n, k = u.shape
+    if k % QK:
+        raise ValueError(f"input dimension {k} is not a multiple of {QK}")
+    if d.shape != (n, k // QK) or m.shape != (n, k // QK):
+        raise ValueError(f"scales must be ({n}, {k // QK}), got {tuple(d.shape)} and {tuple(m.shape)}")
+    if int(u.min()) < 0 or int(u.max()) >= 1 << bits:
+        raise ValueError(f"codes outside [0, {1 << bits})")
+    g = -(-n // ROWS)
+    pad = g * ROWS - n
+    u = F.pad(u.to(torch.uint8), (0, 0, 0, pad))
+    d = F.pad(d.to(torch.float16), (0, 0, 0, pad))
+    m = F.pad(m.to(torch.float16), (0, 0, 0, pad))
+    nb = k // QK
+    ub = u.view(g, ROWS, nb, QK).permute(0, 2, 1, 3)  # (G, nb, 16 rows, 32)
+    if bits == 8:
+        qs = ub.reshape(g, nb, ROWS, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, nb, 512)
+    elif bits == 4:
+        lo = ub[..., :16].reshape(g, nb, ROWS, 4, 4).permute(0, 1, 3, 2, 4).reshape(g, nb, 256)
+        hi = ub[..., 16:].reshape(g, nb, ROWS, 4, 4).permute(0, 1, 3, 2, 4).reshape(g, nb, 256)
+        qs = lo | (hi << 4)
+    else:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    sc = torch.stack([d.view(g, ROWS, nb).permute(0, 2, 1), m.view(g, ROWS, nb).permute(0, 2, 1)], dim=2)
+    return PackedWeight(qs.contiguous(), sc.contiguous(), bits, n, k, kind)
+
+
+def unpack_codes(pw: PackedWeight) -> torch.Tensor:
+    """The codes u (N, K) int32 of a :class:`PackedWeight` (inverse of :func:`pack_blocks`)."""
+    g, nb = pw.qs.shape[:2]
+    if pw.bits == 8:
+        u = pw.qs.view(g, nb, 8, ROWS, 4).permute(0, 3, 1, 2, 4).reshape(g * ROWS, pw.k)
+    else:
+        q = pw.qs.view(g, nb, 4, ROWS, 4).permute(0, 3, 1, 2, 4).reshape(g * ROWS, nb, 16)
+        u = torch.cat([q & 0x0F, q >> 4], dim=-1).reshape(g * ROWS, pw.k)
+    return u[: pw.n].int()
+
+
+def concat_rows(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, str]]):
+    """Stack (u, d, m, bits, kind) row blocks of one fused projection; 4-bit codes join an 8-bit group as is."""
+    bits = max(p[3] for p in parts)
+    kinds = sorted({p[4] for p in parts})
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+            np.concatenate([p[2] for p in parts]), bits, "+".join(kinds))
+
+
+# ---- from GGUF blocks -----------------------------------------------------------------------------------
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def gguf_blocks(data: np.ndarray, type_name: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A GGUF Q4_0 / Q4_1 / Q8_0 tensor's raw bytes -> (u (N, K) uint8, d, m (N, K/32) float16, bits), exact.
+
+    Layouts (ggml-common.h): Q4_0 = fp16 d, 16 bytes of nibbles, w = d (q - 8); Q4_1 = fp16 d, fp16 m,
+    16 bytes, w = d q + m; element j < 16 of a block is byte j's low nibble, element 16 + j its high
+    nibble.  Q8_0 = fp16 d, 32 int8 q, w = d q, here u = q + 128 and m = -128 d (exact in float16).
+    """
+    bb = _BLOCK_BYTES[type_name]
+    nb = k // QK
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, nb, bb)
+    d = raw[:, :, 0:2].copy().view(np.float16)[..., 0]
+    if type_name == "Q8_0":
+        q = raw[:, :, 2:].view(np.int8).astype(np.int16)
+        u = (q + 128).astype(np.uint8).reshape(n, k)
+        m = (d.astype(np.float32) * -128.0).astype(np.float16)
+        if not np.array_equal(m.astype(np.float32), d.astype(np.float32) * -128.0):
+            raise ValueError("a Q8_0 scale is too large to fold its offset into a float16 minimum")
+        return u, d, m, 8
+    if type_name == "Q4_1":
+        m = raw[:, :, 2:4].copy().view(np.float16)[..., 0]
+        qb = raw[:, :, 4:]
+    else:  # Q4_0
+        m = (d.astype(np.float32) * -8.0).astype(np.float16)
+        qb = raw[:, :, 2:]
+    u = np.concatenate([qb & 0x0F, qb >> 4], axis=-1).reshape(n, k)
+    return u, d, m, 4
+
+
+# ---- round-to-nearest from float weights ----------------------------------------------------------------
+def quantize_rtn(w: torch.Tensor, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Round-to-nearest weight-only quantization of w (N, K) float in groups of 32 along K.
+
+    fmt "int8": symmetric, d = max|w| / 127 (float16), q = round(w / d) in [-127, 127], stored as u = q + 128
+    with m = -128 d (Q8_0's scheme).  fmt "int4": asymmetric, d = (max - min) / 15 and m = min (float16),
+    u = round((w - m) / d) in [0, 15] (Q4_1's scheme).  Returns (u, d, m, bits) as for :func:`gguf_blocks`.
+    Raises ValueError when K is not a multiple of 32.
+    """
+    n, k = w.shape
+    if k % QK:
+        raise ValueError(f"input dimension {k} is not a multiple of {QK}: groups of {QK} cannot tile it")
+    wb = w.detach().float().reshape(n, k // QK, QK)
+    if fmt == "int8":
+        d = (wb.abs().amax(-1) / 127.0).to(torch.float16)
+        df = d.float()
+        q = torch.where(df[..., None] > 0, wb / df[..., None].clamp_min(1e-30), torch.zeros_like(wb))
+        u = (q.round().clamp(-127, 127) + 128).to(torch.uint8)
+        m = (df * -128.0).to(torch.float16)
+        return u.reshape(n, k).numpy(), d.numpy(), m.numpy(), 8
+    if fmt == "int4":
+        lo, hi = wb.amin(-1), wb.amax(-1)
+        d = ((hi - lo) / 15.0).to(torch.float16)
+        m = lo.to(torch.float16)
+        df, mf = d.float(), m.float()
+        q = torch.where(df[..., None] > 0, (wb - mf[..., None]) / df[..., None].clamp_min(1e-30),
+                        torch.zeros_like(wb))
+        u = q.round().clamp(0, 15).to(torch.uint8)
+        return u.reshape(n, k).numpy(), d.numpy(), m.numpy(), 4
+    raise ValueError(f"unknown round-to-nearest format {fmt!r}; choose int8 or int4")
+
+
+def pack_numpy(u: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int, kind: str) -> PackedWeight:
+    return pack_blocks(torch.from_numpy(np.ascontiguousarray(u)), torch.from_numpy(np.ascontiguousarray(d)),
+                       torch.from_numpy(np.ascontiguousarray(m)), bits, kind)
+
+
+# ---------------------------------------------------------------------------------------------------
+# layers
+# ---------------------------------------------------------------------------------------------------
+def qmm(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+    """x (..., K) float32 @ W^T -> (..., N) float32 with the C++ kernel (activations rounded to int8 per 32)."""
+    mod = cpu_kernels.load()
+    if mod is None:
+        raise RuntimeError(f"the CPU kernels are unavailable ({cpu_kernels.unavailable_reason()})")
+    x2 = x.reshape(-1, pw.k)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    y = mod.qmm(x2, pw.qs, pw.sc, pw.bits, pw.n)
+    return y.view(*x.shape[:-1], pw.n)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer over a :class:`PackedWeight`: x (M, K) float32 -> (M, N) float32 (plus the bias)."""
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = packed.k, packed.n
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self._kernels = cpu_kernels.load()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pw = self.packed
+        y = self._kernels.qmm(x if x.dtype == torch.float32 else x.float(), pw.qs, pw.sc, pw.bits, pw.n)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.packed.kind} ({self.packed.bits}-bit codes)"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding over a :class:`PackedWeight` (rows dequantized on lookup); ``packed`` also serves as
+    the tied LM head."""
+
+    def __init__(self, packed: PackedWeight):
+        super().__init__()
+        self.packed = packed
+        self.num_embeddings, self.embedding_dim = packed.n, packed.k
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.packed.rows(ids.reshape(-1)).view(*ids.shape, self.packed.k)
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the model's weights by storage: packed blocks (codes plus scales) and plain tensors."""
+    packed = plain = 0
+    seen = set()
+    for mod in model.modules():
+        pw = getattr(mod, "packed", None)
+        if isinstance(pw, PackedWeight) and id(pw) not in seen:
+            seen.add(id(pw))
+            packed += pw.nbytes
+    for p in model.parameters():
+        plain += p.numel() * p.element_size()
+    return {"packed": packed, "plain": plain, "total": packed + plain}
+
+
+# ---------------------------------------------------------------------------------------------------
+# building a model's packed weights
+# ---------------------------------------------------------------------------------------------------
+PACK_VERSION = 1  # bump when the packed layout changes (old cache files are then ignored)
+_FUSED = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+          ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+          ("self_attn.o_proj", ("self_attn.o_proj",)),
+          ("mlp.down_proj", ("mlp.down_proj",)))
+_GGUF_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def gguf_tensor_types(path) -> dict[str, str]:
+    """GGUF tensor name -> ggml type name (Q4_1, Q8_0, F32, ...) of a GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return {t.name: t.tensor_type.name for t in reader.tensors}
+
+
+def _projection_types(types: dict[str, str]) -> set[str]:
+    """The types of the matrices a decode step multiplies by (projections, embedding / LM head)."""
+    return {t for name, t in types.items()
+            if name.startswith("blk.") and name.split(".")[2] in _GGUF_PARTS.values() and name.endswith(".weight")
+            or name in ("token_embd.weight", "output.weight")}
+
+
+def _gguf_packed(path, cfg) -> tuple[dict[str, PackedWeight], list[str]]:
+    """Pack a GGUF file's Q4_0 / Q4_1 / Q8_0 projection matrices, fused as the model fuses them.
+
+    Returns (HF-style fused name -> PackedWeight, names of the HF tensors they replace).  A fused projection
+    with any part of another type is left out (dequantized as with ``none``).  q/k rows get llama.cpp's
+    RoPE permutation undone as in :func:`kvkeeper.model.loader.load_gguf`.
+    """
+    import gguf
+
+    from .loader import _unpermute_rope
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    packed, replaced = {}, []
+
+    def blocks(gname: str, perm_heads: int | None):
+        t = tensors.get(gname)
+        if t is None or t.tensor_type.name not in GGUF_IN_PLACE:
+            return None
+        n, k = int(t.shape[1]), int(t.shape[0])
+        u, d, m, bits = gguf_blocks(t.data, t.tensor_type.name, n, k)
+        if perm_heads:
+            u, d, m = (_unpermute_rope(a, perm_heads) for a in (u, d, m))
+        return u, d, m, bits, t.tensor_type.name
+
+    for i in range(cfg.num_layers):
+        for fused, parts in _FUSED:
+            got = []
+            for part in parts:
+                heads = None
+                if cfg.architecture == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+                    heads = cfg.num_heads if part == "self_attn.q_proj" else cfg.num_kv_heads
+                got.append(blocks(f"blk.{i}.{_GGUF_PARTS[part]}.weight", heads))
+            if any(g is None for g in got):
+                continue
+            packed[f"model.layers.{i}.{fused}.weight"] = pack_numpy(*concat_rows(got))
+            replaced += [f"model.layers.{i}.{p}.weight" for p in parts]
+    for gname, hf in (("token_embd.weight", "model.embed_tokens.weight"), ("output.weight", "lm_head.weight")):
+        b = blocks(gname, None)
+        if b is not None:
+            packed[hf] = pack_numpy(*b)
+            replaced.append(hf)
+    return packed, replaced
+
+
+def _rtn_packed(state, cfg, fmt: str) -> tuple[dict[str, PackedWeight], list[str]]:
+    """Round-to-nearest ``fmt`` (int8 / int4) of the projection matrices of a float state dict; the embedding
+    and an untied LM head get int8 in both formats (the LM head is the most sensitive matrix)."""
+    packed, replaced = {}, []
+    for i in range(cfg.num_layers):
+        for fused, parts in _FUSED:
+            names = [f"model.layers.{i}.{p}.weight" for p in parts]
+            if not all(n in state for n in names):
+                continue
+            w = torch.cat([state[n].float() for n in names], dim=0)
+            packed[f"model.layers.{i}.{fused}.weight"] = pack_numpy(*quantize_rtn(w, fmt), kind=fmt)
+            replaced += names
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in state:
+            packed[name] = pack_numpy(*quantize_rtn(state[name].float(), "int8"), kind="int8")
+            replaced.append(name)
+    return packed, replaced
+
+
+def _cache_path(cfg, fmt: str, cache=None):
+    from ..text.tokenizer import cache_dir
+
+    return cache_dir(cache) / "weights" / f"{cfg.revision}.{fmt}.v{PACK_VERSION}.safetensors"
+
+
+def _save_packed(path, packed: dict[str, PackedWeight], replaced: list[str]) -> None:
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    tensors, meta = {}, {}
+    for name, pw in packed.items():
+        tensors[f"{name}.qs"], tensors[f"{name}.sc"] = pw.qs, pw.sc
+        meta[name] = [pw.bits, pw.n, pw.k, pw.kind]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        save_file(tensors, str(tmp), metadata={"packed": json.dumps(meta), "replaced": json.dumps(replaced)})
+        os.replace(tmp, path)
+    except OSError as e:  # the cache is an optimisation only
+        _log.warning("could not cache packed weights: %s", e)
+
+
+def _load_packed(path) -> tuple[dict[str, PackedWeight], list[str]] | None:
+    import json
+
+    from safetensors import safe_open
+
+    if not path.exists():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            md = f.metadata()
+            meta, replaced = json.loads(md["packed"]), json.loads(md["replaced"])
+            packed = {name: PackedWeight(f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.sc"), int(b), int(n), int(k),
+                                         kind) for name, (b, n, k, kind) in meta.items()}
+        return packed, replaced
+    except Exception as e:  # noqa: BLE001  (rebuilt by the caller)
+        _log.warning("packed weights cache %s unreadable (%s); rebuilding", path, e)
+        return None
+
+
+@dataclass
+class PreparedWeights:
+    """What :func:`prepare_weights` hands the model: tensors and packed matrices, the format and a summary."""
+
+    state: dict
+    format: str
+    description: str
+
+
+def weight_format_for(state, quantization: str | None, device="cpu", dtype=torch.float32) -> str:
+    """The format :func:`prepare_weights` will run for these weights (:func:`resolve_quantization` with the
+    GGUF file's tensor types); raises :class:`QuantizationError` for one the file cannot run."""
+    source = getattr(state, "source", "dummy")
+    gguf_types = None
+    if source == "gguf" and (quantization is None or str(quantization).lower() in ("auto", "gguf")):
+        gguf_types = getattr(state, "gguf_types", None)
+        path = getattr(state, "path", None)
+        if gguf_types is None and path is not None:
+            gguf_types = gguf_tensor_types(path)
+        gguf_types = _projection_types(gguf_types or {})
+    return resolve_quantization(quantization, source=source, gguf_types=gguf_types, device=device, dtype=dtype)
+
+
+def prepare_weights(state, cfg, quantization: str | None, device="cpu", dtype=torch.float32,
+                    cache=None) -> PreparedWeights:
+    """Resolve the weight format (:func:`resolve_quantization`) and replace the matrices it quantizes.
+
+    state: HF-named float tensors as :func:`kvkeeper.model.loader.load_weights` returns them (a
+    :class:`~kvkeeper.model.loader.ModelWeights` says whether they came from a GGUF file, whose blocks the
+    ``gguf`` format reads).  Quantized matrices are built once per model revision and format and cached
+    next to the dequantized weights (``cache/weights``, see :func:`kvkeeper.text.tokenizer.cache_dir`).
+    Raises :class:`QuantizationError`.
+    """
+    path = getattr(state, "path", None)
+    fmt = weight_format_for(state, quantization, device, dtype)
+    if fmt == "none":
+        return PreparedWeights(state, "none", f"{str(dtype).removeprefix('torch.')} weights")
+    packed_path = _cache_path(cfg, fmt, cache) if cfg.revision else None
+    got = _load_packed(packed_path) if packed_path is not None else None
+    if got is None:
+        got = _gguf_packed(path, cfg) if fmt == "gguf" else _rtn_packed(state, cfg, fmt)
+        if packed_path is not None:
+            _save_packed(packed_path, *got)
+    packed, replaced = got
+    out = {k: v for k, v in state.items() if k not in set(replaced)}
+    out.update(packed)
+    kinds: dict[str, int] = {}
+    for pw in packed.values():
+        kinds[pw.kind] = kinds.get(pw.kind, 0) + 1
+    nbytes = sum(pw.nbytes for pw in packed.values())
+    left = [k for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() == 2]
+    desc = (f"{fmt}: {', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))} matrices in place "
+            f"({nbytes / 1e6:.1f} MB)" + (f", {len(left)} dequantized" if left else ""))
+    return PreparedWeights(out, fmt, desc)
