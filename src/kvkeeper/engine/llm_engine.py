@@ -122,8 +122,9 @@ class LLMEngine:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = eos
         self.processor = OutputProcessor(self.tokenizer, eos)
-        eos_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else min(eos)
-        self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size, int(eos_id))  # structured outputs
+        eos_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else min(eos, default=None)
+        self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size,  # structured outputs
+                                        None if eos_id is None else int(eos_id))
         self._req_ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.holders: list[KVHolder] = []

@@ -68,11 +68,11 @@ class GrammarCompiler:
     """Compiles :class:`StructuredOutput` specs into llguidance matchers for one tokenizer.
 
     tokenizer: a transformers fast tokenizer; vocab_size: the width of the model's logits (tokens);
-    eos_token_id: the token that ends a finished grammar.  The llguidance tokenizer is built on first
-    use (about 0.2 s for a 49k vocabulary).
+    eos_token_id: the token that ends a finished grammar (None: the model has none, and every grammar is
+    refused).  The llguidance tokenizer is built on first use (about 0.2 s for a 49k vocabulary).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -113,6 +113,9 @@ class GrammarCompiler:
 
         if so.kind == "choice" and (not so.spec or not all(isinstance(c, str) and c for c in so.spec)):
             raise InvalidRequestError("a choice needs a non-empty list of non-empty strings", param=so.param)
+        if self.eos_token_id is None:
+            raise InvalidRequestError(f"{so.param}: structured outputs need a model with an end-of-sequence token, "
+                                      "which this model lacks", param=so.param)
         try:
             lltok = self._lltokenizer()
         except AttributeError:  # not a fast (Rust) tokenizer
