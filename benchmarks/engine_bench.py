@@ -788,21 +788,23 @@ def bench_long(engine: LLMEngine, llm, llm_status: str, bc: BenchConfig) -> dict
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             res["llama_cpp"] = {"failed": _err(e)}
-    # the KV precision llama.cpp keeps by default (f16): kvkeeper with a bfloat16 cache, for comparison (no target)
-    log("long context: kvkeeper with a bfloat16 KV cache")
+    # the other KV precision, for comparison (no target): float32 when the default is 16-bit (quantized weights keep
+    # bf16 KV, as llama.cpp keeps f16), else bfloat16
+    other = "fp32" if engine.runner.kv_format.name in ("bfloat16", "float16") else "bf16"
+    log(f"long context: kvkeeper with a {other} KV cache")
     try:
-        eng16 = LLMEngine(str(engine.model_path), quantization=engine.runner.weight_format, kv_dtype="bf16",
-                          kv_cache_bytes=512 << 20)
-        eng16.generate([ids[:300]], SamplingParams(max_tokens=4), namespace=eng16.isolated_namespace("w"))
-        o16 = eng16.generate([ids], SamplingParams(max_tokens=m + 1, ignore_eos=True),
-                             namespace=eng16.isolated_namespace("long"))[0]
-        res["kvkeeper_bf16_kv"] = {"prefill_s": o16.ttft_s, "decode_tok_per_s": o16.decode_tok_per_s,
-                                   "tokens": o16.completion_tokens, "kv_dtype": eng16.runner.kv_format.name}
-        del eng16
+        eng2 = LLMEngine(str(engine.model_path), quantization=engine.runner.weight_format, kv_dtype=other,
+                         kv_cache_bytes=512 << 20)
+        eng2.generate([ids[:300]], SamplingParams(max_tokens=4), namespace=eng2.isolated_namespace("w"))
+        o2 = eng2.generate([ids], SamplingParams(max_tokens=m + 1, ignore_eos=True),
+                           namespace=eng2.isolated_namespace("long"))[0]
+        res["kvkeeper_other_kv"] = {"prefill_s": o2.ttft_s, "decode_tok_per_s": o2.decode_tok_per_s,
+                                    "tokens": o2.completion_tokens, "kv_dtype": eng2.runner.kv_format.name}
+        del eng2
         gc.collect()
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
-        res["kvkeeper_bf16_kv"] = {"failed": _err(e)}
+        res["kvkeeper_other_kv"] = {"failed": _err(e), "kv_dtype": other}
     lc = res.get("llama_cpp") or {}
     note = "targets defined for 7,000 tokens (full run)" if bc.quick else ""
     pf = _ratio(lc.get("prefill_s"), o.ttft_s)
@@ -1293,7 +1295,8 @@ def render_markdown(R: dict) -> str:
                  f"cache {lg['kvkeeper']['kv_dtype']}; llama.cpp: {lg['llama_cpp_status']}.\n")
         L.append("| engine | prefill s | prefill tok/s | decode tok/s after the prompt |\n|---|---|---|---|")
         for name, r in ((f"kvkeeper (KV {lg['kvkeeper']['kv_dtype']}, the default)", lg["kvkeeper"]),
-                        ("kvkeeper, KV bfloat16 (`--kv-dtype bf16`)", lg.get("kvkeeper_bf16_kv")),
+                        (f"kvkeeper, KV {(lg.get('kvkeeper_other_kv') or {}).get('kv_dtype')} (`--kv-dtype`)",
+                         lg.get("kvkeeper_other_kv")),
                         ("llama.cpp (its default KV: f16)", lg.get("llama_cpp"))):
             if r and not r.get("failed"):
                 L.append(f"| {name} | {_f(r['prefill_s'], 2)} | {_f(lg['prompt_tokens'] / r['prefill_s'], 0)} | "
