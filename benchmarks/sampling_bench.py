@@ -16,6 +16,7 @@ Writes ``benchmarks/results/sampling_bench.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -61,11 +62,14 @@ def main() -> None:
                for i in range(16)]
     eng.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
     rows = [decode_rate(eng, prompts, m) for m in args.modes]
-    md = (f"Batched decode, 16 requests x 64 tokens, SmolLM2-135M fp32, {cpu_model()}, best of 3\n\n"
+    setup = f"weights {eng.runner.weight_format}, KV {eng.runner.kv_format.name}"
+    md = (f"Batched decode, 16 requests x 64 tokens, SmolLM2-135M ({setup}), {cpu_model()}, best of 3, "
+          f"load average {os.getloadavg()[0]:.2f}\n\n"
           "| mode | decode tok/s | tokens decoded |\n|---|---|---|\n"
           + "".join(f"| {r['mode']} | {r['decode_tok_per_s']} | {r['decoded_tokens']} |\n" for r in rows))
     args.out.mkdir(parents=True, exist_ok=True)
-    write_report(args.out, "sampling_bench", {"cpu": cpu_model(), "runs": rows}, md)
+    write_report(args.out, "sampling_bench", {"cpu": cpu_model(), "setup": setup, "loadavg_1m": os.getloadavg()[0],
+                                              "runs": rows}, md)
 
 
 if __name__ == "__main__":
