@@ -121,6 +121,15 @@ def test_every_field_is_applied_or_refused(server):
     ({"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}, "messages.0.refusal"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "call_9"}]}, "messages.0.tool_call_id"),
     ({"stream_options": {"include_obfuscation": True}, "stream": True}, "stream_options.include_obfuscation"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: it would do nothing
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+     "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "description": "a cat",
+                                                                 "schema": {"type": "object"}}}},
+     "response_format.json_schema.description"),
+    ({"tools": [{"type": "function", "function": {"name": "ping", "parameters": {"type": "string"}}}]},
+     "tools.0.function.parameters"),
+    ({"seed": 2**70}, "seed"), ({"seed": 2**63 - 1, "n": 2, "temperature": 1}, "seed"),
 ])
 def test_unknown_and_unusable_fields_are_named(server, body, param):
     full = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **body}
@@ -201,6 +210,24 @@ def test_stop_token_ids(client):
     stop = ids[3]
     cut = _chat(client, BANANA, max_tokens=12, extra_body={"return_token_ids": True, "stop_token_ids": [stop]}).choices[0]
     assert cut.model_extra["token_ids"] == ids[: ids.index(stop) + 1] and cut.finish_reason == "stop"
+    # the stop token's id is returned, its text is not (vLLM)
+    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_path(MODEL))
+    assert cut.message.content == tok.decode(ids[: ids.index(stop)], skip_special_tokens=True)
+
+
+def test_constraints_that_exclude_every_token_fail_only_their_own_request(server, client):
+    body = {"messages": [{"role": "user", "content": "Answer."}], "max_tokens": 10, "guided_choice": ["yes"],
+            "bad_words": ["yes"]}
+    with cf.ThreadPoolExecutor(1) as ex:
+        other = ex.submit(lambda: _chat(client, "Count from one to fifty.", max_tokens=40,
+                                        extra_body={"ignore_eos": True}))
+        for temperature in (0, 1):
+            r = httpx.post(server + "/v1/chat/completions", json={**body, "temperature": temperature}, timeout=60)
+            assert r.status_code == 400 and "no token is allowed" in r.json()["error"]["message"], r.text
+        assert other.result().choices[0].finish_reason == "length"
 
 
 def test_bad_words(server, client):
@@ -374,6 +401,22 @@ def test_echo(client):
     assert len(lp.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens
     assert "".join(lp.tokens).startswith("The capital of France is") and lp.token_logprobs[0] is None
     assert all(x <= 0 for x in lp.token_logprobs[1:]) and lp.text_offset[1] == len(lp.tokens[0])
+
+
+def test_each_logprobs_field_keeps_its_own_count(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France", max_tokens=2, temperature=0, echo=True,
+                                  logprobs=1, extra_body={"prompt_logprobs": 5})
+    c = r.choices[0]
+    assert c.logprobs.top_logprobs[0] is None
+    assert all(1 <= len(t) <= 2 for t in c.logprobs.top_logprobs[1:])  # its top 1, plus the token itself
+    assert all(5 <= len(d) <= 6 for d in c.model_extra["prompt_logprobs"][1:])
+    r = client.completions.create(model=MODEL, prompt="The capital of France", max_tokens=2, temperature=0, echo=True,
+                                  logprobs=5, extra_body={"prompt_logprobs": 0})
+    assert all(len(d) == 1 for d in r.choices[0].model_extra["prompt_logprobs"][1:])
+    # the sampled token is always among its top_logprobs (OpenAI: up to logprobs + 1 entries)
+    s = client.completions.create(model=MODEL, prompt="Once upon a time", logprobs=1, max_tokens=12, temperature=1.5,
+                                  seed=4).choices[0].logprobs
+    assert all(t in top and len(top) <= 2 for t, top in zip(s.tokens, s.top_logprobs))
 
 
 def test_prompt_logprobs_independent_of_the_cache(client):

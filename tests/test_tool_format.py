@@ -95,3 +95,15 @@ def test_bad_grammars_name_their_field(grammars):
         with pytest.raises(InvalidRequestError) as ei:
             gc.matcher(so)
         assert ei.value.param == so.param
+
+
+def test_a_closing_tag_inside_an_argument_string_belongs_to_the_arguments():
+    args = '{"s": "a</tool_call>b"}'
+    text = "Calling. " + call_text("f", args) + " after"
+    assert split_calls(text) == ("Calling.after", [("f", args)])
+    p, got, got_calls = CallParser(), "", []
+    for ch in text:  # streamed a character at a time: the same split
+        c, k = p.feed(ch)
+        got, got_calls = got + c, got_calls + k
+    c, k = p.flush()
+    assert (got + c, got_calls + k) == ("Calling.after", [("f", args)])

@@ -244,6 +244,11 @@ class AsyncEngine:
             st["breaker"] = {"tier": br.tier, "trips": br.trips,
                              "actions": [{"tier": t, "action": a, "count": n} for (t, a), n in br.actions.items()]}
         st.update(self._frag)  # fragmentation windows and block states of the latest sample
+        pool = getattr(self.engine, "pool", None)
+        if pool is not None and "kv_block_states" in st:  # the block counts are O(1): current, not sampled
+            owned, cached = pool.num_used, pool.num_cached_free
+            st["kv_block_states"] = {**st["kv_block_states"], "owned": owned, "cached": cached,
+                                     "free": pool.num_blocks - owned - cached}
         self.metrics.update(st)
 
     def _sample_fragmentation(self) -> None:

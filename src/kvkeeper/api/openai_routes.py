@@ -46,15 +46,15 @@ def _usage(got: Collected):
     return got.usage.to_dict() if got.usage else None
 
 
-def vllm_prompt_logprobs(entries: list[dict] | None) -> list[dict | None] | None:
+def vllm_prompt_logprobs(entries: list[dict] | None, k: int) -> list[dict | None] | None:
     """vLLM's ``prompt_logprobs``: None for the first token, then per token
-    ``{"token id": {"logprob", "rank", "decoded_token"}}`` for the prompt's token and the top ones."""
+    ``{"token id": {"logprob", "rank", "decoded_token"}}`` for the prompt's token and the top ``k`` ones."""
     if entries is None:
         return None
     out: list[dict | None] = [None]
     for e in entries[1:]:
         d = {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": e["token"]}}
-        for r, t in enumerate(e["top_logprobs"], 1):
+        for r, t in enumerate(e["top_logprobs"][:k], 1):
             d.setdefault(str(t["token_id"]), {"logprob": t["logprob"], "rank": r, "decoded_token": t["token"]})
         out.append(d)
     return out
@@ -134,7 +134,8 @@ def _chat_renderer(base: dict, body: ChatCompletionRequest, tools: ToolUse | Non
             choices.append({"index": i, "message": msg, "logprobs": {"content": got.logprobs[i]} if want_lp else None,
                             "finish_reason": reason, **({"token_ids": got.token_ids[i]} if want_ids else {})})
         ids = {"prompt_token_ids": s.prompt_token_ids} if want_ids else {}
-        plp = {"prompt_logprobs": vllm_prompt_logprobs(got.prompt_logprobs)} if body.prompt_logprobs is not None else {}
+        plp = ({"prompt_logprobs": vllm_prompt_logprobs(got.prompt_logprobs, body.prompt_logprobs)}
+               if body.prompt_logprobs is not None else {})
         return {**base, "object": "chat.completion", "choices": choices, "usage": _usage(got), **ids, **plp}
 
     return Renderer(base, chunk, first, whole)
@@ -187,8 +188,15 @@ def legacy_logprobs(entries: list[dict], offset: int = 0) -> dict:
         offsets.append(pos)
         pos += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
-                             for e in entries], "text_offset": offsets}
+            "top_logprobs": [None if e["top_logprobs"] is None else _top_with_chosen(e) for e in entries],
+            "text_offset": offsets}
+
+
+def _top_with_chosen(e: dict) -> dict:
+    """An entry's ``{token: logprob}`` top dict plus the token itself (OpenAI: up to logprobs + 1 entries)."""
+    top = {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+    top.setdefault(e["token"], e["logprob"])
+    return top
 
 
 class _CompletionChoices:
@@ -205,13 +213,17 @@ class _CompletionChoices:
         """(text, logprob entries) of the echoed prompt before choice ``i``'s first output ('', [] without echo)."""
         if not self.body.echo:
             return "", []
-        return s.echo_text or "", (self.prompt_lp or []) if self.want_lp else []
+        if not self.want_lp:
+            return s.echo_text or "", []
+        k = self.body.logprobs  # the prompt may have been scored with more (prompt_logprobs): each field its own
+        return s.echo_text or "", [e if e["top_logprobs"] is None else {**e, "top_logprobs": e["top_logprobs"][:k]}
+                                   for e in self.prompt_lp or []]
 
     def extras(self, s: RequestStream, i: int, token_ids: list[int], first: bool) -> dict:
         """``prompt_logprobs`` (vLLM) and, when asked, ``prompt_token_ids`` (first chunk only) and ``token_ids``."""
         out = {}
         if self.body.prompt_logprobs is not None and first:
-            out["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_lp)
+            out["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_lp, self.body.prompt_logprobs)
         if self.want_ids:
             out.update({"prompt_token_ids": s.prompt_token_ids} if first else {}, token_ids=token_ids)
         return out

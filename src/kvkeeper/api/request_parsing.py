@@ -36,6 +36,9 @@ def check_fields(body, request: Request) -> None:
     if bad is not None:
         raise APIError(400, f"{bad[0]} is not supported: {bad[1]}", param=bad[0])
     so = getattr(body, "stream_options", None)
+    if so is not None and not body.stream:
+        raise APIError(400, "stream_options applies to streamed responses only: send stream: true, or leave "
+                            "stream_options out", param="stream_options")
     if so is not None and so.include_obfuscation:
         raise APIError(400, "stream_options.include_obfuscation is not supported: chunks are not padded; "
                             "send false or omit it", param="stream_options.include_obfuscation")
@@ -137,6 +140,13 @@ def structured_of(body: _SamplingFields) -> StructuredOutput | None:
     """The output constraint of ``response_format``, vLLM's ``guided_*`` or ``structured_outputs`` (at most one)."""
     found: list[StructuredOutput] = []
     rf = body.response_format
+    if rf is not None and rf.type != "json_schema" and rf.json_schema is not None:
+        raise APIError(400, f"response_format.json_schema is only used with type json_schema, not {rf.type!r}: "
+                            "remove it or set type to json_schema", param="response_format.json_schema")
+    if rf is not None and rf.type == "json_schema" and rf.json_schema is not None and rf.json_schema.description:
+        raise APIError(400, "response_format.json_schema.description is not used by this server (the schema "
+                            "alone constrains the output): describe the format in the messages instead",
+                       param="response_format.json_schema.description")
     if rf is not None and rf.type == "json_object":
         found.append(StructuredOutput("json_object", None, "response_format"))
     elif rf is not None and rf.type == "json_schema":
@@ -201,6 +211,9 @@ def sampling_of(body: _SamplingFields, max_tokens: int | None, logprobs: int | N
               frequency_penalty=body.frequency_penalty or 0.0,
               repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
               logit_bias=logit_bias_of(body), bad_words=body.bad_words or [], structured=structured)
+    if body.seed is not None and body.seed + body.n - 1 > 2**63 - 1:
+        raise APIError(400, f"seed + n - 1 must fit in 64 bits (choice i uses seed + i): seed {body.seed}, n {body.n}",
+                       param="seed")
     try:
         return [SamplingParams(seed=None if body.seed is None else body.seed + i,
                                prompt_logprobs=prompt_logprobs if i == 0 else None, **kw) for i in range(body.n)]

@@ -138,7 +138,7 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64; with n > 1 also seed + n - 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # written to the access log

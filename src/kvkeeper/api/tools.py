@@ -57,6 +57,11 @@ def tool_use_of(body: ChatCompletionRequest) -> ToolUse | None:
                                param=name)
         return None
     tools = [t.model_dump(exclude_none=True, by_alias=True) for t in body.tools]
+    for i, t in enumerate(tools):
+        params = t["function"].get("parameters")
+        if params is not None and params.get("type", "object") != "object":
+            raise APIError(400, f"a function's parameters must be a JSON schema of an object (its arguments), got "
+                           f"type {params.get('type')!r}", param=f"tools.{i}.function.parameters")
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise APIError(400, "tools: two functions have the same name", param="tools")

@@ -114,7 +114,7 @@ class RequestTracker:
 
     def release_siblings(self) -> None:
         """Add the waiting choices of requests whose first choice has computed its prompt."""
-        for rid, t in self.tracked.items():
+        for rid, t in list(self.tracked.items()):
             lead = t.seqs[0]
             if not t.pending or not (lead.finished or lead.num_output_tokens > 0):
                 continue
@@ -122,10 +122,15 @@ class RequestTracker:
                 t.pending = []  # the request ends with its first choice
                 continue
             prompt = lead.token_ids[: lead.num_prompt_tokens]
-            for p in t.pending:
-                t.seqs.append(self.engine.add_request(prompt, p, request_id=f"{rid}-{len(t.seqs)}",
-                                                      namespace=t.req.namespace, compression=t.req.compression,
-                                                      max_new_tokens=self.max_new_tokens))
+            try:
+                for p in t.pending:
+                    t.seqs.append(self.engine.add_request(prompt, p, request_id=f"{rid}-{len(t.seqs)}",
+                                                          namespace=t.req.namespace, compression=t.req.compression,
+                                                          max_new_tokens=self.max_new_tokens))
+            except Exception as e:  # a choice that cannot start ends its own request, never the others
+                log.exception("choice %d of %s could not start", len(t.seqs), rid)
+                self._fail(rid, t, f"choice {len(t.seqs)} could not start: {type(e).__name__}")
+                continue
             t.pending = []
 
     def abort(self, request_id: str) -> None:
@@ -221,11 +226,15 @@ class RequestTracker:
     def fail_all(self, e: BaseException) -> None:
         """End every request in flight with :class:`EngineDeadError` (the engine step raised ``e``)."""
         for rid, t in list(self.tracked.items()):
-            for s in t.seqs:
-                try:
-                    self.engine.abort(s.request_id)
-                except Exception:  # pragma: no cover
-                    log.exception("abort failed")
-            put(t.loop, t.q, EngineDeadError(f"the engine failed: {type(e).__name__}"))
-            del self.tracked[rid]
+            self._fail(rid, t, f"the engine failed: {type(e).__name__}")
+
+    def _fail(self, rid: str, t: Tracked, message: str) -> None:
+        """End one request: abort its sequences and hand its stream :class:`EngineDeadError` (a 500)."""
+        for s in t.seqs:
+            try:
+                self.engine.abort(s.request_id)
+            except Exception:  # pragma: no cover
+                log.exception("abort failed")
+        put(t.loop, t.q, EngineDeadError(message))
+        del self.tracked[rid]
 

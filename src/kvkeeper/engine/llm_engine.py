@@ -40,7 +40,7 @@ from ..model.quant_weights import weight_format_for
 from ..model.registry import resolve_model_path
 from ..model.runner import ModelRunner, parse_dtype
 from ..sampling.processors import build_processors
-from ..sampling.sampler import make_generator, prompt_logprob_entries, sample
+from ..sampling.sampler import NO_TOKEN, make_generator, prompt_logprob_entries, sample
 from ..sampling.structured import GrammarCompiler, GrammarMask
 from ..text.tokenizer import load_tokenizer
 from ..text.tool_format import prepare_messages, template_has_tools, template_reads_names
@@ -211,11 +211,11 @@ class LLMEngine:
         else:
             ids = [int(t) for t in prompt]
         if not ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
+            raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
-                                      f"(0..{self.model_config.vocab_size - 1})")
+                                      f"(0..{self.model_config.vocab_size - 1})", param="prompt")
         return ids
 
     # ---- requests ----------------------------------------------------------
@@ -372,10 +372,19 @@ class LLMEngine:
                     seq.first_logits = logits[row].cpu().clone()
                 for hook in self.first_token_hooks:
                     hook(seq, logits[row])
+        blocked = [s for s, t in zip(seqs, ids) if t == NO_TOKEN]
+        for seq in blocked:  # its constraints exclude every token: it ends with an error, the batch goes on
+            seq.finish_reason = "error"
+            seq.error = ("no token is allowed at this point: the output constraint (grammar), bad_words and "
+                         "logit_bias together exclude every token; relax one of them")
+            self._finish(seq)
+        if blocked:
+            kept = [(s, t, lp) for s, t, lp in zip(seqs, ids, logps) if t != NO_TOKEN]
+            seqs, ids, logps = [k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept]
         done = self.processor.process(seqs, ids, logps)
         for seq in done:
             self._finish(seq)
-        return done
+        return blocked + done
 
     def run_until_done(self, seqs: list[Sequence]) -> None:
         while any(not s.finished for s in seqs):

@@ -49,7 +49,10 @@ class OutputProcessor:
             seq.t_last_token = now
             if lp is not None:
                 seq.logprobs.append(_logprob_entry(tok, lp, seq.params.logprobs or 0))
-            seq.text += seq.detokenizer.add(tok)
+            if tok in seq.params.stop_token_ids:  # its id is returned, its text is not (vLLM's detokenizer)
+                seq.text += seq.detokenizer.flush()
+            else:
+                seq.text += seq.detokenizer.add(tok)
             reason = self._finish_reason(seq, tok)
             if reason:
                 if not seq.detokenizer.stopped:

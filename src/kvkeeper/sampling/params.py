@@ -10,6 +10,7 @@ from .structured import StructuredOutput
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's limit)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI and vLLM
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -87,6 +88,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             _check(v is None or 0 <= v <= MAX_LOGPROBS, name, f"{name} must be between 0 and {MAX_LOGPROBS}, got {v}")
+        _check(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed",
+               f"seed must be a 64-bit signed integer ({SEED_MIN} to {SEED_MAX}), got {self.seed}")
 
     def _check_lists(self) -> None:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")

@@ -19,6 +19,9 @@ from .params import SamplingParams
 from .processors import RequestProcessors, apply_processors
 
 
+NO_TOKEN = -1  # sample()'s pick for a row whose processors exclude every token
+
+
 def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | None:
     if params.greedy:
         return None
@@ -59,15 +62,20 @@ def sample(
     generators live).  processors: per row its :class:`RequestProcessors` or None; rows that have
     them are changed (in a copy) before the pick.
     Returns (token ids, per-row log-softmax (V,) of the unmodified logits when that row asked for
-    logprobs, else None).
+    logprobs, else None).  A row whose processors allow no token at all (e.g. a grammar whose only
+    continuations are banned by ``bad_words`` or a -100 ``logit_bias``) gets :data:`NO_TOKEN`.
     """
     out: list[int] = []
     logps: list = []
     greedy_ids = logits.argmax(-1).tolist()
     processed = apply_processors(logits, processors) if processors is not None and any(processors) else {}
     for i, row in processed.items():
-        greedy_ids[i] = int(row.argmax())
+        greedy_ids[i] = int(row.argmax()) if bool(torch.isfinite(row.max())) else NO_TOKEN
     for i, p in enumerate(params):
+        if greedy_ids[i] == NO_TOKEN:
+            out.append(NO_TOKEN)
+            logps.append(None)
+            continue
         if p.greedy and p.logprobs is None:
             out.append(int(greedy_ids[i]))
             logps.append(None)

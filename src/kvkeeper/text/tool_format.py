@@ -138,8 +138,8 @@ class CallParser:
     """Splits generated text into content and calls as it streams in.
 
     feed(text) -> (content, calls) released so far; flush() -> the rest at the end.  Text that may be
-    the start of ``<tool_call>`` is held back; a call is released when its closing tag arrives (an
-    unparsable one as content).  Whitespace around calls is dropped, as is trailing whitespace.
+    the start of ``<tool_call>`` is held back; a call is released when a closing tag arrives after which
+    it parses (an opened call that never parses is released as content by :meth:`flush`).  Whitespace around calls is dropped, as is trailing whitespace.
     """
 
     def __init__(self):
@@ -159,17 +159,24 @@ class CallParser:
             before = self.buf[:start].rstrip()
             content += self._content(before)
             self.buf = self.buf[len(before):]  # the whitespace before the tag stays until the call is known
-            end = self.buf.find(CALL_CLOSE)
-            if end < 0:
+            end, call = self._first_call()
+            if call is None:  # no closing tag yet ends a parsable call: wait (flush releases it as content)
                 return content, calls
-            whole = self.buf[: end + len(CALL_CLOSE)]
-            call = parse_call(whole.strip()[len(CALL_OPEN): -len(CALL_CLOSE)].strip())
-            if call is None:
-                content += self._content(whole)  # not a call: its text (and the space before it) is content
-            else:
-                calls.append(call)
-                self.after_call = True
-            self.buf = self.buf[end + len(CALL_CLOSE):]
+            calls.append(call)
+            self.after_call = True
+            self.buf = self.buf[end:]
+
+    def _first_call(self) -> tuple[int, tuple[str, str] | None]:
+        """(end, call) of the call opening ``buf``: the first ``</tool_call>`` after which the text parses
+        (a closing tag inside a JSON string of the arguments is part of them), else (-1, None)."""
+        end = self.buf.find(CALL_CLOSE)
+        while end >= 0:
+            end += len(CALL_CLOSE)
+            call = parse_call(self.buf[:end].strip()[len(CALL_OPEN): -len(CALL_CLOSE)].strip())
+            if call is not None:
+                return end, call
+            end = self.buf.find(CALL_CLOSE, end)
+        return -1, None
 
     def _content(self, text: str) -> str:
         if self.after_call:
@@ -203,7 +210,7 @@ def split_calls(text: str) -> tuple[str, list[tuple[str, str]]]:
 
 def _call_rule(head: str, parameters: dict | None) -> str:
     """A Lark rule body: the literal ``head``, the arguments (their JSON schema) and the call's end."""
-    schema = with_json_format(parameters or {"type": "object"})
+    schema = with_json_format({"type": "object", **(parameters or {})})  # arguments are always an object
     return f"{json.dumps(head)} %json {json.dumps(schema)} {json.dumps('}' + chr(10) + CALL_CLOSE)}"
 
 
