@@ -107,3 +107,14 @@ def test_a_closing_tag_inside_an_argument_string_belongs_to_the_arguments():
         got, got_calls = got + c, got_calls + k
     c, k = p.flush()
     assert (got + c, got_calls + k) == ("Calling.after", [("f", args)])
+
+
+def test_a_grammar_compiled_again_is_reused_and_its_matchers_are_independent(grammars):
+    tok, gc = grammars
+    so = StructuredOutput("regex", "(yes|no) then (red|blue)", "guided_regex")
+    a, b = gc.matcher(so), gc.matcher(so)
+    assert a is not b and gc.matcher(StructuredOutput("regex", "(yes|no) then (red|blue)", "guided_regex")) is not a
+    ids = tok.encode("yes then red", add_special_tokens=False)
+    assert a.try_consume_tokens(ids) == len(ids) and a.is_accepting()
+    assert not b.is_accepting() and b.try_consume_tokens(tok.encode("no then blue", add_special_tokens=False)) > 0
+    assert len(gc._compiled) >= 1  # one pristine matcher kept per grammar text

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,9 @@ def with_json_format(schema: dict) -> dict:
     return out
 
 
+_COMPILED_KEPT = 64  # compiled grammars kept for reuse (each a few KB to MB)
+
+
 class GrammarCompiler:
     """Compiles :class:`StructuredOutput` specs into llguidance matchers for one tokenizer.
 
@@ -77,6 +81,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._lltok = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar text -> a pristine matcher (LRU)
 
     def _lltokenizer(self):
         import llguidance
@@ -123,6 +128,9 @@ class GrammarCompiler:
                                       "this model lacks", param=so.param) from None
         try:  # whatever fails while compiling a client's grammar is the client's input
             grammar = self.grammar(so)
+            if grammar in self._compiled:  # the same grammar again (choices of one request, a client's schema)
+                self._compiled.move_to_end(grammar)
+                return self._compiled[grammar].deep_copy()
             err = llguidance.LLMatcher.validate_grammar(grammar, lltok)
         except Exception as e:  # noqa: BLE001 - ValueError mostly; llguidance's converters raise others too
             raise InvalidRequestError(f"{so.param}: invalid grammar: {e}", param=so.param) from None
@@ -131,7 +139,10 @@ class GrammarCompiler:
         m = llguidance.LLMatcher(lltok, grammar, log_level=0)
         if m.is_error():
             raise InvalidRequestError(f"{so.param}: the grammar cannot be used: {m.get_error()}", param=so.param)
-        return m
+        self._compiled[grammar] = m
+        while len(self._compiled) > _COMPILED_KEPT:
+            self._compiled.popitem(last=False)
+        return m.deep_copy()
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
