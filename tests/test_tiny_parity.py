@@ -20,16 +20,21 @@ import shutil
 
 import pytest
 import torch
-
 from kvkeeper import LLMEngine, SamplingParams
-from kvkeeper.engine.sequence import Sequence
-from kvkeeper.errors import ModelFormatError, ModelNotFoundError, UnsupportedArchitectureError
+from kvkeeper.errors import (
+    ModelFormatError,
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+)
 from kvkeeper.model.config import ModelConfig
 from kvkeeper.model.loader import load_weights
 from kvkeeper.model.registry import resolve_model_path
 from kvkeeper.model.rope import RotaryEmbedding
 from kvkeeper.model.runner import ModelRunner
 from kvkeeper.text.tokenizer import load_tokenizer
+
+from tiny_models import kk_logits_chunked as _kk_logits_chunked
+from tiny_models import randomise_weights as _randomise
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,24 +100,6 @@ def tokenizer():
     return load_tokenizer(resolve_model_path())
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """Large random weights (norm weights around 1, non-zero biases) so logits differ clearly."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name or "lm_head" in name:  # logits of std ~2 (the tied embedding too)
-                p.copy_(0.25 * torch.randn(p.shape, generator=g))
-            else:  # linear layers: std ~1/sqrt(fan_in) keeps activations O(1); residual branches
-                # twice that, so the current token's (tied) embedding does not dominate and
-                # greedy generation does not just repeat one token
-                gain = 2.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-                p.copy_(gain * torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory, tokenizer):
     """(case id, folder, transformers model in fp32) for one tiny random checkpoint."""
@@ -174,36 +161,6 @@ def _hf_greedy_uncached(hf, ids: list[int], n: int) -> list[int]:
     toks = out[0, len(ids):].tolist()
     assert len(toks) == n
     return toks
-
-
-@torch.inference_mode()
-def _kk_logits_chunked(eng: LLMEngine, prompts: list[list[int]], schedule: list[list[int]]) -> list[torch.Tensor]:
-    """Run prompts through the runner by hand; ``schedule[step][i]`` tokens of prompt i per step (0: skip).
-
-    Returns every position's logits for each prompt.  Several sequences share a
-    step, so prefills, prefill-over-cache chunks and decodes are packed together.
-    """
-    seqs = [Sequence(f"parity-{i}", list(p), SamplingParams(), eng.namespace) for i, p in enumerate(prompts)]
-    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
-    try:
-        for step in schedule:
-            scheduled = [(s, n) for s, n in zip(seqs, step) if n]
-            for s, n in scheduled:
-                assert eng.kv.allocate(s, n)
-            ids, pos, meta, _, _ = eng.runner.build_batch(scheduled)
-            hidden = eng.runner.model(ids, pos, eng.runner.kv_caches, meta)
-            logits = eng.runner.model.compute_logits(hidden)
-            start = 0
-            for (s, n) in scheduled:
-                rows[seqs.index(s)].append(logits[start:start + n].cpu())
-                start += n
-                s.num_computed += n
-        for s, p in zip(seqs, prompts):
-            assert s.num_computed == len(p), "schedule does not cover the prompt"
-    finally:
-        for s in seqs:
-            eng.kv.free(s)
-    return [torch.cat(r) for r in rows]
 
 
 def _assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:

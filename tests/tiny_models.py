@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from kvkeeper import SamplingParams
+from kvkeeper.engine.sequence import Sequence
+
 
 def tiny_llama_folder(out: Path, *, hidden_size: int = 32, head_dim: int = 8, num_layers: int = 2,
                       num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0) -> Path:
     """Write config.json + safetensors + tokenizer to ``out`` (intermediate size 2 x hidden); returns ``out``."""
     import torch
     import transformers
-
     from kvkeeper.model.registry import resolve_model_path
     from kvkeeper.text.tokenizer import load_tokenizer
 
@@ -22,3 +25,55 @@ def tiny_llama_folder(out: Path, *, hidden_size: int = 32, head_dim: int = 8, nu
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def randomise_weights(model: torch.nn.Module, seed: int) -> None:
+    """Large random weights (norm weights around 1, non-zero biases) so logits differ clearly."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name or "lm_head" in name:  # logits of std ~2 (the tied embedding too)
+                p.copy_(0.25 * torch.randn(p.shape, generator=g))
+            else:  # linear layers: std ~1/sqrt(fan_in) keeps activations O(1); residual branches
+                # twice that, so the current token's (tied) embedding does not dominate and
+                # greedy generation does not just repeat one token
+                gain = 2.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+                p.copy_(gain * torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+
+
+@torch.inference_mode()
+def kk_logits_chunked(eng, prompts: list[list[int]], schedule: list[list[int]], keep_seqs: list | None = None) -> list[torch.Tensor]:
+    """Run prompts through the runner by hand; ``schedule[step][i]`` tokens of prompt i per step (0: skip).
+
+    Returns every position's logits for each prompt.  Several sequences share a
+    step, so prefills, prefill-over-cache chunks and decodes are packed together.  ``keep_seqs``: a list
+    that receives the sequences, whose KV blocks are then kept (the caller frees them).
+    """
+    seqs = [Sequence(f"parity-{i}", list(p), SamplingParams(), eng.namespace) for i, p in enumerate(prompts)]
+    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    try:
+        for step in schedule:
+            scheduled = [(s, n) for s, n in zip(seqs, step) if n]
+            for s, n in scheduled:
+                assert eng.kv.allocate(s, n)
+            ids, pos, meta, _, _ = eng.runner.build_batch(scheduled)
+            hidden = eng.runner.model(ids, pos, eng.runner.kv_caches, meta)
+            logits = eng.runner.model.compute_logits(hidden)
+            start = 0
+            for (s, n) in scheduled:
+                rows[seqs.index(s)].append(logits[start:start + n].cpu())
+                start += n
+                s.num_computed += n
+        for s, p in zip(seqs, prompts):
+            assert s.num_computed == len(p), "schedule does not cover the prompt"
+    finally:
+        if keep_seqs is None:
+            for s in seqs:
+                eng.kv.free(s)
+        else:  # the caller frees them
+            keep_seqs.extend(seqs)
+    return [torch.cat(r) for r in rows]

@@ -151,7 +151,8 @@ class LLMEngine:
 
     def _blocks_for_budget(self, kv_format, mcfg) -> int:
         budget = self.config.kv_budget_bytes
-        per_block = kv_format.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim) * self.config.block_size
+        parts, heads, dim = mcfg.kv_layout
+        per_block = kv_format.bytes_per_token(mcfg.num_layers, heads, dim, parts) * self.config.block_size
         if budget < per_block:
             raise InvalidRequestError(f"kv_cache_bytes={budget} is smaller than one block ({per_block} bytes)")
         return budget // per_block

@@ -16,6 +16,11 @@ rotated.
 Bytes per token for SmolLM2-135M (30 layers, 3 KV heads, head_dim 64), K plus V:
 fp32 46,080; bf16/fp16 23,040; int8 and fp8 11,880 (11,520 of values plus 360 of
 fp16 scales: 25.8% of fp32).
+
+A Multi-head Latent Attention model (DeepSeek V2/V3) caches one *latent row* per token and layer instead of K
+and V: ``PagedKV(..., num_kv_heads=1, head_dim=kv_lora_rank + qk_rope_head_dim, values=False)`` holds only
+``k`` (the normalized latent followed by the rotated RoPE key) and, when quantized, one scale per token row,
+shared by the row's key and value roles.  ``v`` and ``v_scale`` are None there.
 """
 
 from __future__ import annotations
@@ -40,11 +45,12 @@ class KVFormat:
     def quantized(self) -> bool:
         return self.qmax > 0
 
-    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        """Bytes of K plus V (values plus scales) for one token across all layers."""
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, parts: int = 2) -> int:
+        """Bytes of K plus V (values plus scales) for one token across all layers (``parts`` 1: an MLA latent
+        row, see :meth:`kvkeeper.model.config.ModelConfig.kv_layout`)."""
         elem = torch.empty(0, dtype=self.storage).element_size()
         per_head = head_dim * elem + (torch.empty(0, dtype=_SCALE_DTYPE).element_size() if self.quantized else 0)
-        return 2 * num_layers * num_kv_heads * per_head
+        return parts * num_layers * num_kv_heads * per_head
 
 
 FORMATS = {
@@ -93,20 +99,40 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 class PagedKV:
-    """One layer's paged K/V storage (see the module docstring for shapes and formats)."""
+    """One layer's paged K/V storage (see the module docstring for shapes and formats).
+
+    values=False: K only (an MLA latent row per token; ``v`` and ``v_scale`` are None).
+    """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 fmt: KVFormat, device: torch.device | str = "cpu", layer_idx: int = 0):
+                 fmt: KVFormat, device: torch.device | str = "cpu", layer_idx: int = 0, values: bool = True):
         self.fmt = fmt
         self.layer_idx = layer_idx
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=fmt.storage, device=device)
-        self.v = torch.zeros(shape, dtype=fmt.storage, device=device)
+        self.v = torch.zeros(shape, dtype=fmt.storage, device=device) if values else None
         if fmt.quantized:
             self.k_scale = torch.ones(shape[:3], dtype=_SCALE_DTYPE, device=device)
-            self.v_scale = torch.ones(shape[:3], dtype=_SCALE_DTYPE, device=device)
+            self.v_scale = torch.ones(shape[:3], dtype=_SCALE_DTYPE, device=device) if values else None
         else:
             self.k_scale = self.v_scale = None
+
+    @property
+    def latent(self) -> bool:
+        """True for an MLA latent cache (K rows only)."""
+        return self.v is None
+
+    def write_latent(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store MLA latent rows (T, kv_lora_rank + qk_rope_head_dim) into their slots (T,) int64 (one scale
+        per row when quantized)."""
+        nb, bs, _, d = self.k.shape
+        if not self.fmt.quantized:
+            self.k.view(nb * bs, d).index_copy_(0, slots, rows.to(self.k.dtype))
+            return
+        q, s = quantize(rows, self.fmt)
+        data = self.k.view(torch.uint8) if q.dtype.itemsize == 1 and q.dtype != torch.int8 else self.k
+        data.view(nb * bs, d).index_copy_(0, slots, q.view(data.dtype))
+        self.k_scale.view(nb * bs).index_copy_(0, slots, s)
 
     @property
     def block_size(self) -> int:
@@ -145,16 +171,22 @@ class PagedKV:
 
     def gather_padded(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a batch: block_tables (B, nb) int64 -> each (B, KVH, nb * block_size, D) in ``dtype``."""
+        return (self._gather_padded_one(self.k, self.k_scale, block_tables, dtype),
+                self._gather_padded_one(self.v, self.v_scale, block_tables, dtype))
+
+    def gather_keys_padded(self, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K only (an MLA cache's latent rows) of a batch: block_tables (B, nb) -> (B, KVH, nb * block_size, D)."""
+        return self._gather_padded_one(self.k, self.k_scale, block_tables, dtype)
+
+    @staticmethod
+    def _gather_padded_one(data, scales, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         B, nb = block_tables.shape
         flat = block_tables.reshape(-1)
-        out = []
-        for data, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            bs, kvh, d = data.shape[1], data.shape[2], data.shape[3]
-            x = data.index_select(0, flat).view(B, nb * bs, kvh, d)
-            if scales is not None:
-                x = dequantize(x, scales.index_select(0, flat).view(B, nb * bs, kvh), dtype)
-            out.append(x.transpose(1, 2).to(dtype))
-        return out[0], out[1]
+        bs, kvh, d = data.shape[1], data.shape[2], data.shape[3]
+        x = data.index_select(0, flat).view(B, nb * bs, kvh, d)
+        if scales is not None:
+            x = dequantize(x, scales.index_select(0, flat).view(B, nb * bs, kvh), dtype)
+        return x.transpose(1, 2).to(dtype)
 
     def copy_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Per KV head, copy the token in slot ``src[h, j]`` to slot ``dst[j]``: src (KVH, n), dst (n,) int64.
@@ -162,6 +194,8 @@ class PagedKV:
         Raw values and scales are copied (no re-quantization).  Used by KV compression,
         where each head keeps its own tokens.
         """
+        if self.latent:
+            raise ValueError("per-head token copies need K and V heads; an MLA latent cache has one row per token")
         nb, bs, kvh, d = self.k.shape
         heads = torch.arange(kvh)
         for data, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
@@ -179,23 +213,20 @@ class PagedKV:
         may overlap (a permutation, as in pool defragmentation).
         """
         for data, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            if data is None:  # an MLA latent cache has no V
+                continue
             raw = data.view(torch.uint8) if data.dtype.itemsize == 1 and data.dtype != torch.int8 else data
             raw[dst] = raw[src]
             if scales is not None:
                 scales[dst] = scales[src]
 
     def nbytes(self) -> int:
-        n = self.k.nbytes + self.v.nbytes
-        if self.k_scale is not None:
-            n += self.k_scale.nbytes + self.v_scale.nbytes
-        return n
+        return sum(t.nbytes for t in self._parts().values())
 
     # ---- whole-block raw access (session offload) ------------------------------------------
     def _parts(self) -> dict[str, torch.Tensor]:
-        parts = {"k": self.k, "v": self.v}
-        if self.k_scale is not None:
-            parts["k_scale"], parts["v_scale"] = self.k_scale, self.v_scale
-        return parts
+        parts = {"k": self.k, "v": self.v, "k_scale": self.k_scale, "v_scale": self.v_scale}
+        return {name: t for name, t in parts.items() if t is not None}
 
     @staticmethod
     def _raw(t: torch.Tensor) -> torch.Tensor:

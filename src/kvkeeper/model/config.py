@@ -12,18 +12,24 @@ from typing import Any
 from ..errors import ModelFormatError, UnsupportedArchitectureError
 
 # model_type (HF) / general.architecture (GGUF) values we implement.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3")
 _HF_ARCH_NAMES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Mistral)."""
+    """Hyper-parameters of a decoder: Llama family (Llama 2/3, SmolLM2, Qwen2/2.5, Mistral) or DeepSeek V2/V3.
+
+    For DeepSeek (``kv_lora_rank > 0``: Multi-head Latent Attention, DeepSeek-AI 2024, arXiv:2405.04434)
+    ``head_dim`` is the RoPE part of a query/key head (``qk_rope_head_dim``, as transformers' config sets it).
+    """
 
     architecture: str
     vocab_size: int
@@ -44,6 +50,41 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     revision: str = ""  # identifies the weights; part of every KV cache namespace
+    # Multi-head Latent Attention (DeepSeek V2/V3); kv_lora_rank 0 means standard attention
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None  # None: one q_proj (V2-Lite); else q_a_proj -> RMSNorm -> q_b_proj
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_layout: str = "half"  # "half": HF half-split; "complex": V2 adjacent pairs; "interleave": V3 rope_interleave
+    # mixture of experts (DeepSeek); n_routed_experts 0 means every layer is a dense MLP
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    first_k_dense_replace: int = 0  # layers below this index are dense
+    routed_scaling_factor: float = 1.0
+    router: str = "softmax"  # "softmax" (V2, topk_method greedy / group_limited_greedy) or "sigmoid" (V3)
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+
+    @property
+    def is_mla(self) -> bool:
+        """True for Multi-head Latent Attention (one latent row per token and layer in the cache)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(parts, heads, dim) of one token's cache per layer: (2, num_kv_heads, head_dim) for K and V, or
+        (1, 1, kv_lora_rank + qk_rope_head_dim) for an MLA latent row."""
+        if self.is_mla:
+            return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return 2, self.num_kv_heads, self.head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.n_routed_experts > 0 and i >= self.first_k_dense_replace
 
     @property
     def context_length(self) -> int:
@@ -53,8 +94,9 @@ class ModelConfig:
         return self.max_position_embeddings
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K plus V for one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """Bytes of K plus V (or of the MLA latent row) for one token across all layers."""
+        parts, heads, dim = self.kv_layout
+        return parts * self.num_layers * heads * dim * dtype_bytes
 
     @staticmethod
     def check_architecture(name: str) -> str:
@@ -92,7 +134,7 @@ class ModelConfig:
             sliding = cfg.get("sliding_window")
             if arch == "qwen2" and not cfg.get("use_sliding_window", False):
                 sliding = None
-            return cls(
+            kw = dict(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -111,5 +153,33 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
+            if arch.startswith("deepseek"):
+                kw.update(_deepseek_fields(cfg, arch))
+            return cls(**kw)
         except KeyError as e:
             raise ModelFormatError(f"config.json lacks the required key {e.args[0]!r}") from e
+
+
+def _deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """MLA and MoE fields of a DeepSeek V2/V3 ``config.json`` (names as transformers' DeepseekV2/V3Config)."""
+    q_lora = cfg.get("q_lora_rank")
+    v3 = arch == "deepseek_v3"
+    out = dict(
+        kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(q_lora) if q_lora else None,
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]), head_dim=int(cfg["qk_rope_head_dim"]),
+        rope_layout=("interleave" if cfg.get("rope_interleave", True) else "half") if v3 else "complex",
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        n_routed_experts=int(cfg.get("n_routed_experts") or 0),
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        router="sigmoid" if v3 else "softmax", topk_method=str(cfg.get("topk_method") or "greedy"),
+        n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) and v3,  # transformers' V2 router never normalizes
+    )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedArchitectureError(f"hidden_act {cfg['hidden_act']!r} is not supported; DeepSeek uses silu")
+    return out

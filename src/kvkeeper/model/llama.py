@@ -106,11 +106,11 @@ class MLP(nn.Module):
 
     kernels = None  # see LlamaForCausalLM.use_cpu_kernels
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.inter = inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         if self.kernels is not None:
@@ -133,11 +133,29 @@ class DecoderLayer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, make_layer):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def take_parameters(model: nn.Module, state: dict[str, torch.Tensor], device, dtype: torch.dtype) -> None:
+    """Replace every parameter of ``model`` by the state's tensor of the same name, cast to device/dtype
+    (no copy when they already match).  Raises :class:`ModelFormatError` naming missing or misshaped tensors."""
+    from ..errors import ModelFormatError
+
+    own = dict(model.named_parameters())
+    missing = [n for n in own if n not in state]
+    if missing:
+        raise ModelFormatError(f"weights lack {len(missing)} tensors, e.g. {missing[:3]}")
+    for n, p in own.items():
+        t = state[n]
+        if tuple(t.shape) != tuple(p.shape):
+            raise ModelFormatError(f"tensor {n} has shape {tuple(t.shape)}, config expects {tuple(p.shape)}")
+        mod_name, _, leaf = n.rpartition(".")
+        # take the tensor over (no copy when device and dtype already match)
+        setattr(model.get_submodule(mod_name), leaf, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
 
 
 @contextlib.contextmanager
@@ -166,10 +184,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = _Backbone(cfg)
+        self.model = _Backbone(cfg, self.make_layer)
         self.rope = RotaryEmbedding(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @staticmethod
+    def make_layer(cfg: ModelConfig, i: int) -> nn.Module:
+        """Decoder layer ``i`` (subclasses build other layer types)."""
+        return DecoderLayer(cfg)
 
     def load_weights(self, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32) -> None:
         """Copy a HF-named state dict in (q/k/v and gate/up are fused here).
@@ -207,17 +230,7 @@ class LlamaForCausalLM(nn.Module):
                     names = [f"{pre}{p}.{kind}" for p in parts]
                     if all(n in state for n in names):
                         state[f"{pre}{fused}.{kind}"] = torch.cat([state.pop(n) for n in names], dim=0)
-        own = dict(self.named_parameters())
-        missing = [n for n in own if n not in state]
-        if missing:
-            raise ModelFormatError(f"weights lack {len(missing)} tensors, e.g. {missing[:3]}")
-        for n, p in own.items():
-            t = state[n]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ModelFormatError(f"tensor {n} has shape {tuple(t.shape)}, config expects {tuple(p.shape)}")
-            mod_name, _, leaf = n.rpartition(".")
-            # take the tensor over (no copy when device and dtype already match)
-            setattr(self.get_submodule(mod_name), leaf, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
+        take_parameters(self, state, device, dtype)
 
     @property
     def lm_weight(self) -> torch.Tensor:

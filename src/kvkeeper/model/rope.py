@@ -100,3 +100,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x (T, heads, D) by cos/sin (T, 1, D), half-split layout."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
+    """Rotate x (T, heads, D) by cos/sin (T, 1, D) with adjacent dims (2i, 2i+1) paired, as DeepSeek does.
+
+    layout "complex": the output keeps the pairs adjacent (transformers' DeepSeek-V2 ``apply_rotary_emb``);
+    "interleave": the output puts the rotated even dims first, then the odd ones (DeepSeek-V3 with
+    ``rope_interleave``; both q and k get the same order, so their dot products equal the complex form's);
+    "half": the half-split layout of :func:`apply_rope`.
+    """
+    if layout == "half":
+        return apply_rope(x, cos, sin)
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    a, b = x1 * c - x2 * s, x2 * c + x1 * s
+    if layout == "complex":
+        return torch.stack((a, b), dim=-1).flatten(-2)
+    return torch.cat((a, b), dim=-1)

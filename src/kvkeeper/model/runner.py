@@ -19,7 +19,8 @@ from .attn_meta import AttentionMetadata, PrefillSpan
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs
 from .fused_decode import FusedDecode
-from .llama import LlamaForCausalLM, skip_init
+from .deepseek import causal_lm_class
+from .llama import skip_init
 from .quant_weights import prepare_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -33,6 +34,22 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return DTYPES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def _mla_options(attention_backend: str, quantization: str | None) -> tuple[str, str]:
+    """An MLA (DeepSeek) model's attention runs in PyTorch (:mod:`kvkeeper.model.mla`) on float weights.
+
+    Returns ("torch", "none"); raises InvalidRequestError for the C++ / Triton attention backends or a
+    quantized weight format, which have no MLA path."""
+    from ..errors import InvalidRequestError
+
+    if attention_backend not in ("auto", "torch"):
+        raise InvalidRequestError(f"attention backend {attention_backend!r} has no Multi-head Latent Attention "
+                                  "kernel; DeepSeek models run attention in PyTorch: use auto or torch")
+    if quantization not in (None, "auto", "none"):
+        raise InvalidRequestError(f"weight quantization {quantization!r} does not run DeepSeek (MLA/MoE) models "
+                                  "yet; use --quantization none")
+    return "torch", "none"
 
 
 class ModelRunner:
@@ -64,8 +81,10 @@ class ModelRunner:
         self.kv_dtype = self.kv_format.storage
         self.block_size = block_size
         self.num_blocks = num_blocks
+        if cfg.is_mla:
+            attention_backend, quantization = _mla_options(attention_backend, quantization)
         with skip_init(), torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+            model = causal_lm_class(cfg)(cfg)
         model.rope = type(model.rope)(cfg).to(self.device)  # buffers computed, not loaded
         prepared = prepare_weights(state, cfg, quantization, self.device, dtype, cache=cache_dir)
         self.weight_format = prepared.format  # "none", "gguf", "int8" or "int4"
@@ -88,8 +107,9 @@ class ModelRunner:
         if self.attention_backend == "cpu":
             self._check_cpu_kernels()
         self.graphs = None  # a cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
-        self.kv_caches = [PagedKV(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_format, self.device,
-                                  layer_idx=i) for i in range(cfg.num_layers)]
+        parts, heads, dim = cfg.kv_layout  # MLA: one latent row per token and layer (no V part)
+        self.kv_caches = [PagedKV(num_blocks, block_size, heads, dim, self.kv_format, self.device, layer_idx=i,
+                                  values=parts == 2) for i in range(cfg.num_layers)]
         # one C++ call per decode step when the weights are packed (kvkeeper.model.fused_decode); the
         # layer-by-layer path then uses the same C++ element-wise routines
         self.fused_decode = (FusedDecode.build(self.model, self.kv_caches) if fused_decode and
@@ -132,7 +152,8 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV (values plus scales) per token across all layers."""
-        return self.kv_format.bytes_per_token(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+        parts, heads, dim = self.cfg.kv_layout
+        return self.kv_format.bytes_per_token(self.cfg.num_layers, heads, dim, parts)
 
     def build_batch(self, scheduled):
         """scheduled: list of (seq, num_new_tokens).  Returns (input_ids, positions, meta, logits_rows, sample_seqs)."""
