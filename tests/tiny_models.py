@@ -77,3 +77,26 @@ def kk_logits_chunked(eng, prompts: list[list[int]], schedule: list[list[int]], 
         else:  # the caller frees them
             keep_seqs.extend(seqs)
     return [torch.cat(r) for r in rows]
+
+
+def tiny_deepseek_folder(out: Path, *, seed: int = 0) -> Path:
+    """A tiny random DeepSeek-V3 (MLA with q LoRA, interleaved RoPE; layer 0 dense, layer 1 MoE of 8 experts,
+    top-2, one shared) saved as a Hugging Face folder with the embedded model's tokenizer; returns ``out``."""
+    import transformers
+
+    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_path())
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=4, topk_group=2, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=False, max_position_embeddings=4096)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    randomise_weights(hf, seed)
+    hf.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

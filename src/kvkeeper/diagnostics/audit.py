@@ -137,7 +137,8 @@ def recompute_prompt(runner, token_ids: list[int], chunk: int = 512) -> tuple[to
     bs = runner.block_size
     nb = -(-P // bs)
     cfg = runner.cfg
-    caches = [PagedKV(nb, bs, cfg.num_kv_heads, cfg.head_dim, runner.kv_format, runner.device, layer_idx=i)
+    parts, heads, dim = cfg.kv_layout  # MLA: one latent row per token (compared as "k")
+    caches = [PagedKV(nb, bs, heads, dim, runner.kv_format, runner.device, layer_idx=i, values=parts == 2)
               for i in range(cfg.num_layers)]
     table = torch.arange(nb, dtype=torch.int64, device=runner.device)
     ids = torch.tensor(token_ids, dtype=torch.int64, device=runner.device)
@@ -190,7 +191,7 @@ def audit_sequence(engine, seq, logits: torch.Tensor | None = None, tolerance: A
         sk, sv = cache.gather(table, P, torch.float32)
         rk, rv = ref.gather(ref_table, P, torch.float32)
         tk, dk, mk = _first_divergence(sk, rk, tol)
-        tv, dv, mv = _first_divergence(sv, rv, tol)
+        tv, dv, mv = _first_divergence(sv, rv, tol) if sv is not None else (None, 0.0, 0.0)
         per_layer.append(max(dk, dv))
         rel = max(rel, dk / mk if mk else 0.0, dv / mv if mv else 0.0)
         if layer is None and (tk is not None or tv is not None):

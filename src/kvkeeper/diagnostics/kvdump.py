@@ -108,6 +108,8 @@ def dump_sequence(engine, seq, layers=None, start: int | None = None, end: int |
         cache = runner.kv_caches[i]
         nb, _, kvh, d = cache.k.shape
         for name, data, scales in (("k", cache.k, cache.k_scale), ("v", cache.v, cache.v_scale)):
+            if data is None:  # an MLA latent cache: "k" holds the latent rows, there is no "v"
+                continue
             x = data.view(torch.uint8).view(nb * bs, kvh, d)[idx].view(data.dtype) if data.dtype.itemsize == 1 \
                 and data.dtype != torch.int8 else data.view(nb * bs, kvh, d)[idx]
             if scales is not None:
@@ -120,7 +122,8 @@ def dump_sequence(engine, seq, layers=None, start: int | None = None, end: int |
         "kv_dtype": runner.kv_format.name, "tensor_dtype": str(dt).removeprefix("torch."),
         "bytes_per_token": str(engine.kv_bytes_per_token), "model": str(engine.model_name),
         "model_revision": ns.model_revision, "namespace": ns.key, "num_layers": str(cfg.num_layers),
-        "num_kv_heads": str(cfg.num_kv_heads), "head_dim": str(cfg.head_dim), "block_size": str(bs),
+        "num_kv_heads": str(runner.kv_caches[0].k.shape[2]), "head_dim": str(runner.kv_caches[0].k.shape[3]),
+        "block_size": str(bs), "kv_layout": "mla_latent" if cfg.is_mla else "kv",
         "cached_tokens": str((seq.num_cached_tokens or 0) if cached_tokens is None else cached_tokens),
         "token_ids": json.dumps(list(seq.token_ids[start:end])),
     }

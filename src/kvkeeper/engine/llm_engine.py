@@ -243,6 +243,9 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._req_ids)}"
         if request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if compression is not None and self.model_config.is_mla:
+            raise InvalidRequestError("KV compression is not supported for Multi-head Latent Attention (DeepSeek) "
+                                      "models: their cache holds one shared latent row per token, not per-head keys")
         seq = Sequence(request_id, ids, params, namespace or self.namespace)
         seq.compression = compression
         new = min(x for x in (ctx - len(ids), params.max_tokens, max_new_tokens) if x is not None)

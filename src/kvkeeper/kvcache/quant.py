@@ -161,9 +161,10 @@ class PagedKV:
         return x.to(dtype)
 
     def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one sequence: each (length, KVH, D) in ``dtype``, from its blocks (nb,) int64."""
-        return (self._gather_one(self.k, self.k_scale, block_table, length, dtype),
-                self._gather_one(self.v, self.v_scale, block_table, length, dtype))
+        """K and V of one sequence: each (length, KVH, D) in ``dtype``, from its blocks (nb,) int64 (V None for
+        an MLA latent cache)."""
+        k = self._gather_one(self.k, self.k_scale, block_table, length, dtype)
+        return k, (None if self.v is None else self._gather_one(self.v, self.v_scale, block_table, length, dtype))
 
     def gather_keys(self, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
         """K only: (length, KVH, D) in ``dtype`` (what compression policies score)."""

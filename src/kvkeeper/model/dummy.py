@@ -1,7 +1,7 @@
 """``--load-format dummy``: random weights of a named Hugging Face config, for measuring speed without weight files.
 
 The package ships a few ``config.json`` files of common shapes under ``kvkeeper/model/configs/``
-(``llama-3.1-8b``, ``llama-3-8b``, ``qwen2.5-7b``); any path to a ``config.json`` (or a folder
+(``llama-3.1-8b``, ``llama-3-8b``, ``qwen2.5-7b``, ``deepseek-v2-lite``, ``deepseek-v3``); any path to a ``config.json`` (or a folder
 holding one) works too.  Nothing is downloaded.  The config goes through the same parser as a real
 Hugging Face folder (:meth:`ModelConfig.from_hf_dict`).
 
@@ -65,10 +65,11 @@ def load_config(name_or_path: str) -> tuple[ModelConfig, Path]:
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the model's parameters (fused q/k/v and gate/up), built on the meta device."""
-    from .llama import LlamaForCausalLM, skip_init
+    from .deepseek import causal_lm_class
+    from .llama import skip_init
 
     with skip_init(), torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = causal_lm_class(cfg)(cfg)
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
