@@ -101,3 +101,15 @@ def test_refusals(folder, eng):
     with pytest.raises(InvalidRequestError, match="does not run DeepSeek"):
         LLMEngine(model=str(folder), num_kv_blocks=16, quantization="int8")
     assert eng.runner.attention_backend == "torch" and eng.runner.fused_decode is None
+
+
+def test_dummy_configs(folder):
+    """Shipped DeepSeek shapes are counted on the meta device; a dummy engine runs a DeepSeek config."""
+    from kvkeeper.model import dummy
+
+    counts = {n: dummy.parameter_count(dummy.load_config(n)[0]) for n in ("deepseek-v2-lite", "deepseek-v3")}
+    assert round(counts["deepseek-v2-lite"] / 1e9, 1) == 15.7
+    assert round(counts["deepseek-v3"] / 1e9, 1) == 671.0
+    e = LLMEngine(model=str(folder / "config.json"), load_format="dummy", num_kv_blocks=16, quantization="none")
+    (out,) = e.generate([list(range(10, 30))], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out.token_ids) == 3 and e.model_config.is_mla
