@@ -56,7 +56,9 @@ class ModelRunner:
     """Weights plus KV cache on one device.
 
     kv_caches: one :class:`PagedKV` per layer: K and V (num_blocks, block_size, num_kv_heads, head_dim)
-    in the KV format's storage dtype, plus per-token per-head scales when quantized.
+    in the KV format's storage dtype, plus per-token per-head scales when quantized.  An MLA (DeepSeek) model has one latent
+    row per token instead: K only, (num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim), one scale per row
+    (``ModelConfig.kv_layout``).
     """
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], num_blocks: int, block_size: int,
