@@ -134,7 +134,7 @@ def test_glossary_conditions():
         assert len(bad.split()) == len(right.split())  # the same shape
         assert bad not in {f for s in segs for t in s.terms if t.src == src for f in t.forms}
     assert wrong == TT.random_glossary(entries, segs, seed=0)
-    assert "- symptoms = symptômes" in TT.system_message(entries)
+    assert "\n- symptoms = symptômes\n" in TT.system_message(entries)
     assert TT.system_message(None) == TT.INSTRUCTION
     with pytest.raises(InvalidRequestError, match="unknown document"):
         TT.documents(segs, ["nope"])

@@ -1,7 +1,7 @@
 """Document-level translation as multi-turn sessions, for the terminology evaluation (``kvkeeper eval terms``).
 
 Each document is one session: the system message says what to do (and, under a glossary condition, lists
-the document's terms), then each segment is one user turn, answered greedily; the reply is the segment's
+the document's terms), then each segment is one user turn (:data:`USER`), answered greedily; the reply is the segment's
 translation (whitespace collapsed, so a reply over several lines stays one hypothesis line).  Conditions:
 
 * ``none``: no glossary;
@@ -29,8 +29,9 @@ from ..sampling.params import SamplingParams
 from .terms import Segment
 
 CONDITIONS = ("none", "glossary", "random")
-INSTRUCTION = ("You are a professional translator. Translate each English message into French. Reply with the "
-               "French translation only, on one line, without notes.")
+INSTRUCTION = ("You are a translator from English to French. Translate each message into French; reply with the "
+               "French translation only.")
+USER = "Translate into French: {src}"  # one turn: the segment's source (detokenized)
 
 
 @dataclass
@@ -96,12 +97,13 @@ def system_message(entries: list[tuple[str, str]] | None) -> str:
     if entries is None:
         return INSTRUCTION
     lines = "\n".join(f"- {s} = {t}" for s, t in entries) or "- (no terms)"
-    return f"{INSTRUCTION}\nAlways use these French terms:\n{lines}"
+    return f"{INSTRUCTION}\nUse these French terms (English = French):\n{lines}"
 
 
 def source_text(seg: Segment, detok) -> str:
-    """The segment's source as a user would type it (the task's text is Moses-tokenized)."""
-    return detok.detokenize(seg.src.split())
+    """The user message of a segment: :data:`USER` with its source as a user would type it (the task's text is
+    Moses-tokenized)."""
+    return USER.format(src=detok.detokenize(seg.src.split()))
 
 
 def one_line(text: str) -> str:
