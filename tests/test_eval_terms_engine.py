@@ -83,3 +83,16 @@ def test_generate_through_a_server_with_the_openai_client(tmp_path, engine, runs
         mine = [t for t in turns if t["doc_id"] == doc_id]
         assert all(t["cached_tokens"] >= len(sys_ids) for t in mine[1:]), mine
     assert (tmp_path / "out" / "hyp.glossary.txt").read_text().splitlines() == runs[True]["hyps"]
+
+
+def test_generate_cli_on_the_local_engine(capsys):
+    assert main(["eval", "terms", "generate", "--docs", "wiki_26", "--max-segments", "2", "--max-tokens", "8",
+                 "--conditions", "none", "random", "--policy", "knorm", "--ratio", "0.25", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["settings"]["documents"] == {"wiki_26": 2} and r["settings"]["policy"] == "knorm"
+    for cond in ("none", "random"):
+        c = r["conditions"][cond]
+        assert c["overall"]["segments"] == 2 and c["cache"]["turns"] == 2
+        assert c["cache"]["prompt_tokens"] > c["cache"]["cached_tokens"] >= 0
+    assert main(["eval", "terms", "generate", "--docs", "nope"]) == 2
+    assert "unknown document 'nope'" in capsys.readouterr().err
