@@ -234,7 +234,8 @@ def weighted_edit_distance(hyp: list[str], ref: list[str], weights: list[int]) -
 def term_ter(hyp: list[str], ref: list[str], positions: set[int], weight: int = TERM_WEIGHT) -> float:
     """TERm of one segment: (shifts + weighted edits) / reference tokens.  Shifts are chosen as sacrebleu's
     Tercom port chooses them (unweighted); the remaining edits are weighted by :func:`weighted_edit_distance`
-    with ``weight`` on the tokens at ``positions``.  An empty reference scores the hypothesis length (>= 0)."""
+    with ``weight`` on the tokens at ``positions``.  An empty reference scores 1.0 against a non-empty
+    hypothesis, 0.0 against an empty one."""
     from sacrebleu.metrics import lib_ter
 
     if not ref:
