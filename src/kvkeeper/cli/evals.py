@@ -1,4 +1,7 @@
-"""``kvkeeper eval perplexity | passkey``: quality through kvkeeper's own KV cache (quantized or compressed)."""
+"""``kvkeeper eval perplexity | passkey | terms``: quality through kvkeeper's own KV cache (quantized or compressed).
+
+The terminology evaluation (``eval terms``) has its own module, :mod:`.eval_terms`.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +9,12 @@ import argparse
 import json
 
 from ..argtypes import non_negative_int, positive_int
+from . import eval_terms
 from .common import EXIT_ERROR, EXIT_OK, load_engine, out_console, stderr
 
 
 def add_parser(sub, parent: argparse.ArgumentParser) -> None:
-    e = sub.add_parser("eval", help="quality under KV quantization: perplexity of a long text",
+    e = sub.add_parser("eval", help="quality under KV quantization: perplexity, passkey retrieval, terminology",
                        description="Evaluate the model through kvkeeper's own KV cache.")
     esub = e.add_subparsers(dest="eval_command", metavar="TASK")
     esub.required = True
@@ -45,6 +49,7 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
     pk.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default: 0)")
     pk.add_argument("--json", action="store_true", help="print one JSON object with the cells and the accuracy")
     pk.set_defaults(func=cmd_eval_passkey)
+    eval_terms.add_parser(esub, parent)
 
 
 def cmd_eval_perplexity(args: argparse.Namespace) -> int:
