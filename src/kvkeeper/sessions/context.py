@@ -133,7 +133,8 @@ class ContextReport:
     def header(self) -> str:
         """The ``X-KVKeeper-Context`` response header: ``policy=last; kept=3; dropped=5; ...``."""
         return (f"policy={self.policy}; budget={self.budget}; kept={self.kept}; dropped={self.dropped}; "
-                f"summarized={self.summarized}; retrieved={self.retrieved}; prompt_tokens={self.prompt_tokens}")
+                f"summarized={self.summarized}; retrieved={self.retrieved}; prompt_tokens={self.prompt_tokens}; "
+                f"rewritten={int(self.rewritten)}")
 
 
 def turns_digest(turns: list[list[dict]]) -> str:
