@@ -24,7 +24,7 @@ from .metrics import CONTENT_TYPE
 from .request_parsing import (check_fields, check_model, compression_of, context_of, messages_of, namespace_of,
                               sampling_of, session_id_of, session_priority_of, structured_of)
 from .responses import Collected, Renderer, finish_reason, respond
-from .schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest, _SamplingFields
+from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _SamplingFields
 from .streams import ChoiceDelta, GenerationRequest, RequestStream
 from .tools import ChoiceCalls, ToolUse, finish_with_calls, tool_use_of
 
@@ -298,3 +298,21 @@ async def tokenize(body: TokenizeRequest, request: Request):
         text = body.prompt
         ids = await engine.call(lambda eng: eng.tokenizer.encode(text))
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.context_length}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    """Token ids back to text (special tokens kept), as vLLM's ``/detokenize``; 400 for an id outside the vocabulary."""
+    engine = request.app.state.engine
+    check_model(body.model, request.app.state.model_name)
+    check_fields(body, request)
+    ids = list(body.tokens)
+
+    def decode(eng) -> str:
+        vocab = eng.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        return eng.tokenizer.decode(ids)
+
+    return {"prompt": await engine.call(decode)}

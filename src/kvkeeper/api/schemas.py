@@ -212,6 +212,14 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
 
 
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (as in vLLM): token ids back to text."""
+
+    model_config = _OPEN
+    model: str | None = None
+    tokens: list[int]
+
+
 _NOT_STORED = "this server keeps no stored completions"
 # Request fields refused with 400 unless they hold one of their no-op values: (no-op values, why).
 REFUSED: dict[str, tuple[tuple, str]] = {

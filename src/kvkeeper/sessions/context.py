@@ -134,7 +134,7 @@ class ContextReport:
         """The ``X-KVKeeper-Context`` response header: ``policy=last; kept=3; dropped=5; ...``."""
         return (f"policy={self.policy}; budget={self.budget}; kept={self.kept}; dropped={self.dropped}; "
                 f"summarized={self.summarized}; retrieved={self.retrieved}; prompt_tokens={self.prompt_tokens}; "
-                f"rewritten={int(self.rewritten)}")
+                f"rewritten={int(self.rewritten)}; memory_ms={self.memory_ms:.2f}")
 
 
 def turns_digest(turns: list[list[dict]]) -> str:
@@ -208,7 +208,7 @@ class ContextPlanner:
         if k > before:
             self._leave(turns, before, k, state)
         block, hits = self._recall(turns[-1]) if sp.remembers and state.stored else ("", [])
-        mem_ms = (time.perf_counter() - t0) * 1000.0
+        mem_ms = (time.perf_counter() - t0) * 1000.0 if sp.remembers else 0.0  # storing, embedding, searching
         out, n, summary, block = self._assemble(head, state.summary, turns[k:], block)
         hits = hits if block else []
         return out, ContextReport(sp.policy, sp.budget, len(turns) - k, k, k if summary else 0, len(hits), n,
