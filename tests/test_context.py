@@ -67,18 +67,39 @@ def conversations(draw):
     return msgs
 
 
-def _answers(out: list[dict], i: int, original: list[dict]) -> bool:
-    """The message before out[i] in the original conversation (the kept turns are its tail) is the one before
-    it in ``out``."""
-    j = len(original) - len(out) + i
-    return j > 0 and i > 0 and original[j] == out[i] and out[i - 1] == original[j - 1]
+def _kept_turn_indices(out: list[dict], head: list[dict], turns: list[list[dict]]) -> list[int]:
+    """Where each turn of ``out`` (split again) is in the original turns, in order; fails on a partial turn
+    (an assistant or tool message without the message it answers would join the turn before it)."""
+    idx, j = [], 0
+    for t in split_turns(out)[1]:
+        while j < len(turns) and turns[j] != t:
+            j += 1
+        assert j < len(turns), ("not a whole turn of the conversation", t)
+        idx.append(j)
+        j += 1
+    return idx
+
+
+class _NoMemory:
+    """Hybrid without embeddings: oldest middle turns leave first; nothing is stored or retrieved."""
+
+    def add(self, items, tenant):
+        return 0
+
+    def search(self, *a):
+        return []
+
+    def similarities(self, query, texts):
+        return [float(i) for i in range(len(texts))]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(conv=conversations(), budget=st.integers(16, 600), every=st.integers(1, 3))
-def test_last_keeps_system_latest_user_and_answered_pairs(engine, conv, budget, every):
+@given(conv=conversations(), budget=st.integers(16, 600), every=st.integers(1, 3),
+       policy=st.sampled_from(["last", "last", "hybrid"]))
+def test_last_keeps_system_latest_user_and_answered_pairs(engine, conv, budget, every, policy):
     count = lambda m: len(engine.encode_chat(m))  # noqa: E731
-    planner = ContextPlanner(ContextSpec("last", budget, every=every), count)
+    spec = ContextSpec(policy, budget, every=every, summary_tokens=1, memory_share=0.0)
+    planner = ContextPlanner(spec, count, lambda prev, turns: "", _NoMemory())
     head, turns = split_turns(conv)
     try:
         out, rep = planner.plan(conv, ContextState())
@@ -95,11 +116,12 @@ def test_last_keeps_system_latest_user_and_answered_pairs(engine, conv, budget, 
     for i, m in enumerate(out):
         if m["role"] == "tool":
             assert any(c["id"] == m["tool_call_id"] for p in out[:i] for c in p.get("tool_calls") or [])
-        if m["role"] in ("assistant", "tool") and i >= len(head):
-            assert _answers(out, i, conv), (i, out)
-    assert out == head + flat(turns[rep.dropped:]) and rep.kept + rep.dropped == len(turns)
-    if every == 1 and rep.dropped:  # as many of the latest turns as fit
-        assert count(head + flat(turns[rep.dropped - 1:])) > budget
+    idx = _kept_turn_indices(out, head, turns)
+    assert idx[-1] == len(turns) - 1 and len(idx) == rep.kept and rep.kept + rep.dropped == len(turns)
+    if policy == "last":
+        assert out == head + flat(turns[rep.dropped:])
+        if every == 1 and rep.dropped:  # as many of the latest turns as fit
+            assert count(head + flat(turns[rep.dropped - 1:])) > budget
 
 
 def test_full_keeps_everything_and_bad_specs_are_refused():
@@ -242,5 +264,22 @@ def test_memory_threshold_retrieves_nothing_unrelated(engine):
         mem.add([(0, "user: my favourite dish is mushroom risotto")], "")
         assert mem.search("quantum chromodynamics lattice", "", 3, 0.5) == []
         assert mem.search("what food do I like best?", "", 3, 0.2)
+    finally:
+        s.close()
+
+
+def test_hybrid_prunes_the_least_relevant_middle_turns(engine, manager):
+    conv = planted_conversation()[:3] + topical_messages(2) + [{"role": "user", "content": QUESTION}]
+    s = manager.open(context=ContextSpec("hybrid", 500, every=2, summary_tokens=16))
+    try:
+        seq = s.begin_turn(messages=conv, params=GREEDY)
+        engine.run_until_done([seq])
+        rep, st = s.turns[-1].context, s.context_state
+        prompt = engine.tokenizer.decode(seq.token_ids[:seq.num_prompt_tokens])
+        assert rep["dropped"] >= 10 and rep["summarized"] == rep["dropped"] and seq.num_prompt_tokens <= 500
+        assert st.first_kept == 0 and len(st.pruned) == rep["dropped"] and st.summary
+        # the fact's turn is the most similar to the question: later, less relevant turns left before it
+        assert 0 not in st.pruned and max(st.pruned) > 5 and "Valparaiso" in prompt
+        assert prompt.index(SUMMARY_HEADER) < prompt.index("Valparaiso")
     finally:
         s.close()

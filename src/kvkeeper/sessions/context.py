@@ -14,7 +14,10 @@ the messages after it up to the next user message: the reply, tool calls and the
   (:mod:`kvkeeper.sessions.memory`) and, for each new user message, the most similar stored turns
   (cosine similarity of sentence embeddings at or above a threshold, plus the best lexical BM25 match
   for names and numbers) are placed in a memory block at the head of the latest user message;
-* ``hybrid``: summary plus memory plus the latest turns.
+* ``hybrid``: summary plus memory plus the turns that fit, chosen by *semantic pruning*: when the prompt would
+  exceed the budget, the middle turns least similar to the latest user message (cosine of their embeddings)
+  leave first, ``every`` at a time, never the latest turn nor a turn with an unanswered tool call; those that
+  leave are stored in the memory and folded into the summary.
 
 **Keeping the KV reusable.**  The prompt is laid out stable-first: head, summary, kept turns, then the
 memory block inside the newest message only.  Turns leave ``every`` turns at a time (at least), and
@@ -105,6 +108,14 @@ class ContextState:
     digest: str = ""
     summary: str = ""
     stored: int = 0
+    pruned: list[int] = field(default_factory=list)  # hybrid: middle turns dropped for their low relevance
+
+    def span(self) -> int:
+        """Turns ``[0, span)`` the digest covers: those before the first kept one and up to the last pruned one."""
+        return max([self.first_kept] + [p + 1 for p in self.pruned])
+
+    def reset(self) -> None:
+        self.first_kept, self.digest, self.summary, self.stored, self.pruned = 0, turns_digest([]), "", 0, []
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,6 +161,12 @@ def turns_digest(turns: list[list[dict]]) -> str:
 def turn_text(turn: list[dict]) -> str:
     """One turn as plain text, a line per message: ``user: ...``, ``assistant: ...``."""
     return "\n".join(f"{m.get('role')}: {m.get('content') or ''}" for m in turn)
+
+
+def pending_call(turn: list[dict]) -> bool:
+    """Whether a turn holds a tool call that no tool message of the turn answers."""
+    calls = {c.get("id") for m in turn for c in m.get("tool_calls") or []}
+    return bool(calls - {m.get("tool_call_id") for m in turn if m.get("role") == "tool"})
 
 
 def flat(turns: list[list[dict]]) -> list[dict]:
@@ -200,19 +217,53 @@ class ContextPlanner:
         head, turns = split_turns(messages)
         if sp.policy == "full" or not turns:
             return list(messages), ContextReport(sp.policy, sp.budget, len(turns), 0)
-        if state.first_kept >= len(turns) or turns_digest(turns[:state.first_kept]) != state.digest:
-            state.first_kept, state.digest, state.summary, state.stored = 0, turns_digest([]), "", 0
-        before = state.first_kept
-        k = self._fit(head, turns, before)
+        if state.span() >= len(turns) or turns_digest(turns[:state.span()]) != state.digest:
+            state.reset()
         t0 = time.perf_counter()
-        if k > before:
-            self._leave(turns, before, k, state)
+        if sp.policy == "hybrid":
+            leaving = self._prune(head, turns, state)
+        else:
+            leaving = list(range(state.first_kept, self._fit(head, turns, state.first_kept)))
+        if leaving:
+            self._leave(turns, leaving, state)
         block, hits = self._recall(turns[-1]) if sp.remembers and state.stored else ("", [])
         mem_ms = (time.perf_counter() - t0) * 1000.0 if sp.remembers else 0.0  # storing, embedding, searching
-        out, n, summary, block = self._assemble(head, state.summary, turns[k:], block)
-        hits = hits if block else []
-        return out, ContextReport(sp.policy, sp.budget, len(turns) - k, k, k if summary else 0, len(hits), n,
-                                  k > before, mem_ms, hits)
+        kept = self._window(turns, state)
+        out, n, summary, block = self._assemble(head, state.summary, kept, block)
+        hits, dropped = (hits if block else []), len(turns) - len(kept)
+        return out, ContextReport(sp.policy, sp.budget, len(kept), dropped, dropped if summary else 0, len(hits), n,
+                                  bool(leaving), mem_ms, hits)
+
+    @staticmethod
+    def _window(turns: list[list[dict]], state: ContextState) -> list[list[dict]]:
+        """The turns the prompt keeps: from the first kept one on, less the pruned ones."""
+        gone = set(state.pruned)
+        return [t for i, t in enumerate(turns) if i >= state.first_kept and i not in gone]
+
+    def _prune(self, head: list[dict], turns: list[list[dict]], state: ContextState) -> list[int]:
+        """Hybrid: the middle turns that leave when the window overflows, least similar to the latest user message
+        first (cosine of their embeddings), ``every`` at a time; never the latest turn nor a turn whose tool call is
+        unanswered.  Raises :class:`ContextBudgetError` when nothing more may leave and the prompt still overflows."""
+        sp, last = self.spec, len(turns) - 1
+        avail = sp.budget - self._reserve()
+        gone = set(state.pruned)
+        if self.count(head + flat(self._window(turns, state))) <= avail:
+            return []
+        middle = [i for i in range(state.first_kept, last) if i not in gone and not pending_call(turns[i])]
+        query = next((m.get("content") or "" for m in turns[-1] if m.get("role") == "user"), "")
+        if middle and self.memory is not None and query.strip():
+            sims = self.memory.similarities(query, [turn_text(turns[i]) for i in middle])
+            middle = [i for _, i in sorted(zip(sims, middle))]
+        out: list[int] = []
+        probe = ContextState(state.first_kept, pruned=list(gone))
+        while middle and self.count(head + flat(self._window(turns, probe))) > avail:
+            out += middle[:sp.every]
+            middle = middle[sp.every:]
+            probe.pruned = list(gone | set(out))
+        need = self.count(head + flat(self._window(turns, probe)))
+        if need > sp.budget:
+            raise ContextBudgetError(need, sp.budget)
+        return sorted(out)
 
     def _reserve(self) -> int:
         """Tokens kept free for the summary and the memory block."""
@@ -242,15 +293,19 @@ class ContextPlanner:
                 raise ContextBudgetError(need, sp.budget)
         return k
 
-    def _leave(self, turns: list[list[dict]], before: int, k: int, state: ContextState) -> None:
-        """Turns ``[before, k)`` leave the prompt: stored in memory, folded into the summary."""
+    def _leave(self, turns: list[list[dict]], leaving: list[int], state: ContextState) -> None:
+        """Turns ``leaving`` (indices) leave the prompt: stored in memory, folded into the summary."""
         sp = self.spec
-        if sp.remembers and self.memory is not None and k > state.stored:
-            self.memory.add([(i, turn_text(turns[i])) for i in range(state.stored, k)], self.tenant)
-            state.stored = k
+        if sp.remembers and self.memory is not None:
+            self.memory.add([(i, turn_text(turns[i])) for i in leaving], self.tenant)
+            state.stored += len(leaving)
         if sp.summarizes and self.summarize is not None:
-            state.summary = self.summarize(state.summary, turns[before:k]).strip()
-        state.first_kept, state.digest = k, turns_digest(turns[:k])
+            state.summary = self.summarize(state.summary, [turns[i] for i in leaving]).strip()
+        if sp.policy == "hybrid":
+            state.pruned = sorted(set(state.pruned) | set(leaving))
+        else:
+            state.first_kept = max(leaving) + 1
+        state.digest = turns_digest(turns[:state.span()])
 
     def _recall(self, latest: list[dict]) -> tuple[str, list[int]]:
         """The memory block for the latest user message and the turn indices it holds."""

@@ -154,6 +154,11 @@ class SessionMemory:
             out.append((turn, text))
         return out
 
+    def similarities(self, query: str, texts: list[str]) -> list[float]:
+        """Cosine similarity of ``query`` to each of ``texts`` (-1..1), from their embeddings (nothing stored)."""
+        emb = self.embedder.encode([query] + list(texts))
+        return [float(x) for x in emb[1:] @ emb[0]]
+
     def _lexical(self, query: str, tenant: str) -> int | None:
         """The id of the stored turn that best matches the query's names and numbers (BM25), if any matches."""
         words = names_and_numbers(query)
