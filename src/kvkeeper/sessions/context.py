@@ -210,6 +210,14 @@ class ContextPlanner:
         self.summarize = summarize
         self.memory = memory
         self.tenant = tenant
+        self.memory_s = 0.0  # seconds spent in the memory (embedding, storing, searching) by the last plan
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.memory_s += time.perf_counter() - t0
 
     def plan(self, messages: list[dict], state: ContextState) -> tuple[list[dict], ContextReport]:
         """(the messages to render, the report); updates ``state``.  Raises :class:`ContextBudgetError`."""
@@ -219,7 +227,7 @@ class ContextPlanner:
             return list(messages), ContextReport(sp.policy, sp.budget, len(turns), 0)
         if state.span() >= len(turns) or turns_digest(turns[:state.span()]) != state.digest:
             state.reset()
-        t0 = time.perf_counter()
+        self.memory_s = 0.0
         if sp.policy == "hybrid":
             leaving = self._prune(head, turns, state)
         else:
@@ -227,7 +235,7 @@ class ContextPlanner:
         if leaving:
             self._leave(turns, leaving, state)
         block, hits = self._recall(turns[-1]) if sp.remembers and state.stored else ("", [])
-        mem_ms = (time.perf_counter() - t0) * 1000.0 if sp.remembers else 0.0  # storing, embedding, searching
+        mem_ms = self.memory_s * 1000.0 if sp.remembers else 0.0  # embedding, storing, searching (not summarizing)
         kept = self._window(turns, state)
         out, n, summary, block = self._assemble(head, state.summary, kept, block)
         hits, dropped = (hits if block else []), len(turns) - len(kept)
@@ -252,7 +260,7 @@ class ContextPlanner:
         middle = [i for i in range(state.first_kept, last) if i not in gone and not pending_call(turns[i])]
         query = next((m.get("content") or "" for m in turns[-1] if m.get("role") == "user"), "")
         if middle and self.memory is not None and query.strip():
-            sims = self.memory.similarities(query, [turn_text(turns[i]) for i in middle])
+            sims = self._timed(self.memory.similarities, query, [turn_text(turns[i]) for i in middle])
             middle = [i for _, i in sorted(zip(sims, middle))]
         out: list[int] = []
         probe = ContextState(state.first_kept, pruned=list(gone))
@@ -297,7 +305,7 @@ class ContextPlanner:
         """Turns ``leaving`` (indices) leave the prompt: stored in memory, folded into the summary."""
         sp = self.spec
         if sp.remembers and self.memory is not None:
-            self.memory.add([(i, turn_text(turns[i])) for i in leaving], self.tenant)
+            self._timed(self.memory.add, [(i, turn_text(turns[i])) for i in leaving], self.tenant)
             state.stored += len(leaving)
         if sp.summarizes and self.summarize is not None:
             state.summary = self.summarize(state.summary, [turns[i] for i in leaving]).strip()
@@ -313,7 +321,7 @@ class ContextPlanner:
         query = next((m.get("content") or "" for m in latest if m.get("role") == "user"), "")
         if self.memory is None or not query.strip():
             return "", []
-        hits = self.memory.search(query, self.tenant, sp.memory_top_k, sp.memory_threshold)
+        hits = self._timed(self.memory.search, query, self.tenant, sp.memory_top_k, sp.memory_threshold)
         hits.sort()
         lines, idx = [], []
         cap = int(sp.budget * sp.memory_share)
