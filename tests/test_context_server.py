@@ -10,7 +10,9 @@ import uuid
 import httpx
 import pytest
 from serverproc import running_server
-from test_context import QUESTION, planted_conversation, topical_messages
+from test_context import DATA, QUESTION, planted_conversation, topical_messages
+
+from kvkeeper.eval.memory_recall import ServerBackend, generate, load_dialogues, run
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +61,12 @@ def test_last_policy_header_body_400_and_metrics(tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "context_policy"
         r = _chat(base, conv, {"X-Session-ID": sid, "X-Context-Policy": "everything"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "X-Context-Policy"
+        # kvkeeper eval memory --server: the same figures through HTTP (prompts read back with /detokenize)
+        convs = generate(load_dialogues(DATA), 1, 600, lambda t: len(t.split()), seed=1, facts=1)
+        res = run(convs, ServerBackend(base, "last", 300, 2), "last", 300)
+        rec = res["per_question"][0]
+        assert res["questions"] == 1 and rec["prompt_tokens"] <= 300 and rec["question"] in rec["prompt"]
+        assert rec["context"]["policy"] == "last" and rec["prompt"].startswith("<|im_start|>system")
         metrics = httpx.get(base + "/metrics").text
         line = next(ln for ln in metrics.splitlines()
                     if ln.startswith('kvkeeper:context_turns_total{kind="dropped",policy="last"}'))

@@ -104,9 +104,10 @@ class RequestTracker:
                                   compression=req.compression, strict_max_tokens=True,
                                   max_new_tokens=self.max_new_tokens)
         if req.session_id is None:
-            if req.context is not None and req.context[0] not in (None, "full"):
-                raise InvalidRequestError(f"context policy {req.context[0]!r} keeps state between turns: send the "
-                                          "request with X-Session-ID", param="context_policy")
+            if req.context is not None:
+                raise InvalidRequestError("a context policy and budget apply to a session's turns (a policy keeps "
+                                          "state between them): send the request with X-Session-ID",
+                                          param="context_policy")
             prompt = self.engine.encode_chat(req.messages, **req.chat) if req.messages is not None else req.prompt
             return self.engine.add_request(prompt, req.params[0], **kw), 0, None
         if self.sessions is None:
