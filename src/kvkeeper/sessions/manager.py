@@ -188,14 +188,15 @@ class SessionManager:
         ``max_tokens`` tokens) as a request in ``namespace`` (the session's own: its tenant salt).
 
         Runs the request to its end on the calling thread (the engine thread in the server); the input is
-        cut to its last 1,536 tokens.
+        cut to its last 1,536 tokens (fewer when the context window is short: at most half of it, less the reply).
         """
         eng = self.engine
         tok = eng.tokenizer
         text = "\n".join(turn_text(t) for t in turns)
         ids = tok.encode(text, add_special_tokens=False)
-        if len(ids) > 1536:
-            text = tok.decode(ids[-1536:])
+        keep = max(32, min(1536, eng.context_length // 2 - max_tokens))
+        if len(ids) > keep:
+            text = tok.decode(ids[-keep:])
         ask = (f"Summary so far:\n{previous}\n\n" if previous else "") + f"Conversation:\n{text}\n\n" \
             "Write a short summary of the conversation above, keeping names, numbers, dates and places."
         prompt = eng.encode_chat([{"role": "system", "content": "You write brief, factual summaries."},
