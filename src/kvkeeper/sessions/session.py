@@ -160,10 +160,10 @@ class Session:
 
         self.trimmed_turns = 0
         ns = namespace or self.engine.namespace
-        planner = ContextPlanner(self.context, count, lambda prev, turns: self.manager.summarize(
-            prev, turns, ns, self.context.summary_tokens),
-                                 self.manager.memory_of(self) if self.context.remembers else None,
-                                 self.manager.tenant_of(ns))
+        spec = self.context
+        planner = ContextPlanner(spec, count,
+                                 lambda prev, turns: self.manager.summarize(prev, turns, ns, spec.summary_tokens),
+                                 self.manager.memory_of(self) if spec.remembers else None, self.manager.tenant_of(ns))
         messages, self.last_context = planner.plan(messages, self.context_state)
         if self.trim_budget is None:
             return messages
