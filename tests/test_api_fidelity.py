@@ -78,6 +78,8 @@ IMPLEMENTED = {
     "add_generation_prompt": "test_continue_final_message",
     "continue_final_message": "test_continue_final_message", "echo": "test_echo",
     "best_of": "test_every_field_is_applied_or_refused (best_of == n)",
+    "context_policy": "test_context_server.py::test_last_policy_header_body_400_and_metrics",
+    "context_budget": "test_context_server.py::test_last_policy_header_body_400_and_metrics",
 }
 # a value that is not the field's no-op, for each refused field
 NOT_NOOP = {"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "prediction": {

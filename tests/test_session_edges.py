@@ -159,3 +159,14 @@ def test_a_server_first_turn_that_fails_leaves_no_empty_session(folder):
         assert ok.status_code == 200
         assert [x["id"] for x in c.get("/v1/sessions").json()["data"]] == ["kept"]
         assert "kvkeeper:sessions_open 1.0" in c.get("/metrics").text
+
+
+def test_one_server_per_engine(folder):
+    from kvkeeper.api.server import build_server
+
+    eng = LLMEngine(str(folder), num_kv_blocks=16, block_size=4)
+    build_server(eng)
+    hooks = (len(eng.holders), len(eng.step_hooks), len(eng.first_token_hooks))
+    with pytest.raises(ValueError, match="one server per engine"):
+        build_server(eng)
+    assert (len(eng.holders), len(eng.step_hooks), len(eng.first_token_hooks)) == hooks  # nothing stacked

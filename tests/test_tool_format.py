@@ -118,3 +118,18 @@ def test_a_grammar_compiled_again_is_reused_and_its_matchers_are_independent(gra
     assert a.try_consume_tokens(ids) == len(ids) and a.is_accepting()
     assert not b.is_accepting() and b.try_consume_tokens(tok.encode("no then blue", add_special_tokens=False)) > 0
     assert len(gc._compiled) >= 1  # one pristine matcher kept per grammar text
+
+
+def test_grammars_compile_in_worker_threads(grammars):
+    """The server compiles a request's grammar in a worker thread (the engine thread then finds it kept)."""
+    import concurrent.futures as cf
+
+    tok, gc = grammars
+    so = StructuredOutput("json_schema", {"type": "object", "properties": {"n": {"type": "integer"}},
+                                          "required": ["n"]}, "response_format")
+    with cf.ThreadPoolExecutor(4) as ex:
+        ms = list(ex.map(lambda _: gc.matcher(so), range(8)))
+    assert len({id(m) for m in ms}) == 8
+    ids = tok.encode('{"n": 12}', add_special_tokens=False)
+    assert all(m.try_consume_tokens(ids) == len(ids) and m.is_accepting() for m in ms)
+    assert sum(1 for g in gc._compiled if '"n"' in g) == 1

@@ -124,6 +124,14 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids)}-{time.time_ns() % 10**9:09d}"
 
     # ---- entry points (event loop side) -----------------------------------------------
+    async def _compile_grammar(self, req: GenerationRequest) -> None:
+        """Compile the request's output grammar in a worker thread, so that the engine thread finds it
+        compiled (the compiler keeps it) instead of stalling every running request while it compiles.
+        Raises :class:`InvalidRequestError` for a grammar that cannot be used."""
+        grammars = getattr(self.engine, "grammars", None)
+        so = req.params[0].structured if req.params else None
+        if grammars is not None and so is not None:
+            await asyncio.to_thread(grammars.matcher, so)
     async def submit(self, req: GenerationRequest) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it.
 
@@ -133,6 +141,7 @@ class AsyncEngine:
         """
         if not self.alive:
             raise EngineDeadError("the engine thread is not running")
+        await self._compile_grammar(req)
         with self._lock:
             if self.num_waiting >= self.max_queue:
                 raise QueueFullError(self.max_queue)

@@ -41,6 +41,9 @@ kvkeeper:kv_restore_total{tier}            counter    sessions whose KV came bac
 kvkeeper:kv_restore_failures_total{tier}   counter    offloaded sessions recomputed instead (corrupt file, no room)
 kvkeeper:kv_offloaded_bytes{tier}          gauge      KV bytes held in the tier now (bytes)
 kvkeeper:kv_offloaded_blocks               gauge      blocks' worth of KV held in host plus disk tiers (blocks)
+kvkeeper:context_turns_total               counter    session turns by context ``policy`` and ``kind``: kept,
+                                                      dropped, summarized, retrieved, over the session turns (turns)
+kvkeeper:context_memory_seconds            histogram  time a turn spent storing and retrieving memory (s)
 =========================================  =========  =====================================================
 
 The fragmentation figures are defined in :mod:`kvkeeper.kvcache.telemetry`; the engine
@@ -49,7 +52,7 @@ thread samples them at most every 0.1 s (see :mod:`kvkeeper.api.async_engine`).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -186,6 +189,19 @@ class ServerMetrics:
                               registry=self.registry)
         self.e2e = Histogram("kvkeeper:e2e_request_latency_seconds", "Time from arrival to finish (s).",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+        self.context_turns = Counter("kvkeeper:context_turns", "Turns of session prompts by context policy and "
+                                     "kind: kept, dropped, summarized, retrieved (turns).", ["policy", "kind"],
+                                     registry=self.registry)
+        self.context_memory = Histogram("kvkeeper:context_memory_seconds", "Time a turn spent storing and "
+                                        "retrieving vector memory (s).", buckets=_TPOT_BUCKETS, registry=self.registry)
+
+    def observe_context(self, report) -> None:
+        """Count one turn's :class:`~kvkeeper.sessions.context.ContextReport` (engine thread)."""
+        for kind in ("kept", "dropped", "summarized", "retrieved"):
+            self.context_turns.labels(report.policy, kind).inc(getattr(report, kind))
+        if report.policy in ("memory", "hybrid"):
+            self.context_memory.observe(report.memory_ms / 1000.0)
 
     def update(self, snapshot: dict) -> None:
         """Replace the engine-state snapshot (called from the engine thread; a dict swap is atomic)."""

@@ -6,7 +6,8 @@ Handlers read the server's parts from ``request.app.state``: ``engine`` (the
 ``repetition_penalty``, ``stop_token_ids``, ``bad_words``, ``ignore_eos``, ``cache_salt``,
 ``return_token_ids`` (prompt and output token ids in the response), ``prompt_logprobs``,
 ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` / ``structured_outputs``,
-``add_generation_prompt``, ``continue_final_message``, ``kv_compression``.
+``add_generation_prompt``, ``continue_final_message``, ``kv_compression``, ``context_policy`` /
+``context_budget`` (a session's context policy, also as ``X-Context-Policy`` / ``X-Context-Budget``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from ..sampling.structured import StructuredOutput
 from .access_log import record_usage
 from .errors import APIError
 from .metrics import CONTENT_TYPE
-from .request_parsing import (check_fields, check_model, compression_of, messages_of, namespace_of, sampling_of,
-                              session_id_of, session_priority_of, structured_of)
+from .request_parsing import (check_fields, check_model, compression_of, context_of, messages_of, namespace_of,
+                              sampling_of, session_id_of, session_priority_of, structured_of)
 from .responses import Collected, Renderer, finish_reason, respond
-from .schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest, _SamplingFields
+from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _SamplingFields
 from .streams import ChoiceDelta, GenerationRequest, RequestStream
 from .tools import ChoiceCalls, ToolUse, finish_with_calls, tool_use_of
 
@@ -175,7 +176,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     chat = dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
                 tools=tools.tools if tools is not None else None)
     rid = st.engine.new_request_id("chatcmpl")
-    gen = GenerationRequest(rid, params, messages=messages, chat=chat, **_request_fields(body, request))
+    gen = GenerationRequest(rid, params, messages=messages, chat=chat, context=context_of(body, request),
+                            **_request_fields(body, request))
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": st.model_name}
     return await respond(request, st.engine, gen, body.stream, _include_usage(body), _chat_renderer(base, body, tools))
 
@@ -308,3 +310,21 @@ async def tokenize(body: TokenizeRequest, request: Request):
         text = body.prompt
         ids = await engine.call(lambda eng: eng.tokenizer.encode(text))
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.context_length}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    """Token ids back to text (special tokens kept), as vLLM's ``/detokenize``; 400 for an id outside the vocabulary."""
+    engine = request.app.state.engine
+    check_model(body.model, request.app.state.model_name)
+    check_fields(body, request)
+    ids = list(body.tokens)
+
+    def decode(eng) -> str:
+        vocab = eng.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        return eng.tokenizer.decode(ids)
+
+    return {"prompt": await engine.call(decode)}

@@ -244,6 +244,28 @@ def session_id_of(request: Request) -> str | None:
     return sid
 
 
+_POLICIES = ("full", "last", "summary", "memory", "hybrid")
+
+
+def context_of(body: ChatCompletionRequest, request: Request) -> tuple[str | None, int | None] | None:
+    """(policy, budget) from ``context_policy`` / ``context_budget`` or ``X-Context-Policy`` /
+    ``X-Context-Budget`` (the body wins); None when neither is given (the session keeps its own)."""
+    policy = body.context_policy or request.headers.get("x-context-policy")
+    raw = request.headers.get("x-context-budget")
+    budget = body.context_budget
+    if budget is None and raw is not None:
+        if not re.fullmatch(r"\s*[0-9]{1,7}\s*", raw) or int(raw) < 16:
+            raise APIError(400, f"X-Context-Budget must be a number of tokens, at least 16, got {raw!r}",
+                           param="X-Context-Budget")
+        budget = int(raw)
+    if policy is not None and policy.strip().lower() not in _POLICIES:
+        raise APIError(400, f"X-Context-Policy must be one of {', '.join(_POLICIES)}, got {policy!r}",
+                       param="X-Context-Policy")
+    if policy is None and budget is None:
+        return None
+    return (policy.strip().lower() if policy else None), budget
+
+
 def session_priority_of(request: Request) -> int | None:
     raw = request.headers.get("x-session-priority")
     if raw is None:

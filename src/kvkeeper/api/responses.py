@@ -135,9 +135,11 @@ class Renderer:
 async def respond(request: Request, engine, gen: GenerationRequest, stream: bool, include_usage: bool,
                   render: Renderer):
     """Submit ``gen`` and answer with SSE (``stream``) or one JSON body; a degraded session's trimmed turns
-    are named in ``X-KVKeeper-Trimmed-Turns``."""
+    are named in ``X-KVKeeper-Trimmed-Turns``, a session turn's context report in ``X-KVKeeper-Context``."""
     s = await engine.submit(gen)
     headers = {"X-KVKeeper-Trimmed-Turns": str(s.trimmed_turns)} if s.trimmed_turns else {}
+    if s.context is not None:
+        headers["X-KVKeeper-Context"] = s.context
     if stream:
         extra = {"usage": None} if include_usage else {}
         def chunk(d: ChoiceDelta) -> dict | None:

@@ -180,6 +180,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True  # extension (vLLM)
     continue_final_message: bool = False  # extension (vLLM)
+    context_policy: Literal["full", "last", "summary", "memory", "hybrid"] | None = None  # extension: a session's
+    context_budget: int | None = Field(None, ge=16)  # extension: prompt tokens the session's context policy keeps
     audio: Any = _only(None)
     function_call: Any = _only(None)
     functions: Any = _only(None)
@@ -208,6 +210,14 @@ class TokenizeRequest(BaseModel):
     tools: list[Tool] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (as in vLLM): token ids back to text."""
+
+    model_config = _OPEN
+    model: str | None = None
+    tokens: list[int]
 
 
 _NOT_STORED = "this server keeps no stored completions"

@@ -67,8 +67,12 @@ def build_server(engine, config: ServerConfig | None = None, sessions: SessionCo
 
     sessions: the offload tiers of the server's sessions; breaker: the circuit breaker's thresholds
     (used when ``config.breaker``); audit: the reuse audit's sample.  Raises ValueError for an unknown
-    trace exporter and ImportError when the OTLP exporter is missing.
+    trace exporter or an engine that already serves an app (one server per engine: a second one would run
+    its sessions, breaker and audit hooks twice), and ImportError when the OTLP exporter is missing.
     """
+    if any(isinstance(h, SessionManager) for h in engine.holders):
+        raise ValueError("this engine already has a session manager (it serves an app already): build one server "
+                         "per engine")
     config = config or ServerConfig()
     name = config.served_model_name or engine.model_name
     manager = SessionManager(engine, sessions or SessionConfig())

@@ -27,6 +27,7 @@ class GenerationRequest:
     compression: Any = None  # kvkeeper.kvcache.compression.KVCompression
     session_priority: int | None = None  # X-Session-Priority: higher is trimmed later by the circuit breaker
     chat: dict = field(default_factory=dict)  # how messages are rendered: add_generation_prompt, tools...
+    context: tuple[str | None, int | None] | None = None  # (policy, budget) a session's turn runs under
     echo: bool = False  # completions: the prompt's text comes back before each choice's text
 
 
@@ -78,6 +79,7 @@ class Accepted:
     prompt_token_ids: list[int]
     trimmed_turns: int = 0
     echo_text: str | None = None  # the prompt's text, when the request echoes it
+    context: str | None = None  # a session turn's context report (the X-KVKeeper-Context header)
 
 
 class RequestStream:
@@ -93,6 +95,7 @@ class RequestStream:
         self.prompt_tokens = len(accepted.prompt_token_ids)
         self.trimmed_turns = accepted.trimmed_turns
         self.echo_text = accepted.echo_text
+        self.context = accepted.context
         self.finished = False
         self._q = q
         self._abort = abort

@@ -81,7 +81,7 @@ class RequestTracker:
         sid = req.session_id
         opened = sid is not None and self.sessions is not None and sid not in self.sessions
         try:
-            seq, trimmed = self._start(req)
+            seq, trimmed, report = self._start(req)
         except BaseException:
             if opened and sid in self.sessions:
                 self.sessions.close(sid)  # no empty session stays open per refused first request
@@ -93,24 +93,33 @@ class RequestTracker:
         echo = None
         if req.echo:
             echo = req.prompt if isinstance(req.prompt, str) else self.engine.tokenizer.decode(prompt)
-        return Accepted(prompt, trimmed, echo)
+        if report is not None and req.messages is not None:
+            self.metrics.observe_context(report)
+        return Accepted(prompt, trimmed, echo, report.header() if report is not None else None)
 
-    def _start(self, req: GenerationRequest) -> tuple[Sequence, int]:
-        """Queue choice 0, as a session turn when the request names a session; returns it and the turns trimmed."""
+    def _start(self, req: GenerationRequest):
+        """Queue choice 0, as a session turn when the request names a session; returns it, the turns trimmed
+        and the turn's context report (None outside a session)."""
         kw: dict[str, Any] = dict(request_id=f"{req.request_id}-0", namespace=req.namespace,
                                   compression=req.compression, strict_max_tokens=True,
                                   max_new_tokens=self.max_new_tokens)
         if req.session_id is None:
+            if req.context is not None:
+                raise InvalidRequestError("a context policy and budget apply to a session's turns (a policy keeps "
+                                          "state between them): send the request with X-Session-ID",
+                                          param="context_policy")
             prompt = self.engine.encode_chat(req.messages, **req.chat) if req.messages is not None else req.prompt
-            return self.engine.add_request(prompt, req.params[0], **kw), 0
+            return self.engine.add_request(prompt, req.params[0], **kw), 0, None
         if self.sessions is None:
             raise InvalidRequestError("this server keeps no sessions; send the request without X-Session-ID")
         s = self.sessions.sessions.get(req.session_id) or self.sessions.open(session_id=req.session_id)
         if req.session_priority is not None:
             s.priority = req.session_priority
+        if req.context is not None:
+            s.context = self.sessions.config.context_spec(*req.context)
         seq = s.begin_turn(messages=req.messages, prompt=None if req.messages is not None else req.prompt,
                            params=req.params[0], **req.chat, **kw)
-        return seq, s.trimmed_turns
+        return seq, s.trimmed_turns, s.last_context if req.messages is not None else None
 
     def release_siblings(self) -> None:
         """Add the waiting choices of requests whose first choice has computed its prompt."""

@@ -10,7 +10,7 @@ One module per group of subcommands (:mod:`.chat`, :mod:`.serve`, :mod:`.evals`,
                 format), one session per line, with a per-turn table of prompt / cached /
                 completion tokens, TTFT and decode speed.
 * ``serve``     the OpenAI-compatible HTTP server (``kvkeeper.api``).
-* ``eval``      perplexity and passkey retrieval through the KV cache.
+* ``eval``      perplexity, passkey retrieval and terminology consistency through the KV cache.
 * ``kv``        the block map, KV dumps and diffs, the reuse audit.
 
 Results go to stdout; logging, progress and per-turn stats go to stderr, so ``--json``

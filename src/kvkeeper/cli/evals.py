@@ -1,4 +1,8 @@
-"""``kvkeeper eval perplexity | passkey``: quality through kvkeeper's own KV cache (quantized or compressed)."""
+"""``kvkeeper eval perplexity | passkey | terms | memory | memory-data``: quality through kvkeeper's own KV cache
+(quantized or compressed), and recall of early facts under a context policy.
+
+The terminology evaluation (``eval terms``) has its own module, :mod:`.eval_terms`.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,12 @@ import argparse
 import json
 
 from ..argtypes import non_negative_int, positive_int
+from . import eval_terms
 from .common import EXIT_ERROR, EXIT_OK, load_engine, out_console, stderr
 
 
 def add_parser(sub, parent: argparse.ArgumentParser) -> None:
-    e = sub.add_parser("eval", help="quality under KV quantization: perplexity of a long text",
+    e = sub.add_parser("eval", help="quality under KV quantization: perplexity, passkey retrieval, terminology",
                        description="Evaluate the model through kvkeeper's own KV cache.")
     esub = e.add_subparsers(dest="eval_command", metavar="TASK")
     esub.required = True
@@ -45,6 +50,39 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
     pk.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default: 0)")
     pk.add_argument("--json", action="store_true", help="print one JSON object with the cells and the accuracy")
     pk.set_defaults(func=cmd_eval_passkey)
+    eval_terms.add_parser(esub, parent)
+    _add_memory_parsers(esub, parent)
+
+
+def _add_memory_parsers(esub, parent: argparse.ArgumentParser) -> None:
+    from ..sessions.context import POLICIES
+
+    m = esub.add_parser("memory", parents=[parent], help="recall of early facts under a context policy",
+                        description="Replay conversations (FILE.jsonl: id, system, messages, questions) one session "
+                                    "each under --context-policy and --budget, ask each question and report how often "
+                                    "the answer and its evidence were in the prompt and in the reply.")
+    m.add_argument("file", metavar="FILE.jsonl", help="conversations with questions (see `eval memory-data`)")
+    m.add_argument("--context-policy", choices=POLICIES, required=True, help="the sessions' context policy")
+    m.add_argument("--budget", type=positive_int, required=True, metavar="N", help="prompt tokens (context budget)")
+    m.add_argument("--context-every", type=positive_int, default=4, metavar="K",
+                   help="turns leave the prompt at least K at a time (default: 4)")
+    m.add_argument("--server", metavar="URL", help="ask a running kvkeeper server instead of an in-process engine")
+    m.add_argument("--max-tokens", type=positive_int, default=16, metavar="N", help="tokens per answer (default: 16)")
+    m.add_argument("--limit", type=positive_int, metavar="N", help="only the first N conversations")
+    m.add_argument("--json", metavar="OUT", help="write the result object (figures and per_question) to OUT")
+    m.set_defaults(func=cmd_eval_memory)
+    g = esub.add_parser("memory-data", parents=[parent], help="generate conversations with planted facts",
+                        description="Join Topical-Chat dialogues into long conversations, plant facts (a name, a "
+                                    "number, a date, a place) early and ask about them later; seeded.")
+    g.add_argument("out", metavar="OUT.jsonl")
+    g.add_argument("--source", default="data/topical_chat/test_freq_conversations.jsonl", metavar="FILE",
+                   help="Topical-Chat conversations, one JSON object a line (default: %(default)s)")
+    g.add_argument("--conversations", type=positive_int, default=20, metavar="N", help="how many (default: 20)")
+    g.add_argument("--min-tokens", type=positive_int, default=6000, metavar="N",
+                   help="tokens per conversation at least (default: 6000)")
+    g.add_argument("--facts", type=positive_int, default=3, metavar="N", help="planted facts each (default: 3)")
+    g.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    g.set_defaults(func=cmd_eval_memory_data)
 
 
 def cmd_eval_perplexity(args: argparse.Namespace) -> int:
@@ -90,3 +128,48 @@ def cmd_eval_passkey(args: argparse.Namespace) -> int:
         out_console().print(f"accuracy {r['accuracy']:.0%} over {r['trials']} trials ({r['seconds']:.1f} s)")
     return EXIT_OK
 
+
+
+def cmd_eval_memory_data(args: argparse.Namespace) -> int:
+    from ..eval.memory_recall import generate, load_dialogues
+    from ..model.registry import resolve_model_path
+    from ..text.tokenizer import load_tokenizer
+
+    try:
+        dialogues = load_dialogues(args.source)
+    except (OSError, ValueError, KeyError) as e:
+        stderr(f"error: cannot read the Topical-Chat file {args.source}: {e}", None)
+        return EXIT_ERROR
+    tok = load_tokenizer(resolve_model_path(args.model))
+    convs = generate(dialogues, args.conversations, args.min_tokens,
+                     lambda t: len(tok.encode(t, add_special_tokens=False)), args.seed, args.facts)
+    with open(args.out, "w") as f:
+        for c in convs:
+            f.write(json.dumps(c) + "\n")
+    stderr(f"wrote {len(convs)} conversations ({sum(len(c['questions']) for c in convs)} questions) to {args.out}")
+    return EXIT_OK
+
+
+def cmd_eval_memory(args: argparse.Namespace) -> int:
+    from ..eval.memory_recall import LibraryBackend, ServerBackend, run
+
+    try:
+        convs = [json.loads(line) for line in open(args.file) if line.strip()][: args.limit]
+    except (OSError, ValueError) as e:
+        stderr(f"error: cannot read {args.file}: {e}", None)
+        return EXIT_ERROR
+    if args.server:
+        backend = ServerBackend(args.server, args.context_policy, args.budget, args.max_tokens)
+    else:
+        backend = LibraryBackend(load_engine(args), args.context_policy, args.budget, args.max_tokens,
+                                 context_every=args.context_every)
+    r = run(convs, backend, args.context_policy, args.budget)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f)
+    out_console().print(
+        f"{r['policy']} at {r['budget']} tokens, {r['questions']} questions: answer in prompt "
+        f"{r['answer_in_prompt']:.0%}, evidence in prompt {r['evidence_in_prompt']:.0%}, answer in reply "
+        f"{r['answer_in_reply']:.0%}, {r['mean_prompt_tokens']:.0f} prompt tokens, {r['cached_share']:.0%} cached, "
+        f"memory {r['memory_ms_per_turn']:.1f} ms/turn ({r['seconds']:.0f} s)")
+    return EXIT_OK

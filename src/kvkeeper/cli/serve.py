@@ -9,6 +9,7 @@ import socket
 
 from ..api.server import ServerConfig
 from ..diagnostics.audit import AuditConfig
+from ..errors import KVKeeperError
 from ..options import add_options, from_args
 from ..sessions.breaker import BreakerConfig
 from ..sessions.manager import SessionConfig
@@ -48,6 +49,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError:
         raise CLIError(f"$KVKEEPER_TEST_OFFLOAD_DELAY must be a number of seconds, got {raw!r}") from None
     sessions = from_args(SessionConfig, args, offload_write_delay_s=delay)
+    try:
+        sessions.context_spec()  # before the model loads: a policy without a budget
+    except KVKeeperError as e:
+        stderr(f"error: {e} (--context-policy, --context-budget)", None)
+        return EXIT_ERROR
     _check_port_free(config.host, config.port)  # before the model loads
     engine = load_engine(args)
     config.served_model_name = config.served_model_name or args.model

@@ -71,12 +71,13 @@ class TurnResult:
     ttft_s: float | None
     decode_tok_per_s: float | None
     finish_reason: str | None
+    context: dict | None = None  # the context policy's report (kvkeeper.sessions.context.ContextReport)
 
     @classmethod
-    def from_seq(cls, turn: int, seq: Sequence) -> "TurnResult":
+    def from_seq(cls, turn: int, seq: Sequence, context: dict | None = None) -> "TurnResult":
         r = RequestOutput.from_seq(seq)
         return cls(turn, r.text, r.token_ids, r.prompt_token_ids, r.prompt_tokens, r.cached_tokens,
-                   r.completion_tokens, r.ttft_s, r.decode_tok_per_s, r.finish_reason)
+                   r.completion_tokens, r.ttft_s, r.decode_tok_per_s, r.finish_reason, context)
 
     def to_dict(self) -> dict:
         return asdict(self)

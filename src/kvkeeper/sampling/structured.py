@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -82,6 +83,7 @@ class GrammarCompiler:
         self.eos_token_id = eos_token_id
         self._lltok = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar text -> a pristine matcher (LRU)
+        self._lock = threading.Lock()  # the server compiles in worker threads, the engine thread reuses
 
     def _lltokenizer(self):
         import llguidance
@@ -122,15 +124,18 @@ class GrammarCompiler:
             raise InvalidRequestError(f"{so.param}: structured outputs need a model with an end-of-sequence token, "
                                       "which this model lacks", param=so.param)
         try:
-            lltok = self._lltokenizer()
+            with self._lock:
+                lltok = self._lltokenizer()
         except AttributeError:  # not a fast (Rust) tokenizer
             raise InvalidRequestError(f"{so.param}: structured outputs need a fast (tokenizers) tokenizer, which "
                                       "this model lacks", param=so.param) from None
         try:  # whatever fails while compiling a client's grammar is the client's input
             grammar = self.grammar(so)
-            if grammar in self._compiled:  # the same grammar again (choices of one request, a client's schema)
-                self._compiled.move_to_end(grammar)
-                return self._compiled[grammar].deep_copy()
+            with self._lock:
+                kept = self._compiled.get(grammar)  # the same grammar again: a request's choices, a client's schema
+                if kept is not None:
+                    self._compiled.move_to_end(grammar)
+                    return kept.deep_copy()
             err = llguidance.LLMatcher.validate_grammar(grammar, lltok)
         except Exception as e:  # noqa: BLE001 - ValueError mostly; llguidance's converters raise others too
             raise InvalidRequestError(f"{so.param}: invalid grammar: {e}", param=so.param) from None
@@ -139,10 +144,11 @@ class GrammarCompiler:
         m = llguidance.LLMatcher(lltok, grammar, log_level=0)
         if m.is_error():
             raise InvalidRequestError(f"{so.param}: the grammar cannot be used: {m.get_error()}", param=so.param)
-        self._compiled[grammar] = m
-        while len(self._compiled) > _COMPILED_KEPT:
-            self._compiled.popitem(last=False)
-        return m.deep_copy()
+        with self._lock:
+            self._compiled[grammar] = m
+            while len(self._compiled) > _COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+            return m.deep_copy()
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

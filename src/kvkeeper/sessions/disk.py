@@ -100,6 +100,7 @@ class SavedSession:
     text: str = ""
     turns: list[TurnResult] = field(default_factory=list)
     reuse: bool = True
+    context: dict | None = None  # the context policy's spec and state (kvkeeper.sessions.context)
 
 
 class DiskTier:
@@ -265,7 +266,8 @@ class DiskTier:
                 for m in messages):
             raise OffloadError("its messages, text or turns are malformed")
         return SavedSession(sid, d, Namespace(**man["namespace"]), nc, nb, int(man.get("nbytes", 0)), ids,
-                            list(messages), text, [TurnResult(**t) for t in turns], bool(man.get("reuse", True)))
+                            list(messages), text, [TurnResult(**t) for t in turns], bool(man.get("reuse", True)),
+                            man.get("context") if isinstance(man.get("context"), dict) else None)
 
 
 def session_manifest(session, st, nc: int, nb: int, nbytes: int) -> dict:
@@ -281,4 +283,5 @@ def session_manifest(session, st, nc: int, nb: int, nbytes: int) -> dict:
         turns.append(d)
     return {"session_id": session.id, "nbytes": nbytes, "namespace": asdict(st.namespace), "num_computed": nc,
             "num_blocks": nb, "token_ids": list(st.token_ids), "messages": session.messages, "text": session.text,
-            "turns": turns, "reuse": session.reuse}
+            "turns": turns, "reuse": session.reuse,
+            "context": {"spec": asdict(session.context), "state": session.context_state.to_dict()}}

@@ -22,11 +22,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from ..argtypes import size
+from ..argtypes import positive_int, size
 from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence, SeqStatus
 from ..errors import InvalidRequestError, KVKeeperError, SessionNotFoundError
 from ..options import option
+from .context import POLICIES, ContextSpec, ContextState, turn_text
+from .disk import session_dir_name
 from .offload import DEFAULT_HOST_OFFLOAD_BYTES, SessionStore
 from .session import Session
 
@@ -46,6 +48,23 @@ class SessionConfig:
         "--host-offload-bytes", "host-memory budget of offloaded session KV, suffixes K/M/G allowed (default: 1G)", type=size,
         metavar="N"))
     offload_write_delay_s: float = 0.0
+    context_policy: str = field(default="full", metadata=option(
+        "--context-policy", "what a session's prompt keeps of a long conversation: full, last, summary, memory or "
+        "hybrid (README: Context policies)", choices=POLICIES))
+    context_budget: int | None = field(default=None, metadata=option(
+        "--context-budget", "prompt tokens a session's context policy keeps within (needed by every policy but "
+        "full)", type=positive_int, metavar="N"))
+    context_every: int = field(default=4, metadata=option(
+        "--context-every", "turns leave a session's prompt (and the summary is rewritten) at least N at a time",
+        type=positive_int, metavar="N"))
+    summary_tokens: int = 96
+    memory_top_k: int = 3
+    memory_threshold: float = 0.35
+
+    def context_spec(self, policy: str | None = None, budget: int | None = None) -> ContextSpec:
+        """The :class:`ContextSpec` of these defaults, with ``policy`` / ``budget`` given instead when not None."""
+        return ContextSpec(policy or self.context_policy, budget if budget is not None else self.context_budget,
+                           self.context_every, self.summary_tokens, self.memory_top_k, self.memory_threshold)
 
 
 class SessionManager:
@@ -63,20 +82,24 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self.admission: Callable[[str], None] | None = None  # raises OverloadedError to refuse a new session
         self.store = SessionStore(engine, c.data_dir, c.host_offload_bytes, c.offload_write_delay_s)
+        self.default_context = c.context_spec()  # raises InvalidRequestError for a policy without a budget
+        self._embedder = None
+        self._memories: dict[str, object] = {}
         engine.add_kv_holder(self)
         self._reopen_saved()
 
     # ---- opening and closing ----------------------------------------------------------------
     def open(self, system: str | None = None, session_id: str | None = None, reuse: bool = True,
-             params: SamplingParams | None = None) -> Session:
-        """A new session (id ``sess-<hex>`` unless given).  Raises :class:`InvalidRequestError` for an id
-        already open, and ``OverloadedError`` while a circuit breaker refuses new sessions."""
+             params: SamplingParams | None = None, context: ContextSpec | None = None) -> Session:
+        """A new session (id ``sess-<hex>`` unless given) with a context policy (default: the config's).
+        Raises :class:`InvalidRequestError` for an id already open, and ``OverloadedError`` while a circuit
+        breaker refuses new sessions."""
         sid = session_id or f"sess-{uuid.uuid4().hex[:12]}"
         if sid in self.sessions:
             raise InvalidRequestError(f"session id {sid!r} is already open")
         if self.admission is not None:
             self.admission(sid)
-        s = Session(self, sid, system=system, reuse=reuse, params=params)
+        s = Session(self, sid, system=system, reuse=reuse, params=params, context=context or self.default_context)
         self.sessions[sid] = s
         return s
 
@@ -110,6 +133,13 @@ class SessionManager:
         self.store.discard(s.id)
         s.kv, s.closed = None, True
         del self.sessions[session_id]
+        mem = self._memories.pop(session_id, None)
+        if mem is not None:
+            mem.delete()
+        else:
+            path = self.memory_path(session_id)
+            if path is not None:
+                path.unlink(missing_ok=True)
         return freed
 
     def _reopen_saved(self) -> None:
@@ -119,14 +149,62 @@ class SessionManager:
                 log.warning("skipping the saved session in %s: session id %r is already open", saved.path,
                             saved.session_id)
                 continue
-            s = Session(self, saved.session_id, reuse=saved.reuse)
+            s = Session(self, saved.session_id, reuse=saved.reuse, context=self.default_context)
             s.messages, s.text, s.turns = saved.messages, saved.text, saved.turns
+            _restore_context(s, saved.context)
             s.kv = Sequence(f"{saved.session_id}-saved", saved.token_ids, SamplingParams(), saved.namespace,
                             num_prompt_tokens=len(saved.token_ids), status=SeqStatus.FINISHED)
             self.sessions[s.id] = s
             self.store.adopt(saved, s)
         if self.sessions:
             log.info("registered %d saved sessions from %s", len(self.sessions), self.store.sessions_dir)
+
+    # ---- context policies: summaries and vector memory --------------------------------------------
+    def memory_path(self, session_id: str):
+        """Where a session's vector memory lives: ``DATA_DIR/memory/<session>.sqlite`` (None without a data dir)."""
+        root = self.store.data_dir
+        return None if root is None else root / "memory" / f"{session_dir_name(session_id)}.sqlite"
+
+    def memory_of(self, session: Session):
+        """The session's :class:`~kvkeeper.sessions.memory.SessionMemory` (opened on first use)."""
+        mem = self._memories.get(session.id)
+        if mem is None:
+            from .memory import Embedder, SessionMemory
+
+            if self._embedder is None:
+                self._embedder = Embedder()
+            mem = self._memories[session.id] = SessionMemory(self.memory_path(session.id), self._embedder)
+        return mem
+
+    @staticmethod
+    def tenant_of(namespace) -> str:
+        """The memory's tenant key of a cache namespace (its salt's sha256; "" unsalted)."""
+        from .memory import tenant_key
+
+        return tenant_key(getattr(namespace, "tenant_salt", None))
+
+    def summarize(self, previous: str, turns: list[list[dict]], namespace, max_tokens: int = 96) -> str:
+        """A new summary of ``previous`` plus ``turns``, written by the engine (greedy, at most
+        ``max_tokens`` tokens) as a request in ``namespace`` (the session's own: its tenant salt).
+
+        Runs the request to its end on the calling thread (the engine thread in the server); the input is
+        cut to its last 1,536 tokens (fewer when the context window is short: at most half of it, less the reply).
+        """
+        eng = self.engine
+        tok = eng.tokenizer
+        text = "\n".join(turn_text(t) for t in turns)
+        ids = tok.encode(text, add_special_tokens=False)
+        keep = max(32, min(1536, eng.context_length // 2 - max_tokens))
+        if len(ids) > keep:
+            text = tok.decode(ids[-keep:])
+        ask = (f"Summary so far:\n{previous}\n\n" if previous else "") + f"Conversation:\n{text}\n\n" \
+            "Write a short summary of the conversation above, keeping names, numbers, dates and places."
+        prompt = eng.encode_chat([{"role": "system", "content": "You write brief, factual summaries."},
+                                  {"role": "user", "content": ask}])
+        seq = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                              namespace=namespace)
+        eng.run_until_done([seq])
+        return seq.text if seq.finish_reason != "error" else previous
 
     # ---- offload -------------------------------------------------------------------------------
     def offload(self, session_id: str, tier: str = "host") -> int:
@@ -186,3 +264,14 @@ class SessionManager:
         """Open sessions, distinct blocks they pin (a shared prefix block once), and the offload tiers' counters."""
         pinned = {b for s in self.sessions.values() if s.kv is not None for b in s.kv.block_table}
         return {"sessions": len(self.sessions), "pinned_blocks": len(pinned), "offload": self.store.stats()}
+
+
+def _restore_context(s: Session, saved: dict | None) -> None:
+    """A reopened session's context policy and state, from its manifest (kept as they were when unreadable)."""
+    if not saved:
+        return
+    try:
+        s.context = ContextSpec(**saved["spec"])
+        s.context_state = ContextState(**saved["state"])
+    except (KeyError, TypeError, InvalidRequestError) as e:
+        log.warning("session %s: its saved context policy is unreadable (%s); using the default", s.id, e)

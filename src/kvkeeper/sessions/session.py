@@ -32,6 +32,7 @@ from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence
 from ..errors import InvalidRequestError, KVKeeperError, SessionBusyError
 from .budget import trim_oldest_turns
+from .context import ContextPlanner, ContextReport, ContextSpec, ContextState
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -53,6 +54,7 @@ class Turn:
     prompt_text: str | None
     messages: list[dict] | None
     continues: bool = False
+    context: ContextReport | None = None
 
 
 def _with_reply(messages: list[dict], reply: str, continues: bool) -> list[dict]:
@@ -74,7 +76,7 @@ class Session:
     """
 
     def __init__(self, manager, session_id: str, system: str | None = None, reuse: bool = True,
-                 params: SamplingParams | None = None):
+                 params: SamplingParams | None = None, context: ContextSpec | None = None):
         self.manager = manager
         self.engine = manager.engine
         self.id = session_id
@@ -90,6 +92,9 @@ class Session:
         self.kv: Sequence | None = None
         self.text = ""
         self.turn: Turn | None = None
+        self.context = context or ContextSpec()  # the context policy (kvkeeper.sessions.context)
+        self.context_state = ContextState()
+        self.last_context: ContextReport | None = None  # what the last prompt kept, dropped, retrieved
 
     # ---- bookkeeping -----------------------------------------------------------
     @property
@@ -142,14 +147,27 @@ class Session:
             self.manager.close(self.id)
 
     # ---- the turn protocol ----------------------------------------------------------
-    def context_messages(self, messages: list[dict]) -> list[dict]:
-        """The messages a prompt is rendered from: all of them, or without the oldest turns while
-        :attr:`trim_budget` is set (see :mod:`kvkeeper.sessions.budget`); sets :attr:`trimmed_turns`."""
+    def context_messages(self, messages: list[dict], namespace=None, **chat) -> list[dict]:
+        """The messages a prompt is rendered from under the session's context policy (:attr:`context`,
+        :mod:`kvkeeper.sessions.context`; sets :attr:`last_context`), without the oldest turns while the
+        circuit breaker's :attr:`trim_budget` is set (:mod:`kvkeeper.sessions.budget`; sets
+        :attr:`trimmed_turns`).  chat: the rendering options (add_generation_prompt, tools...); namespace: the
+        turn's cache namespace (summaries run in it; its tenant salt keys the memory).  Raises
+        :class:`~kvkeeper.sessions.context.ContextBudgetError` when the latest turn alone exceeds the budget.
+        """
+        def count(m: list[dict]) -> int:
+            return len(self.engine.encode_chat(m, **chat))
+
         self.trimmed_turns = 0
+        ns = namespace or self.engine.namespace
+        spec = self.context
+        planner = ContextPlanner(spec, count,
+                                 lambda prev, turns: self.manager.summarize(prev, turns, ns, spec.summary_tokens),
+                                 self.manager.memory_of(self) if spec.remembers else None, self.manager.tenant_of(ns))
+        messages, self.last_context = planner.plan(messages, self.context_state)
         if self.trim_budget is None:
             return messages
-        kept, self.trimmed_turns = trim_oldest_turns(messages, lambda m: len(self.engine.encode_chat(m)),
-                                                     self.trim_budget)
+        kept, self.trimmed_turns = trim_oldest_turns(messages, count, self.trim_budget)
         return kept
 
     def begin_turn(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
@@ -177,8 +195,9 @@ class Session:
             raise InvalidRequestError("a turn needs exactly one of messages or prompt")
         text = None
         if messages is not None:
-            text = self.engine.render_chat(self.context_messages(messages), add_generation_prompt,
-                                           continue_final_message, tools)
+            chat = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                        tools=tools)
+            text = self.engine.render_chat(self.context_messages(messages, request.get("namespace"), **chat), **chat)
         elif isinstance(prompt, str):
             text = prompt
         ids = self._prompt_ids(text, prompt, chat=messages is not None)
@@ -191,7 +210,8 @@ class Session:
             self.engine.abort(seq.request_id)  # nothing of the turn stays queued (it frees what it was given)
             raise
         seq.kv_keeper = self._end_turn
-        self.turn = Turn(seq, text, None if messages is None else list(messages), continue_final_message)
+        self.turn = Turn(seq, text, None if messages is None else list(messages), continue_final_message,
+                         self.last_context if messages is not None else None)
         return seq
 
     def _request_id(self) -> str:
@@ -261,7 +281,8 @@ class Session:
             return
         if turn.messages is not None:
             self.messages = _with_reply(turn.messages, seq.text, turn.continues)
-        self.turns.append(TurnResult.from_seq(len(self.turns) + 1, seq))
+        self.turns.append(TurnResult.from_seq(len(self.turns) + 1, seq,
+                                              turn.context.to_dict() if turn.context is not None else None))
 
     def send(self, content: str, params: SamplingParams | None = None, role: str = "user") -> TurnResult:
         """Add a message, generate the reply, keep the KV; returns the turn's :class:`TurnResult`.

@@ -1,0 +1,86 @@
+"""Recall of early facts under each context policy and budget (``kvkeeper eval memory``), one engine for all runs.
+
+Generates the conversations (``kvkeeper eval memory-data``'s generator: seed, count and length below) from
+``data/topical_chat/test_freq_conversations.jsonl``, then replays them under each (policy, budget) in RUNS order
+and rewrites ``benchmarks/results/context_memory.json`` (figures per run, no prompts) and ``.md`` (the table)
+after each run, so a cut-short run still leaves the runs it finished.  The per-question records (prompts
+included) go to ``--records DIR``.
+
+    python benchmarks/context_memory.py [--conversations 20] [--min-tokens 6000] [--only hybrid:2048 last:2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from kvkeeper import LLMEngine  # noqa: E402
+from kvkeeper.eval.memory_recall import LibraryBackend, generate, load_dialogues, run  # noqa: E402
+
+SOURCE = ROOT / "data" / "topical_chat" / "test_freq_conversations.jsonl"
+RUNS = ["hybrid:2048", "last:2048", "memory:2048", "summary:2048", "full:0", "hybrid:1024", "last:1024",
+        "memory:1024", "summary:1024"]
+FIGS = ["answer_in_prompt", "evidence_in_prompt", "answer_in_reply", "mean_prompt_tokens", "cached_share",
+        "memory_ms_per_turn", "seconds"]
+
+
+def table(results: list[dict], meta: dict) -> str:
+    lines = [f"Recall of planted facts: {meta['conversations']} conversations of >= {meta['min_tokens']} tokens "
+             f"(mean {meta['mean_tokens']:.0f}), {meta['questions']} questions, seed {meta['seed']}; "
+             f"{meta['model']} ({meta['weights']}), greedy, {meta['max_tokens']} tokens per answer, "
+             f"context every {meta['every']}; {meta['machine']}.", "",
+             "| policy | budget | answer in prompt | evidence in prompt | answer in reply | mean prompt tokens | "
+             "cached share | memory ms/turn | seconds |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['answer_in_prompt']:.2f} | "
+                     f"{r['evidence_in_prompt']:.2f} | {r['answer_in_reply']:.2f} | {r['mean_prompt_tokens']:.0f} | "
+                     f"{r['cached_share']:.2f} | {r['memory_ms_per_turn']:.0f} | {r['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--conversations", type=int, default=20)
+    ap.add_argument("--min-tokens", type=int, default=6000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--only", nargs="+", default=RUNS, metavar="POLICY:BUDGET")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "context_memory"))
+    ap.add_argument("--records", default=None, metavar="DIR")
+    args = ap.parse_args()
+    eng = LLMEngine()
+    count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
+    convs = generate(load_dialogues(SOURCE), args.conversations, args.min_tokens, count, args.seed)
+    toks = [len(eng.encode_chat(c["messages"])) for c in convs]
+    meta = {"conversations": len(convs), "min_tokens": args.min_tokens, "mean_tokens": sum(toks) / len(toks),
+            "min_chat_tokens": min(toks), "questions": sum(len(c["questions"]) for c in convs), "seed": args.seed,
+            "model": eng.model_name, "weights": eng.runner.weight_description, "max_tokens": args.max_tokens,
+            "every": args.every, "machine": f"{platform.machine()}, 2 cores shared with other jobs"}
+    results = []
+    for spec in args.only:
+        policy, budget = spec.split(":")
+        b = int(budget) or None
+        t0 = time.perf_counter()
+        backend = LibraryBackend(eng, policy, b or 16, args.max_tokens, context_every=args.every)
+        r = run(convs, backend, policy, b)
+        per = r.pop("per_question")
+        if args.records:
+            Path(args.records).mkdir(parents=True, exist_ok=True)
+            Path(args.records, f"{policy}_{budget}.json").write_text(json.dumps({**r, "per_question": per}))
+        results.append({k: r[k] for k in ("policy", "budget", "questions", *FIGS)})
+        print(f"{spec}: {json.dumps(results[-1])} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        Path(args.out + ".json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
+        Path(args.out + ".md").write_text(table(results, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Recall of early facts under a context policy: replay long conversations, ask about what was said long ago.
+
+**Data.** A line of a conversations file is ``{"id", "system"?, "messages": [{"role", "content"}, ...],
+"questions": [{"after": message index, "question", "answer", "evidence": [message index, ...]}]}``.
+:func:`generate` writes such conversations: real Topical-Chat dialogues (Gopalakrishnan et al., 2019;
+``data/topical_chat``, CDLA-Sharing-1.0) joined until a conversation holds at least ``min_tokens``
+tokens, with facts (a name, a number, a date, a place) planted as user messages in its first
+``plant_within`` share, each asked about later (seeded: the same seed gives the same file).
+
+**Replay.** Each conversation is one session under the policy and budget.  At each question the
+history up to ``after`` is sent as written (assistant messages included) plus the question as the latest
+user message; the session builds the prompt under its policy and the model answers greedily.
+
+**Figures** (each a fraction in 0..1 unless named): ``answer_in_prompt`` (the answer string appears in
+the prompt that was built, case-insensitive), ``evidence_in_prompt`` (every evidence message's text
+appears in it), ``answer_in_reply`` (the reply contains the answer, case-insensitive),
+``mean_prompt_tokens`` (tokens), ``cached_share`` (prompt tokens served from the KV cache / prompt
+tokens), ``memory_ms_per_turn`` (milliseconds the memory took per question); ``per_question`` holds each
+question's prompt, reply and counts, so that every figure can be recomputed (:func:`figures`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+SYSTEM = "You are a friendly conversation partner. When asked about something said earlier, answer briefly."
+NAMES = ["Zanthe", "Orlaith", "Bartholomew", "Ysolde", "Kwabena", "Thaddeus", "Marisol", "Leopold", "Anouk",
+         "Ignatius", "Saoirse", "Evander", "Odalys", "Fenwick", "Ingrid", "Casimir", "Rosalind", "Tobiah"]
+PLACES = ["Valparaiso", "Tromso", "Ouagadougou", "Hobart", "Cusco", "Tbilisi", "Windhoek", "Reykjavik",
+          "Trondheim", "Zanzibar", "Ulaanbaatar", "Antofagasta", "Galway", "Kyoto", "Timbuktu", "Asuncion"]
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+          "November", "December"]
+RELATIONS = ["sister", "cousin", "neighbour", "best friend", "piano teacher", "landlord", "dentist", "uncle"]
+THINGS = ["locker", "membership", "parking permit", "library card", "gym badge", "flight"]
+EVENTS = ["dentist appointment", "sister's wedding", "job interview", "final exam", "trip to the coast"]
+
+
+def load_dialogues(path: str | Path) -> list[list[str]]:
+    """Topical-Chat dialogues: the texts of each conversation's turns, in order (an even count of them)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            texts = [t["text"] for t in json.loads(line)["turns"]]
+            out.append(texts[: len(texts) // 2 * 2])
+    return [d for d in out if d]
+
+
+def _fact(rng: random.Random, kind: str) -> tuple[str, str, str]:
+    """(statement, question, answer) of a planted fact of ``kind``: name, number, date or place."""
+    if kind == "name":
+        rel, name = rng.choice(RELATIONS), rng.choice(NAMES)
+        return f"By the way, my {rel}'s name is {name}.", f"What is my {rel}'s name?", name
+    if kind == "number":
+        thing, num = rng.choice(THINGS), str(rng.randint(1000, 99999))
+        return f"Oh, before I forget: my {thing} number is {num}.", f"What is my {thing} number?", num
+    if kind == "date":
+        ev, day = rng.choice(EVENTS), f"{rng.choice(MONTHS)} {rng.randint(2, 28)}"
+        return f"Also, my {ev} is on {day}.", f"On what date is my {ev}?", day
+    rel, place = rng.choice(RELATIONS), rng.choice(PLACES)
+    return f"Fun fact: my {rel} lives in {place}.", f"In which city does my {rel} live?", place
+
+
+def generate(dialogues: list[list[str]], n: int, min_tokens: int, count: Callable[[str], int], seed: int = 0,
+             facts: int = 3, plant_within: float = 0.15) -> list[dict]:
+    """``n`` conversations of at least ``min_tokens`` tokens (``count``: tokens of a text, plus 5 per message for
+    the chat template), each with ``facts`` planted facts asked about after 60%..100% of the conversation."""
+    rng = random.Random(seed)
+    out = []
+    for c in range(n):
+        texts, total = [], 0
+        while total < min_tokens:
+            for t in rng.choice(dialogues):
+                texts.append(t)
+                total += count(t) + 5
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+        kinds = rng.sample(["name", "number", "date", "place"], facts)
+        slots = sorted(rng.sample(range(0, max(2, int(len(msgs) * plant_within)) // 2), facts))
+        planted = []
+        for j, (slot, kind) in enumerate(zip(slots, kinds)):
+            at = 2 * slot + 2 * j  # a user position; each plant shifts the later ones by two messages
+            statement, question, answer = _fact(rng, kind)
+            msgs[at:at] = [{"role": "user", "content": statement},
+                           {"role": "assistant", "content": "Got it, thanks for telling me."}]
+            planted.append((at, question, answer))
+        asks = [int(round((len(msgs) - 1) * f)) for f in ([0.6, 0.8, 1.0][-facts:] if facts <= 3 else
+                                                          [0.5 + 0.5 * k / (facts - 1) for k in range(facts)])]
+        questions = [{"after": a, "question": q, "answer": ans, "evidence": [at]}
+                     for a, (at, q, ans) in zip(asks, planted)]
+        out.append({"id": f"memconv-{seed}-{c}", "system": SYSTEM, "messages": msgs, "questions": questions})
+    return out
+
+
+def question_messages(conv: dict, q: dict) -> list[dict]:
+    """What a question sends: the system message, the history up to ``after`` as written, the question."""
+    head = [{"role": "system", "content": conv["system"]}] if conv.get("system") else []
+    return head + conv["messages"][: q["after"] + 1] + [{"role": "user", "content": q["question"]}]
+
+
+def figures(conversations: list[dict], per_question: list[dict]) -> dict:
+    """The figures of a run, from its per-question records (``prompt``, ``reply``, ``prompt_tokens``,
+    ``cached_tokens``, ``memory_ms``, ``conversation``, ``question_index``) and the conversations."""
+    by_id = {c["id"]: c for c in conversations}
+    n = len(per_question)
+    a_p = e_p = a_r = 0
+    for r in per_question:
+        conv = by_id[r["conversation"]]
+        q = conv["questions"][r["question_index"]]
+        prompt, ans = r["prompt"].lower(), q["answer"].lower()
+        a_p += ans in prompt
+        e_p += all(conv["messages"][i]["content"].lower() in prompt for i in q["evidence"])
+        a_r += ans in r["reply"].lower()
+    ptok = sum(r["prompt_tokens"] for r in per_question)
+    return {"questions": n, "answer_in_prompt": a_p / n if n else 0.0, "evidence_in_prompt": e_p / n if n else 0.0,
+            "answer_in_reply": a_r / n if n else 0.0, "mean_prompt_tokens": ptok / n if n else 0.0,
+            "cached_share": sum(r["cached_tokens"] for r in per_question) / ptok if ptok else 0.0,
+            "memory_ms_per_turn": sum(r["memory_ms"] for r in per_question) / n if n else 0.0}
+
+
+class LibraryBackend:
+    """Questions through sessions of an in-process engine (one session per conversation)."""
+
+    def __init__(self, engine, policy: str, budget: int, max_tokens: int = 16, **context):
+        from ..sampling.params import SamplingParams
+        from ..sessions.manager import SessionConfig, SessionManager
+
+        self.engine = engine
+        self.manager = SessionManager(engine, SessionConfig(context_policy=policy, context_budget=budget, **context))
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.sessions: dict[str, object] = {}
+
+    def ask(self, conv_id: str, messages: list[dict]) -> dict:
+        s = self.sessions.get(conv_id)
+        if s is None:
+            s = self.sessions[conv_id] = self.manager.open()
+        seq = s.begin_turn(messages=messages, params=self.params)
+        self.engine.run_until_done([seq])
+        rep = s.last_context
+        ids = seq.token_ids[: seq.num_prompt_tokens]
+        return {"prompt": self.engine.tokenizer.decode(ids), "reply": seq.text, "prompt_tokens": len(ids),
+                "cached_tokens": seq.num_cached_tokens or 0, "memory_ms": rep.memory_ms if rep else 0.0,
+                "context": rep.to_dict() if rep else None}
+
+    def close(self) -> None:
+        for s in self.sessions.values():
+            s.close()
+
+
+class ServerBackend:
+    """Questions through a running server: ``X-Session-ID`` per conversation, the policy in the body."""
+
+    def __init__(self, url: str, policy: str, budget: int, max_tokens: int = 16):
+        import httpx
+
+        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=600)
+        self.policy, self.budget, self.max_tokens = policy, budget, max_tokens
+        self.run = uuid.uuid4().hex[:8]
+        self.sids: set[str] = set()
+
+    def ask(self, conv_id: str, messages: list[dict]) -> dict:
+        sid = f"eval-{self.run}-{conv_id}"[:128]
+        self.sids.add(sid)
+        r = self.http.post("/v1/chat/completions", headers={"X-Session-ID": sid}, json={
+            "messages": messages, "max_tokens": self.max_tokens, "temperature": 0, "return_token_ids": True,
+            "context_policy": self.policy, "context_budget": self.budget})
+        r.raise_for_status()
+        body = r.json()
+        prompt = self.http.post("/detokenize", json={"tokens": body["prompt_token_ids"]}).json()["prompt"]
+        rep = dict(kv.split("=", 1) for kv in r.headers.get("x-kvkeeper-context", "").split("; ") if "=" in kv)
+        return {"prompt": prompt, "reply": body["choices"][0]["message"]["content"] or "",
+                "prompt_tokens": body["usage"]["prompt_tokens"],
+                "cached_tokens": body["usage"]["prompt_tokens_details"]["cached_tokens"],
+                "memory_ms": float(rep.get("memory_ms", 0.0)), "context": rep or None}
+
+    def close(self) -> None:
+        for sid in self.sids:
+            self.http.delete(f"/v1/sessions/{sid}")
+        self.http.close()
+
+
+def run(conversations: list[dict], backend, policy: str, budget: int | None) -> dict:
+    """Replay every conversation's questions through ``backend`` (``ask(conv_id, messages) -> record``);
+    returns the result object (policy, budget, the figures, per_question, seconds)."""
+    t0 = time.perf_counter()
+    per = []
+    try:
+        for conv in conversations:
+            for qi, q in enumerate(conv["questions"]):
+                rec = backend.ask(conv["id"], question_messages(conv, q))
+                per.append({"conversation": conv["id"], "question_index": qi, "question": q["question"],
+                            "answer": q["answer"], "evidence": q["evidence"], **rec})
+    finally:
+        backend.close()
+    return {"policy": policy, "budget": budget, **figures(conversations, per),
+            "seconds": round(time.perf_counter() - t0, 1), "per_question": per}
