@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from kvkeeper import LLMEngine, SamplingParams
-from kvkeeper.model.registry import resolve_model_path
-from kvkeeper.text.tokenizer import load_tokenizer
+from tiny_models import _one_thread, tokenizer  # noqa: F401 - fixtures
 from tiny_models import kk_logits_chunked, randomise_weights
 
 transformers = pytest.importorskip("transformers")
@@ -48,19 +47,6 @@ CASES = {
                                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                                                   **_MOE)),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(resolve_model_path())
 
 
 def _make(name: str, folder, tokenizer):

@@ -31,8 +31,8 @@ from kvkeeper.model.loader import load_weights
 from kvkeeper.model.registry import resolve_model_path
 from kvkeeper.model.rope import RotaryEmbedding
 from kvkeeper.model.runner import ModelRunner
-from kvkeeper.text.tokenizer import load_tokenizer
 
+from tiny_models import _one_thread, tokenizer  # noqa: F401 - fixtures
 from tiny_models import kk_logits_chunked as _kk_logits_chunked
 from tiny_models import randomise_weights as _randomise
 
@@ -84,20 +84,6 @@ CASES = {
 
 
 # ---- fixtures ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is fastest and immune to a busy machine's oversubscription."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(resolve_model_path())
 
 
 @pytest.fixture(scope="module", params=list(CASES))

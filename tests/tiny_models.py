@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from kvkeeper import SamplingParams
 from kvkeeper.engine.sequence import Sequence
@@ -100,3 +101,22 @@ def tiny_deepseek_folder(out: Path, *, seed: int = 0) -> Path:
     hf.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny matrices: one thread is fastest and immune to a busy machine's oversubscription (autouse in every
+    module that imports it)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The embedded model's tokenizer (tiny configs share its vocabulary)."""
+    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.text.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model_path())
