@@ -4,6 +4,10 @@ On a terminal: a rich progress bar (description, bar, done/total, elapsed time) 
 Elsewhere (a pipe, a CI log, a file): plain lines, at most one per ``min_interval_s`` seconds plus the
 last one, e.g. ``dequantise: 120/272 (44%) 3.1 s``.  ``quiet=True`` prints nothing.
 
+Library code (model loading, evals) reports through :func:`progress` without a ``quiet`` argument: it
+prints only inside :func:`reporting` (the command line and the benchmark scripts turn it on; a program
+that embeds kvkeeper sees nothing on stderr unless it does too).
+
 Usage::
 
     with progress("dequantise", total=len(tensors)) as p:
@@ -15,9 +19,23 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from contextvars import ContextVar
 from typing import TextIO
+
+_REPORTING: ContextVar[bool] = ContextVar("kvkeeper_progress_reporting", default=False)
+
+
+@contextlib.contextmanager
+def reporting(enabled: bool = True):
+    """Within this block (this thread or task), :func:`progress` without ``quiet`` prints."""
+    token = _REPORTING.set(enabled)
+    try:
+        yield
+    finally:
+        _REPORTING.reset(token)
 
 
 class Progress:
@@ -90,6 +108,20 @@ class Progress:
         print(f"{self.description}: {count}{pct} {now - self._t0:.1f} s", file=self.stream, flush=True)
 
 
-def progress(description: str, total: int | None = None, **kw) -> Progress:
-    """A :class:`Progress` context manager (keyword arguments: stream, min_interval_s, quiet, terminal)."""
-    return Progress(description, total, **kw)
+def progress(description: str, total: int | None = None, quiet: bool | None = None, **kw) -> Progress:
+    """A :class:`Progress` context manager (keyword arguments: stream, min_interval_s, terminal).
+
+    quiet: None (default) prints only inside :func:`reporting`; False always prints; True never."""
+    return Progress(description, total, quiet=not _REPORTING.get() if quiet is None else quiet, **kw)
+
+
+def track(iterable, description: str, total: int | None = None, quiet: bool | None = None, **kw):
+    """Yield the items of ``iterable``, counting each one done once the loop body has run (see :func:`progress`).
+
+    total: steps (default ``len(iterable)`` when it has one)."""
+    if total is None and hasattr(iterable, "__len__"):
+        total = len(iterable)
+    with progress(description, total, quiet=quiet, **kw) as p:
+        for item in iterable:
+            yield item
+            p.advance()

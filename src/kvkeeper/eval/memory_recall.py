@@ -28,6 +28,8 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+from ..progress import track
+
 SYSTEM = "You are a friendly conversation partner. When asked about something said earlier, answer briefly."
 NAMES = ["Zanthe", "Orlaith", "Bartholomew", "Ysolde", "Kwabena", "Thaddeus", "Marisol", "Leopold", "Anouk",
          "Ignatius", "Saoirse", "Evander", "Odalys", "Fenwick", "Ingrid", "Casimir", "Rosalind", "Tobiah"]
@@ -188,7 +190,7 @@ def run(conversations: list[dict], backend, policy: str, budget: int | None) -> 
     t0 = time.perf_counter()
     per = []
     try:
-        for conv in conversations:
+        for conv in track(conversations, "memory recall (conversations)"):
             for qi, q in enumerate(conv["questions"]):
                 rec = backend.ask(conv["id"], question_messages(conv, q))
                 per.append({"conversation": conv["id"], "question_index": qi, "question": q["question"],
