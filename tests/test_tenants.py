@@ -369,3 +369,44 @@ def test_engine_reuses_a_prefix_only_inside_its_namespace(tiny_engine, owners):
 @pytest.fixture(scope="module")
 def tiny_engine(folder):
     return LLMEngine(str(folder), num_kv_blocks=128, block_size=4)
+
+
+# ---- the command line: $KVKEEPER_API_KEY, --admin-port on 127.0.0.1, the warning without keys ----
+
+def test_serve_reads_the_key_from_the_environment_and_splits_the_admin_port(folder, tmp_path):
+    import os
+
+    import httpx
+    from serverproc import free_port, server_process
+
+    admin_port = free_port()
+    env = {**os.environ, "KVKEEPER_API_KEY": "sk-from-env"}
+    with server_process(tmp_path / "keyed.log", "--model", str(folder), "--kv-blocks", "64", "--admin-port",
+                        str(admin_port), env=env, timeout_s=120) as (base, _):
+        assert httpx.get(base + "/v1/models").status_code == 401
+        h = {"Authorization": "Bearer sk-from-env"}
+        assert httpx.get(base + "/v1/models", headers=h).status_code == 200
+        assert httpx.get(base + "/admin/kv.json", headers=h).status_code == 404  # not on the public port
+        admin = f"http://127.0.0.1:{admin_port}"
+        assert httpx.get(admin + "/admin/kv.json").status_code == 401
+        assert httpx.get(admin + "/admin/kv.json", headers=h).json()["num_blocks"] == 64
+    log = (tmp_path / "keyed.log").read_text()
+    assert "sk-from-env" not in log and "no API keys" not in log and "Traceback" not in log
+
+    with server_process(tmp_path / "open.log", "--model", str(folder), "--kv-blocks", "64", timeout_s=120) as (b, _):
+        assert httpx.get(b + "/v1/models").status_code == 200
+    assert "no API keys" in (tmp_path / "open.log").read_text()
+
+    (tmp_path / "bad.json").write_text('{"keys": {"sk-x": {"tenant": "no/slash"}}}')
+    r = _cli_serve("--model", str(folder), "--api-keys-file", str(tmp_path / "bad.json"))
+    assert r.returncode == 2 and "tenant must be" in r.stderr and "Traceback" not in r.stderr
+
+
+def _cli_serve(*args):
+    import subprocess
+    import sys
+
+    from serverproc import free_port
+
+    return subprocess.run([sys.executable, "-m", "kvkeeper.cli", "serve", "--port", str(free_port()), *args],
+                          capture_output=True, text=True, timeout=120)

@@ -15,7 +15,7 @@ Endpoints::
     GET    /admin/kv/dump           ?session=ID[&tenant=T&layers=0,5&start=N&end=M]: the session's K/V (safetensors)
     GET    /admin/breaker           the KV circuit breaker: tier, trips, action counts, recent events
 
-Keys (:mod:`kvkeeper.api.auth`): with API keys every route but ``/health`` and ``/metrics`` needs
+Keys (:mod:`kvkeeper.api.auth`): with API keys every route but ``/health``, ``/metrics`` and ``/openapi.json`` needs
 ``Authorization: Bearer <key>`` (401 otherwise); sessions and the cache namespace belong to the key's
 tenant (``/v1/sessions*`` see only the caller's sessions); ``/admin/*`` needs an admin key (a dump also
 answers the session's tenant).  ``/metrics`` names no session and holds no token.

@@ -1,8 +1,8 @@
 """API keys and tenants: who is asking, as one FastAPI dependency (:func:`caller`).
 
 A server started with ``--api-key KEY`` (or ``$KVKEEPER_API_KEY``, read by the CLI) or
-``--api-keys-file FILE`` answers 401 to every request but ``/health`` and ``/metrics`` that lacks
-``Authorization: Bearer <key>`` with a known key (vLLM's scheme).  Each key belongs to a *tenant*:
+``--api-keys-file FILE`` answers 401 to every request but ``/health``, ``/metrics`` and ``/openapi.json``
+that lacks ``Authorization: Bearer <key>`` with a known key (vLLM's scheme).  Each key belongs to a *tenant*:
 
 * the tenant owns the sessions its requests open (ids are scoped per tenant:
   :func:`kvkeeper.sessions.session.session_key`), and another tenant's request for the same id

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..argtypes import port, positive_int, size
+from ..argtypes import port as port_number, positive_int, size
 from ..diagnostics.audit import AuditConfig, ReuseAuditor
 from ..options import option
 from ..sessions.breaker import BreakerConfig, CircuitBreaker
@@ -29,7 +29,7 @@ class ServerConfig:
     """HTTP server settings (bytes, tokens, seconds).  ``breaker``: watch KV memory (False: no circuit breaker)."""
 
     host: str = field(default="127.0.0.1", metadata=option("--host", "address to bind"))
-    port: int = field(default=8000, metadata=option("--port", "TCP port, 1..65535", type=port))
+    port: int = field(default=8000, metadata=option("--port", "TCP port, 1..65535", type=port_number))
     served_model_name: str | None = field(default=None, metadata=option(
         "--served-model-name", "the model id clients send and /v1/models lists (default: the --model value)",
         metavar="NAME"))
@@ -56,13 +56,14 @@ class ServerConfig:
         "--ignore-unknown-fields", "ignore request fields this server does not know, instead of answering 400 "
         "naming them (for clients that send extra fields)", action="store_true", negate=True))
     api_key: str | None = field(default=None, repr=False, metadata=option(
-        "--api-key", "one admin API key: every route but /health and /metrics needs 'Authorization: Bearer KEY' "
-        "(default: $KVKEEPER_API_KEY; without keys every client may use every session)", metavar="KEY"))
+        "--api-key", "one admin API key: every route but /health, /metrics and /openapi.json needs 'Authorization: "
+        "Bearer KEY' (default: $KVKEEPER_API_KEY; without keys every client may use every session)", metavar="KEY"))
     api_keys_file: str | None = field(default=None, metadata=option(
         "--api-keys-file", "API keys of several tenants, JSON or TOML: key -> tenant, admin, max_sessions, "
         "max_pinned_blocks (README: Tenants and API keys)", metavar="FILE"))
     admin_port: int | None = field(default=None, metadata=option(
-        "--admin-port", "serve /admin/* on this port of 127.0.0.1 only, not on --port", type=port, metavar="PORT"))
+        "--admin-port", "serve /admin/* on this port of 127.0.0.1 only, not on --port", type=port_number,
+        metavar="PORT"))
     log_level: str = "warning"
 
     @property

@@ -119,8 +119,10 @@ class SessionManager:
         return s
 
     def find(self, tenant: str | None, session_id: str) -> Session | None:
-        """``tenant``'s open session ``session_id`` (the client's id), or None (another tenant's never)."""
-        return self.sessions.get(session_key(tenant, session_id))
+        """``tenant``'s open session ``session_id`` (the client's id), or None (another tenant's never, nor a
+        session of no tenant whose library-given id happens to read ``tenant/id``)."""
+        s = self.sessions.get(session_key(tenant, session_id))
+        return s if s is not None and s.tenant == tenant else None
 
     def of_tenant(self, tenant: str | None) -> list[Session]:
         """The open sessions ``tenant`` owns (None: those of no tenant)."""
