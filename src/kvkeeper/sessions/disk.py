@@ -258,9 +258,11 @@ class DiskTier:
 
     def _migrate_v1(self, d: Path) -> None:
         """Rewrite a ``kvkeeper-session/1`` manifest in the current format: its plain cache salt replaced by the
-        salt's hash (as no tenant's salt), owned by no tenant.  Other manifests are left alone."""
+        salt's hash (as no tenant's salt), owned by no tenant.  Other manifests, and those of another model or KV
+        settings (never rewritten: :meth:`_read_saved` skips them), are left alone."""
         man = json.loads((d / MANIFEST).read_text())
-        if not isinstance(man, dict) or man.get("format") != FORMAT_V1:
+        if not isinstance(man, dict) or man.get("format") != FORMAT_V1 or \
+                any(man.get(k) != v for k, v in self.identity.items()):
             return
         ns = man.get("namespace")
         if not isinstance(ns, dict) or not isinstance(ns.get("tenant_salt", ""), str):
