@@ -8,6 +8,7 @@ import os
 import socket
 
 from ..api.server import ServerConfig
+from ..cluster.config import ClusterConfig, ReplicaSpec
 from ..diagnostics.audit import AuditConfig
 from ..errors import KVKeeperError
 from ..options import add_options, from_args
@@ -24,6 +25,7 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
     add_options(s.add_argument_group("KV circuit breaker (see README: Circuit breaker)"), BreakerConfig)
     add_options(s.add_argument_group("session offload tiers"), SessionConfig)
     add_options(s.add_argument_group("reuse audit"), AuditConfig)
+    add_options(s.add_argument_group("replicas on Ray Serve (README: Scale-out on Ray Serve)"), ClusterConfig)
     s.set_defaults(func=cmd_serve)
 
 
@@ -55,11 +57,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stderr(f"error: {e} (--context-policy, --context-budget)", None)
         return EXIT_ERROR
     _check_port_free(config.host, config.port)  # before the model loads
+    cluster = from_args(ClusterConfig, args)
+    if cluster.replicas is not None or cluster.ray_address is not None:
+        return _serve_cluster(args, config, sessions, breaker, cluster)
     engine = load_engine(args)
     config.served_model_name = config.served_model_name or args.model
     app = build_server(engine, config, sessions, breaker if config.breaker else None, from_args(AuditConfig, args))
     stderr(f"serving {config.served_model_name} on http://{config.host}:{config.port}/v1")
     run_server(app, config)
+    return EXIT_OK
+
+
+def _serve_cluster(args, config: ServerConfig, sessions: SessionConfig, breaker: BreakerConfig,
+                   cluster: ClusterConfig) -> int:
+    """``--replicas N`` / ``--ray-address``: the engine replicas on Ray Serve, until interrupted."""
+    import signal
+    import time
+
+    from ..engine.config import EngineConfig
+
+    try:
+        from ..cluster import deployment
+    except ImportError as e:
+        stderr(f"error: --replicas needs Ray Serve ({e}): pip install 'kvkeeper[cluster]'", None)
+        return EXIT_ERROR
+    cluster.replicas = cluster.replicas or 1
+    if sessions.data_dir is not None and sessions.checkpoint_every_s is None:
+        sessions.checkpoint_every_s = 5.0  # a shared data dir: sessions outlive their replica
+    config.served_model_name = config.served_model_name or args.model
+    spec = ReplicaSpec(from_args(EngineConfig, args), config, sessions, breaker if config.breaker else None,
+                       from_args(AuditConfig, args), cluster.torch_threads, cluster.summary_size)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        deployment.start(spec, cluster, config.host, config.port)
+        stderr(f"serving {config.served_model_name} with {cluster.replicas} replicas on Ray Serve "
+               f"(router: {cluster.router}) on http://{config.host}:{config.port}/v1")
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        deployment.stop()
     return EXIT_OK
 
 

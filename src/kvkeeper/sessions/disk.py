@@ -238,12 +238,13 @@ class DiskTier:
                 shutil.rmtree(d, ignore_errors=True)
                 continue
             try:
-                out.append(self._read_saved(d))
+                out.append(self.read_saved(d))
             except (OSError, ValueError, TypeError, KeyError, OffloadError) as e:
                 log.warning("skipping the saved session in %s: %s", d, e)
         return out
 
-    def _read_saved(self, d: Path) -> SavedSession:
+    def read_saved(self, d: Path) -> SavedSession:
+        """The session saved in folder ``d``; raises :class:`OffloadError` (or OSError / ValueError) when unreadable."""
         man = json.loads((d / MANIFEST).read_text())
         if not isinstance(man, dict):
             raise ValueError("not a JSON object")
