@@ -87,9 +87,10 @@ def _serve_cluster(args, config: ServerConfig, sessions: SessionConfig, breaker:
     config.served_model_name = config.served_model_name or args.model
     spec = ReplicaSpec(from_args(EngineConfig, args), config, sessions, breaker if config.breaker else None,
                        from_args(AuditConfig, args), cluster.torch_threads, cluster.summary_size)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         deployment.start(spec, cluster, config.host, config.port)
+        # after ray.init, which installs its own SIGTERM handler in the driver: SIGTERM drains like Ctrl-C
+        signal.signal(signal.SIGTERM, _interrupt)
         stderr(f"serving {config.served_model_name} with {cluster.replicas} replicas on Ray Serve "
                f"(router: {cluster.router}) on http://{config.host}:{config.port}/v1")
         while True:
@@ -99,6 +100,10 @@ def _serve_cluster(args, config: ServerConfig, sessions: SessionConfig, breaker:
     finally:
         deployment.stop()
     return EXIT_OK
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
 
 
 def _check_port_free(host: str, port: int) -> None:
