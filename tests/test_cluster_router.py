@@ -125,3 +125,61 @@ def test_replica_pages_are_merged_with_a_replica_label():
     assert out.count("# HELP kvkeeper:sessions_open") == 1
     assert 'kvkeeper:sessions_open{replica="r1"} 2.0' in out and 'kvkeeper:sessions_open{replica="r2"} 3.0' in out
     assert 'kvkeeper:kv_restore_total{replica="r2",tier="disk"} 1.0' in out
+
+
+# ---- the gateway's retry of a request whose replica died (Ray's error type, no cluster) ----------------------
+
+class _FakeEngines:
+    """A deployment handle whose first ``fail`` calls die like a killed replica, then answer 200."""
+
+    def __init__(self, fail: int):
+        self.fail, self.calls = fail, []
+        self.asgi = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, scope, body, routing=None):
+        self.calls.append(routing)
+        n = len(self.calls)
+
+        async def gen():
+            from ray.exceptions import ActorDiedError
+
+            if n <= self.fail:
+                raise ActorDiedError()
+            yield {"type": "http.response.start", "status": 200, "headers": []}
+            yield {"type": "http.response.body", "body": b"{}", "more_body": False}
+        return gen()
+
+
+def _through_gateway(fail: int, headers: list) -> tuple[list[dict], _FakeEngines]:
+    import asyncio
+
+    deployment = pytest.importorskip("kvkeeper.cluster.deployment")
+    engines, sent = _FakeEngines(fail), []
+    gw = deployment.Gateway(engines, retry_after_s=3)
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    msgs = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+    async def receive():
+        return next(msgs)
+
+    async def send(m):
+        sent.append(m)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
+    asyncio.run(gw.__serve_build_asgi_app__()(scope, receive, send))
+    return sent, engines
+
+
+def test_a_request_whose_replica_dies_is_retried_once():
+    sent, engines = _through_gateway(1, [(b"x-session-id", b"conv-1")])
+    assert len(engines.calls) == 2 and sent[0]["status"] == 200
+    assert engines.calls[0] == {"session": "conv-1", "prefix": []}
+
+
+def test_a_second_death_answers_503_with_retry_after():
+    sent, engines = _through_gateway(2, [])
+    assert len(engines.calls) == 2
+    assert sent[0]["status"] == 503 and (b"retry-after", b"3") in sent[0]["headers"]

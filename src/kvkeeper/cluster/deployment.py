@@ -155,7 +155,7 @@ class EngineReplica:
         except Exception:  # outside a Serve replica (tests)
             rid = "local"
         self.name = f"{rid}@{socket.gethostname()}:{os.getpid()}"
-        self._board = _board()
+        self._board = None
         self._pusher: asyncio.Task | None = None
 
     def _ensure_pusher(self) -> None:
@@ -167,6 +167,7 @@ class EngineReplica:
                 pass
 
     async def _push_metrics(self, period_s: float = 2.0) -> None:
+        self._board = _board()
         while True:
             try:
                 self._board.put.remote(self.name, self.aeng.metrics.render().decode())
@@ -252,7 +253,7 @@ class Gateway:
     def __init__(self, engines, retry_after_s: int = 2):
         self.engines = engines.options(stream=True)
         self.retry_after_s = retry_after_s
-        self.board = _board()
+        self.board = None  # the metrics board, found on the first GET /metrics
 
     def __serve_build_asgi_app__(self):
         return _ASGI(self._asgi)
@@ -297,6 +298,7 @@ class Gateway:
         from prometheus_client import generate_latest
 
         try:
+            self.board = self.board or _board()
             pages = await self.board.get.remote()
         except Exception as e:  # the board is gone: the routing counters alone
             log.warning("no replica metrics: %s", e)
