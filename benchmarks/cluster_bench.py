@@ -149,6 +149,9 @@ async def workload(base: str, sessions: int, turns: int, max_tokens: int, tag: s
             "hit_rate": _hit_rate(ok), "hit_rate_turn2plus": _hit_rate([r for r in ok if r["turn"] >= 1]),
             "ttft_p50_turn3plus_s": pct(late, 0.5), "ttft_p99_turn3plus_s": pct(late, 0.99),
             "completion_tokens": sum(r["usage"]["completion_tokens"] for r in ok),
+            "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in ok),
+            "uncached_prompt_tokens": sum(r["usage"]["prompt_tokens"] - r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                                          for r in ok),
             "throughput_tok_s": sum(r["usage"]["completion_tokens"] for r in ok) / wall,
             "routing_decisions": _decisions(metrics)}
 
@@ -162,11 +165,13 @@ def markdown(res: dict) -> str:
              f"{res['machine']}; {res['sessions']} concurrent sessions x {res['turns']} turns (Topical-Chat, "
              f"history resent, X-Session-ID), max_tokens {res['max_tokens']}, greedy, streamed; each replica "
              f"1 CPU and 1 torch thread; no data directory.  {res['note']}", "",
-             "| set-up | prefix hit rate | hit rate, turns 2+ | TTFT p50 turns 3+ (s) | TTFT p99 turns 3+ (s) "
-             "| throughput (tok/s) | errors | routing decisions |", "|---|---|---|---|---|---|---|---|"]
+             "| set-up | prefix hit rate | hit rate, turns 2+ | prompt tokens prefilled (not cached) "
+             "| TTFT p50 turns 3+ (s) | TTFT p99 turns 3+ (s) | throughput (tok/s) | errors | routing decisions |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in res["setups"].items():
         dec = ", ".join(f"{k} {int(v)}" for k, v in sorted(r["routing_decisions"].items()))
         lines.append(f"| {name} | {fmt(r['hit_rate'])} | {fmt(r['hit_rate_turn2plus'])} | "
+                     f"{r['uncached_prompt_tokens']:,} of {r['prompt_tokens']:,} | "
                      f"{fmt(r['ttft_p50_turn3plus_s'])} | {fmt(r['ttft_p99_turn3plus_s'])} | "
                      f"{fmt(r['throughput_tok_s'], 1)} | {r['errors']} | {dec or '-'} |")
     t = res.get("targets") or {}
