@@ -119,6 +119,20 @@ def test_sessions_route_to_their_replica_and_survive_its_death(tmp_path):
             assert [r for r, _, _ in logs[q]] == [r for r, _, _ in ref[q]], f"session s-{q} diverged"
             _assert_reuse(logs[q], first=TURNS_BEFORE)  # continued from the checkpoint, not recomputed
             assert all(rep != victim for _, _, rep in logs[q][TURNS_BEFORE:])
-        metrics = openai.DefaultHttpxClient().get(base + "/metrics").text
+        # without a session: the replica whose published summary holds the prompt's first blocks
+        system = "You answer questions about the ACME support desk, politely and briefly. " * 12
+        time.sleep(2.5)  # the replicas publish their summaries every second
+        served = set()
+        for i in range(3):
+            raw = c.client.chat.completions.with_raw_response.create(
+                model=c.model, max_tokens=2, temperature=0,
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}])
+            served.add(raw.headers["x-kvkeeper-replica"])
+            time.sleep(2.5)
+        assert len(served) == 1, served
+        http = openai.DefaultHttpxClient()
+        metrics = http.get(base + "/metrics").text
         assert 'kvkeeper:cluster_routing_decisions_total{reason="session"}' in metrics
+        prefix = float(metrics.split('kvkeeper:cluster_routing_decisions_total{reason="prefix"} ')[1].split()[0])
+        assert prefix >= 2, metrics
         assert "kvkeeper:kv_restore_total{replica=" in metrics
