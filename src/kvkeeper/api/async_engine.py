@@ -204,7 +204,7 @@ class AsyncEngine:
 
     def _maybe_checkpoint(self) -> None:
         """Every ``checkpoint_every_s`` seconds (SessionConfig), copy idle sessions' new KV to the disk tier."""
-        period = self.sessions.config.checkpoint_every_s if self.sessions is not None else None
+        period = getattr(getattr(self.sessions, "config", None), "checkpoint_every_s", None)
         now = time.monotonic()
         if period is None or now < self._checkpoint_next:
             return

@@ -79,8 +79,9 @@ class RequestTracker:
         if req.request_id in self.tracked:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         sid = req.session_id
-        if sid is not None and self.sessions is not None:
-            self.sessions.refresh_from_disk(sid)  # a checkpoint another server sharing the data dir wrote
+        refresh = getattr(self.sessions, "refresh_from_disk", None) if sid is not None else None
+        if refresh is not None:
+            refresh(sid)  # a newer checkpoint another server sharing the data dir wrote
         opened = sid is not None and self.sessions is not None and sid not in self.sessions
         try:
             seq, trimmed, report = self._start(req)
