@@ -8,6 +8,7 @@ the same greedy replies as uninterrupted reference sessions, and no request fail
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -37,11 +38,11 @@ class Client:
         self.model = self.client.models.list().data[0].id
         self.unavailable = 0
 
-    def turn(self, sid: str, messages: list[dict]):
+    def turn(self, sid: str, messages: list[dict], max_tokens: int = 8, **extra):
         for _ in range(20):
             try:
                 raw = self.client.chat.completions.with_raw_response.create(
-                    model=self.model, messages=messages, max_tokens=8, temperature=0,
+                    model=self.model, messages=messages, max_tokens=max_tokens, temperature=0, extra_body=extra,
                     extra_headers={"X-Session-ID": sid})
                 return raw.parse(), raw.headers["x-kvkeeper-replica"]
             except openai.APIStatusError as e:
@@ -99,6 +100,9 @@ def test_sessions_route_to_their_replica_and_survive_its_death(tmp_path):
         for t in range(TURNS_BEFORE):  # the sessions under test, interleaved
             for q in range(n):
                 _converse(c, f"s-{q}", q, range(t, t + 1), histories[q], logs[q])
+        probes = {f"probe-{k}": [{"role": "user", "content": f"Count from {k} to 900, separated by commas."}]
+                  for k in range(6)}
+        probe_owner = {sid: c.turn(sid, m, max_tokens=2)[1] for sid, m in probes.items()}
         owner = {}
         for q in range(n):
             replicas = {rep for _, _, rep in logs[q]}
@@ -110,7 +114,19 @@ def test_sessions_route_to_their_replica_and_survive_its_death(tmp_path):
         assert len(held) == 2, f"all 8 sessions on one replica: {held}"
         victim = max(held, key=lambda rep: len(held[rep]))
         _wait_for_checkpoints(data, [f"s-{q}" for q in range(n)], TURNS_BEFORE)
-        os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
+        # a turn in flight when its replica dies: retried once on another replica, or 503 with Retry-After
+        in_flight = next((sid for sid, rep in probe_owner.items() if rep == victim), None)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            late = None
+            if in_flight is not None:
+                late = pool.submit(c.turn, in_flight, probes[in_flight] + [
+                    {"role": "assistant", "content": "1, 2"}, {"role": "user", "content": "Go on."}], 256, ignore_eos=True)
+                time.sleep(0.5)
+                assert not late.done(), "the long turn ended before the kill: make it longer"
+            os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
+            if late is not None:
+                r, rep = late.result()  # an error other than 503 + Retry-After fails here
+                assert rep != victim and r.choices[0].message.content
 
         for t in range(TURNS_BEFORE, TURNS_BEFORE + TURNS_AFTER):
             for q in range(n):
