@@ -32,7 +32,7 @@ import time
 import ray
 from ray import serve
 from ray.exceptions import RayActorError
-from ray.serve._private.request_router.request_router import RequestRouter
+from ray.serve.request_router import RequestRouter
 from ray.serve._private.constants import DEFAULT_REQUEST_ROUTER_PATH
 from ray.serve.config import RequestRouterConfig
 
