@@ -1,4 +1,14 @@
-"""Admin routes: the live KV block map.
+"""Admin routes: the live KV block map, KV dumps of a session, the circuit breaker's state.
+
+Every route needs an admin key when the server has API keys (:func:`kvkeeper.api.auth.admin_caller`:
+401 without a valid key, 403 for a tenant's key), except ``/admin/kv/dump``, which also answers the
+session's own tenant (another tenant gets 404).  With ``serve --admin-port`` these routes are served
+only by a second app bound to 127.0.0.1 (:func:`kvkeeper.api.app.create_admin_app`).
+
+* ``GET /admin/kv/dump?session=ID[&tenant=T&layers=0,5&start=N&end=M]`` -- the session's K/V as a
+  safetensors file (:mod:`kvkeeper.diagnostics.kvdump`); ``tenant`` (admins only) names another
+  tenant's session.
+* ``GET /admin/breaker`` -- the KV circuit breaker: tier, trips, action counts, recent events.
 
 * ``GET /admin/kv.json`` -- the block map document of :mod:`kvkeeper.kvcache.blockmap` (built on
   the engine thread through ``AsyncEngine.call``; one letter per block for its state, an owner
@@ -18,9 +28,16 @@ each cell ``cell`` wide with a gap of 2 pixels (1 below 8-pixel cells).
 
 from __future__ import annotations
 
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from ..diagnostics.kvdump import dump_session, to_bytes
 from ..kvcache.blockmap import STATE_COLOURS
+from .auth import Caller, admin_caller, caller
+from .errors import APIError
+from .session_routes import managed_sessions, owned_session
+
+router = APIRouter()
 
 _PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>kvkeeper - KV block map</title>
@@ -184,14 +201,40 @@ def page_html() -> str:
     return _PAGE.replace("__COLOURS__", json.dumps(STATE_COLOURS))
 
 
-def add_admin_routes(app, engine) -> None:
-    """Register ``GET /admin/kv`` and ``GET /admin/kv.json`` on ``app`` for ``engine`` (an AsyncEngine)."""
-    html = page_html()
+_HTML = page_html()
 
-    @app.get("/admin/kv", response_class=HTMLResponse)
-    async def kv_page():
-        return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
 
-    @app.get("/admin/kv.json")
-    async def kv_json():
-        return JSONResponse(await engine.block_map(), headers={"Cache-Control": "no-store"})
+@router.get("/admin/kv", response_class=HTMLResponse, dependencies=[Depends(admin_caller)])
+async def kv_page():
+    return HTMLResponse(_HTML, headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/admin/kv.json", dependencies=[Depends(admin_caller)])
+async def kv_json(request: Request):
+    return JSONResponse(await request.app.state.engine.block_map(), headers={"Cache-Control": "no-store"})
+
+
+@router.get("/admin/kv/dump")
+async def kv_dump(request: Request, session: str, tenant: str | None = None, layers: str | None = None,
+                  start: int | None = None, end: int | None = None, who: Caller = Depends(caller)):
+    """A session's K/V as a safetensors file, built on the engine thread: the caller's own session, or with an
+    admin key any tenant's (``tenant``); 404 for a session the caller may not see."""
+    sessions = managed_sessions(request)
+    owner = tenant if tenant is not None else who.tenant
+    if owner != who.tenant and not who.admin:
+        raise APIError(404, f"no open session {session!r}", type="not_found_error", code="session_not_found")
+
+    def dump(_):
+        return to_bytes(*dump_session(sessions, owned_session(sessions, owner, session).id, layers, start, end))
+
+    data = await request.app.state.engine.call(dump)
+    return Response(content=data, media_type="application/octet-stream",
+                    headers={"Content-Disposition": 'attachment; filename="kv-dump.safetensors"'})
+
+
+@router.get("/admin/breaker", dependencies=[Depends(admin_caller)])
+async def breaker_state(request: Request):
+    br = request.app.state.engine.breaker
+    if br is None:
+        return {"tier": 0, "enabled": False}
+    return await request.app.state.engine.call(lambda _: br.snapshot())

@@ -33,6 +33,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..api.server import build_server, run_server
 
     config = from_args(ServerConfig, args, log_level="info" if args.verbose else "warning")
+    if config.api_key is None:
+        config.api_key = os.environ.get("KVKEEPER_API_KEY") or None  # the environment is read here, at the edge
+    try:
+        config.key_ring()  # a bad keys file is refused before the model loads
+    except ValueError as e:
+        stderr(f"error: {e} (--api-key, --api-keys-file, $KVKEEPER_API_KEY)", None)
+        return EXIT_ERROR
     if config.trace_exporter == "otlp":
         try:
             import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
@@ -57,13 +64,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stderr(f"error: {e} (--context-policy, --context-budget)", None)
         return EXIT_ERROR
     _check_port_free(config.host, config.port)  # before the model loads
+    if config.admin_port is not None:
+        if config.admin_port == config.port:
+            raise CLIError(f"--admin-port {config.admin_port} is the --port: give the admin routes another port")
+        _check_port_free("127.0.0.1", config.admin_port)
     cluster = from_args(ClusterConfig, args)
     if cluster.replicas is not None or cluster.ray_address is not None:
+        if config.admin_port is not None:
+            raise CLIError("--admin-port is not served with --replicas (each replica keeps its admin routes on "
+                           "the main port); leave it out")
         return _serve_cluster(args, config, sessions, breaker, cluster)
     engine = load_engine(args)
     config.served_model_name = config.served_model_name or args.model
     app = build_server(engine, config, sessions, breaker if config.breaker else None, from_args(AuditConfig, args))
     stderr(f"serving {config.served_model_name} on http://{config.host}:{config.port}/v1")
+    if config.admin_port is not None:
+        stderr(f"admin routes on http://127.0.0.1:{config.admin_port}/admin/kv")
     run_server(app, config)
     return EXIT_OK
 

@@ -26,14 +26,25 @@ from typing import Callable, Iterator
 from ..argtypes import positive_int, size
 from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence, SeqStatus
-from ..errors import InvalidRequestError, KVKeeperError, SessionNotFoundError
+from ..errors import InvalidRequestError, KVKeeperError, QuotaExceededError, SessionNotFoundError
 from ..options import option
 from .context import POLICIES, ContextSpec, ContextState, turn_text
 from .disk import session_dir_name
 from .offload import DEFAULT_HOST_OFFLOAD_BYTES, SessionStore
-from .session import Session
+from .session import Session, session_key
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    """A tenant's limits: ``max_sessions`` open sessions (offloaded ones included) and ``max_pinned_blocks``
+    KV blocks its idle sessions pin in the pool (None: no limit).  ``retry_after_s``: the ``Retry-After``
+    (seconds) of a refusal."""
+
+    max_sessions: int | None = None
+    max_pinned_blocks: int | None = None
+    retry_after_s: int = 5
 
 
 @dataclass
@@ -100,18 +111,50 @@ class SessionManager:
 
     # ---- opening and closing ----------------------------------------------------------------
     def open(self, system: str | None = None, session_id: str | None = None, reuse: bool = True,
-             params: SamplingParams | None = None, context: ContextSpec | None = None) -> Session:
-        """A new session (id ``sess-<hex>`` unless given) with a context policy (default: the config's).
-        Raises :class:`InvalidRequestError` for an id already open, and ``OverloadedError`` while a circuit
-        breaker refuses new sessions."""
+             params: SamplingParams | None = None, context: ContextSpec | None = None,
+             tenant: str | None = None) -> Session:
+        """A new session (id ``sess-<hex>`` unless given) with a context policy (default: the config's), owned
+        by ``tenant`` (None: no tenant; its key in :attr:`sessions` is :func:`session_key`).
+        Raises :class:`InvalidRequestError` for an id the tenant has open already, and ``OverloadedError``
+        while a circuit breaker refuses new sessions."""
         sid = session_id or f"sess-{uuid.uuid4().hex[:12]}"
-        if sid in self.sessions:
+        key = session_key(tenant, sid)
+        if key in self.sessions:
             raise InvalidRequestError(f"session id {sid!r} is already open")
         if self.admission is not None:
-            self.admission(sid)
-        s = Session(self, sid, system=system, reuse=reuse, params=params, context=context or self.default_context)
-        self.sessions[sid] = s
+            self.admission(key)
+        s = Session(self, key, system=system, reuse=reuse, params=params, context=context or self.default_context,
+                    tenant=tenant, name=sid)
+        self.sessions[key] = s
         return s
+
+    def find(self, tenant: str | None, session_id: str) -> Session | None:
+        """``tenant``'s open session ``session_id`` (the client's id), or None (another tenant's never, nor a
+        session of no tenant whose library-given id happens to read ``tenant/id``)."""
+        s = self.sessions.get(session_key(tenant, session_id))
+        return s if s is not None and s.tenant == tenant else None
+
+    def of_tenant(self, tenant: str | None) -> list[Session]:
+        """The open sessions ``tenant`` owns (None: those of no tenant)."""
+        return [s for s in self.sessions.values() if s.tenant == tenant]
+
+    def check_quota(self, tenant: str | None, quota: TenantQuota | None, opening: bool) -> None:
+        """Raise :class:`QuotaExceededError` when a turn of ``tenant`` would go over ``quota``: ``opening`` a
+        session while it has ``max_sessions`` open, or any turn while its idle sessions pin
+        ``max_pinned_blocks`` pool blocks or more (a shared prefix block counted once)."""
+        if quota is None:
+            return
+        mine = self.of_tenant(tenant)
+        if opening and quota.max_sessions is not None and len(mine) >= quota.max_sessions:
+            raise QuotaExceededError(f"tenant {tenant!r} has {len(mine)} open sessions, its limit: close one "
+                                     "(DELETE /v1/sessions/ID) before opening another", quota.retry_after_s)
+        if quota.max_pinned_blocks is not None:
+            pinned = len({b for s in mine if s.kv is not None for b in s.kv.block_table})
+            if pinned >= quota.max_pinned_blocks:
+                raise QuotaExceededError(
+                    f"tenant {tenant!r}'s sessions pin {pinned} KV blocks (its limit: {quota.max_pinned_blocks}): "
+                    "offload (POST /v1/sessions/ID/offload) or close one of them, or retry later",
+                    quota.retry_after_s)
 
     def get(self, session_id: str) -> Session:
         """The open session ``session_id``; raises :class:`SessionNotFoundError`."""
@@ -165,7 +208,8 @@ class SessionManager:
 
     def _adopt(self, saved) -> Session:
         """Open a saved session (:class:`~kvkeeper.sessions.disk.SavedSession`) whose KV stays on disk until its next turn."""
-        s = Session(self, saved.session_id, reuse=saved.reuse, context=self.default_context)
+        s = Session(self, saved.session_id, reuse=saved.reuse, context=self.default_context,
+                    tenant=saved.tenant, name=saved.name)
         s.messages, s.text, s.turns = saved.messages, saved.text, saved.turns
         _restore_context(s, saved.context)
         s.kv = Sequence(f"{saved.session_id}-saved", saved.token_ids, SamplingParams(), saved.namespace,
