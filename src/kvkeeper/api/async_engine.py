@@ -85,6 +85,7 @@ class AsyncEngine:
         self.frag_interval_s = 0.1
         self._frag_next = 0.0
         self._frag: dict = {}
+        self._checkpoint_next = 0.0
         self._sample_fragmentation()
         self._publish_stats()
 
@@ -197,8 +198,18 @@ class AsyncEngine:
             self.tracker.publish(before_send=self._publish_stats)  # gauges first: a response sees its effect
         elif self.breaker is not None:
             self.breaker.evaluate()  # idle: let the breaker cool down and close
+        self._maybe_checkpoint()
         self._sample_fragmentation()
         self._publish_stats()
+
+    def _maybe_checkpoint(self) -> None:
+        """Every ``checkpoint_every_s`` seconds (SessionConfig), copy idle sessions' new KV to the disk tier."""
+        period = getattr(getattr(self.sessions, "config", None), "checkpoint_every_s", None)
+        now = time.monotonic()
+        if period is None or now < self._checkpoint_next:
+            return
+        self._checkpoint_next = now + period
+        self.sessions.checkpoint_idle()
 
     def _drain(self, block: bool) -> None:
         try:

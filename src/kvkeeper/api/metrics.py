@@ -39,6 +39,7 @@ kvkeeper:kv_offload_total{tier}            counter    idle sessions offloaded to
 kvkeeper:kv_offload_bytes_total{tier}      counter    KV bytes written to the tier (bytes)
 kvkeeper:kv_restore_total{tier}            counter    sessions whose KV came back from the tier (sessions)
 kvkeeper:kv_restore_failures_total{tier}   counter    offloaded sessions recomputed instead (corrupt file, no room)
+kvkeeper:kv_checkpoint_total               counter    idle sessions copied to disk, KV kept in the pool (sessions)
 kvkeeper:kv_offloaded_bytes{tier}          gauge      KV bytes held in the tier now (bytes)
 kvkeeper:kv_offloaded_blocks               gauge      blocks' worth of KV held in host plus disk tiers (blocks)
 kvkeeper:context_turns_total               counter    session turns by context ``policy`` and ``kind``: kept,
@@ -87,6 +88,8 @@ _FROM_SNAPSHOT = {
                               "Sessions whose KV came back from the tier (sessions)."),
     "offload.restore_failures_total": ("kvkeeper:kv_restore_failures", "counter",
                                        "Offloaded sessions recomputed instead of restored (sessions)."),
+    "offload.checkpoint_total": ("kvkeeper:kv_checkpoint", "counter",
+                                 "Idle sessions copied to the disk tier, their KV kept in the pool (sessions)."),
     "offload.offloaded_bytes": ("kvkeeper:kv_offloaded_bytes", "gauge", "KV bytes held in the tier now (bytes)."),
     "offload.offloaded_blocks": ("kvkeeper:kv_offloaded_blocks", "gauge",
                                  "Blocks' worth of KV held in the host and disk tiers."),

@@ -81,6 +81,9 @@ class RequestTracker:
         if req.request_id in self.tracked:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         sid = None if req.session_id is None else session_key(req.tenant, req.session_id)
+        refresh = getattr(self.sessions, "refresh_from_disk", None) if sid is not None else None
+        if refresh is not None:
+            refresh(sid)  # a newer checkpoint another server sharing the data dir wrote
         opened = sid is not None and self.sessions is not None and sid not in self.sessions
         try:
             seq, trimmed, report = self._start(req)

@@ -251,7 +251,7 @@ class DiskTier:
                 continue
             try:
                 self._migrate_v1(d)
-                out.append(self._read_saved(d))
+                out.append(self.read_saved(d))
             except (OSError, ValueError, TypeError, KeyError, OffloadError) as e:
                 log.warning("skipping the saved session in %s: %s", d, e)
         return out
@@ -259,7 +259,7 @@ class DiskTier:
     def _migrate_v1(self, d: Path) -> None:
         """Rewrite a ``kvkeeper-session/1`` manifest in the current format: its plain cache salt replaced by the
         salt's hash (as no tenant's salt), owned by no tenant.  Other manifests, and those of another model or KV
-        settings (never rewritten: :meth:`_read_saved` skips them), are left alone."""
+        settings (never rewritten: :meth:`read_saved` skips them), are left alone."""
         man = json.loads((d / MANIFEST).read_text())
         if not isinstance(man, dict) or man.get("format") != FORMAT_V1 or \
                 any(man.get(k) != v for k, v in self.identity.items()):
@@ -275,7 +275,8 @@ class DiskTier:
         log.warning("migrated the saved session in %s to %s: its cache salt is now kept as a one-way hash; it "
                     "belongs to no tenant (a server without API keys reopens it)", d, FORMAT)
 
-    def _read_saved(self, d: Path) -> SavedSession:
+    def read_saved(self, d: Path) -> SavedSession:
+        """The session saved in folder ``d``; raises :class:`OffloadError` (or OSError / ValueError) when unreadable."""
         man = json.loads((d / MANIFEST).read_text())
         if not isinstance(man, dict):
             raise ValueError("not a JSON object")

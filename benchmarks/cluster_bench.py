@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""Cluster benchmark: sessions against ``kvkeeper serve --replicas N`` on Ray Serve, three set-ups in one run.
+
+Set-ups: 1 replica; 2 replicas with kvkeeper's request router (session affinity by consistent hashing,
+kvkeeper.cluster.router); 2 replicas with Ray Serve's default router (power of two choices).  Each
+starts its own server (a local Ray cluster) and runs the same workload: ``--sessions`` concurrent
+clients, each one session (``X-Session-ID``) of ``--turns`` Topical-Chat user turns, history resent each
+turn, streamed, greedy, ``--max-tokens`` per reply.  No data directory: sessions live in the replicas'
+memory only, so a turn that lands on a replica without its session reuses only what that replica's
+prefix cache and stale copy hold.
+
+Per set-up: prefix-cache hit rate (prompt tokens reported cached / prompt tokens, all turns and turns 2+),
+TTFT p50 / p99 of turns 3 and later (s, request sent to first content chunk), output throughput
+(completion tokens / wall time of the workload) and the routing decisions the gateway counted.
+Targets (issue 16): the router keeps >= 90% of the single replica's hit rate and >= 2x the default's.
+
+    .venv/bin/python benchmarks/cluster_bench.py [--sessions 16] [--turns 8] [--max-tokens 16]
+        [--lock /work/.cpu.lock] [--out benchmarks/results]
+
+``--lock FILE``: hold an exclusive flock on FILE during each set-up (a shared machine).  Writes
+``OUT/cluster_bench.json`` and ``OUT/cluster_bench.md`` and prints the markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as _dt
+import fcntl
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_model, write_report  # noqa: E402
+from serve_bench import pct, user_turns  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUPS = [("1 replica", 1, "kvkeeper"), ("2 replicas, kvkeeper router", 2, "kvkeeper"),
+          ("2 replicas, Ray default router", 2, "default")]
+
+
+@contextlib.contextmanager
+def exclusive(lock: str | None):
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def cluster(replicas: int, router: str, log: Path, port: int):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-m", "kvkeeper.cli", "serve", "--replicas", str(replicas), "--router", router,
+           "--host", "127.0.0.1", "--port", str(port), "--no-access-log"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 300
+            while "serving " not in log.read_text():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the cluster did not start: {log.read_text()[-2000:]}")
+                time.sleep(1)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def session_turn(http: httpx.AsyncClient, base: str, sid: str, messages: list[dict], max_tokens: int) -> dict:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    rec = {"ttft_s": None, "text": "", "usage": None, "status": None}
+    async with http.stream("POST", base + "/v1/chat/completions", json=body, headers={"X-Session-ID": sid}) as r:
+        rec["status"] = r.status_code
+        if r.status_code != 200:
+            rec["error"] = (await r.aread()).decode(errors="replace")[:300]
+            return rec
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk.get("choices") or []:
+                piece = (c.get("delta") or {}).get("content") or ""
+                if piece and rec["ttft_s"] is None:
+                    rec["ttft_s"] = time.perf_counter() - t0
+                rec["text"] += piece
+            if chunk.get("usage"):
+                rec["usage"] = chunk["usage"]
+    return rec
+
+
+async def run_session(http, base: str, sid: str, turns: list[str], max_tokens: int) -> list[dict]:
+    messages, recs = [], []
+    for i, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        rec = await session_turn(http, base, sid, messages, max_tokens)
+        rec["turn"] = i
+        recs.append(rec)
+        if rec["status"] != 200:
+            break
+        messages.append({"role": "assistant", "content": rec["text"]})
+    return recs
+
+
+def _hit_rate(recs: list[dict]) -> float | None:
+    prompt = sum(r["usage"]["prompt_tokens"] for r in recs)
+    cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in recs)
+    return cached / prompt if prompt else None
+
+
+def _decisions(metrics: str) -> dict[str, float]:
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r'kvkeeper:cluster_routing_decisions_total\{reason="(\w+)"\} (\S+)', metrics)}
+
+
+async def workload(base: str, sessions: int, turns: int, max_tokens: int, tag: str) -> dict:
+    convs = user_turns(sessions, turns)
+    async with httpx.AsyncClient(timeout=600) as http:
+        await session_turn(http, base, f"warm-{tag}", [{"role": "user", "content": "Warm-up: say hi."}], 4)
+        t0 = time.perf_counter()
+        per = await asyncio.gather(*(run_session(http, base, f"{tag}-{i}", c, max_tokens)
+                                     for i, c in enumerate(convs)))
+        wall = time.perf_counter() - t0
+        metrics = (await http.get(base + "/metrics")).text
+    recs = [r for rs in per for r in rs]
+    ok = [r for r in recs if r["status"] == 200 and r["usage"]]
+    late = [r["ttft_s"] for r in ok if r["turn"] >= 2 and r["ttft_s"] is not None]
+    return {"requests": len(recs), "errors": len(recs) - len(ok), "wall_s": wall,
+            "hit_rate": _hit_rate(ok), "hit_rate_turn2plus": _hit_rate([r for r in ok if r["turn"] >= 1]),
+            "ttft_p50_turn3plus_s": pct(late, 0.5), "ttft_p99_turn3plus_s": pct(late, 0.99),
+            "completion_tokens": sum(r["usage"]["completion_tokens"] for r in ok),
+            "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in ok),
+            "uncached_prompt_tokens": sum(r["usage"]["prompt_tokens"] - r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                                          for r in ok),
+            "throughput_tok_s": sum(r["usage"]["completion_tokens"] for r in ok) / wall,
+            "routing_decisions": _decisions(metrics)}
+
+
+def fmt(x, nd=3) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# Cluster benchmark ({res['date']})", "",
+             f"{res['machine']}; {res['sessions']} concurrent sessions x {res['turns']} turns (Topical-Chat, "
+             f"history resent, X-Session-ID), max_tokens {res['max_tokens']}, greedy, streamed; each replica "
+             f"1 CPU and 1 torch thread; no data directory.  {res['note']}", "",
+             "| set-up | prefix hit rate | hit rate, turns 2+ | prompt tokens prefilled (not cached) "
+             "| TTFT p50 turns 3+ (s) | TTFT p99 turns 3+ (s) | throughput (tok/s) | errors | routing decisions |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in res["setups"].items():
+        dec = ", ".join(f"{k} {int(v)}" for k, v in sorted(r["routing_decisions"].items()))
+        lines.append(f"| {name} | {fmt(r['hit_rate'])} | {fmt(r['hit_rate_turn2plus'])} | "
+                     f"{r['uncached_prompt_tokens']:,} of {r['prompt_tokens']:,} | "
+                     f"{fmt(r['ttft_p50_turn3plus_s'])} | {fmt(r['ttft_p99_turn3plus_s'])} | "
+                     f"{fmt(r['throughput_tok_s'], 1)} | {r['errors']} | {dec or '-'} |")
+    t = res.get("targets") or {}
+    lines += ["", f"Targets: router hit rate >= 90% of one replica's: {t.get('vs_single')}; "
+              f">= 2x Ray's default router's: {t.get('vs_default')}.", ""]
+    return "\n".join(lines)
+
+
+def targets(setups: dict) -> dict:
+    one = setups.get(SETUPS[0][0], {}).get("hit_rate")
+    ours = setups.get(SETUPS[1][0], {}).get("hit_rate")
+    default = setups.get(SETUPS[2][0], {}).get("hit_rate")
+    out = {}
+    if one and ours is not None:
+        out["vs_single"] = f"{ours / one:.1%} of it ({'met' if ours >= 0.9 * one else 'missed'})"
+    if default is not None and ours is not None:
+        ratio = ours / default if default else float("inf")
+        out["vs_default"] = f"{ratio:.2f}x ({'met' if ratio >= 2 else 'missed'})"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--port", type=int, default=18431)
+    ap.add_argument("--lock", default=None, help="flock this file exclusively during each set-up")
+    ap.add_argument("--note", default="", help="a line about the machine's state, for the report")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    a = ap.parse_args(argv)
+    res = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "machine": f"{cpu_model()}, {os.cpu_count()} CPUs", "sessions": a.sessions, "turns": a.turns,
+           "max_tokens": a.max_tokens, "note": a.note, "setups": {}}
+    logs = Path(tempfile.mkdtemp(prefix="cluster-bench-"))
+    for i, (name, n, router) in enumerate(SETUPS):
+        with exclusive(a.lock), cluster(n, router, logs / f"setup{i}.log", a.port) as base:
+            r = asyncio.run(workload(base, a.sessions, a.turns, a.max_tokens, f"s{i}"))
+        res["setups"][name] = r
+        print(f"{name}: {json.dumps(r)}", file=sys.stderr, flush=True)
+    res["targets"] = targets(res["setups"])
+    a.out.mkdir(parents=True, exist_ok=True)
+    write_report(a.out, "cluster_bench", res, markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
