@@ -1,4 +1,8 @@
-"""Admin routes: the live KV block map.
+"""Admin routes: the live KV block map and the cache-health detector.
+
+* ``GET /admin/health`` -- the health detector's state (:meth:`kvkeeper.diagnostics.health.HealthMonitor.snapshot`):
+  score, whether a warning is open, each signal's EWMA, baseline and control limit, and the warning events
+  with their reasons.
 
 * ``GET /admin/kv.json`` -- the block map document of :mod:`kvkeeper.kvcache.blockmap` (built on
   the engine thread through ``AsyncEngine.call``; one letter per block for its state, an owner
@@ -195,3 +199,10 @@ def add_admin_routes(app, engine) -> None:
     @app.get("/admin/kv.json")
     async def kv_json():
         return JSONResponse(await engine.block_map(), headers={"Cache-Control": "no-store"})
+
+    @app.get("/admin/health")
+    async def health_state():
+        """The cache-health detector (kvkeeper.diagnostics.health): score, charts, warning events."""
+        if engine.health is None:
+            return {"enabled": False, "score": 1.0, "events": []}
+        return {"enabled": True, **await engine.call(lambda _: engine.health.snapshot())}

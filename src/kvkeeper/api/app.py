@@ -14,6 +14,7 @@ Endpoints::
     GET    /admin/kv                live KV block map page (HTML); /admin/kv.json its data (kvkeeper.api.admin)
     GET    /admin/kv/dump           ?session=ID[&layers=0,5&start=N&end=M]: the session's K/V (safetensors)
     GET    /admin/breaker           the KV circuit breaker: tier, trips, action counts, recent events
+    GET    /admin/health            the cache-health detector: score, signals, warning events (kvkeeper.api.admin)
 
 Headers: ``X-Session-ID`` runs the request as a turn of that session (the client resends its
 history; the session's KV is reused by the rule of :mod:`kvkeeper.sessions.session`);

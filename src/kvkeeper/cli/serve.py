@@ -9,6 +9,7 @@ import socket
 
 from ..api.server import ServerConfig
 from ..diagnostics.audit import AuditConfig
+from ..diagnostics.health import HealthConfig
 from ..errors import KVKeeperError
 from ..options import add_options, from_args
 from ..sessions.breaker import BreakerConfig
@@ -24,6 +25,7 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
     add_options(s.add_argument_group("KV circuit breaker (see README: Circuit breaker)"), BreakerConfig)
     add_options(s.add_argument_group("session offload tiers"), SessionConfig)
     add_options(s.add_argument_group("reuse audit"), AuditConfig)
+    add_options(s.add_argument_group("cache-health detector (see README: Cache-health prediction)"), HealthConfig)
     s.set_defaults(func=cmd_serve)
 
 
@@ -39,6 +41,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return EXIT_ERROR
     try:
         breaker = from_args(BreakerConfig, args)
+        health = from_args(HealthConfig, args)
     except ValueError as e:
         stderr(f"error: {e}", None)
         return EXIT_ERROR
@@ -57,7 +60,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_port_free(config.host, config.port)  # before the model loads
     engine = load_engine(args)
     config.served_model_name = config.served_model_name or args.model
-    app = build_server(engine, config, sessions, breaker if config.breaker else None, from_args(AuditConfig, args))
+    app = build_server(engine, config, sessions, breaker if config.breaker else None, from_args(AuditConfig, args),
+                       health)
     stderr(f"serving {config.served_model_name} on http://{config.host}:{config.port}/v1")
     run_server(app, config)
     return EXIT_OK
