@@ -152,3 +152,18 @@ def test_breaker_heeds_the_early_signal_without_tripping():
     active[:] = ["ttft"]  # not a pool signal: nothing
     br.evaluate(now=5.0, force=True)
     assert eng.compactions == 1
+
+
+def test_a_fault_during_warm_up_does_not_become_the_baseline():
+    """The audit mismatch chart's baseline is fixed at 0: a mismatch in warm-up warns, and so does a later one."""
+    rng = random.Random(3)
+    mon = HealthMonitor(HealthConfig(warmup=20))
+    stream = _flat(60, rng)
+    stream[5]["audit_mismatches"] = 1.0
+    _feed(mon, stream)
+    assert mon.warnings == 1 and mon.events[0]["reasons"][0]["signal"] == "audit_mismatches"
+    assert mon.charts["audit_mismatches"].mu == 0.0 and not mon.warning
+    late = _flat(5, rng)
+    late[0]["audit_mismatches"] = 1.0
+    _feed(mon, late, t0=60)
+    assert mon.warnings == 2

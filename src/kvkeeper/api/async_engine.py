@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..diagnostics.health import engine_counters
 from ..errors import KVKeeperError
 from ..kvcache.blockmap import engine_block_map
 from ..kvcache.telemetry import FragmentationMonitor
@@ -268,14 +269,10 @@ class AsyncEngine:
         """Feed the health detector (it samples every ``interval_s``) from a pool sample and the counters."""
         if self.health is None:
             return
-        eng, m = self.engine, self.metrics
+        m = self.metrics
         try:
-            self.health.observe({
-                "usage": st.usage, "pool_rate": st.pool_rate, "num_blocks": st.num_blocks,
-                "prefix_query_tokens": eng.kv.query_tokens, "prefix_hit_tokens": eng.kv.hit_tokens,
-                "evictions": eng.pool.evictions, "preemptions": eng.scheduler.num_preemptions,
-                "audit_mismatches": self.auditor.mismatches if self.auditor is not None else 0,
-                "ttft_sum": m.ttft_sum, "ttft_count": m.ttft_count}, now)
+            self.health.observe(engine_counters(self.engine, self.auditor, m.ttft_sum, m.ttft_count, self.breaker,
+                                                stats=st), now)
         except Exception:  # telemetry must never take the engine down
             log.exception("health detector failed")
             self.health = None

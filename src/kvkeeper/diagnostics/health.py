@@ -7,8 +7,9 @@ with control limits ``mu +- L * sigma * sqrt(lam / (2 - lam) * (1 - (1 - lam)^(2
 averages", *Technometrics* 1(3), 1959; NIST/SEMATECH e-Handbook of Statistical Methods,
 section 6.3.2.4).  ``mu`` and ``sigma`` are the mean and standard deviation of the signal's
 first ``warmup`` samples (the in-control baseline), with ``sigma`` never below the signal's
-floor (a signal that was constant during warm-up, such as the audit mismatch count, would
-otherwise flag the first wobble).  Charts are one-sided: only the direction that hurts counts.
+floor (a signal that was constant during warm-up would otherwise flag the first wobble).  The
+audit mismatch count has a fixed baseline of 0 instead: every mismatch is a fault, and one
+during warm-up must not become the norm.  Charts are one-sided: only the direction that hurts counts.
 
 Signals (:data:`SIGNALS`; all read from counters the server already keeps):
 
@@ -18,7 +19,8 @@ signal             bad when   sample (unit)
 usage              up         owned blocks / pool blocks (0..1)
 pool_rate          up         pool fragmentation rate (0..1, :mod:`kvkeeper.kvcache.telemetry`)
 prefix_hit_rate    down       prefix-cache hit tokens / looked-up tokens over the interval
-eviction_rate      up         cached blocks evicted per second / pool blocks (1/s)
+eviction_rate      up         cached blocks evicted for new allocations per second / pool blocks
+                              (1/s; blocks a breaker's compaction drops do not count)
 preemption_rate    up         sequences preempted per second (1/s)
 audit_mismatches   up         reuse-audit mismatches in the interval (requests)
 ttft               up         mean time to first token of requests that started in the interval (s)
@@ -55,7 +57,9 @@ log = logging.getLogger(__name__)
 class SignalSpec:
     """One chart: ``direction`` +1 (bad when up) or -1 (bad when down); ``sigma_floor`` in the signal's unit;
     ``gate``: absolute level the signal must pass (in the bad direction) to count; ``gate_rel``: the same as a
-    multiple of its baseline mean (the larger of the two applies for direction +1)."""
+    multiple of its baseline mean (the larger of the two applies for direction +1).  ``fixed_baseline``: the
+    in-control mean is this value, not learnt (sigma = ``sigma_floor``): for a signal whose every nonzero value
+    is a fault, so that a fault during warm-up cannot become the baseline."""
 
     name: str
     direction: int
@@ -63,6 +67,7 @@ class SignalSpec:
     gate: float = 0.0
     gate_rel: float = 0.0
     unit: str = ""
+    fixed_baseline: float | None = None
 
 
 SIGNALS = (
@@ -71,7 +76,7 @@ SIGNALS = (
     SignalSpec("prefix_hit_rate", -1, 0.1, gate=1.0, unit="fraction"),
     SignalSpec("eviction_rate", +1, 0.01, unit="1/s of the pool"),
     SignalSpec("preemption_rate", +1, 0.2, unit="1/s"),
-    SignalSpec("audit_mismatches", +1, 0.05, unit="requests"),
+    SignalSpec("audit_mismatches", +1, 0.05, unit="requests", fixed_baseline=0.0),
     SignalSpec("ttft", +1, 0.05, gate_rel=2.0, unit="s"),
 )
 
@@ -123,9 +128,9 @@ class EwmaChart:
         self.warmup = warmup
         self.gate = spec.gate if gate is None else gate
         self._base: list[float] = []
-        self.mu: float | None = None
-        self.sigma: float | None = None
-        self.z: float | None = None
+        self.mu: float | None = spec.fixed_baseline
+        self.sigma: float | None = None if spec.fixed_baseline is None else spec.sigma_floor
+        self.z: float | None = spec.fixed_baseline
         self.n = 0  # samples since the baseline was set
         self.value: float | None = None
 
@@ -211,14 +216,17 @@ class CounterDeltas:
         return out
 
 
-def engine_counters(engine, auditor=None, ttft_sum: float = 0.0, ttft_count: int = 0) -> dict:
+def engine_counters(engine, auditor=None, ttft_sum: float = 0.0, ttft_count: int = 0, breaker=None,
+                    stats=None) -> dict:
     """The counters :class:`CounterDeltas` reads, from an :class:`~kvkeeper.engine.llm_engine.LLMEngine`
-    (its pool, prefix-cache and scheduler counters), a reuse auditor (None: no mismatches) and the TTFT
-    sum (seconds) and count the caller keeps."""
-    st = engine.pool_stats()
+    (its pool, prefix-cache and scheduler counters), a reuse auditor (None: no mismatches), the TTFT
+    sum (seconds) and count the caller keeps, and a circuit breaker whose compactions' evictions are left
+    out of the eviction count (None: none).  ``stats``: a fresh ``engine.pool_stats()`` (None: taken here)."""
+    st = stats if stats is not None else engine.pool_stats()
+    dropped = breaker.evicted_blocks if breaker is not None else 0
     return {"usage": st.usage, "pool_rate": st.pool_rate, "num_blocks": st.num_blocks,
             "prefix_query_tokens": engine.kv.query_tokens, "prefix_hit_tokens": engine.kv.hit_tokens,
-            "evictions": engine.pool.evictions, "preemptions": engine.scheduler.num_preemptions,
+            "evictions": engine.pool.evictions - dropped, "preemptions": engine.scheduler.num_preemptions,
             "audit_mismatches": auditor.mismatches if auditor is not None else 0,
             "ttft_sum": ttft_sum, "ttft_count": ttft_count}
 

@@ -124,6 +124,7 @@ class CircuitBreaker:
         self._calm_since: float | None = None
         self.last_stats = None
         self.early_warning = None  # () -> list of signal names; see the module docstring
+        self.evicted_blocks = 0  # cached blocks its compactions evicted (not allocation pressure)
         self._early_on = False
         self._early_at = -math.inf
         engine.step_hooks.append(self.evaluate)
@@ -202,6 +203,7 @@ class CircuitBreaker:
         if "pool_rate" in pool and now - self._early_at >= self.config.cooldown_s:
             self._early_at = now
             res = self.engine.compact()
+            self.evicted_blocks += res["evicted"]
             self._event(0, "early_compact", st, self.engine.pool_stats(), evicted=res["evicted"], moved=res["moved"])
 
     def _relieve(self, st, now: float) -> None:
@@ -233,6 +235,7 @@ class CircuitBreaker:
     def _compact(self, st, log_empty: bool = True) -> None:
         eng = self.engine
         res = eng.compact()
+        self.evicted_blocks += res["evicted"]
         if log_empty or res["evicted"] or res["moved"]:
             self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
 
