@@ -59,7 +59,8 @@ class Episode:
         from kvkeeper.sessions.breaker import BreakerConfig, CircuitBreaker
 
         self.kind, self.args = kind, args
-        self.eng = LLMEngine(num_kv_blocks=args.blocks, validate_every=0, num_threads=args.threads)
+        exact = {"quantization": "none", "kv_dtype": "fp32"} if args.exact else {}
+        self.eng = LLMEngine(num_kv_blocks=args.blocks, validate_every=0, num_threads=args.threads, **exact)
         self.sessions = SessionManager(self.eng)
         self.breaker = CircuitBreaker(self.eng, self.sessions, BreakerConfig())
         self.auditor = ReuseAuditor(args.audit_fraction, seed).attach(self.eng)
@@ -99,7 +100,9 @@ class Episode:
         self.max_frag = max(self.max_frag, c["pool_rate"])
         self.health.observe(c, now)
         if self.breaker.trips > len(self.trips):  # the breaker (a step hook before this one) tripped
-            self.trips.append((now, wall))
+            st = self.breaker.last_stats
+            why = "usage" if st.usage >= self.breaker.config.usage_threshold else "fragmentation"
+            self.trips.append((now, wall, why))
         for ev in list(self.health.events)[len(self.warnings):]:
             self.warnings.append({"t": ev["t_mono"], "wall_s": round(wall, 2), "event": ev["event"],
                                   "signals": [r["signal"] for r in ev["reasons"]]})
@@ -206,7 +209,8 @@ class Episode:
                 "steps": self.step_no, "wall_s": round(time.monotonic() - self.t0, 1),
                 "warnings": self.warnings, "true_positive": len(tp),
                 "false_positive": len(opened) - len(tp), "detected": bool(tp),
-                "trips": [{"step": t[0], "wall_s": round(t[1], 2)} for t in self.trips],
+                "trips": [{"step": t[0], "wall_s": round(t[1], 2), "on": t[2]} for t in self.trips],
+                "first_trip_on": trips[0][2] if trips else None,
                 "first_warning_step": tp[0]["t"] if tp else None,
                 "first_trip_step": trips[0][0] if trips else None,
                 "lead_steps": lead, "lead_time_s": lead_s, "audit_mismatches": self.auditor.mismatches, "audits": self.auditor.total,
@@ -229,7 +233,8 @@ def summarize(eps: list[dict], args, soak: dict | None) -> dict:
                            "false_positive": sum(e["false_positive"] for e in es),
                            "signals": sorted({s for e in es for w in e["warnings"] for s in w["signals"]}),
                            "lead": [(e["lead_steps"], e["lead_time_s"]) for e in es if e["lead_steps"] is not None],
-                           "trips": sum(1 for e in es if e["first_trip_step"] is not None)}
+                           "trips": sum(1 for e in es if e["first_trip_step"] is not None),
+                           "trip_on": sorted({e["first_trip_on"] for e in es if e["first_trip_on"]})}
     # fault-free time: control episodes whole, the others before their onset
     free_s = sum(e["wall_s"] if e["kind"] == "control" else e["onset_wall_s"] for e in eps)
     out = {"precision": tp / (tp + fp) if tp + fp else None,
@@ -250,13 +255,14 @@ def markdown(res: dict) -> str:
     lines = [f"Health detector: precision {pr}, recall {rc} ({s['true_positive_warnings']} true / "
              f"{s['false_positive_warnings']} false warnings); {a['repeats']} episodes per kind, onset at step "
              f"{a['pre']}, horizon {a['horizon']} steps, a sample every {a['sample_every']} steps, {a['blocks']} blocks, "
-             f"audit fraction {a['audit_fraction']}, early signal {'off' if a['no_early_signal'] else 'on'}.\n",
-             "| episode kind | detected | false warnings | warning signals | breaker tripped | lead: steps (s) |",
+             f"audit fraction {a['audit_fraction']}, early signal {'off' if a['no_early_signal'] else 'on'}, "
+             f"{'float32 weights and KV (exact path)' if a['exact'] else 'gguf weights, bf16 KV (the defaults)'}.\n",
+             "| episode kind | detected | false warnings | warning signals | breaker tripped (first trip on) | lead: steps (s) |",
              "|---|---|---|---|---|---|"]
     for k, v in s["per_kind"].items():
         lt = ", ".join(f"{n:+.0f} ({x:+.1f})" for n, x in v["lead"]) or "-"
         lines.append(f"| {k} | {v['detected']}/{v['episodes']} | {v['false_positive']} | "
-                     f"{', '.join(v['signals']) or '-'} | {v['trips']}/{v['episodes']} | {lt} |")
+                     f"{', '.join(v['signals']) or '-'} | {v['trips']}/{v['episodes']} ({', '.join(v['trip_on']) or '-'}) | {lt} |")
     lines.append(f"\nFalse alarms in the eval's fault-free time ({s['fault_free_seconds']} s): "
                  f"{s['false_positive_warnings']}.")
     if "soak" in s:
@@ -279,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--horizon", type=int, default=240, help="engine steps after the onset")
     ap.add_argument("--session-every", type=int, default=6, help="overload_sessions: steps between new sessions")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--exact", action="store_true", help="float32 weights and KV (quantization none, kv fp32)")
     ap.add_argument("--no-early-signal", action="store_true", help="the breaker ignores the detector")
     ap.add_argument("--soak-json", help="a benchmarks/soak.py JSON: its fault-free false-alarm rate")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))

@@ -7,9 +7,10 @@ Starts a server (a subprocess on a free 127.0.0.1 port, ``--data-dir`` in a temp
 and runs ``--users`` simulated users (asyncio; the official ``openai`` client for completions, ``httpx`` for the
 session endpoints).  Each user holds multi-turn sessions (``X-Session-ID``), one conversation after another: the
 two turns of an MT-Bench question or up to six turns of a Topical-Chat conversation (its first speaker's lines).
-Per turn, at random: streaming or not; a streaming request hangs up after two chunks (a tenth of them; the user then
-asks again, retrying while the server answers 409 because it is still aborting the turn); the session is offloaded to the host or disk tier afterwards (an eighth of turns).  Between
-conversations a user asks a one-off question with ``n=2``.  A finished conversation's session is deleted, or left
+Per turn, at random: streaming or not; a streaming request hangs up after two chunks (a tenth of them,
+``--hangup-fraction``; the user then asks again, retrying while the server answers 409 because it is still aborting
+the turn); the session is offloaded to the host or disk tier afterwards (an eighth of turns, ``--offload-fraction``).
+Between conversations a user asks a one-off question with ``n=2``.  A finished conversation's session is deleted, or left
 open (a third of them; the oldest left-open ones are deleted later).  Halfway through, the users pause, the server
 is stopped (SIGTERM: it saves its sessions to disk) and started again on the same data directory; the sessions open
 before must be listed again (restored from disk) and the users carry on with them.
@@ -262,7 +263,7 @@ async def _turn(run: Run, oai, http, rng: random.Random, sid: str, history: list
     """One user turn of a session (asked again after a hang-up); False when the request failed."""
     history.append({"role": "user", "content": text})
     stream = rng.random() < 0.6
-    hang = stream and rng.random() < 0.1
+    hang = stream and rng.random() < run.args.hangup_fraction
     if hang:
         run.counts["hung_up"] += 1
         await _complete(run, oai, history, sid, True, True, 1)
@@ -274,7 +275,7 @@ async def _turn(run: Run, oai, http, rng: random.Random, sid: str, history: list
         history.pop()
         return False
     history.append({"role": "assistant", "content": answer})
-    if rng.random() < 0.125:
+    if rng.random() < run.args.offload_fraction:
         run.counts["offloads"] += 1
         await _session_call(run, http, "POST", f"/v1/sessions/{sid}/offload?tier={rng.choice(['host', 'disk'])}")
     return True
@@ -560,6 +561,18 @@ def _f(x):
     return "n/a" if x is None else f"{x:.3f}"
 
 
+def dumps(res: dict) -> str:
+    """The report as JSON: one line per sample and per request (times rounded to 0.1 ms), the rest indented."""
+    def rnd(v):
+        return round(v, 4) if isinstance(v, float) else v
+
+    rows = {k: [json.dumps({a: rnd(b) for a, b in x.items()}, separators=(",", ":")) for x in res[k]]
+            for k in ("samples", "requests")}
+    head = json.dumps({k: v for k, v in res.items() if k not in rows}, indent=1)[:-2]
+    parts = [f',\n "{k}": [\n  ' + ",\n  ".join(v) + "\n ]" for k, v in rows.items()]
+    return head + "".join(parts) + "\n}"
+
+
 # ---- main --------------------------------------------------------------------------------------------
 async def soak(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="kvkeeper-soak-"))
@@ -605,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--users", type=int, default=4)
     ap.add_argument("--think-s", type=float, default=1.0, help="most seconds a user waits between turns")
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--hangup-fraction", type=float, default=0.1, help="streams that hang up after two chunks")
+    ap.add_argument("--offload-fraction", type=float, default=0.125, help="turns followed by an offload")
     ap.add_argument("--audit-fraction", type=float, default=0.25)
     ap.add_argument("--kv-cache-bytes", default="256M")
     ap.add_argument("--threads", type=int, default=1, help="server torch threads (the soak measures no speed)")
@@ -620,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     res["png"] = plot(res, out / f"{args.name}.png")
     md = markdown(res)
-    (out / f"{args.name}.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / f"{args.name}.json").write_text(dumps(res) + "\n")
     (out / f"{args.name}.md").write_text(md)
     print(md)
     if res["errors"]:

@@ -14,10 +14,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_two_minute_soak_passes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # two minutes of load, each server life one: a fit over its second half (30 s) cannot resolve less than
-    # about 10 MiB/min of slope, so the bound is that here (the 30-minute run in the README uses 2 MiB/min)
+    # two minutes of load, each server life one: its second half (30 s) is still warm-up (the allocator grows in
+    # steps of a few MiB), so the bound here, 30 MiB/min, catches only gross leaks (the 30-minute run: 2 MiB/min)
+    # the exact float32 path (weights and KV): its audit tolerance sits just above fp32 noise, so a mismatch is a
+    # wrong block; with the default gguf weights and bf16 KV the audit flags rounding on a few percent of long
+    # prompts (README: Soak test)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "2", "--users", "3", "--sample-s", "2",
-           "--rss-slope-bound", "10", "--out", str(tmp_path), "--name", "soak2"]
+           "--rss-slope-bound", "30", "--max-tokens", "12",
+           "--hangup-fraction", "0.3", "--offload-fraction", "0.3", "--out", str(tmp_path), "--name", "soak2",
+           "--server-arg=--quantization", "--server-arg=none", "--server-arg=--kv-dtype", "--server-arg=fp32"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     res = json.loads((tmp_path / "soak2.json").read_text())
     v, c = res["verdict"], res["counts"]
