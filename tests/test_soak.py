@@ -34,7 +34,8 @@ def test_two_minute_soak_passes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the run did what the soak promises: sessions, streams, hang-ups, n=2, offloads and deletes all happened
     assert min(c["turns"], c["streamed"], c["hung_up"], c["n2"], c["offloads"], c["deletes"]) > 0, c
-    assert res["restart"]["exit_code"] == 0 and len(res["rss"]) == 2
+    # a graceful stop: uvicorn shuts down, the sessions are saved, and it re-raises SIGTERM (exit status -15)
+    assert res["restart"]["exit_code"] in (0, -15) and len(res["rss"]) == 2
     s = res["samples"]
     assert s and all(x.get("rss_mib") and x.get("fds") and x.get("threads") for x in s)
     assert all(x.get(f"blocks_{st}") is not None for x in s for st in ("free", "cached", "owned"))
