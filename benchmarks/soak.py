@@ -145,6 +145,13 @@ def read_metrics(base: str) -> dict[str, float]:
     return out
 
 
+def http_client() -> httpx.AsyncClient:
+    """A client whose idle connections expire (2 s) before uvicorn closes them (its keep-alive timeout, 5 s): else
+    a request sent on a connection the server is closing at that moment fails with a ReadError (seen twice in a
+    30-minute run before this)."""
+    return httpx.AsyncClient(timeout=600, limits=httpx.Limits(keepalive_expiry=2.0))
+
+
 # ---- users --------------------------------------------------------------------------------------------
 class Run:
     """Shared state of the users and the controller."""
@@ -165,7 +172,8 @@ class Run:
     def client(self):
         from openai import AsyncOpenAI
 
-        return AsyncOpenAI(base_url=self.server.base + "/v1", api_key="soak", max_retries=0, timeout=600)
+        return AsyncOpenAI(base_url=self.server.base + "/v1", api_key="soak", max_retries=0, timeout=600,
+                           http_client=http_client())
 
     def fail(self, what: str, status: int | None) -> None:
         if status is None:
@@ -285,7 +293,7 @@ async def user(run: Run, k: int) -> None:
     rng = random.Random(run.args.seed * 1000 + k)
     oai = run.client()
     left_open: list[str] = []
-    async with httpx.AsyncClient(timeout=600) as http:
+    async with http_client() as http:
         j = 0
         while not run.stop:
             turns = rng.choice(run.convs)
