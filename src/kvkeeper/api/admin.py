@@ -9,6 +9,9 @@ only by a second app bound to 127.0.0.1 (:func:`kvkeeper.api.app.create_admin_ap
   safetensors file (:mod:`kvkeeper.diagnostics.kvdump`); ``tenant`` (admins only) names another
   tenant's session.
 * ``GET /admin/breaker`` -- the KV circuit breaker: tier, trips, action counts, recent events.
+* ``GET /admin/health`` -- the cache-health detector's state
+  (:meth:`kvkeeper.diagnostics.health.HealthMonitor.snapshot`): score, whether a warning is open, each
+  signal's EWMA, baseline and control limit, and the warning events with their reasons.
 
 * ``GET /admin/kv.json`` -- the block map document of :mod:`kvkeeper.kvcache.blockmap` (built on
   the engine thread through ``AsyncEngine.call``; one letter per block for its state, an owner
@@ -341,3 +344,12 @@ async def breaker_state(request: Request):
     if br is None:
         return {"tier": 0, "enabled": False}
     return await request.app.state.engine.call(lambda _: br.snapshot())
+
+
+@router.get("/admin/health", dependencies=[Depends(admin_caller)])
+async def health_state(request: Request):
+    """The cache-health detector (kvkeeper.diagnostics.health): score, charts, warning events."""
+    engine = request.app.state.engine
+    if engine.health is None:
+        return {"enabled": False, "score": 1.0, "events": []}
+    return {"enabled": True, **await engine.call(lambda _: engine.health.snapshot())}

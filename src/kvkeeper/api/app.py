@@ -14,6 +14,7 @@ Endpoints::
     GET    /admin/kv                live KV block map page (HTML); /admin/kv.json its data (kvkeeper.api.admin)
     GET    /admin/kv/dump           ?session=ID[&tenant=T&layers=0,5&start=N&end=M]: the session's K/V (safetensors)
     GET    /admin/breaker           the KV circuit breaker: tier, trips, action counts, recent events
+    GET    /admin/health            the cache-health detector: score, signals, warning events (kvkeeper.api.admin)
 
 Keys (:mod:`kvkeeper.api.auth`): with API keys every route but ``/health``, ``/metrics`` and ``/openapi.json`` needs
 ``Authorization: Bearer <key>`` (401 otherwise); sessions and the cache namespace belong to the key's

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ..argtypes import port as port_number, positive_int, size
 from ..diagnostics.audit import AuditConfig, ReuseAuditor
+from ..diagnostics.health import HealthConfig, HealthMonitor, gates_from_breaker
 from ..options import option
 from ..sessions.breaker import BreakerConfig, CircuitBreaker
 from ..sessions.manager import SessionConfig, SessionManager
@@ -82,11 +83,13 @@ class ServerConfig:
 
 
 def build_server(engine, config: ServerConfig | None = None, sessions: SessionConfig | None = None,
-                 breaker: BreakerConfig | None = None, audit: AuditConfig | None = None):
+                 breaker: BreakerConfig | None = None, audit: AuditConfig | None = None,
+                 health: HealthConfig | None = None):
     """The FastAPI app serving ``engine`` (an :class:`LLMEngine`), with its parts attached.
 
     sessions: the offload tiers of the server's sessions; breaker: the circuit breaker's thresholds
-    (used when ``config.breaker``); audit: the reuse audit's sample.  With ``config.admin_port`` the
+    (used when ``config.breaker``); audit: the reuse audit's sample; health: the cache-health detector's
+    settings (its gates follow the breaker's thresholds; its warnings are the breaker's early signal).  With ``config.admin_port`` the
     ``/admin/*`` routes are left out of the app and served by ``app.state.admin_app`` (:func:`run_server`).
     Logs a warning when the server has no API keys.  Raises ValueError for an unknown trace exporter, a bad
     API key or keys file, or an engine that already serves an app (one server per engine: a second one would
@@ -102,11 +105,16 @@ def build_server(engine, config: ServerConfig | None = None, sessions: SessionCo
                     "session and use /admin; fine on a machine of your own, not on a shared network")
     name = config.served_model_name or engine.model_name
     manager = SessionManager(engine, sessions or SessionConfig())
-    br = CircuitBreaker(engine, manager, breaker or BreakerConfig()) if config.breaker else None
+    breaker = breaker or BreakerConfig()
+    br = CircuitBreaker(engine, manager, breaker) if config.breaker else None
+    monitor = HealthMonitor(gates_from_breaker(health or HealthConfig(), breaker))
+    if br is not None:
+        br.early_warning = monitor.active_signals
     auditor = ReuseAuditor.from_config(audit or AuditConfig()).attach(engine)
     tracer = configure_tracing(config.trace_exporter, config.otlp_traces_endpoint)
     aeng = AsyncEngine(engine, manager, max_queue=config.max_queue, max_new_tokens=config.max_new_tokens,
-                       tracer=RequestTracer(tracer, name) if tracer is not None else None, breaker=br, auditor=auditor)
+                       tracer=RequestTracer(tracer, name) if tracer is not None else None, breaker=br, auditor=auditor,
+                       health=monitor)
     configure_access_log(config.access_log)
     app = create_app(aeng, name, config.max_body_bytes, config.refuse_unknown_fields, keys,
                      admin_routes=config.admin_port is None)

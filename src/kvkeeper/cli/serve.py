@@ -10,6 +10,7 @@ import socket
 from ..api.server import ServerConfig
 from ..cluster.config import ClusterConfig, ReplicaSpec
 from ..diagnostics.audit import AuditConfig
+from ..diagnostics.health import HealthConfig
 from ..errors import KVKeeperError
 from ..options import add_options, from_args
 from ..sessions.breaker import BreakerConfig
@@ -25,6 +26,7 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
     add_options(s.add_argument_group("KV circuit breaker (see README: Circuit breaker)"), BreakerConfig)
     add_options(s.add_argument_group("session offload tiers"), SessionConfig)
     add_options(s.add_argument_group("reuse audit"), AuditConfig)
+    add_options(s.add_argument_group("cache-health detector (see README: Cache-health prediction)"), HealthConfig)
     add_options(s.add_argument_group("replicas on Ray Serve (README: Scale-out on Ray Serve)"), ClusterConfig)
     s.set_defaults(func=cmd_serve)
 
@@ -48,6 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return EXIT_ERROR
     try:
         breaker = from_args(BreakerConfig, args)
+        health = from_args(HealthConfig, args)
     except ValueError as e:
         stderr(f"error: {e}", None)
         return EXIT_ERROR
@@ -73,10 +76,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if config.admin_port is not None:
             raise CLIError("--admin-port is not served with --replicas (each replica keeps its admin routes on "
                            "the main port); leave it out")
-        return _serve_cluster(args, config, sessions, breaker, cluster)
+        return _serve_cluster(args, config, sessions, breaker, cluster, health)
     engine = load_engine(args)
     config.served_model_name = config.served_model_name or args.model
-    app = build_server(engine, config, sessions, breaker if config.breaker else None, from_args(AuditConfig, args))
+    app = build_server(engine, config, sessions, breaker if config.breaker else None, from_args(AuditConfig, args),
+                       health)
     stderr(f"serving {config.served_model_name} on http://{config.host}:{config.port}/v1")
     if config.admin_port is not None:
         stderr(f"admin routes on http://127.0.0.1:{config.admin_port}/admin/kv")
@@ -85,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_cluster(args, config: ServerConfig, sessions: SessionConfig, breaker: BreakerConfig,
-                   cluster: ClusterConfig) -> int:
+                   cluster: ClusterConfig, health: HealthConfig) -> int:
     """``--replicas N`` / ``--ray-address``: the engine replicas on Ray Serve, until interrupted."""
     import signal
     import time
@@ -102,7 +106,7 @@ def _serve_cluster(args, config: ServerConfig, sessions: SessionConfig, breaker:
         sessions.checkpoint_every_s = 5.0  # a shared data dir: sessions outlive their replica
     config.served_model_name = config.served_model_name or args.model
     spec = ReplicaSpec(from_args(EngineConfig, args), config, sessions, breaker if config.breaker else None,
-                       from_args(AuditConfig, args), cluster.torch_threads, cluster.summary_size)
+                       from_args(AuditConfig, args), cluster.torch_threads, cluster.summary_size, health)
     try:
         deployment.start(spec, cluster, config.host, config.port)
         # after ray.init, which installs its own SIGTERM handler in the driver: SIGTERM drains like Ctrl-C

@@ -45,7 +45,7 @@ class ClusterConfig:
 
 @dataclass
 class ReplicaSpec:
-    """What one engine replica is built from: the engine, server, session, breaker and audit configs."""
+    """What one engine replica is built from: the engine, server, session, breaker, audit and health configs."""
 
     engine: Any
     server: Any
@@ -54,3 +54,4 @@ class ReplicaSpec:
     audit: Any = None
     torch_threads: int = 1
     summary_size: int = DEFAULT_SUMMARY_SIZE
+    health: Any = None

@@ -146,7 +146,7 @@ class EngineReplica:
 
         torch.set_num_threads(spec.torch_threads)
         engine = LLMEngine(spec.engine)
-        self.app = build_server(engine, spec.server, spec.sessions, spec.breaker, spec.audit)
+        self.app = build_server(engine, spec.server, spec.sessions, spec.breaker, spec.audit, spec.health)
         self.aeng = self.app.state.engine
         self.aeng.start()
         self.summary = PrefixSummary(spec.summary_size)
