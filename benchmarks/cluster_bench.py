@@ -15,7 +15,13 @@ TTFT p50 / p99 of turns 3 and later (s, request sent to first content chunk), ou
 Targets (issue 16): the router keeps >= 90% of the single replica's hit rate and >= 2x the default's.
 
     .venv/bin/python benchmarks/cluster_bench.py [--sessions 16] [--turns 8] [--max-tokens 16]
-        [--lock /work/.cpu.lock] [--out benchmarks/results]
+        [--pressure 0.65 [--kv-blocks N] [--pressure-only]] [--lock /work/.cpu.lock] [--out benchmarks/results]
+
+``--pressure F``: after the three set-ups with the default KV pool (1 GiB per replica, far more than the
+sessions need), run them again with each replica's pool at F x the KV blocks all sessions hold after their
+last turn (measured on the 1-replica set-up) and no host offload tier (``--kv-blocks N
+--host-offload-bytes 0``): the case where a replica cannot keep every session, so that routing decides
+what stays cached.  ``--kv-blocks N`` sets that pool directly; ``--pressure-only`` skips the first run.
 
 ``--lock FILE``: hold an exclusive flock on FILE during each set-up (a shared machine).  Writes
 ``OUT/cluster_bench.json`` and ``OUT/cluster_bench.md`` and prints the markdown.
@@ -29,6 +35,7 @@ import contextlib
 import datetime as _dt
 import fcntl
 import json
+import math
 import os
 import re
 import subprocess
@@ -44,6 +51,7 @@ from common import cpu_model, write_report  # noqa: E402
 from serve_bench import pct, user_turns  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 16  # the engine's default --block-size, which the set-ups keep
 SETUPS = [("1 replica", 1, "kvkeeper"), ("2 replicas, kvkeeper router", 2, "kvkeeper"),
           ("2 replicas, Ray default router", 2, "default")]
 
@@ -62,10 +70,10 @@ def exclusive(lock: str | None):
 
 
 @contextlib.contextmanager
-def cluster(replicas: int, router: str, log: Path, port: int):
+def cluster(replicas: int, router: str, log: Path, port: int, extra: tuple[str, ...] = ()):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     cmd = [sys.executable, "-m", "kvkeeper.cli", "serve", "--replicas", str(replicas), "--router", router,
-           "--host", "127.0.0.1", "--port", str(port), "--no-access-log"]
+           "--host", "127.0.0.1", "--port", str(port), "--no-access-log", *extra]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         base = f"http://127.0.0.1:{port}"
@@ -128,6 +136,17 @@ def _hit_rate(recs: list[dict]) -> float | None:
     return cached / prompt if prompt else None
 
 
+def session_blocks(per: list[list[dict]]) -> int:
+    """KV blocks the sessions hold after their last turn: sum of ceil((prompt + completion tokens) / block)."""
+    total = 0
+    for recs in per:
+        ok = [r for r in recs if r["status"] == 200 and r["usage"]]
+        if ok:
+            u = ok[-1]["usage"]
+            total += -(-(u["prompt_tokens"] + u["completion_tokens"]) // BLOCK_SIZE)
+    return total
+
+
 def _decisions(metrics: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in
             re.finditer(r'kvkeeper:cluster_routing_decisions_total\{reason="(\w+)"\} (\S+)', metrics)}
@@ -153,6 +172,7 @@ async def workload(base: str, sessions: int, turns: int, max_tokens: int, tag: s
             "uncached_prompt_tokens": sum(r["usage"]["prompt_tokens"] - r["usage"]["prompt_tokens_details"]["cached_tokens"]
                                           for r in ok),
             "throughput_tok_s": sum(r["usage"]["completion_tokens"] for r in ok) / wall,
+            "session_kv_blocks": session_blocks(per),
             "routing_decisions": _decisions(metrics)}
 
 
@@ -160,23 +180,42 @@ def fmt(x, nd=3) -> str:
     return "n/a" if x is None else f"{x:.{nd}f}"
 
 
-def markdown(res: dict) -> str:
-    lines = [f"# Cluster benchmark ({res['date']})", "",
-             f"{res['machine']}; {res['sessions']} concurrent sessions x {res['turns']} turns (Topical-Chat, "
-             f"history resent, X-Session-ID), max_tokens {res['max_tokens']}, greedy, streamed; each replica "
-             f"1 CPU and 1 torch thread; no data directory.  {res['note']}", "",
-             "| set-up | prefix hit rate | hit rate, turns 2+ | prompt tokens prefilled (not cached) "
+def table(setups: dict, targets_: dict) -> list[str]:
+    lines = ["| set-up | prefix hit rate | hit rate, turns 2+ | prompt tokens prefilled (not cached) "
              "| TTFT p50 turns 3+ (s) | TTFT p99 turns 3+ (s) | throughput (tok/s) | errors | routing decisions |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for name, r in res["setups"].items():
+    for name, r in setups.items():
         dec = ", ".join(f"{k} {int(v)}" for k, v in sorted(r["routing_decisions"].items()))
         lines.append(f"| {name} | {fmt(r['hit_rate'])} | {fmt(r['hit_rate_turn2plus'])} | "
                      f"{r['uncached_prompt_tokens']:,} of {r['prompt_tokens']:,} | "
                      f"{fmt(r['ttft_p50_turn3plus_s'])} | {fmt(r['ttft_p99_turn3plus_s'])} | "
                      f"{fmt(r['throughput_tok_s'], 1)} | {r['errors']} | {dec or '-'} |")
-    t = res.get("targets") or {}
-    lines += ["", f"Targets: router hit rate >= 90% of one replica's: {t.get('vs_single')}; "
-              f">= 2x Ray's default router's: {t.get('vs_default')}.", ""]
+    t = targets_ or {}
+    return lines + ["", f"Targets: router hit rate >= 90% of one replica's: {t.get('vs_single')}; "
+                    f">= 2x Ray's default router's: {t.get('vs_default')}.", ""]
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# Cluster benchmark ({res['date']})", "",
+             f"{res['machine']}; {res['sessions']} concurrent sessions x {res['turns']} turns (Topical-Chat, "
+             f"history resent, X-Session-ID), max_tokens {res['max_tokens']}, greedy, streamed; each replica "
+             f"1 CPU and 1 torch thread; no data directory.  {res['note']}", ""]
+    if res["setups"]:
+        lines += ["## KV pool per replica: the default (1 GiB, host offload tier 1 GiB)", ""]
+        lines += table(res["setups"], res.get("targets"))
+    pr = res.get("pressure")
+    if pr:
+        need = f"{pr['need_blocks']} blocks" if pr.get("need_blocks") else "not measured in this run"
+        lines += [f"## KV pool per replica under pressure: {pr['kv_blocks']} blocks of {BLOCK_SIZE} tokens, "
+                  "no host offload tier", "",
+                  f"`--kv-blocks {pr['kv_blocks']} --host-offload-bytes 0` on every replica: "
+                  f"{fmt(pr['fraction'], 2)} of the KV all sessions hold after their last turn "
+                  f"({need}, measured on the 1-replica set-up with the default pool: sum over sessions of "
+                  f"ceil((prompt + completion tokens of the last turn) / {BLOCK_SIZE})).  Under affinity each "
+                  "of 2 replicas holds about half of it; under random routing a session's copies on both "
+                  "replicas compete for the pool, and idle sessions' KV is dropped (only the prefix cache "
+                  "keeps their blocks until evicted).", ""]
+        lines += table(pr["setups"], pr.get("targets"))
     return "\n".join(lines)
 
 
@@ -193,26 +232,61 @@ def targets(setups: dict) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_setups(a, logs: Path, extra: tuple[str, ...], tag: str) -> dict:
+    """The three set-ups, one server each, ``extra`` serve flags on every replica; results by set-up name."""
+    out = {}
+    for i, (name, n, router) in enumerate(SETUPS):
+        with exclusive(a.lock), cluster(n, router, logs / f"{tag}{i}.log", a.port, extra) as base:
+            r = asyncio.run(workload(base, a.sessions, a.turns, a.max_tokens, f"{tag}{i}"))
+        out[name] = r
+        print(f"{name} ({tag}): {json.dumps(r)}", file=sys.stderr, flush=True)
+    return out
+
+
+def pressure_run(a, logs: Path, need: int | None) -> dict:
+    """The set-ups again with each replica's pool at ``a.pressure`` x ``need`` blocks (or ``a.kv_blocks``)."""
+    if a.kv_blocks is None and not need:
+        raise SystemExit("--pressure needs the default-pool run (to measure the sessions' KV) or --kv-blocks N")
+    blocks = a.kv_blocks or math.ceil(a.pressure * need)
+    extra = ("--kv-blocks", str(blocks), "--host-offload-bytes", "0")
+    setups = run_setups(a, logs, extra, "p")
+    return {"kv_blocks": blocks, "need_blocks": need, "fraction": blocks / need if need else None,
+            "host_offload_bytes": 0, "setups": setups, "targets": targets(setups)}
+
+
+def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--port", type=int, default=18431)
+    ap.add_argument("--pressure", type=float, default=0.0, metavar="F",
+                    help="also run the set-ups with each replica's KV pool at F x the blocks all sessions hold "
+                         "(measured on the 1-replica default-pool set-up) and no host offload tier; 0 = skip")
+    ap.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                    help="the pressure run's pool per replica in blocks (instead of F x the measured need)")
+    ap.add_argument("--pressure-only", action="store_true", help="skip the default-pool run (needs --kv-blocks)")
     ap.add_argument("--lock", default=None, help="flock this file exclusively during each set-up")
     ap.add_argument("--note", default="", help="a line about the machine's state, for the report")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     a = ap.parse_args(argv)
+    if a.pressure_only and a.kv_blocks is None:
+        ap.error("--pressure-only needs --kv-blocks N (the need is measured on the default-pool run)")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     res = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": f"{cpu_model()}, {os.cpu_count()} CPUs", "sessions": a.sessions, "turns": a.turns,
            "max_tokens": a.max_tokens, "note": a.note, "setups": {}}
     logs = Path(tempfile.mkdtemp(prefix="cluster-bench-"))
-    for i, (name, n, router) in enumerate(SETUPS):
-        with exclusive(a.lock), cluster(n, router, logs / f"setup{i}.log", a.port) as base:
-            r = asyncio.run(workload(base, a.sessions, a.turns, a.max_tokens, f"s{i}"))
-        res["setups"][name] = r
-        print(f"{name}: {json.dumps(r)}", file=sys.stderr, flush=True)
-    res["targets"] = targets(res["setups"])
+    if not a.pressure_only:
+        res["setups"] = run_setups(a, logs, (), "s")
+        res["targets"] = targets(res["setups"])
+    if a.pressure or a.kv_blocks or a.pressure_only:
+        need = res["setups"].get(SETUPS[0][0], {}).get("session_kv_blocks")
+        res["pressure"] = pressure_run(a, logs, need)
     a.out.mkdir(parents=True, exist_ok=True)
     write_report(a.out, "cluster_bench", res, markdown(res))
     return 0
