@@ -19,9 +19,10 @@ Targets (issue 16): the router keeps >= 90% of the single replica's hit rate and
 
 ``--pressure F``: after the three set-ups with the default KV pool (1 GiB per replica, far more than the
 sessions need), run them again with each replica's pool at F x the KV blocks all sessions hold after their
-last turn (measured on the 1-replica set-up) and no host offload tier (``--kv-blocks N
---host-offload-bytes 0``): the case where a replica cannot keep every session, so that routing decides
-what stays cached.  ``--kv-blocks N`` sets that pool directly; ``--pressure-only`` skips the first run.
+last turn (measured on the 1-replica set-up) and in effect no host offload tier (``--kv-blocks N
+--host-offload-bytes 1``: a 1-byte tier drops what it gets; the CLI refuses 0): the case where a
+replica cannot keep every session, so that routing decides what stays cached.  ``--kv-blocks N`` sets
+that pool directly; ``--pressure-only`` skips the first run.
 
 ``--lock FILE``: hold an exclusive flock on FILE during each set-up (a shared machine).  Writes
 ``OUT/cluster_bench.json`` and ``OUT/cluster_bench.md`` and prints the markdown.
@@ -208,7 +209,8 @@ def markdown(res: dict) -> str:
         need = f"{pr['need_blocks']} blocks" if pr.get("need_blocks") else "not measured in this run"
         lines += [f"## KV pool per replica under pressure: {pr['kv_blocks']} blocks of {BLOCK_SIZE} tokens, "
                   "no host offload tier", "",
-                  f"`--kv-blocks {pr['kv_blocks']} --host-offload-bytes 0` on every replica: "
+                  f"`--kv-blocks {pr['kv_blocks']} --host-offload-bytes 1` on every replica (a 1-byte host "
+                  "tier drops an offloaded session's KV at once: in effect none; the CLI refuses 0): "
                   f"{fmt(pr['fraction'], 2)} of the KV all sessions hold after their last turn "
                   f"({need}, measured on the 1-replica set-up with the default pool: sum over sessions of "
                   f"ceil((prompt + completion tokens of the last turn) / {BLOCK_SIZE})).  Under affinity each "
@@ -248,10 +250,12 @@ def pressure_run(a, logs: Path, need: int | None) -> dict:
     if a.kv_blocks is None and not need:
         raise SystemExit("--pressure needs the default-pool run (to measure the sessions' KV) or --kv-blocks N")
     blocks = a.kv_blocks or math.ceil(a.pressure * need)
-    extra = ("--kv-blocks", str(blocks), "--host-offload-bytes", "0")
+    # No host tier: the CLI refuses 0 bytes, and a 1-byte tier drops each offloaded session's KV at once
+    # (its full blocks stay in the prefix cache, as with no tier).
+    extra = ("--kv-blocks", str(blocks), "--host-offload-bytes", "1")
     setups = run_setups(a, logs, extra, "p")
     return {"kv_blocks": blocks, "need_blocks": need, "fraction": blocks / need if need else None,
-            "host_offload_bytes": 0, "setups": setups, "targets": targets(setups)}
+            "host_offload_bytes": 1, "setups": setups, "targets": targets(setups)}
 
 
 def parse_args(argv: list[str] | None):
@@ -269,6 +273,7 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--lock", default=None, help="flock this file exclusively during each set-up")
     ap.add_argument("--note", default="", help="a line about the machine's state, for the report")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--name", default="cluster_bench", help="write OUT/NAME.json and OUT/NAME.md")
     a = ap.parse_args(argv)
     if a.pressure_only and a.kv_blocks is None:
         ap.error("--pressure-only needs --kv-blocks N (the need is measured on the default-pool run)")
@@ -288,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         need = res["setups"].get(SETUPS[0][0], {}).get("session_kv_blocks")
         res["pressure"] = pressure_run(a, logs, need)
     a.out.mkdir(parents=True, exist_ok=True)
-    write_report(a.out, "cluster_bench", res, markdown(res))
+    write_report(a.out, a.name, res, markdown(res))
     return 0
 
 
