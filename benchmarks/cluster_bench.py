@@ -206,17 +206,21 @@ def markdown(res: dict) -> str:
         lines += table(res["setups"], res.get("targets"))
     pr = res.get("pressure")
     if pr:
-        need = f"{pr['need_blocks']} blocks" if pr.get("need_blocks") else "not measured in this run"
+        if pr.get("need_blocks"):
+            size = (f"{fmt(pr['fraction'], 2)} of the KV all sessions hold after their last turn "
+                    f"({pr['need_blocks']} blocks, measured on the 1-replica set-up with the default pool: sum "
+                    f"over sessions of ceil((prompt + completion tokens of the last turn) / {BLOCK_SIZE}))")
+        else:
+            size = "a pool given with --kv-blocks (the sessions' KV was not measured in this run)"
         lines += [f"## KV pool per replica under pressure: {pr['kv_blocks']} blocks of {BLOCK_SIZE} tokens, "
                   "no host offload tier", "",
                   f"`--kv-blocks {pr['kv_blocks']} --host-offload-bytes 1` on every replica (a 1-byte host "
-                  "tier drops an offloaded session's KV at once: in effect none; the CLI refuses 0): "
-                  f"{fmt(pr['fraction'], 2)} of the KV all sessions hold after their last turn "
-                  f"({need}, measured on the 1-replica set-up with the default pool: sum over sessions of "
-                  f"ceil((prompt + completion tokens of the last turn) / {BLOCK_SIZE})).  Under affinity each "
-                  "of 2 replicas holds about half of it; under random routing a session's copies on both "
-                  "replicas compete for the pool, and idle sessions' KV is dropped (only the prefix cache "
-                  "keeps their blocks until evicted).", ""]
+                  f"tier drops an offloaded session's KV at once: in effect none; the CLI refuses 0): {size}.  "
+                  "Under affinity each of 2 replicas holds about half of it; under random routing a session's "
+                  "copies on both replicas compete for the pool, and idle sessions' KV is dropped (only the "
+                  "prefix cache keeps their blocks until evicted).  The 1-replica set-up has the same pool, "
+                  "half the 2-replica total, so the router keeping '90% of one replica' is not the issue's "
+                  "comparison here.", ""]
         lines += table(pr["setups"], pr.get("targets"))
     return "\n".join(lines)
 
