@@ -77,3 +77,8 @@ def size(s: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be > 0, got {s!r}")
     return v
+
+
+def size_or_zero(s: str) -> int:
+    """Bytes as :func:`size`, or 0 (the feature off)."""
+    return 0 if s.strip() in ("0", "0B", "0b") else size(s)

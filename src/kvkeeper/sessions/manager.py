@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from ..argtypes import positive_int, size
+from ..argtypes import positive_int, size_or_zero
 from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence, SeqStatus
 from ..errors import InvalidRequestError, KVKeeperError, QuotaExceededError, SessionNotFoundError
@@ -57,7 +57,8 @@ class SessionConfig:
         "--data-dir", "disk tier of session offload: sessions are saved under DIR/sessions and reopened at start "
         "(default: none, no disk tier)", metavar="DIR"))
     host_offload_bytes: int = field(default=DEFAULT_HOST_OFFLOAD_BYTES, metadata=option(
-        "--host-offload-bytes", "host-memory budget of offloaded session KV, suffixes K/M/G allowed (default: 1G)", type=size,
+        "--host-offload-bytes", "host-memory budget of offloaded session KV, suffixes K/M/G allowed; 0 keeps none "
+        "there (offloaded KV moves on to the disk tier, if any) (default: 1G)", type=size_or_zero,
         metavar="N"))
     offload_write_delay_s: float = 0.0
     context_policy: str = field(default="full", metadata=option(
