@@ -264,6 +264,9 @@ def test_memory_threshold_retrieves_nothing_unrelated(engine):
         mem.add([(0, "user: my favourite dish is mushroom risotto")], "")
         assert mem.search("quantum chromodynamics lattice", "", 3, 0.5) == []
         assert mem.search("what food do I like best?", "", 3, 0.2)
+        # a conversation may repeat a turn word for word, even among the turns leaving at once: stored once
+        assert mem.add([(1, "user: ok"), (2, "assistant: sure"), (3, "user: ok")], "") == 2
+        assert mem.add([(4, "user: ok")], "") == 0 and mem.count("") == 3
     finally:
         s.close()
 

@@ -118,12 +118,15 @@ class SessionMemory:
         return next(self.db.execute(q, a))[0]
 
     def add(self, items: list[tuple[int, str]], tenant: str) -> int:
-        """Store (turn index, text) items for ``tenant`` (a text already stored is skipped); returns how many."""
-        fresh = []
+        """Store (turn index, text) items for ``tenant`` (a text already stored, or met earlier in ``items``, is
+        skipped: a conversation may repeat a turn word for word); returns how many were stored."""
+        fresh, seen = [], set()
         for turn, text in items:
             d = hashlib.sha256(text.encode()).hexdigest()
-            if next(self.db.execute("select count(*) from turns where tenant = ? and digest = ?", (tenant, d)))[0]:
+            if d in seen or next(self.db.execute("select count(*) from turns where tenant = ? and digest = ?",
+                                                 (tenant, d)))[0]:
                 continue
+            seen.add(d)
             fresh.append((turn, text, d))
         if not fresh:
             return 0
