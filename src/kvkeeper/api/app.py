@@ -34,6 +34,7 @@ from .access_log import AccessLogMiddleware
 from .admin import add_admin_routes
 from .async_engine import AsyncEngine
 from .errors import BodyTooLargeError, install_error_handlers
+from .lora_routes import router as lora_router
 from .openai_routes import router as openai_router
 from .session_routes import router as session_router
 from .streams import EngineDeadError
@@ -97,8 +98,10 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
     app.state.model_name = served_model_name or engine.model_name
     app.state.base_ns = engine.engine.namespace  # frozen: safe to read from any thread
     app.state.created = int(time.time())
+    app.state.allow_runtime_lora = False  # build_server sets --allow-runtime-lora
     install_error_handlers(app, EngineDeadError)
     app.include_router(openai_router)
+    app.include_router(lora_router)
     app.include_router(session_router)
     add_admin_routes(app, engine)
     return app

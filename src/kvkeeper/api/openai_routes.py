@@ -77,18 +77,28 @@ def _model_card(request: Request) -> dict:
     st = request.app.state
     ctx = st.engine.context_length
     return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "kvkeeper",
-            "context_length": ctx, "max_model_len": ctx}
+            "root": str(st.engine.engine.model_path), "parent": None, "context_length": ctx, "max_model_len": ctx}
+
+
+def _adapter_card(request: Request, adapter) -> dict:
+    """A LoRA adapter's card, as vLLM lists one: ``root`` its directory, ``parent`` the base model's id."""
+    card = _model_card(request)
+    return {**card, "id": adapter.name, "root": str(adapter.path), "parent": card["id"]}
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [_model_card(request)]}
+    """The base model, then every loaded LoRA adapter (by name)."""
+    loras = list(request.app.state.engine.engine.loras.values())
+    return {"object": "list", "data": [_model_card(request)] + [_adapter_card(request, a) for a in loras]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request):
-    check_model(model_id, request.app.state.model_name)
-    return _model_card(request)
+    st = request.app.state
+    loras = st.engine.engine.loras
+    check_model(model_id, st.model_name, loras)
+    return _model_card(request) if model_id == st.model_name else _adapter_card(request, loras[model_id])
 
 
 def _chat_delta(d: ChoiceDelta, calls: list[ChoiceCalls] | None) -> tuple[dict, str | None]:
@@ -153,7 +163,7 @@ def _chat_constraint(body: ChatCompletionRequest, tools: ToolUse | None) -> Stru
 
 
 def _check_chat(body: ChatCompletionRequest, request: Request) -> None:
-    check_model(body.model, request.app.state.model_name)
+    check_model(body.model, request.app.state.model_name, request.app.state.engine.engine.loras)
     check_fields(body, request)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -178,7 +188,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     rid = st.engine.new_request_id("chatcmpl")
     gen = GenerationRequest(rid, params, messages=messages, chat=chat, context=context_of(body, request),
                             **_request_fields(body, request))
-    base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": st.model_name}
+    base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": body.model or st.model_name}
     return await respond(request, st.engine, gen, body.stream, _include_usage(body), _chat_renderer(base, body, tools))
 
 
@@ -262,7 +273,7 @@ def _completion_renderer(base: dict, body: CompletionRequest) -> Renderer:
 
 
 def _completion_prompt(body: CompletionRequest, request: Request) -> str | list[int]:
-    check_model(body.model, request.app.state.model_name)
+    check_model(body.model, request.app.state.model_name, request.app.state.engine.engine.loras)
     check_fields(body, request)
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, f"best_of must equal n ({body.n}): candidates are not ranked; ask for n choices instead",
@@ -287,14 +298,15 @@ async def completions(body: CompletionRequest, request: Request):
     params = sampling_of(body, body.max_tokens, body.logprobs, structured_of(body), prompt_lp)
     rid = st.engine.new_request_id("cmpl")
     gen = GenerationRequest(rid, params, prompt=prompt, echo=body.echo, **_request_fields(body, request))
-    base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.model_name}
+    base = {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": body.model or st.model_name}
     return await respond(request, st.engine, gen, body.stream, _include_usage(body), _completion_renderer(base, body))
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request):
     engine = request.app.state.engine
-    check_model(body.model, request.app.state.model_name)
+    check_model(body.model, request.app.state.model_name, request.app.state.engine.engine.loras)
     check_fields(body, request)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt (text) or messages (chat)", param="prompt")
@@ -316,7 +328,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 async def detokenize(body: DetokenizeRequest, request: Request):
     """Token ids back to text (special tokens kept), as vLLM's ``/detokenize``; 400 for an id outside the vocabulary."""
     engine = request.app.state.engine
-    check_model(body.model, request.app.state.model_name)
+    check_model(body.model, request.app.state.model_name, request.app.state.engine.engine.loras)
     check_fields(body, request)
     ids = list(body.tokens)
 

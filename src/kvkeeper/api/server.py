@@ -54,6 +54,12 @@ class ServerConfig:
     refuse_unknown_fields: bool = field(default=True, metadata=option(
         "--ignore-unknown-fields", "ignore request fields this server does not know, instead of answering 400 "
         "naming them (for clients that send extra fields)", action="store_true", negate=True))
+    lora_modules: list[str] = field(default_factory=list, metadata=option(
+        "--lora-modules", "LoRA adapters (PEFT directories) to load at start, selected by NAME in a request's "
+        "model field; repeatable", nargs="+", action="extend", metavar="NAME=PATH"))
+    allow_runtime_lora: bool = field(default=False, metadata=option(
+        "--allow-runtime-lora", "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read "
+        "directories on this machine)", action="store_true"))
     log_level: str = "warning"
 
     @property
@@ -67,14 +73,22 @@ def build_server(engine, config: ServerConfig | None = None, sessions: SessionCo
 
     sessions: the offload tiers of the server's sessions; breaker: the circuit breaker's thresholds
     (used when ``config.breaker``); audit: the reuse audit's sample.  Raises ValueError for an unknown
-    trace exporter or an engine that already serves an app (one server per engine: a second one would run
-    its sessions, breaker and audit hooks twice), and ImportError when the OTLP exporter is missing.
+    trace exporter, a malformed ``--lora-modules`` entry or an engine that already serves an app (one server per engine: a second one would run
+    its sessions, breaker and audit hooks twice), and ImportError when the OTLP exporter is missing; InvalidRequestError for an
+    adapter that cannot be loaded.
     """
     if any(isinstance(h, SessionManager) for h in engine.holders):
         raise ValueError("this engine already has a session manager (it serves an app already): build one server "
                          "per engine")
     config = config or ServerConfig()
     name = config.served_model_name or engine.model_name
+    for name_path in config.lora_modules:  # before anything attaches: a bad adapter stops the start
+        lora_name, sep, path = name_path.partition("=")
+        if not sep or not lora_name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {name_path!r}")
+        if lora_name == name:
+            raise ValueError(f"--lora-modules: {lora_name!r} is the served model's name; name the adapter otherwise")
+        engine.load_lora(lora_name, path)
     manager = SessionManager(engine, sessions or SessionConfig())
     br = CircuitBreaker(engine, manager, breaker or BreakerConfig()) if config.breaker else None
     auditor = ReuseAuditor.from_config(audit or AuditConfig()).attach(engine)
@@ -82,7 +96,9 @@ def build_server(engine, config: ServerConfig | None = None, sessions: SessionCo
     aeng = AsyncEngine(engine, manager, max_queue=config.max_queue, max_new_tokens=config.max_new_tokens,
                        tracer=RequestTracer(tracer, name) if tracer is not None else None, breaker=br, auditor=auditor)
     configure_access_log(config.access_log)
-    return create_app(aeng, name, config.max_body_bytes, config.refuse_unknown_fields)
+    app = create_app(aeng, name, config.max_body_bytes, config.refuse_unknown_fields)
+    app.state.allow_runtime_lora = config.allow_runtime_lora
+    return app
 
 
 def run_server(app, config: ServerConfig) -> None:

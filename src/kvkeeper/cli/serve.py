@@ -57,7 +57,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_port_free(config.host, config.port)  # before the model loads
     engine = load_engine(args)
     config.served_model_name = config.served_model_name or args.model
-    app = build_server(engine, config, sessions, breaker if config.breaker else None, from_args(AuditConfig, args))
+    try:
+        app = build_server(engine, config, sessions, breaker if config.breaker else None,
+                           from_args(AuditConfig, args))
+    except (ValueError, KVKeeperError) as e:  # a malformed or unloadable --lora-modules entry
+        stderr(f"error: {e}", None)
+        return EXIT_ERROR
     stderr(f"serving {config.served_model_name} on http://{config.host}:{config.port}/v1")
     run_server(app, config)
     return EXIT_OK
