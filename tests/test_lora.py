@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper.diagnostics.audit import audit_sequence
 from kvkeeper.errors import InvalidRequestError
 from kvkeeper.sessions.manager import SessionManager
 
@@ -111,6 +112,44 @@ def test_tiny_parity_with_peft(tiny):
     assert outs["a"].output_token_ids != outs[None].output_token_ids != outs["b"].output_token_ids
 
 
+def test_prompt_logprobs_under_adapter(tiny):
+    """prompt_logprobs (the engine's every-position logits path) under an adapter: peft's log-softmax."""
+    _, eng, _, pa, _, _ = tiny
+    ids = _prompt(eng.model_config.vocab_size, n=9, seed=5)
+    seq = eng.add_request(ids, SamplingParams(max_tokens=1, prompt_logprobs=0), lora="a",
+                          namespace=eng.isolated_namespace("plp"))
+    eng.run_until_done([seq])
+    with torch.no_grad():
+        ref = torch.log_softmax(pa(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    got = torch.tensor([e["logprob"] for e in seq.prompt_logprobs[1:]])
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_server_wiring_in_process(tiny):
+    """build_server: --lora-modules entries load (a malformed one or the served name is refused), /v1/models lists
+    them, and the load/unload endpoints answer 403 without --allow-runtime-lora."""
+    from fastapi.testclient import TestClient
+    from kvkeeper.api.server import ServerConfig, build_server
+
+    _, _, _, _, _, folder = tiny
+    eng = LLMEngine(model=str(folder), num_kv_blocks=32, block_size=4)
+    for bad in ("noequals", f"={folder / 'lora-a'}", f"base={folder / 'lora-a'}"):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            build_server(eng, ServerConfig(served_model_name="base", lora_modules=[bad]))
+    app = build_server(eng, ServerConfig(lora_modules=[f"x={folder / 'lora-a'}"]))
+    with TestClient(app) as c:
+        data = c.get("/v1/models").json()["data"]
+        assert [m["id"] for m in data][1:] == ["x"] and data[1]["parent"] == data[0]["id"]
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "y", "lora_path": str(folder / "lora-b")})
+        assert r.status_code == 403 and "--allow-runtime-lora" in r.json()["error"]["message"]
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 403
+        r = c.post("/v1/completions", json={"model": "x", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["model"] == "x"
+        r = c.post("/v1/completions", json={"model": "z", "prompt": [5, 6, 7], "max_tokens": 2})
+        assert r.status_code == 404 and "'z' does not exist" in r.json()["error"]["message"]
+
+
 def test_mixed_batch_equals_each_alone(tiny):
     """A, B and the base model in one batch (prefill and decode steps packed together) give each one's tokens
     and first logits as when run alone."""
@@ -181,6 +220,9 @@ def test_session_switching_adapter_recomputes(tiny):
             eng.run_until_done([seq])
             turns.append(seq)
             ids = list(seq.token_ids)
+            # the reuse audit recomputes the kept KV under the turn's own adapter
+            assert s.kv is seq and seq.lora is (eng.loras[lora] if lora else None)
+            assert audit_sequence(eng, seq, logits=seq.first_logits, num_tokens=seq.num_prompt_tokens).ok, lora
         assert turns[1].num_handed_over > 0  # same adapter: reuse
         assert turns[2].num_handed_over == 0 and turns[2].num_cached_tokens == 0  # a -> b: recomputed
         assert turns[3].num_handed_over == 0 and turns[3].num_cached_tokens == 0  # b -> base: recomputed
@@ -246,17 +288,6 @@ def test_embedded_model_parity_with_peft(engine, hf_reference, tmp_path):
     finally:
         engine.capture_first_logits = False
         engine.unload_lora("smol")
-
-
-def smol_shaped_adapter(engine, out, seed: int) -> None:
-    """A peft adapter for the embedded model's shapes on its first two layers (made on a 2-layer transformers Llama
-    of SmolLM2's widths and a tiny vocabulary: the adapter's tensors do not depend on the rest)."""
-    c = engine.model_config
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                                   head_dim=c.head_dim, num_hidden_layers=2, num_attention_heads=c.num_heads,
-                                   num_key_value_heads=c.num_kv_heads)
-    make_adapter(transformers.AutoModelForCausalLM.from_config(cfg), out, seed=seed, std=1.0, r=8, lora_alpha=32,
-                 target_modules=ALL)
 
 
 def test_adapter_config_is_part_of_the_hash(tiny, tmp_path):
