@@ -21,8 +21,8 @@ from ..sampling.structured import StructuredOutput
 from .access_log import record_usage
 from .errors import APIError
 from .metrics import CONTENT_TYPE
-from .request_parsing import (check_fields, check_model, compression_of, context_of, messages_of, namespace_of,
-                              sampling_of, session_id_of, session_priority_of, structured_of)
+from .request_parsing import (check_fields, check_model, compression_of, context_of, loaded_adapters, messages_of,
+                              namespace_of, sampling_of, session_id_of, session_priority_of, structured_of)
 from .responses import Collected, Renderer, finish_reason, respond
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _SamplingFields
 from .streams import ChoiceDelta, GenerationRequest, RequestStream
@@ -77,7 +77,8 @@ def _model_card(request: Request) -> dict:
     st = request.app.state
     ctx = st.engine.context_length
     return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "kvkeeper",
-            "root": str(st.engine.engine.model_path), "parent": None, "context_length": ctx, "max_model_len": ctx}
+            "root": str(getattr(st.engine.engine, "model_path", st.model_name)), "parent": None,
+            "context_length": ctx, "max_model_len": ctx}
 
 
 def _adapter_card(request: Request, adapter) -> dict:
@@ -89,14 +90,14 @@ def _adapter_card(request: Request, adapter) -> dict:
 @router.get("/v1/models")
 async def models(request: Request):
     """The base model, then every loaded LoRA adapter (by name)."""
-    loras = list(request.app.state.engine.engine.loras.values())
+    loras = list(loaded_adapters(request).values())
     return {"object": "list", "data": [_model_card(request)] + [_adapter_card(request, a) for a in loras]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request):
     st = request.app.state
-    loras = st.engine.engine.loras
+    loras = loaded_adapters(request)
     check_model(model_id, st.model_name, loras)
     return _model_card(request) if model_id == st.model_name else _adapter_card(request, loras[model_id])
 
@@ -163,7 +164,7 @@ def _chat_constraint(body: ChatCompletionRequest, tools: ToolUse | None) -> Stru
 
 
 def _check_chat(body: ChatCompletionRequest, request: Request) -> None:
-    check_model(body.model, request.app.state.model_name, request.app.state.engine.engine.loras)
+    check_model(body.model, request.app.state.model_name, loaded_adapters(request))
     check_fields(body, request)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -273,7 +274,7 @@ def _completion_renderer(base: dict, body: CompletionRequest) -> Renderer:
 
 
 def _completion_prompt(body: CompletionRequest, request: Request) -> str | list[int]:
-    check_model(body.model, request.app.state.model_name, request.app.state.engine.engine.loras)
+    check_model(body.model, request.app.state.model_name, loaded_adapters(request))
     check_fields(body, request)
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, f"best_of must equal n ({body.n}): candidates are not ranked; ask for n choices instead",
@@ -306,7 +307,7 @@ async def completions(body: CompletionRequest, request: Request):
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request):
     engine = request.app.state.engine
-    check_model(body.model, request.app.state.model_name, request.app.state.engine.engine.loras)
+    check_model(body.model, request.app.state.model_name, loaded_adapters(request))
     check_fields(body, request)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt (text) or messages (chat)", param="prompt")
@@ -328,7 +329,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 async def detokenize(body: DetokenizeRequest, request: Request):
     """Token ids back to text (special tokens kept), as vLLM's ``/detokenize``; 400 for an id outside the vocabulary."""
     engine = request.app.state.engine
-    check_model(body.model, request.app.state.model_name, request.app.state.engine.engine.loras)
+    check_model(body.model, request.app.state.model_name, loaded_adapters(request))
     check_fields(body, request)
     ids = list(body.tokens)
 

@@ -30,11 +30,15 @@ def check_model(model: str | None, served: str, adapters=()) -> None:
                             "by their names)", type="not_found_error", param="model", code="model_not_found")
 
 
+def loaded_adapters(request: Request) -> dict:
+    """The engine's loaded LoRA adapters by name (``LLMEngine.loras``; a read from the handler's thread)."""
+    return getattr(request.app.state.engine.engine, "loras", {})
+
+
 def adapter_of(model: str | None, request: Request) -> str | None:
     """The LoRA adapter a request's ``model`` field selects (None: the base model); 404 naming an unknown model."""
     st = request.app.state
-    loras = st.engine.engine.loras
-    check_model(model, st.model_name, loras)
+    check_model(model, st.model_name, loaded_adapters(request))
     return model if model is not None and model != st.model_name else None
 
 
