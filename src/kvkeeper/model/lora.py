@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -94,6 +95,34 @@ class LoRAAdapter:
     @property
     def num_parameters(self) -> int:
         return sum(a.numel() + b.numel() for ps in self.parts.values() for _, a, b in ps)
+
+    def __post_init__(self):
+        # per fused module: the A matrices of its parts stacked (one x @ A^T for q, k and v together) and, per
+        # part, (column offset, its rows of that product, B)
+        self.stacked: dict[tuple[int, str], tuple[torch.Tensor, list]] = {}
+        for key, parts in self.parts.items():
+            r0, rows = 0, []
+            for off, a, b in parts:
+                rows.append((off, r0, r0 + a.shape[0], b))
+                r0 += a.shape[0]
+            self.stacked[key] = (torch.cat([a for _, a, _ in parts]), rows)
+
+    def delta(self, key: tuple[int, str], x: torch.Tensor, width: int) -> torch.Tensor | None:
+        """The low-rank term of fused module ``key`` = (layer, name) for inputs x (M, in): (M, width) in x's
+        dtype, or None when the adapter does not touch that module."""
+        st = self.stacked.get(key)
+        if st is None:
+            return None
+        a, parts = st
+        xa = x @ a.t()  # (M, sum of the parts' ranks)
+        ys = [(off, xa[:, r0:r1] @ b.t()) for off, r0, r1, b in parts]
+        if [off for off, _ in ys] == list(itertools.accumulate([0] + [y.shape[1] for _, y in ys[:-1]])) and \
+                sum(y.shape[1] for _, y in ys) == width:  # the parts tile the output: no zeros to fill
+            return ys[0][1] if len(ys) == 1 else torch.cat([y for _, y in ys], dim=1)
+        out = torch.zeros(x.shape[0], width, dtype=x.dtype, device=x.device)
+        for off, y in ys:
+            out[:, off: off + y.shape[1]] += y
+        return out
 
 
 def _read_config(path: Path) -> tuple[dict, bytes]:
@@ -223,17 +252,15 @@ class LoRAHooks:
         def add_lora(module, inputs, out):
             if not self._rows:
                 return None
-            x, delta = inputs[0], None
+            x, delta, key = inputs[0], None, (layer, name)
+            if len(self._rows) == 1 and self._rows[0][1].numel() == x.shape[0]:  # one adapter, every token
+                ys = self._rows[0][0].delta(key, x, out.shape[-1])
+                return None if ys is None else out + ys
             for adapter, rows in self._rows:
-                parts = adapter.parts.get((layer, name))
-                if not parts:
-                    continue
-                xs = x.index_select(0, rows)
-                ys = torch.zeros(rows.numel(), out.shape[-1], dtype=out.dtype, device=out.device)
-                for off, a, b in parts:
-                    ys[:, off: off + b.shape[0]] += (xs @ a.t()) @ b.t()
-                delta = torch.zeros_like(out) if delta is None else delta
-                delta.index_add_(0, rows, ys)
+                ys = adapter.delta(key, x.index_select(0, rows), out.shape[-1])
+                if ys is not None:
+                    delta = torch.zeros_like(out) if delta is None else delta
+                    delta.index_add_(0, rows, ys)
             return None if delta is None else out + delta
         return add_lora
 
