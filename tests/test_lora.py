@@ -241,6 +241,13 @@ def test_adapter_errors(tiny, tmp_path, tokenizer):
     ids = _prompt(eng.model_config.vocab_size, n=5)
     with pytest.raises(InvalidRequestError, match="'nope' is not loaded"):
         eng.add_request(ids, GREEDY, lora="nope")
+    with pytest.raises(InvalidRequestError, match="'nope' is not loaded"):
+        eng.add_request(ids, GREEDY, lora="nope", namespace=eng.lora_namespace("a"))
+    with pytest.raises(InvalidRequestError, match="conflicts"):
+        eng.add_request(ids, GREEDY, lora="b", namespace=eng.lora_namespace("a"))
+    with pytest.raises(InvalidRequestError, match="2 adapter names for 1 prompts"):
+        eng.generate([ids], GREEDY, lora=["a", "b"])
+    assert not eng.has_unfinished()
     with pytest.raises(InvalidRequestError, match="already been loaded"):
         eng.load_lora("a", tmp_path)
     other = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8,

@@ -307,10 +307,11 @@ class LLMEngine:
         """(namespace, adapter or None) of a request: ``lora`` names an adapter, or the namespace's
         ``adapter`` is a loaded adapter's id."""
         if lora is not None:
-            if namespace.adapter and namespace.adapter != self.loras.get(lora, namespace).id:
+            wanted = self.lora_namespace(lora, namespace)
+            if namespace.adapter and namespace.adapter != wanted.adapter:
                 raise InvalidRequestError(f"lora={lora!r} conflicts with the namespace's adapter "
                                           f"{namespace.adapter!r}", param="lora")
-            namespace = self.lora_namespace(lora, namespace)
+            namespace = wanted
         if not namespace.adapter:
             return namespace, None
         for a in self.loras.values():
@@ -464,6 +465,8 @@ class LLMEngine:
         """
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         llist = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(llist) != len(prompts):
+            raise InvalidRequestError(f"lora: {len(llist)} adapter names for {len(prompts)} prompts", param="lora")
         seqs = [self.add_request(p, sp, namespace=namespace, compression=compression, lora=a)
                 for p, sp, a in zip(prompts, plist, llist)]
         self.run_until_done(seqs)
