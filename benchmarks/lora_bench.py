@@ -35,9 +35,10 @@ def make_adapter(out: Path, cfg, rank: int, seed: int) -> Path:
     import peft
     import transformers
 
-    hf_cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                                      head_dim=cfg.head_dim, num_hidden_layers=cfg.num_layers,
-                                      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads)
+    hf_cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=cfg.hidden_size,
+                                      intermediate_size=cfg.intermediate_size, head_dim=cfg.head_dim,
+                                      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                                      num_key_value_heads=cfg.num_kv_heads)
     pm = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(hf_cfg), peft.LoraConfig(
         r=rank, lora_alpha=2 * rank, init_lora_weights=False, target_modules=[
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))

@@ -72,10 +72,11 @@ def build_server(engine, config: ServerConfig | None = None, sessions: SessionCo
     """The FastAPI app serving ``engine`` (an :class:`LLMEngine`), with its parts attached.
 
     sessions: the offload tiers of the server's sessions; breaker: the circuit breaker's thresholds
-    (used when ``config.breaker``); audit: the reuse audit's sample.  Raises ValueError for an unknown
-    trace exporter, a malformed ``--lora-modules`` entry or an engine that already serves an app (one server per engine: a second one would run
-    its sessions, breaker and audit hooks twice), and ImportError when the OTLP exporter is missing; InvalidRequestError for an
-    adapter that cannot be loaded.
+    (used when ``config.breaker``); audit: the reuse audit's sample; ``config.lora_modules``: LoRA adapters
+    loaded first.  Raises ValueError for an unknown trace exporter, a malformed ``--lora-modules`` entry or
+    an engine that already serves an app (one server per engine: a second one would run its sessions,
+    breaker and audit hooks twice), ImportError when the OTLP exporter is missing, and InvalidRequestError
+    for an adapter that cannot be loaded.
     """
     if any(isinstance(h, SessionManager) for h in engine.holders):
         raise ValueError("this engine already has a session manager (it serves an app already): build one server "

@@ -235,7 +235,8 @@ class LLMEngine:
         ``max_tokens`` beyond the context window is cut to fit, unless ``strict_max_tokens`` (the
         server's rule: refuse).  max_new_tokens: an operator's cap on generated tokens.
         Raises :class:`InvalidRequestError` for an empty prompt, a token outside the vocabulary, a request
-        id in use or an adapter that is not loaded, and :class:`ContextLengthError` when the prompt leaves no room for a token.
+        id in use or an adapter that is not loaded, and :class:`ContextLengthError` when the prompt leaves
+        no room for a token.
         """
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt)
