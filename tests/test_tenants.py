@@ -143,6 +143,17 @@ def _check_admin(c, method, path, sid):
     assert c.request(method, path, headers=OPS).status_code == 200
 
 
+def _check_lora(c, method, path, sid):
+    """Loading adapters reads this machine's directories: admin keys only (and then --allow-runtime-lora)."""
+    body = {"lora_name": "a", "lora_path": "/nonexistent"} if "unload" not in path else {"lora_name": "a"}
+    for h in (NOKEY, WRONG):
+        _is_error(c.request(method, path, headers=h, json=body), 401, "authentication_error")
+    for h in (ALICE, BOB):
+        _is_error(c.request(method, path, headers=h, json=body), 403, "permission_error")
+    r = c.request(method, path, headers=OPS, json=body)
+    assert r.status_code == 403 and "--allow-runtime-lora" in r.text, r.text
+
+
 RULES = {
     ("GET", "/health"): _check_public, ("GET", "/metrics"): _check_public, ("GET", "/openapi.json"): _check_public,
     ("GET", "/v1/models"): _check_keyed, ("GET", "/v1/models/{model_id:path}"): _check_keyed,
@@ -154,6 +165,7 @@ RULES = {
     ("GET", "/admin/kv"): _check_admin, ("GET", "/admin/kv.json"): _check_admin,
     ("GET", "/admin/breaker"): _check_admin,
     ("GET", "/admin/health"): _check_admin,
+    ("POST", "/v1/load_lora_adapter"): _check_lora, ("POST", "/v1/unload_lora_adapter"): _check_lora,
 }
 
 

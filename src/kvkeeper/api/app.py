@@ -39,8 +39,9 @@ from fastapi import Depends, FastAPI, HTTPException
 from .access_log import AccessLogMiddleware
 from .admin import router as admin_router
 from .async_engine import AsyncEngine
-from .auth import KeyRing, caller
+from .auth import KeyRing, admin_caller, caller
 from .errors import BodyTooLargeError, install_error_handlers
+from .lora_routes import router as lora_router
 from .openai_routes import public_router
 from .openai_routes import router as openai_router
 from .session_routes import router as session_router
@@ -109,9 +110,11 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
     app.state.model_name = served_model_name or engine.model_name
     app.state.base_ns = engine.engine.namespace  # frozen: safe to read from any thread
     app.state.created = int(time.time())
+    app.state.allow_runtime_lora = False  # build_server sets --allow-runtime-lora
     install_error_handlers(app, EngineDeadError)
     app.include_router(public_router)
     app.include_router(openai_router, dependencies=[Depends(caller)])
+    app.include_router(lora_router, dependencies=[Depends(admin_caller)])
     app.include_router(session_router, dependencies=[Depends(caller)])
     if admin_routes:
         app.include_router(admin_router)

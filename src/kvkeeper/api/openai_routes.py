@@ -22,8 +22,8 @@ from .access_log import record_usage
 from .auth import Caller, caller
 from .errors import APIError
 from .metrics import CONTENT_TYPE
-from .request_parsing import (check_fields, check_model, compression_of, context_of, messages_of, namespace_of,
-                              sampling_of, session_id_of, session_priority_of, structured_of)
+from .request_parsing import (check_fields, check_model, compression_of, context_of, loaded_adapters, messages_of,
+                              namespace_of, sampling_of, session_id_of, session_priority_of, structured_of)
 from .responses import Collected, Renderer, finish_reason, respond
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _SamplingFields
 from .streams import ChoiceDelta, GenerationRequest, RequestStream
@@ -80,18 +80,29 @@ def _model_card(request: Request) -> dict:
     st = request.app.state
     ctx = st.engine.context_length
     return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "kvkeeper",
+            "root": str(getattr(st.engine.engine, "model_path", st.model_name)), "parent": None,
             "context_length": ctx, "max_model_len": ctx}
+
+
+def _adapter_card(request: Request, adapter) -> dict:
+    """A LoRA adapter's card, as vLLM lists one: ``root`` its directory, ``parent`` the base model's id."""
+    card = _model_card(request)
+    return {**card, "id": adapter.name, "root": str(adapter.path), "parent": card["id"]}
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [_model_card(request)]}
+    """The base model, then every loaded LoRA adapter (by name)."""
+    loras = list(loaded_adapters(request).values())
+    return {"object": "list", "data": [_model_card(request)] + [_adapter_card(request, a) for a in loras]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request):
-    check_model(model_id, request.app.state.model_name)
-    return _model_card(request)
+    st = request.app.state
+    loras = loaded_adapters(request)
+    check_model(model_id, st.model_name, loras)
+    return _model_card(request) if model_id == st.model_name else _adapter_card(request, loras[model_id])
 
 
 def _chat_delta(d: ChoiceDelta, calls: list[ChoiceCalls] | None) -> tuple[dict, str | None]:
@@ -156,7 +167,7 @@ def _chat_constraint(body: ChatCompletionRequest, tools: ToolUse | None) -> Stru
 
 
 def _check_chat(body: ChatCompletionRequest, request: Request) -> None:
-    check_model(body.model, request.app.state.model_name)
+    check_model(body.model, request.app.state.model_name, loaded_adapters(request))
     check_fields(body, request)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -181,7 +192,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
     rid = st.engine.new_request_id("chatcmpl")
     gen = GenerationRequest(rid, params, messages=messages, chat=chat, context=context_of(body, request),
                             **_request_fields(body, request, who))
-    base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": st.model_name}
+    base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": body.model or st.model_name}
     return await respond(request, st.engine, gen, body.stream, _include_usage(body), _chat_renderer(base, body, tools))
 
 
@@ -265,7 +277,7 @@ def _completion_renderer(base: dict, body: CompletionRequest) -> Renderer:
 
 
 def _completion_prompt(body: CompletionRequest, request: Request) -> str | list[int]:
-    check_model(body.model, request.app.state.model_name)
+    check_model(body.model, request.app.state.model_name, loaded_adapters(request))
     check_fields(body, request)
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, f"best_of must equal n ({body.n}): candidates are not ranked; ask for n choices instead",
@@ -290,14 +302,15 @@ async def completions(body: CompletionRequest, request: Request, who: Caller = D
     params = sampling_of(body, body.max_tokens, body.logprobs, structured_of(body), prompt_lp)
     rid = st.engine.new_request_id("cmpl")
     gen = GenerationRequest(rid, params, prompt=prompt, echo=body.echo, **_request_fields(body, request, who))
-    base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.model_name}
+    base = {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": body.model or st.model_name}
     return await respond(request, st.engine, gen, body.stream, _include_usage(body), _completion_renderer(base, body))
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request):
     engine = request.app.state.engine
-    check_model(body.model, request.app.state.model_name)
+    check_model(body.model, request.app.state.model_name, loaded_adapters(request))
     check_fields(body, request)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt (text) or messages (chat)", param="prompt")
@@ -319,7 +332,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 async def detokenize(body: DetokenizeRequest, request: Request):
     """Token ids back to text (special tokens kept), as vLLM's ``/detokenize``; 400 for an id outside the vocabulary."""
     engine = request.app.state.engine
-    check_model(body.model, request.app.state.model_name)
+    check_model(body.model, request.app.state.model_name, loaded_adapters(request))
     check_fields(body, request)
     ids = list(body.tokens)
 

@@ -22,11 +22,24 @@ from .schemas import ChatCompletionRequest, ChatMessage, TokenizeRequest, _Sampl
 _SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
-def check_model(model: str | None, served: str) -> None:
-    """404 unless ``model`` is omitted or the served model's id."""
-    if model is not None and model != served:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
-                       type="not_found_error", param="model", code="model_not_found")
+def check_model(model: str | None, served: str, adapters=()) -> None:
+    """404 unless ``model`` is omitted, the served model's id or a loaded LoRA adapter's name (``adapters``)."""
+    if model is not None and model != served and model not in adapters:
+        names = ", ".join([repr(served)] + [repr(a) for a in sorted(adapters)])
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {names} (LoRA adapters "
+                            "by their names)", type="not_found_error", param="model", code="model_not_found")
+
+
+def loaded_adapters(request: Request) -> dict:
+    """The engine's loaded LoRA adapters by name (``LLMEngine.loras``; a read from the handler's thread)."""
+    return getattr(request.app.state.engine.engine, "loras", {})
+
+
+def adapter_of(model: str | None, request: Request) -> str | None:
+    """The LoRA adapter a request's ``model`` field selects (None: the base model); 404 naming an unknown model."""
+    st = request.app.state
+    check_model(model, st.model_name, loaded_adapters(request))
+    return model if model is not None and model != st.model_name else None
 
 
 def check_fields(body, request: Request) -> None:
@@ -223,14 +236,21 @@ def sampling_of(body: _SamplingFields, max_tokens: int | None, logprobs: int | N
 
 def namespace_of(body: _SamplingFields, request: Request, base: Namespace, tenant: str | None = None
                  ) -> Namespace | None:
-    """The request's cache namespace: ``base`` salted by the caller's ``tenant`` and the client's ``cache_salt``
-    or ``X-Cache-Salt`` (:func:`~kvkeeper.kvcache.namespace.salt_hash`: the salt narrows the tenant's
-    namespace, never widens it); None (the engine's own) for no tenant and no salt."""
+    """The request's cache namespace: ``base`` under the LoRA adapter its ``model`` names (its id: name and
+    content hash), salted by the caller's ``tenant`` and the client's ``cache_salt`` or ``X-Cache-Salt``
+    (:func:`~kvkeeper.kvcache.namespace.salt_hash`: the salt narrows the tenant's namespace, never widens it);
+    None (the engine's own) for the base model, no tenant and no salt."""
+    lora = adapter_of(body.model, request)
+    if lora is not None:
+        try:
+            base = request.app.state.engine.engine.lora_namespace(lora, base)
+        except KVKeeperError as e:  # unloaded since adapter_of looked
+            raise APIError(404, str(e), type="not_found_error", param="model", code="model_not_found") from None
     salt = body.cache_salt if body.cache_salt is not None else request.headers.get("x-cache-salt")
     if salt is not None and (not salt or len(salt) > 256):
         raise APIError(400, "cache salt must be 1 to 256 characters", param="cache_salt")
     if salt is None and tenant is None:
-        return None
+        return base if lora is not None else None
     return tenant_namespace(base, tenant, salt)
 
 

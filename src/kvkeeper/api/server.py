@@ -65,6 +65,12 @@ class ServerConfig:
     admin_port: int | None = field(default=None, metadata=option(
         "--admin-port", "serve /admin/* on this port of 127.0.0.1 only, not on --port", type=port_number,
         metavar="PORT"))
+    lora_modules: list[str] = field(default_factory=list, metadata=option(
+        "--lora-modules", "LoRA adapters (PEFT directories) to load at start, selected by NAME in a request's "
+        "model field; repeatable", nargs="+", action="extend", metavar="NAME=PATH"))
+    allow_runtime_lora: bool = field(default=False, metadata=option(
+        "--allow-runtime-lora", "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read "
+        "directories on this machine)", action="store_true"))
     log_level: str = "warning"
 
     @property
@@ -89,11 +95,13 @@ def build_server(engine, config: ServerConfig | None = None, sessions: SessionCo
 
     sessions: the offload tiers of the server's sessions; breaker: the circuit breaker's thresholds
     (used when ``config.breaker``); audit: the reuse audit's sample; health: the cache-health detector's
-    settings (its gates follow the breaker's thresholds; its warnings are the breaker's early signal).  With ``config.admin_port`` the
-    ``/admin/*`` routes are left out of the app and served by ``app.state.admin_app`` (:func:`run_server`).
-    Logs a warning when the server has no API keys.  Raises ValueError for an unknown trace exporter, a bad
-    API key or keys file, or an engine that already serves an app (one server per engine: a second one would
-    run its sessions, breaker and audit hooks twice), and ImportError when the OTLP exporter is missing.
+    settings (its gates follow the breaker's thresholds; its warnings are the breaker's early signal);
+    ``config.lora_modules``: LoRA adapters loaded first.  With ``config.admin_port`` the ``/admin/*`` routes
+    are left out of the app and served by ``app.state.admin_app`` (:func:`run_server`).  Logs a warning when
+    the server has no API keys.  Raises ValueError for an unknown trace exporter, a bad API key or keys file,
+    a malformed ``--lora-modules`` entry or an engine that already serves an app (one server per engine: a
+    second one would run its sessions, breaker and audit hooks twice), ImportError when the OTLP exporter is
+    missing, and InvalidRequestError for an adapter that cannot be loaded.
     """
     if any(isinstance(h, SessionManager) for h in engine.holders):
         raise ValueError("this engine already has a session manager (it serves an app already): build one server "
@@ -104,6 +112,13 @@ def build_server(engine, config: ServerConfig | None = None, sessions: SessionCo
         log.warning("no API keys (--api-key, --api-keys-file): every client can read, list and delete every "
                     "session and use /admin; fine on a machine of your own, not on a shared network")
     name = config.served_model_name or engine.model_name
+    for name_path in config.lora_modules:  # before anything attaches: a bad adapter stops the start
+        lora_name, sep, path = name_path.partition("=")
+        if not sep or not lora_name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {name_path!r}")
+        if lora_name == name:
+            raise ValueError(f"--lora-modules: {lora_name!r} is the served model's name; name the adapter otherwise")
+        engine.load_lora(lora_name, path)
     manager = SessionManager(engine, sessions or SessionConfig())
     breaker = breaker or BreakerConfig()
     br = CircuitBreaker(engine, manager, breaker) if config.breaker else None
@@ -119,6 +134,7 @@ def build_server(engine, config: ServerConfig | None = None, sessions: SessionCo
     app = create_app(aeng, name, config.max_body_bytes, config.refuse_unknown_fields, keys,
                      admin_routes=config.admin_port is None)
     app.state.admin_app = create_admin_app(aeng, keys) if config.admin_port is not None else None
+    app.state.allow_runtime_lora = config.allow_runtime_lora
     return app
 
 

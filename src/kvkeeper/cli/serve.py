@@ -79,8 +79,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_cluster(args, config, sessions, breaker, cluster, health)
     engine = load_engine(args)
     config.served_model_name = config.served_model_name or args.model
-    app = build_server(engine, config, sessions, breaker if config.breaker else None, from_args(AuditConfig, args),
-                       health)
+    try:
+        app = build_server(engine, config, sessions, breaker if config.breaker else None,
+                           from_args(AuditConfig, args), health)
+    except (ValueError, KVKeeperError) as e:  # a malformed or unloadable --lora-modules entry
+        stderr(f"error: {e}", None)
+        return EXIT_ERROR
     stderr(f"serving {config.served_model_name} on http://{config.host}:{config.port}/v1")
     if config.admin_port is not None:
         stderr(f"admin routes on http://127.0.0.1:{config.admin_port}/admin/kv")

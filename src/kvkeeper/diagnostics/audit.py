@@ -38,6 +38,7 @@ import random
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -129,11 +130,12 @@ class AuditReport:
 
 
 @torch.inference_mode()
-def recompute_prompt(runner, token_ids: list[int], chunk: int = 512) -> tuple[torch.Tensor, list[PagedKV]]:
+def recompute_prompt(runner, token_ids: list[int], chunk: int = 512, lora=None) -> tuple[torch.Tensor, list[PagedKV]]:
     """Prefill ``token_ids`` from scratch into a private cache (the shared pool is untouched).
 
     runner: the engine's :class:`~kvkeeper.model.runner.ModelRunner` (its weights and KV format).
     chunk: prefill chunk in tokens (bounds activation memory, as the scheduler's token budget does).
+    lora: the sequence's LoRA adapter (:class:`kvkeeper.model.lora.LoRAAdapter`), None for the base model.
     Returns (float32 logits of the last token (vocab,), one PagedKV per layer whose blocks
     ``0 .. ceil(P / block_size) - 1`` hold positions ``0 .. P-1`` in order).
     """
@@ -151,7 +153,8 @@ def recompute_prompt(runner, token_ids: list[int], chunk: int = 512) -> tuple[to
         n = min(chunk, P - c)
         pos = torch.arange(c, c + n, dtype=torch.int64, device=runner.device)
         meta = AttentionMetadata(slot_mapping=pos.clone(), prefills=[PrefillSpan(0, n, c + n, table)])
-        hidden = runner.model(ids[c : c + n], pos, caches, meta)
+        with runner.lora_scope([(SimpleNamespace(lora=lora), n)]):
+            hidden = runner.model(ids[c : c + n], pos, caches, meta)
     logits = runner.model.compute_logits(hidden[-1:]).float().cpu()[0]
     return logits, caches
 
@@ -185,7 +188,7 @@ def audit_sequence(engine, seq, logits: torch.Tensor | None = None, tolerance: A
         raise ValueError(f"{seq.request_id}: {P} tokens to audit, {seq.num_computed} have KV")
     tol = tolerance or default_tolerance(runner.dtype, runner.kv_format, getattr(runner, "weight_format", "none"))
     chunk = getattr(getattr(engine, "scheduler", None), "max_num_batched_tokens", 512)
-    ref_logits, ref_caches = recompute_prompt(runner, list(seq.token_ids[:P]), chunk)
+    ref_logits, ref_caches = recompute_prompt(runner, list(seq.token_ids[:P]), chunk, getattr(seq, "lora", None))
     bs = runner.block_size
     table = torch.tensor(seq.block_table[: -(-P // bs)], dtype=torch.int64, device=runner.device)
     ref_table = torch.arange(len(table), dtype=torch.int64, device=runner.device)

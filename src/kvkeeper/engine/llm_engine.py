@@ -126,6 +126,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size,  # structured outputs
                                         None if eos_id is None else int(eos_id))
         self._req_ids = itertools.count()
+        self.loras: dict = {}  # name -> kvkeeper.model.lora.LoRAAdapter (load_lora / unload_lora)
         self._seqs: dict[str, Sequence] = {}
         self.holders: list[KVHolder] = []
         self.num_steps = 0
@@ -222,16 +223,20 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     namespace: Namespace | None = None, compression: KVCompression | None = None, *,
-                    strict_max_tokens: bool = False, max_new_tokens: int | None = None) -> Sequence:
+                    strict_max_tokens: bool = False, max_new_tokens: int | None = None,
+                    lora: str | None = None) -> Sequence:
         """Queue a request; returns its :class:`Sequence` (until the next :meth:`step` a caller may give it
         KV it holds, as a session's turn does).
 
         compression: drop prompt tokens from the KV cache at the end of prefill
         (see :mod:`kvkeeper.kvcache.compression`); None keeps everything.
+        lora: the name of a loaded LoRA adapter (:meth:`load_lora`) to run the request under; a namespace
+        whose ``adapter`` is a loaded adapter's id selects it too (:meth:`lora_namespace`).
         ``max_tokens`` beyond the context window is cut to fit, unless ``strict_max_tokens`` (the
         server's rule: refuse).  max_new_tokens: an operator's cap on generated tokens.
-        Raises :class:`InvalidRequestError` for an empty prompt, a token outside the vocabulary or a
-        request id in use, and :class:`ContextLengthError` when the prompt leaves no room for a token.
+        Raises :class:`InvalidRequestError` for an empty prompt, a token outside the vocabulary, a request
+        id in use or an adapter that is not loaded, and :class:`ContextLengthError` when the prompt leaves
+        no room for a token.
         """
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt)
@@ -246,7 +251,9 @@ class LLMEngine:
         if compression is not None and self.model_config.is_mla:
             raise InvalidRequestError("KV compression is not supported for Multi-head Latent Attention (DeepSeek) "
                                       "models: their cache holds one shared latent row per token, not per-head keys")
-        seq = Sequence(request_id, ids, params, namespace or self.namespace)
+        namespace, adapter = self._adapter_of(namespace or self.namespace, lora)
+        seq = Sequence(request_id, ids, params, namespace)
+        seq.lora = adapter
         seq.compression = compression
         new = min(x for x in (ctx - len(ids), params.max_tokens, max_new_tokens) if x is not None)
         seq.max_total_tokens = len(ids) + new
@@ -258,6 +265,61 @@ class LLMEngine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    # ---- LoRA adapters ----------------------------------------------------------
+    def load_lora(self, name: str, path, replace: bool = False):
+        """Load a PEFT LoRA adapter directory under ``name`` (see :mod:`kvkeeper.model.lora`); returns its
+        :class:`~kvkeeper.model.lora.LoRAAdapter`.  Call between steps (the server runs it on the engine thread).
+
+        replace: a loaded adapter of that name is replaced (requests running under it finish with the old
+        weights; its KV is never reused under the new one: the namespace holds the content hash).  Raises
+        :class:`InvalidRequestError` for a name already loaded (without ``replace``), the base model's own
+        name, or an adapter that cannot be read or does not fit this model.
+        """
+        from ..model.lora import load_adapter
+
+        if name in self.loras and not replace:
+            raise InvalidRequestError(f"the LoRA adapter {name!r} has already been loaded; unload it first",
+                                      param="lora_name")
+        if name == self.model_name:
+            raise InvalidRequestError(f"{name!r} is the base model's name; give the adapter another name",
+                                      param="lora_name")
+        adapter = load_adapter(name, path, self.model_config, self.runner.device, self.runner.dtype)
+        self.runner.enable_lora()
+        self.loras[name] = adapter
+        return adapter
+
+    def unload_lora(self, name: str) -> None:
+        """Forget the adapter ``name`` (requests running under it finish with it); its cached KV blocks stay
+        in the prefix cache's LRU under their own namespace until evicted.  Raises InvalidRequestError
+        when no adapter of that name is loaded."""
+        if self.loras.pop(name, None) is None:
+            raise InvalidRequestError(f"the LoRA adapter {name!r} cannot be found", param="lora_name")
+
+    def lora_namespace(self, name: str, base: Namespace | None = None) -> Namespace:
+        """``base`` (default: the engine's namespace) under the loaded adapter ``name``; raises
+        InvalidRequestError naming it when it is not loaded."""
+        if name not in self.loras:
+            raise InvalidRequestError(f"the LoRA adapter {name!r} is not loaded (loaded: "
+                                      f"{', '.join(sorted(self.loras)) or 'none'})", param="model")
+        return dataclasses.replace(base or self.namespace, adapter=self.loras[name].id)
+
+    def _adapter_of(self, namespace: Namespace, lora: str | None):
+        """(namespace, adapter or None) of a request: ``lora`` names an adapter, or the namespace's
+        ``adapter`` is a loaded adapter's id."""
+        if lora is not None:
+            wanted = self.lora_namespace(lora, namespace)
+            if namespace.adapter and namespace.adapter != wanted.adapter:
+                raise InvalidRequestError(f"lora={lora!r} conflicts with the namespace's adapter "
+                                          f"{namespace.adapter!r}", param="lora")
+            namespace = wanted
+        if not namespace.adapter:
+            return namespace, None
+        for a in self.loras.values():
+            if a.id == namespace.adapter:
+                return namespace, a
+        raise InvalidRequestError(f"the LoRA adapter {namespace.adapter!r} is not loaded (unloaded or replaced)",
+                                  param="model")
 
     def _processors(self, params: SamplingParams, prompt_ids: list[int]):
         """The request's logits processors (None without any); checks token ids against the vocabulary.
@@ -350,7 +412,7 @@ class LLMEngine:
         if not any(s.prompt_logprobs is not None and s.num_computed < s.num_prompt_tokens - 1 for s, _ in scheduled):
             return self.runner.execute(scheduled)
         r = self.runner
-        with torch.inference_mode():
+        with torch.inference_mode(), r.lora_scope(scheduled):
             input_ids, positions, meta, rows, seqs = r.build_batch(scheduled)
             hidden = r.model(input_ids, positions, r.kv_caches, meta)
             start = 0
@@ -395,20 +457,27 @@ class LLMEngine:
             self.step()
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 namespace: Namespace | None = None, compression: KVCompression | None = None) -> list[RequestOutput]:
+                 namespace: Namespace | None = None, compression: KVCompression | None = None,
+                 lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Run prompts to completion (batched together); returns one :class:`RequestOutput` each, in order.
 
         compression: applied to every prompt's KV at the end of its prefill (None: keep everything).
+        lora: a loaded adapter's name for every prompt, or one name (or None: the base model) per prompt.
         """
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        seqs = [self.add_request(p, sp, namespace=namespace, compression=compression) for p, sp in zip(prompts, plist)]
+        llist = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(llist) != len(prompts):
+            raise InvalidRequestError(f"lora: {len(llist)} adapter names for {len(prompts)} prompts", param="lora")
+        seqs = [self.add_request(p, sp, namespace=namespace, compression=compression, lora=a)
+                for p, sp, a in zip(prompts, plist, llist)]
         self.run_until_done(seqs)
         return [RequestOutput.from_seq(s) for s in seqs]
 
-    def isolated_namespace(self, tag: str = "") -> Namespace:
-        """A fresh namespace that shares no cached blocks with any other (recompute baselines, tests)."""
-        return Namespace(self.namespace.model_revision, tenant_salt=f"isolated-{tag}-{uuid.uuid4().hex}",
-                         kv_dtype=self.namespace.kv_dtype)
+    def isolated_namespace(self, tag: str = "", base: Namespace | None = None) -> Namespace:
+        """A fresh namespace that shares no cached blocks with any other (recompute baselines, tests); it
+        keeps ``base``'s adapter (None: no adapter)."""
+        return Namespace(self.namespace.model_revision, adapter=base.adapter if base is not None else "",
+                         tenant_salt=f"isolated-{tag}-{uuid.uuid4().hex}", kv_dtype=self.namespace.kv_dtype)
 
     # ---- KV held outside requests --------------------------------------------
     def add_kv_holder(self, holder: KVHolder) -> None:

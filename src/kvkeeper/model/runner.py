@@ -8,6 +8,7 @@ that needs a new token.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -21,6 +22,7 @@ from .cuda_graphs import DecodeGraphs
 from .fused_decode import FusedDecode
 from .deepseek import causal_lm_class
 from .llama import skip_init
+from .lora import LoRAHooks
 from .quant_weights import prepare_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -118,6 +120,19 @@ class ModelRunner:
                              self.attention_backend == "cpu" and self.weight_format != "none" else None)
         if self.fused_decode is not None:
             self.model.use_cpu_kernels(self.fused_decode.kernels)
+        self.lora: LoRAHooks | None = None  # installed by enable_lora() (kvkeeper.model.lora)
+
+    def enable_lora(self) -> LoRAHooks:
+        """Install the LoRA forward hooks once (call between steps); raises InvalidRequestError for a model
+        without the Llama projections."""
+        if self.lora is None:
+            self.lora = LoRAHooks(self.model, self.device)
+        return self.lora
+
+    def lora_scope(self, scheduled):
+        """Context manager around a forward pass of ``scheduled``: applies each sequence's adapter
+        (``seq.lora``); yields whether any sequence of the step has one."""
+        return self.lora.batch(scheduled) if self.lora is not None else contextlib.nullcontext(False)
 
     def _check_kernels(self) -> None:
         """Compare the kernels with the PyTorch path on a small step of this model's shapes; on an error or a
@@ -204,15 +219,21 @@ class ModelRunner:
     def execute(self, scheduled) -> tuple[torch.Tensor | None, list]:
         """Run one step; returns (float32 logits (N, vocab) on the model's device for sequences that need a
         token, those sequences)."""
+        with self.lora_scope(scheduled) as adapted:
+            return self._execute(scheduled, adapted)
+
+    def _execute(self, scheduled, adapted: bool) -> tuple[torch.Tensor | None, list]:
+        """execute()'s body; ``adapted``: some sequence runs a LoRA adapter (then the step runs layer by
+        layer in PyTorch modules, never as a CUDA graph or the fused C++ decode step, which know no adapters)."""
         input_ids, positions, meta, rows, seqs = self.build_batch(scheduled)
-        if self.graphs is not None and not meta.prefills and meta.decode_indices is not None:
+        if self.graphs is not None and not adapted and not meta.prefills and meta.decode_indices is not None:
             size = self.graphs.can_replay(len(seqs), meta.decode_block_tables.shape[1])
             if size is not None and len(rows) == input_ids.numel():  # decode-only: row i is sequence i
                 logits = self.graphs.replay(size, input_ids, positions, meta.slot_mapping,
                                             meta.decode_block_tables, meta.decode_context_lens)
                 return logits, seqs
             self.graphs.eager_steps += 1
-        if self.fused_decode is not None and meta.backend == "cpu" and meta.decode_only:
+        if self.fused_decode is not None and meta.backend == "cpu" and meta.decode_only and not adapted:
             hidden = self.fused_decode(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)

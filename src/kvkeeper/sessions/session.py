@@ -215,7 +215,7 @@ class Session:
             text = prompt
         ids = self._prompt_ids(text, prompt, chat=messages is not None)
         if not self.reuse:
-            request["namespace"] = self.engine.isolated_namespace("noreuse")
+            request["namespace"] = self.engine.isolated_namespace("noreuse", request.get("namespace"))
         seq = self.engine.add_request(ids, params or self.params, request_id or self._request_id(), **request)
         try:
             seq.num_handed_over = self._hand_over(seq)
