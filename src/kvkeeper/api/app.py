@@ -46,6 +46,7 @@ from .openai_routes import public_router
 from .openai_routes import router as openai_router
 from .session_routes import router as session_router
 from .streams import EngineDeadError
+from .tracing import flush_traces
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB
 
@@ -100,6 +101,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
             yield
         finally:
             engine.stop()
+            flush_traces()
 
     app = FastAPI(title="kvkeeper", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)

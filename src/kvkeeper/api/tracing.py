@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from opentelemetry.trace import Tracer
 
 EXPORTERS = ("none", "console", "otlp")
+_PROVIDERS: list = []  # the tracer providers configure_tracing built (flushed by flush_traces at shutdown)
 
 
 def configure_tracing(exporter: str = "none", endpoint: str | None = None,
@@ -59,7 +60,16 @@ def configure_tracing(exporter: str = "none", endpoint: str | None = None,
         span_exporter = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    _PROVIDERS.append(provider)
     return provider.get_tracer("kvkeeper.api")
+
+
+def flush_traces(timeout_ms: int = 5000) -> None:
+    """Export the spans still queued in every provider :func:`configure_tracing` built (waits up to
+    ``timeout_ms`` milliseconds each).  The server calls it when it stops: on SIGTERM uvicorn re-raises the
+    signal after its shutdown, so the provider's own exit hook would never run and the last spans were lost."""
+    for provider in _PROVIDERS:
+        provider.force_flush(timeout_ms)
 
 
 def _ns(perf_s: float, offset_s: float) -> int:
