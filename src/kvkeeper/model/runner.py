@@ -88,6 +88,8 @@ class ModelRunner:
         with skip_init(), torch.device("meta"):
             model = causal_lm_class(cfg)(cfg)
         model.rope = type(model.rope)(cfg).to(self.device)  # buffers computed, not loaded
+        if hasattr(model, "rope_local"):  # Gemma 3: the sliding layers' RoPE base
+            model.rope_local = type(model.rope)(model.local_rope_config(cfg)).to(self.device)
         prepared = prepare_weights(state, cfg, quantization, self.device, dtype, cache=cache_dir)
         self.weight_format = prepared.format  # "none", "gguf", "int8" or "int4"
         self.weight_description = prepared.description
