@@ -130,7 +130,8 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - self.num_free
+        """Blocks referenced by some owner (refcount > 0)."""
+        return self.num_blocks - len(self._free_plain) - len(self._free_cached)
 
     @property
     def num_cached(self) -> int:
@@ -300,7 +301,8 @@ class BlockPool:
                 assert self._by_hash.get(b.hash) == b.block_id
         for h, bid in self._by_hash.items():
             assert self.blocks[bid].hash == h
-        assert self.num_free + self.num_used == self.num_blocks
+        assert len(self._free_plain) + len(self._free_cached) + self.num_used == self.num_blocks
+        assert self.num_free <= len(free_ids)
         if self.window_blocks is not None:
             held = [b.window for b in self.blocks if b.window is not None]
             assert len(set(held)) == len(held), "a window block held twice"
