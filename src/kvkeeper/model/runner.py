@@ -288,10 +288,11 @@ class ModelRunner:
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Capture decode-step CUDA graphs for batches up to ``max_num_seqs`` (see kvkeeper.model.cuda_graphs).
 
-        Returns False (and keeps the eager path) on a CPU device or with the PyTorch attention backend.
+        Returns False (and keeps the eager path) on a CPU device, with the PyTorch attention backend or for a
+        sliding-window model (Gemma 3).
         """
-        if self.device.type != "cuda" or self.attention_backend != "triton":
-            return False
+        if self.device.type != "cuda" or self.attention_backend != "triton" or self.cfg.layer_types:
+            return False  # (sliding-window models: their windowed layers run the PyTorch path, not captured)
         graphs = DecodeGraphs(self, max_model_len)
         graphs.capture(max_num_seqs)
         self.graphs = graphs if graphs.graphs else None
