@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.errors import InvalidRequestError, ModelNotFoundError, UnsupportedArchitectureError
 from kvkeeper.model.config import ModelConfig
@@ -160,6 +162,44 @@ def test_round_robin_at_high_occupancy_keeps_hits(tiny):
     assert toks == results[False][1]
     assert peak >= 0.85 * NB  # the pool ran nearly full of cached history
     assert min(hits) > 0 and sum(hits) >= sum(results[False][0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 12), st.booleans()), min_size=1, max_size=40))
+def test_hybrid_pool_window_blocks_property(ops):
+    """Random sequences grow (prefix hits, allocation, commit), finish and truncate on a hybrid pool: window
+    blocks are never lost or shared, every sequence keeps them for its whole window, and a free pool gets them
+    all back."""
+    from kvkeeper.engine.sequence import Sequence
+    from kvkeeper.kvcache.block_pool import BlockPool
+    from kvkeeper.kvcache.manager import KVCacheManager
+    from kvkeeper.kvcache.namespace import Namespace
+
+    pool = BlockPool(40, 4, window_blocks=12)
+    kv = KVCacheManager(pool, window=WINDOW)
+    seqs: dict[int, Sequence] = {}
+    for who, n, finish in ops:
+        seq = seqs.get(who)
+        if seq is None:  # a new request: histories share heads, so prefix hits happen
+            seq = seqs[who] = Sequence(f"s{who}", [7] * 6 + list(range(who, who + 40)), SamplingParams(),
+                                       Namespace("r"))
+            kv.match_prefix(seq)
+        n = min(n, len(seq.token_ids) - seq.num_computed)
+        if n and kv.allocate(seq, n):
+            seq.num_computed += n
+            kv.commit(seq)
+            assert kv.usable(seq.block_table, seq.num_computed)
+        if finish or seq.num_computed == len(seq.token_ids):
+            if finish and seq.num_computed > 5:
+                kv.truncate(seq, seq.num_computed - 5)
+                assert kv.usable(seq.block_table, seq.num_computed)
+            kv.free(seqs.pop(who))
+        pool.check_invariants()
+    for seq in seqs.values():
+        kv.free(seq)
+    pool.evict_cached()
+    pool.check_invariants()
+    assert pool.num_window_free == 12 and pool.num_free == 12
 
 
 def test_hybrid_refuses_what_reads_every_layer_by_block(tiny):
