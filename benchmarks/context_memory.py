@@ -27,21 +27,23 @@ from kvkeeper.eval.memory_recall import LibraryBackend, generate, load_dialogues
 SOURCE = ROOT / "data" / "topical_chat" / "test_freq_conversations.jsonl"
 RUNS = ["hybrid:2048", "last:2048", "memory:2048", "summary:2048", "full:0", "hybrid:1024", "last:1024",
         "memory:1024", "summary:1024"]
-FIGS = ["answer_in_prompt", "evidence_in_prompt", "answer_in_reply", "mean_prompt_tokens", "cached_share",
-        "memory_ms_per_turn", "seconds"]
+FIGS = ["turns", "answer_in_prompt", "evidence_in_prompt", "answer_in_reply", "mean_prompt_tokens", "cached_share",
+        "cached_share_questions", "memory_ms_per_turn", "seconds"]
 
 
 def table(results: list[dict], meta: dict) -> str:
     lines = [f"Recall of planted facts: {meta['conversations']} conversations of >= {meta['min_tokens']} tokens "
              f"(mean {meta['mean_tokens']:.0f}), {meta['questions']} questions, seed {meta['seed']}; "
              f"{meta['model']} ({meta['weights']}), greedy, {meta['max_tokens']} tokens per answer, "
-             f"context every {meta['every']}; {meta['machine']}.", "",
-             "| policy | budget | answer in prompt | evidence in prompt | answer in reply | mean prompt tokens | "
-             "cached share | memory ms/turn | seconds |", "|---|---|---|---|---|---|---|---|---|"]
+             f"context every {meta['every']}, replay {meta['replay']}; {meta['machine']}.", "",
+             "| policy | budget | answer in prompt | evidence in prompt | answer in reply | mean question prompt "
+             "tokens | cached share (all prompts) | cached share (questions) | memory ms/request | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['answer_in_prompt']:.2f} | "
                      f"{r['evidence_in_prompt']:.2f} | {r['answer_in_reply']:.2f} | {r['mean_prompt_tokens']:.0f} | "
-                     f"{r['cached_share']:.2f} | {r['memory_ms_per_turn']:.0f} | {r['seconds']:.0f} |")
+                     f"{r['cached_share']:.2f} | {r['cached_share_questions']:.2f} | {r['memory_ms_per_turn']:.0f} | "
+                     f"{r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -55,6 +57,7 @@ def main() -> int:
     ap.add_argument("--only", nargs="+", default=RUNS, metavar="POLICY:BUDGET")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "context_memory"))
     ap.add_argument("--records", default=None, metavar="DIR")
+    ap.add_argument("--replay", choices=("turns", "questions"), default="turns")
     args = ap.parse_args()
     eng = LLMEngine()
     count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
@@ -63,18 +66,18 @@ def main() -> int:
     meta = {"conversations": len(convs), "min_tokens": args.min_tokens, "mean_tokens": sum(toks) / len(toks),
             "min_chat_tokens": min(toks), "questions": sum(len(c["questions"]) for c in convs), "seed": args.seed,
             "model": eng.model_name, "weights": eng.runner.weight_description, "max_tokens": args.max_tokens,
-            "every": args.every, "machine": f"{platform.machine()}, 2 cores shared with other jobs"}
+            "every": args.every, "replay": args.replay, "machine": f"{platform.machine()}, 2 cores shared with other jobs"}
     results = []
     for spec in args.only:
         policy, budget = spec.split(":")
         b = int(budget) or None
         t0 = time.perf_counter()
         backend = LibraryBackend(eng, policy, b or 16, args.max_tokens, context_every=args.every)
-        r = run(convs, backend, policy, b)
-        per = r.pop("per_question")
+        r = run(convs, backend, policy, b, replay=args.replay)
+        per, turns = r.pop("per_question"), r.pop("per_turn")
         if args.records:
             Path(args.records).mkdir(parents=True, exist_ok=True)
-            Path(args.records, f"{policy}_{budget}.json").write_text(json.dumps({**r, "per_question": per}))
+            Path(args.records, f"{policy}_{budget}.json").write_text(json.dumps({**r, "per_question": per, "per_turn": turns}))
         results.append({k: r[k] for k in ("policy", "budget", "questions", *FIGS)})
         print(f"{spec}: {json.dumps(results[-1])} ({time.perf_counter() - t0:.0f} s)", flush=True)
         Path(args.out + ".json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))

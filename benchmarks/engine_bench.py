@@ -58,6 +58,7 @@ except ImportError:  # running from a checkout without an installed package
     sys.path.insert(0, str(ROOT / "src"))
 
 from kvkeeper import LLMEngine, SamplingParams, SessionManager  # noqa: E402
+from kvkeeper.progress import reporting, track  # noqa: E402
 
 GB = 1e9
 
@@ -1411,9 +1412,8 @@ def main(argv=None) -> int:
                 ("single", "single_stream", lambda: bench_single(engine, hf, questions[16], bc, llm)),
                 ("long", "long_context", lambda: bench_long(engine, llm, llm_status, bc)),
                 ("batched", "batched", lambda: bench_batched(engine, hf, questions, bc))]
-    for skip_name, key, fn in sections:
-        if skip_name in args.skip:
-            continue
+    for _skip, key, fn in track([s for s in sections if s[0] not in args.skip], "engine_bench sections"):
+        log(f"section {key}")
         try:
             R[key] = fn()
         except Exception as e:  # noqa: BLE001
@@ -1438,4 +1438,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with reporting():  # progress of the sections (and of a first model load) on stderr
+        sys.exit(main())

@@ -48,6 +48,15 @@ class FakeSessions:
     def __iter__(self):
         return iter(list(self.sessions.values()))
 
+    def find(self, tenant, sid):  # a server without keys: one tenant, None
+        return self.sessions.get(sid)
+
+    def of_tenant(self, tenant):
+        return list(self.sessions.values())
+
+    def check_quota(self, tenant, quota, opening):
+        pass
+
     def open(self, session_id=None, **kw):
         mgr = self
 

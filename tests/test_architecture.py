@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 PKG = "kvkeeper"
 MAX_FUNCTION_LINES = 60
-SHORT_FUNCTION_DIRS = ("engine", "sessions", "api")
+SHORT_FUNCTION_DIRS = ("engine", "sessions", "api", "cluster")
 
 
 def read_layers(readme: Path) -> dict[str, int]:

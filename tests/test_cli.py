@@ -142,3 +142,59 @@ def test_bad_input_files(tmp_path):
     p = run_cli("generate", "--prompt", "")
     _assert_clean_error(p)
     assert "empty" in p.stderr
+
+
+# ---- converse --compare (the `make demo` path) -----------------------------------------
+
+TOPICAL_SHIPPED = "data/topical_chat/test_freq_conversations_first20.jsonl"
+
+
+@pytest.mark.slow
+def test_converse_compare_reuse_vs_reprefill(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    out, png = tmp_path / "cmp.json", tmp_path / "ttft.png"
+    p = run_cli("converse", TOPICAL_SHIPPED, "--compare", "--limit", "1", "--turns", "4", "--max-tokens", "8",
+                "--json", str(out), "--plot", str(png), "--threads", "2")
+    assert p.returncode == 0, p.stderr
+    recs = json.loads(out.read_text(encoding="utf-8"))
+    assert [r["turn"] for r in recs] == [1, 2, 3, 4]
+    hist = [r["history_tokens"] for r in recs]
+    assert hist == sorted(hist) and len(set(hist)) == 4  # the history grows every turn
+    assert recs[0]["cached_tokens"] == 0
+    for prev, r in zip(recs, recs[1:]):
+        # the reuse session prefills only the new text: everything up to the previous reply is cached
+        assert prev["history_tokens"] <= r["cached_tokens"] < r["history_tokens"]
+        assert r["baseline_cached_tokens"] == 0  # the baseline recomputed the whole history
+        assert r["ttft_reuse_s"] > 0 and r["ttft_baseline_s"] > 0
+        assert r["ratio"] == pytest.approx(r["ttft_baseline_s"] / r["ttft_reuse_s"])
+        assert r["kv_bytes_held"] > prev["kv_bytes_held"] > 0
+    assert "TTFT re-prefill s" in p.stdout and "turn 4: TTFT" in p.stdout  # < 10 turns: the last turn's ratio
+    cached, prompt = sum(r["cached_tokens"] for r in recs), sum(hist)
+    assert f"prompt tokens served from the KV cache: {cached} of {prompt}" in p.stdout
+    assert f"KV held after the last turn: {recs[-1]['kv_bytes_held']:,} bytes" in p.stdout
+    with Image.open(png) as img:
+        assert img.format == "PNG" and img.width > 300
+
+
+def test_converse_compare_flag_errors(tmp_path):
+    p = run_cli("converse", TOPICAL_SHIPPED, "--plot", str(tmp_path / "x.png"))
+    _assert_clean_error(p)
+    assert "--compare" in p.stderr
+    p = run_cli("converse", TOPICAL_SHIPPED, "--compare", "--no-reuse")
+    _assert_clean_error(p)
+    assert "--no-reuse" in p.stderr
+    p = run_cli("converse", TOPICAL_SHIPPED, "--compare", "--plot", str(tmp_path / "no" / "x.png"))
+    _assert_clean_error(p)
+    assert "does not exist" in p.stderr
+
+
+def test_compare_summary_uses_turn_ten_and_counts_cache_share():
+    from kvkeeper.cli.compare import compare_summary
+
+    recs = [{"id": c, "turn": t, "history_tokens": 100 * t, "cached_tokens": 100 * (t - 1),
+             "ratio": float(t) if c == "a" else 2.0 * t, "kv_bytes_held": 1000 * t} for c in "ab" for t in range(1, 12)]
+    text = compare_summary(recs)
+    assert "turn 10: TTFT 15.0x lower" in text and "mean of 2 conversations" in text
+    assert "11000 of 13200 (83.3%)" in text and "22,000 bytes" in text

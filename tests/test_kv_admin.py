@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvkeeper.api.metrics import ServerMetrics
 from kvkeeper.kvcache.block_pool import BlockPool
-from kvkeeper.kvcache.blockmap import SHARED, STATE_COLOURS, block_map, check_block_map, owner_colour
+from kvkeeper.kvcache.blockmap import (OWNER_MIN_DELTA_E, OWNER_PALETTE, PAGE_BACKGROUND, SHARED, STATE_COLOURS,
+                                      block_map, check_block_map, owner_colours, palette_slots)
 from kvkeeper.kvcache.namespace import Namespace
 from kvkeeper.kvcache.telemetry import FragmentationMonitor, pool_stats
 from serverproc import running_server
@@ -91,19 +92,58 @@ def test_check_block_map_rejects_malformed_documents():
         check_block_map({"hello": 1})
 
 
-def test_owner_colours_are_stable_per_name_and_clear_of_state_colours():
-    import colorsys
+def srgb_to_lab(rgb) -> tuple[float, float, float]:
+    """CIELAB (D65) of an sRGB colour (0..255 channels or "#rrggbb")."""
+    if isinstance(rgb, str):
+        rgb = hex_rgb(rgb)
+    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in (v / 255 for v in rgb)]
+    r, g, b = lin
+    xyz = ((0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047, 0.2126 * r + 0.7152 * g + 0.0722 * b,
+           (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883)
+    fx, fy, fz = (t ** (1 / 3) if t > 216 / 24389 else (24389 / 27 * t + 16) / 116 for t in xyz)
+    return 116 * fy - 16, 500 * (fx - fy), 200 * (fy - fz)
 
-    from kvkeeper.kvcache.blockmap import owner_hue
 
-    names = ["req-a", "session:b", "session:conv-a", "session:conv-b", "session:x-0", "cmpl-3-0"]
-    hues = [owner_hue(n) for n in names]
-    assert len(set(hues)) == len(names) and all(20 <= h <= 160 for h in hues)
-    assert owner_hue("session:b") == owner_hue("session:b") and owner_hue("") == 20 + 0x811C9DC5 % 141
-    state_hues = {k: colorsys.rgb_to_hls(*[c / 255 for c in hex_rgb(v)])[0] * 360 for k, v in STATE_COLOURS.items()
-                  if k != "owned"}
-    for k, h in state_hues.items():  # grey has no hue; blue, pink and purple sit outside 20..160
-        assert k == "free" or not 15 <= h <= 165, (k, h)
+def delta_e(c1, c2) -> float:
+    """CIE76 colour difference delta-E*ab (Euclidean distance in CIELAB)."""
+    return sum((a - b) ** 2 for a, b in zip(srgb_to_lab(c1), srgb_to_lab(c2))) ** 0.5
+
+
+def assert_distinct(colours: dict, min_de: float = OWNER_MIN_DELTA_E, others: dict | None = None) -> None:
+    """Every two of ``colours``, and each of them and each of ``others``, at least ``min_de`` apart."""
+    keys, every = list(colours), {**(others or {}), **colours}
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:] + [k for k in every if k not in colours]:
+            d = delta_e(every[a], every[b])
+            assert d >= min_de, f"{a} {every[a]} and {b} {every[b]} are only delta-E {d:.1f} apart (< {min_de})"
+
+
+def test_delta_e_reference_values():
+    assert delta_e("#ffffff", "#ffffff") == 0
+    assert srgb_to_lab("#ffffff") == pytest.approx((100, 0, 0), abs=0.02)
+    assert srgb_to_lab("#ff0000") == pytest.approx((53.24, 80.09, 67.20), abs=0.05)  # the usual sRGB red
+    with pytest.raises(AssertionError, match="delta-E"):
+        assert_distinct({"a": "#f59e0b", "b": "#f6a600"})  # the two near-identical oranges of issue 19
+
+
+def test_owner_palette_is_distinguishable_and_clear_of_state_colours():
+    assert len(OWNER_PALETTE) >= 12 and len(set(OWNER_PALETTE)) == len(OWNER_PALETTE)
+    named = {f"owner {i}": c for i, c in enumerate(OWNER_PALETTE)}
+    assert_distinct(named, others={**{f"state {k}": v for k, v in STATE_COLOURS.items()}, "background": PAGE_BACKGROUND})
+
+
+def test_palette_slots_are_assigned_in_a_stable_order():
+    names = [f"session:s{i}" for i in range(14)]
+    first = palette_slots(names)
+    assert [first[n] for n in names] == list(range(14))
+    # s3 and s7 leave, two newcomers take their slots (lowest first); the others keep theirs
+    rest = [n for n in names if n not in ("session:s3", "session:s7")] + ["session:new1", "session:new2"]
+    again = palette_slots(rest, first)
+    assert all(again[n] == first[n] for n in rest if n in first)
+    assert (again["session:new1"], again["session:new2"]) == (3, 7)
+    many = palette_slots([f"r{i}" for i in range(len(OWNER_PALETTE) + 3)])
+    assert sorted(set(many.values())) == list(range(len(OWNER_PALETTE)))  # every colour used before any repeats
+    assert owner_colours(["x", "y"]) == OWNER_PALETTE[:2]
 
 
 # ---- metrics export (ServerMetrics directly) ------------------------------------------------
@@ -161,8 +201,7 @@ def test_terminal_map_legend_counts_and_cell_colours():
     cells, k = grid_cells(doc, 29, 32)
     assert k == 1 and [x[0] for x in cells] == ["shared", "owned", "owned", "owned", "cached", "cached"] + ["free"] * 6
     html = con.export_html(inline_styles=True)
-    for colour in (STATE_COLOURS["free"], STATE_COLOURS["cached"], STATE_COLOURS["shared"], owner_colour("req-a"),
-                   owner_colour("session:b")):
+    for colour in (STATE_COLOURS["free"], STATE_COLOURS["cached"], STATE_COLOURS["shared"], *owner_colours(["req-a", "session:b"])):
         assert colour in html, colour
 
 
@@ -259,38 +298,68 @@ def find_chromium() -> str | None:
     return None
 
 
-# Fixed page layout (see kvkeeper.api.admin): canvas at (16, 56) CSS px, cell 20 px, gap 2 px, 8 columns.
-LEFT, TOP, CELL, GAP, COLS = 16, 56, 20, 2, 8
+# Fixed page layout (see kvkeeper.api.admin): canvas at (16, 56) CSS px, a 16 px label band, then cells.
+LEFT, TOP, BAND, CELL, GAP, COLS = 16, 56, 16, 20, 2, 8
 
 
-def test_admin_page_screenshot_colours_blocks_by_state(server, tmp_path):
-    from PIL import Image
-
+def need_chromium() -> str:
     chromium = find_chromium()
     if chromium is None:
         if os.environ.get("CI"):
             pytest.fail("chromium is not installed but CI is set: .ci/run must install it (apt-get install chromium)")
         pytest.skip("chromium is not installed (apt-get install chromium); CI runs this test")
+    return chromium
+
+
+def chromium_run(chromium: str, url: str, tmp_path, size: str, png=None, budget_ms: int = 4000) -> str:
+    """Load ``url`` in headless Chromium; a screenshot into ``png``, else the DOM after the scripts ran."""
+    out = ["--screenshot=" + str(png)] if png else ["--dump-dom"]
+    cmd = [chromium, "--headless", "--disable-gpu", "--no-sandbox", "--disable-dev-shm-usage", "--hide-scrollbars",
+           "--force-device-scale-factor=1", f"--user-data-dir={tmp_path / 'profile'}", f"--window-size={size}",
+           f"--virtual-time-budget={budget_ms}", *out, url]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if png:
+        assert png.exists(), r.stderr[-2000:]
+    return r.stdout
+
+
+def cell_centre(i: int, cols: int = COLS, cell: int = CELL, gap: int = GAP, first_row: int = 0) -> tuple[int, int]:
+    return (LEFT + (i % cols) * (cell + gap) + cell // 2,
+            TOP + BAND + (first_row + i // cols) * (cell + gap) + cell // 2)
+
+
+def close(got, want, tol: int = 3) -> bool:
+    return all(abs(a - b) <= tol for a, b in zip(got, hex_rgb(want) if isinstance(want, str) else want))
+
+
+def legend_items(dom: str) -> dict[str, str]:
+    """state -> swatch colour of the legend rows of a dumped /admin/kv page."""
+    import re
+
+    legend = dom[dom.index('id="legend"'):dom.index('id="figs"')]
+    return dict(re.findall(r'data-state="([a-z-]+)"(?: data-colour="(#[0-9a-f]{6})")?', legend))
+
+
+def test_admin_page_screenshot_colours_blocks_by_state(server, tmp_path):
+    from PIL import Image
+
+    chromium = need_chromium()
     html = httpx.get(server + "/admin/kv", timeout=30)
     assert html.status_code == 200 and "<canvas" in html.text
     assert "http://" not in html.text and "https://" not in html.text  # self-contained: no external asset
     doc = httpx.get(server + "/admin/kv.json", timeout=30).json()
     png = tmp_path / "kv.png"
-    cmd = [chromium, "--headless", "--disable-gpu", "--no-sandbox", "--disable-dev-shm-usage", "--hide-scrollbars", "--force-device-scale-factor=1",
-           f"--user-data-dir={tmp_path / 'profile'}", "--window-size=900,500", "--virtual-time-budget=4000",
-           f"--screenshot={png}", server + f"/admin/kv?cell={CELL}&cols={COLS}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert png.exists(), r.stderr[-2000:]
+    url = server + f"/admin/kv?cell={CELL}&cols={COLS}"
+    chromium_run(chromium, url, tmp_path, "900,500", png)
+    dom = chromium_run(chromium, url + "&tip=0", tmp_path, "900,500")
     after = httpx.get(server + "/admin/kv.json", timeout=30).json()
     assert after["states"] == doc["states"] and after["owner"] == doc["owner"]  # the pool did not change meanwhile
     img = Image.open(png).convert("RGB")
     background = img.getpixel((5, img.height - 5))
     by_key: dict[tuple, set] = {}
     for i, (letter, owner) in enumerate(zip(doc["states"], doc["owner"])):
-        x = LEFT + (i % COLS) * (CELL + GAP) + CELL // 2
-        y = TOP + (i // COLS) * (CELL + GAP) + CELL // 2
         key = (letter,) if letter != "o" else ("o", owner)
-        by_key.setdefault(key, set()).add(img.getpixel((x, y)))
+        by_key.setdefault(key, set()).add(img.getpixel(cell_centre(i)))
     keys = sorted(by_key)
     assert ("f",) in by_key and ("c",) in by_key and any(k[0] == "o" for k in keys), keys
     for key, colours in by_key.items():
@@ -298,14 +367,119 @@ def test_admin_page_screenshot_colours_blocks_by_state(server, tmp_path):
         assert background not in colours, f"blocks {key} not drawn (background colour)"
     colour_of = {k: next(iter(v)) for k, v in by_key.items()}
     assert len(set(colour_of.values())) == len(colour_of), f"different states or owners share a colour: {colour_of}"
-
-    def close(got, want):
-        return all(abs(a - b) <= 3 for a, b in zip(got, hex_rgb(want)))
-
     assert close(colour_of[("f",)], STATE_COLOURS["free"]) and close(colour_of[("c",)], STATE_COLOURS["cached"])
-    for k, col in colour_of.items():
-        if k[0] == "o" and k[1] >= 0:
-            assert close(col, owner_colour(doc["owners"][k[1]]["name"])), (k, col)
+    expected = owner_colours(o["name"] for o in doc["owners"])
+    drawn_owners = {k: c for k, c in colour_of.items() if k[0] == "o" and k[1] >= 0}
+    for k, col in drawn_owners.items():
+        assert close(col, expected[k[1]]), (k, col)
+    assert_distinct(drawn_owners)  # from the pixels: the owners' colours stay apart
+    # the legend lists what is drawn: no "owned" swatch (every owned block here has a session as owner)
+    legend = legend_items(dom)
+    assert "owned" not in legend and "by-owner" in legend and {"free", "cached"} <= set(legend), legend
+    assert "pool (device memory): 64 blocks of 16 tokens" in dom
+    tip = dom[dom.index('id="tip"'):].split("</div>")[0]
+    want = {"f": "free", "c": "cached", "o": "owned"}[doc["states"][0]]
+    assert f"block 0 · {want}" in tip and f"refcount {doc['refcount'][0]}" in tip, tip
+    assert f"tokens {doc['tokens'][0]}/16" in tip, tip
+
+
+# ---- the page on a fixed document: 14 owners, offloaded blocks, the chart --------------------
+
+
+def many_owner_doc():
+    """A 96-block pool of 16-token blocks: 14 sessions, one shared block, an owner-less allocation, cached
+    and free blocks, 6 offloaded blocks."""
+    pool, ns, owners = BlockPool(96, 16), Namespace("rev"), []
+    for k in range(14):
+        table = pool.allocate(2 + k % 3)
+        owners.append((f"session:user-{k:02d}", seq(table, 16 * len(table) - k)))
+    owners[1] = (owners[1][0], seq(owners[1][1].block_table + pool.fork([owners[0][1].block_table[0]]),
+                                   owners[1][1].num_computed))
+    raw = pool.allocate(1)  # held by no listed owner
+    cached = pool.allocate(3)
+    parent = None
+    for j, bid in enumerate(cached):
+        parent = pool.register(bid, parent, ns, list(range(16 * j, 16 * j + 16)))
+    pool.free_all(cached)
+    return block_map(pool, owners, offloaded_blocks=6), raw
+
+
+@pytest.fixture()
+def static_page(tmp_path):
+    """Serve page_html() at /admin/kv and a fixed document at /admin/kv.json on 127.0.0.1."""
+    import http.server
+    import threading
+
+    from kvkeeper.api.admin import page_html
+
+    doc, raw = many_owner_doc()
+    body = {"/admin/kv": page_html().encode(), "/admin/kv.json": json.dumps(doc).encode()}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the http.server API)
+            data = body.get(self.path.split("?")[0])
+            self.send_response(200 if data else 404)
+            self.send_header("Content-Type", "application/json" if self.path.endswith(".json") else "text/html")
+            self.end_headers()
+            self.wfile.write(data or b"")
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", doc, raw
+    finally:
+        httpd.shutdown()
+
+
+def test_admin_page_many_owners_offloaded_rows_chart_and_tooltip(static_page, tmp_path):
+    from PIL import Image
+
+    chromium = need_chromium()
+    base, doc, raw = static_page
+    cols, cell = 12, 16
+    url = base + f"/admin/kv?cell={cell}&cols={cols}&interval=200"
+    png = tmp_path / "many.png"
+    chromium_run(chromium, url, tmp_path, "1000,700", png)
+    dom = chromium_run(chromium, url + "&tip=" + str(doc["owner"].index(3)), tmp_path, "1000,700")
+    img = Image.open(png).convert("RGB")
+    assert len(doc["owners"]) == 14
+    expected = owner_colours(o["name"] for o in doc["owners"])
+    drawn: dict[str, tuple] = {}
+    for i, o in enumerate(doc["owner"]):
+        if o >= 0:
+            px = img.getpixel(cell_centre(i, cols, cell))
+            assert close(px, expected[o]), (i, doc["owners"][o]["name"], px, expected[o])
+            drawn[doc["owners"][o]["name"]] = px
+    assert len(drawn) == 14
+    assert_distinct(drawn)  # the 14 owners' colours, as drawn, pairwise at least OWNER_MIN_DELTA_E apart
+    assert close(img.getpixel(cell_centre(raw[0], cols, cell)), STATE_COLOURS["owned"])
+    # offloaded blocks: on rows after the pool's and a second label band
+    pool_rows = -(-doc["num_blocks"] // cols)
+    for j in range(doc["offloaded"]):
+        x, y = cell_centre(j, cols, cell, first_row=pool_rows)
+        assert close(img.getpixel((x, y + BAND)), STATE_COLOURS["offloaded"]), j
+    assert "pool (device memory): 96 blocks of 16 tokens" in dom and "offloaded (host memory / disk): 6 blocks" in dom
+    # the legend shows each drawn state once, with the colour it is drawn in, and each owner with its colour
+    legend = legend_items(dom)
+    assert set(legend) == {"free", "cached", "shared", "owned", "offloaded", "by-owner"}, legend
+    for state in ("free", "cached", "shared", "owned", "offloaded"):
+        assert legend[state] == STATE_COLOURS[state]
+    for o, colour in zip(doc["owners"], expected):
+        assert f'data-owner="{o["name"]}" data-colour="{colour}"' in dom
+    # the chart: several samples, its lines drawn in the series colours inside its rectangle
+    import re
+
+    samples = int(re.search(r'data-samples="(\d+)"', dom).group(1))
+    left, top, w, h = map(int, re.search(r'data-rect="([\d,]+)"', dom).group(1).split(","))
+    assert samples >= 3 and w > 100 and h > 50
+    chart_px = {img.getpixel((x, y)) for x in range(left + 36, left + w - 6) for y in range(top + 2, top + h - 14)}
+    for colour in ("#e5e7eb", "#f472b6"):  # usage and internal lines (the other two figures are 0 here)
+        assert any(close(p, colour, 10) for p in chart_px), colour
+    tip = dom[dom.index('id="tip"'):].split("</div>")[0]
+    assert "owned · owner: session:user-03" in tip and "refcount 1" in tip and "/16" in tip, tip
 
 
 def test_terminal_map_watch_refreshes_until_interrupted():

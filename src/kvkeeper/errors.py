@@ -72,3 +72,12 @@ class OverloadedError(KVKeeperError):
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class QuotaExceededError(KVKeeperError):
+    """A tenant is at one of its limits (open sessions, pinned KV blocks); retry after ``retry_after_s``
+    seconds, or close / offload one of its sessions first (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -12,14 +12,20 @@ Endpoints::
     POST   /v1/sessions/{id}/offload?tier=host|disk   move an idle session's KV out of the pool
     DELETE /v1/sessions/{id}        close a session and free its blocks (404 if unknown)
     GET    /admin/kv                live KV block map page (HTML); /admin/kv.json its data (kvkeeper.api.admin)
-    GET    /admin/kv/dump           ?session=ID[&layers=0,5&start=N&end=M]: the session's K/V (safetensors)
+    GET    /admin/kv/dump           ?session=ID[&tenant=T&layers=0,5&start=N&end=M]: the session's K/V (safetensors)
     GET    /admin/breaker           the KV circuit breaker: tier, trips, action counts, recent events
+    GET    /admin/health            the cache-health detector: score, signals, warning events (kvkeeper.api.admin)
+
+Keys (:mod:`kvkeeper.api.auth`): with API keys every route but ``/health``, ``/metrics`` and ``/openapi.json`` needs
+``Authorization: Bearer <key>`` (401 otherwise); sessions and the cache namespace belong to the key's
+tenant (``/v1/sessions*`` see only the caller's sessions); ``/admin/*`` needs an admin key (a dump also
+answers the session's tenant).  ``/metrics`` names no session and holds no token.
 
 Headers: ``X-Session-ID`` runs the request as a turn of that session (the client resends its
 history; the session's KV is reused by the rule of :mod:`kvkeeper.sessions.session`);
 ``X-Session-Priority``, an integer, default 0: the circuit breaker trims lower priorities first (a
 response whose oldest turns were left out says how many in ``X-KVKeeper-Trimmed-Turns``);
-``X-Cache-Salt`` (or the body field ``cache_salt``) isolates a tenant's prefix cache.  Errors are
+``X-Cache-Salt`` (or the body field ``cache_salt``) narrows the caller's prefix-cache namespace.  Errors are
 OpenAI-style JSON bodies (see :mod:`kvkeeper.api.errors`); no stack trace reaches a client.
 """
 
@@ -28,12 +34,14 @@ from __future__ import annotations
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException
 
 from .access_log import AccessLogMiddleware
-from .admin import add_admin_routes
+from .admin import router as admin_router
 from .async_engine import AsyncEngine
+from .auth import KeyRing, caller
 from .errors import BodyTooLargeError, install_error_handlers
+from .openai_routes import public_router
 from .openai_routes import router as openai_router
 from .session_routes import router as session_router
 from .streams import EngineDeadError
@@ -72,12 +80,15 @@ class BodyLimitMiddleware:
 
 
 def create_app(engine: AsyncEngine, served_model_name: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, refuse_unknown_fields: bool = True) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, refuse_unknown_fields: bool = True,
+               keys: KeyRing | None = None, admin_routes: bool = True) -> FastAPI:
     """Build the app around an :class:`AsyncEngine` (started and stopped with the app's lifespan).
 
     served_model_name: the id clients must send as ``model`` (or omit); default the engine's model name.
     max_body_bytes: larger request bodies get 413.  refuse_unknown_fields: a request field no schema
-    declares gets 400 naming it (False: such fields are ignored).  Every request gets an access-log line
+    declares gets 400 naming it (False: such fields are ignored).  keys: the API keys (None: none, every
+    request is the local caller).  admin_routes: serve ``/admin/*`` here (False: they are served by
+    :func:`create_admin_app` on another port).  Every request gets an access-log line
     when the ``kvkeeper.access`` logger is enabled (:func:`kvkeeper.api.access_log.configure_access_log`).
     """
 
@@ -93,12 +104,27 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(AccessLogMiddleware)  # outermost: 413s are logged too
     app.state.engine = engine
+    app.state.keys = keys
     app.state.refuse_unknown_fields = refuse_unknown_fields
     app.state.model_name = served_model_name or engine.model_name
     app.state.base_ns = engine.engine.namespace  # frozen: safe to read from any thread
     app.state.created = int(time.time())
     install_error_handlers(app, EngineDeadError)
-    app.include_router(openai_router)
-    app.include_router(session_router)
-    add_admin_routes(app, engine)
+    app.include_router(public_router)
+    app.include_router(openai_router, dependencies=[Depends(caller)])
+    app.include_router(session_router, dependencies=[Depends(caller)])
+    if admin_routes:
+        app.include_router(admin_router)
+    return app
+
+
+def create_admin_app(engine: AsyncEngine, keys: KeyRing | None = None) -> FastAPI:
+    """The ``/admin/*`` routes alone, for ``serve --admin-port`` (bound to 127.0.0.1 by the server), with the
+    same keys and error bodies.  It has no lifespan: the main app starts and stops ``engine``."""
+    app = FastAPI(title="kvkeeper admin", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(AccessLogMiddleware)
+    app.state.engine = engine
+    app.state.keys = keys
+    install_error_handlers(app, EngineDeadError)
+    app.include_router(admin_router)
     return app

@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..diagnostics.health import engine_counters
 from ..errors import KVKeeperError
 from ..kvcache.blockmap import engine_block_map
 from ..kvcache.telemetry import FragmentationMonitor
@@ -59,15 +60,17 @@ class AsyncEngine:
     session id are refused).  breaker: a circuit breaker to evaluate while idle.  auditor: a reuse
     auditor whose counters go to /metrics.  max_queue: requests that may wait (not yet admitted)
     before :meth:`submit` raises :class:`QueueFullError` (HTTP 503).  max_new_tokens: cap on tokens
-    per choice.  tracer: a :class:`kvkeeper.api.tracing.RequestTracer` (None: no traces).
+    per choice.  tracer: a :class:`kvkeeper.api.tracing.RequestTracer` (None: no traces).  health: a
+    :class:`~kvkeeper.diagnostics.health.HealthMonitor` fed with the telemetry samples (None: none).
     """
 
     def __init__(self, engine, sessions=None, max_queue: int = DEFAULT_MAX_QUEUE, metrics: ServerMetrics | None = None,
-                 tracer=None, max_new_tokens: int | None = None, breaker=None, auditor=None):
+                 tracer=None, max_new_tokens: int | None = None, breaker=None, auditor=None, health=None):
         self.engine = engine
         self.sessions = sessions
         self.breaker = breaker
         self.auditor = auditor
+        self.health = health
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics()
         self.tracker = RequestTracker(engine, sessions, self.metrics, tracer, max_new_tokens)
@@ -85,6 +88,7 @@ class AsyncEngine:
         self.frag_interval_s = 0.1
         self._frag_next = 0.0
         self._frag: dict = {}
+        self._checkpoint_next = 0.0
         self._sample_fragmentation()
         self._publish_stats()
 
@@ -197,8 +201,18 @@ class AsyncEngine:
             self.tracker.publish(before_send=self._publish_stats)  # gauges first: a response sees its effect
         elif self.breaker is not None:
             self.breaker.evaluate()  # idle: let the breaker cool down and close
+        self._maybe_checkpoint()
         self._sample_fragmentation()
         self._publish_stats()
+
+    def _maybe_checkpoint(self) -> None:
+        """Every ``checkpoint_every_s`` seconds (SessionConfig), copy idle sessions' new KV to the disk tier."""
+        period = getattr(getattr(self.sessions, "config", None), "checkpoint_every_s", None)
+        now = time.monotonic()
+        if period is None or now < self._checkpoint_next:
+            return
+        self._checkpoint_next = now + period
+        self.sessions.checkpoint_idle()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -252,6 +266,8 @@ class AsyncEngine:
             br = self.breaker
             st["breaker"] = {"tier": br.tier, "trips": br.trips,
                              "actions": [{"tier": t, "action": a, "count": n} for (t, a), n in br.actions.items()]}
+        if self.health is not None:
+            st["kv_health_score"], st["kv_health_warnings"] = self.health.score, self.health.warnings
         st.update(self._frag)  # fragmentation windows and block states of the latest sample
         pool = getattr(self.engine, "pool", None)
         if pool is not None and "kv_block_states" in st:  # the block counts are O(1): current, not sampled
@@ -259,6 +275,18 @@ class AsyncEngine:
             st["kv_block_states"] = {**st["kv_block_states"], "owned": owned, "cached": cached,
                                      "free": pool.num_blocks - owned - cached}
         self.metrics.update(st)
+
+    def _observe_health(self, st, now: float) -> None:
+        """Feed the health detector (it samples every ``interval_s``) from a pool sample and the counters."""
+        if self.health is None:
+            return
+        m = self.metrics
+        try:
+            self.health.observe(engine_counters(self.engine, self.auditor, m.ttft_sum, m.ttft_count, self.breaker,
+                                                stats=st), now)
+        except Exception:  # telemetry must never take the engine down
+            log.exception("health detector failed")
+            self.health = None
 
     def _sample_fragmentation(self) -> None:
         """Record ``engine.pool_stats()`` if ``frag_interval_s`` has passed (engine thread only).
@@ -279,6 +307,7 @@ class AsyncEngine:
             self._frag_next = now + 10.0
             return
         self.monitor.record(st, now)
+        self._observe_health(st, now)
         cost = time.monotonic() - now
         self._frag_next = now + max(self.frag_interval_s, 50.0 * cost)
         self._frag = {"kv_fragmentation": self.monitor.windows(now),

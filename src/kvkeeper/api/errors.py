@@ -7,8 +7,12 @@ Every error a client sees has the shape ``{"error": {"message", "type", "param",
   FastAPI would answer with 422), a prompt that does not fit the context window
   (code ``context_length_exceeded``, the message gives the numbers).
 * 404 ``not_found_error``: unknown model (code ``model_not_found``), session or route.
+* 401 ``authentication_error``: API keys are configured and the request has none, or a wrong one
+  (code ``invalid_api_key``); 403 ``permission_error``: an admin route asked with a tenant's key.
 * 409 ``invalid_request_error``: the session has a turn in flight (code ``session_busy``).
 * 413 ``invalid_request_error``: a request body over the size limit.
+* 429 ``rate_limit_error``: the caller's tenant is at its limit of open sessions or pinned KV blocks
+  (code ``tenant_quota_exceeded``), with ``Retry-After`` (seconds).
 * 503 ``server_overloaded``: the waiting queue is full (code ``queue_full``) or the KV circuit breaker
   is degraded and refuses new sessions (code ``kv_memory_short``), with a ``Retry-After`` header (seconds).
 * 500 ``server_error``: anything unexpected; the client gets a generic message, the
@@ -19,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import (ContextLengthError, KVKeeperError, ModelNotFoundError, OverloadedError, SessionBusyError,
-                      SessionNotFoundError)
+from ..errors import (ContextLengthError, KVKeeperError, ModelNotFoundError, OverloadedError, QuotaExceededError,
+                      SessionBusyError, SessionNotFoundError)
 
 
 class APIError(Exception):
@@ -69,6 +73,9 @@ def from_kvkeeper_error(e: KVKeeperError) -> APIError:
     if isinstance(e, OverloadedError):
         return APIError(503, str(e), type="server_overloaded", code="kv_memory_short",
                         headers={"Retry-After": str(e.retry_after_s)})
+    if isinstance(e, QuotaExceededError):
+        return APIError(429, str(e), type="rate_limit_error", code="tenant_quota_exceeded",
+                        headers={"Retry-After": str(e.retry_after_s)})
     if isinstance(e, ContextLengthError):
         return APIError(400, str(e), param="messages", code="context_length_exceeded")
     if isinstance(e, SessionBusyError):
@@ -82,7 +89,7 @@ def from_kvkeeper_error(e: KVKeeperError) -> APIError:
 
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
-                 413: "invalid_request_error", 503: "server_overloaded"}
+                 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_overloaded"}
 
 
 def _validation_body(e) -> dict:

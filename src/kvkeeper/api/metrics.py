@@ -24,6 +24,10 @@ kvkeeper:breaker_actions_total             counter    breaker actions, labels ``
 kvkeeper:kv_audit_total                    counter    requests whose reused KV was audited (requests)
 kvkeeper:kv_audit_mismatch_total           counter    of those, with a divergent layer or logits (requests)
 kvkeeper:kv_audit_skipped_total            counter    sampled for the audit but not audited (requests)
+kvkeeper:kv_health_score                  gauge      KV cache health score of the EWMA detector
+                                                      (kvkeeper.diagnostics.health): 1 healthy, 0.5 on a
+                                                      control limit, 0 at twice the limit (0..1)
+kvkeeper:kv_health_warnings_total          counter    health warnings opened (warnings)
 kvkeeper:time_to_first_token_seconds       histogram  arrival to first token (s)
 kvkeeper:time_per_output_token_seconds     histogram  mean gap between output tokens of a request (s)
 kvkeeper:e2e_request_latency_seconds       histogram  arrival to finish (s)
@@ -39,6 +43,7 @@ kvkeeper:kv_offload_total{tier}            counter    idle sessions offloaded to
 kvkeeper:kv_offload_bytes_total{tier}      counter    KV bytes written to the tier (bytes)
 kvkeeper:kv_restore_total{tier}            counter    sessions whose KV came back from the tier (sessions)
 kvkeeper:kv_restore_failures_total{tier}   counter    offloaded sessions recomputed instead (corrupt file, no room)
+kvkeeper:kv_checkpoint_total               counter    idle sessions copied to disk, KV kept in the pool (sessions)
 kvkeeper:kv_offloaded_bytes{tier}          gauge      KV bytes held in the tier now (bytes)
 kvkeeper:kv_offloaded_blocks               gauge      blocks' worth of KV held in host plus disk tiers (blocks)
 kvkeeper:context_turns_total               counter    session turns by context ``policy`` and ``kind``: kept,
@@ -80,6 +85,9 @@ _FROM_SNAPSHOT = {
     "kv_audit_skipped_total": ("kvkeeper:kv_audit_skipped", "counter",
                                "Requests sampled for the audit but not audited: compressed KV or an audit "
                                "error (requests)."),
+    "kv_health_score": ("kvkeeper:kv_health_score", "gauge", "KV cache health score of the EWMA detector: 1 "
+                        "healthy, 0.5 on a control limit, 0 at twice the limit (0..1)."),
+    "kv_health_warnings": ("kvkeeper:kv_health_warnings", "counter", "KV cache health warnings opened (warnings)."),
     # the offload tiers (snapshot["offload"]); a dict value is one sample per tier (label ``tier``)
     "offload.offload_total": ("kvkeeper:kv_offload", "counter", "Idle sessions offloaded to the tier (sessions)."),
     "offload.offload_bytes_total": ("kvkeeper:kv_offload_bytes", "counter", "KV bytes written to the tier (bytes)."),
@@ -87,6 +95,8 @@ _FROM_SNAPSHOT = {
                               "Sessions whose KV came back from the tier (sessions)."),
     "offload.restore_failures_total": ("kvkeeper:kv_restore_failures", "counter",
                                        "Offloaded sessions recomputed instead of restored (sessions)."),
+    "offload.checkpoint_total": ("kvkeeper:kv_checkpoint", "counter",
+                                 "Idle sessions copied to the disk tier, their KV kept in the pool (sessions)."),
     "offload.offloaded_bytes": ("kvkeeper:kv_offloaded_bytes", "gauge", "KV bytes held in the tier now (bytes)."),
     "offload.offloaded_blocks": ("kvkeeper:kv_offloaded_blocks", "gauge",
                                  "Blocks' worth of KV held in the host and disk tiers."),
@@ -180,6 +190,8 @@ class ServerMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         self.snapshot: dict = {}
+        self.ttft_sum = 0.0  # seconds, over the sequences observed (the health detector's TTFT signal)
+        self.ttft_count = 0
         self.registry.register(_SnapshotCollector(self))
         self.registry.register(_FragmentationCollector(self))
         self.ttft = Histogram("kvkeeper:time_to_first_token_seconds", "Time from arrival to first token (s).",
@@ -211,6 +223,8 @@ class ServerMetrics:
         """Record one finished sequence's latencies (perf_counter seconds)."""
         if seq.t_first_token is not None:
             self.ttft.observe(seq.t_first_token - seq.t_arrival)
+            self.ttft_sum += seq.t_first_token - seq.t_arrival
+            self.ttft_count += 1
             n = seq.num_output_tokens
             if n > 1 and seq.t_last_token is not None:
                 self.tpot.observe((seq.t_last_token - seq.t_first_token) / (n - 1))

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..sampling.structured import StructuredOutput
 from .access_log import record_usage
+from .auth import Caller, caller
 from .errors import APIError
 from .metrics import CONTENT_TYPE
 from .request_parsing import (check_fields, check_model, compression_of, context_of, messages_of, namespace_of,
@@ -28,15 +29,17 @@ from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from .streams import ChoiceDelta, GenerationRequest, RequestStream
 from .tools import ChoiceCalls, ToolUse, finish_with_calls, tool_use_of
 
-router = APIRouter()
+router = APIRouter()  # included behind the caller dependency (kvkeeper.api.auth): a key when keys are set
+public_router = APIRouter()  # /health and /metrics: open to every client
 
 
-def _request_fields(body: _SamplingFields, request: Request) -> dict:
-    """The GenerationRequest fields both completions endpoints take from headers and extension fields."""
+def _request_fields(body: _SamplingFields, request: Request, who: Caller) -> dict:
+    """The GenerationRequest fields both completions endpoints take from the caller, headers and extension fields."""
     st = request.app.state
     record_usage(request.scope, user=body.user or body.safety_identifier)
-    return dict(namespace=namespace_of(body, request, st.base_ns), session_id=session_id_of(request),
-                compression=compression_of(body), session_priority=session_priority_of(request))
+    return dict(namespace=namespace_of(body, request, st.base_ns, who.tenant), session_id=session_id_of(request),
+                compression=compression_of(body), session_priority=session_priority_of(request), tenant=who.tenant,
+                quota=who.quota)
 
 
 def _include_usage(body: _SamplingFields) -> bool:
@@ -61,14 +64,14 @@ def vllm_prompt_logprobs(entries: list[dict] | None, k: int) -> list[dict | None
     return out
 
 
-@router.get("/health")
+@public_router.get("/health")
 async def health(request: Request):
     if not request.app.state.engine.alive:
         return JSONResponse({"status": "error", "detail": "the engine thread is not running"}, status_code=503)
     return {"status": "ok"}
 
 
-@router.get("/metrics")
+@public_router.get("/metrics")
 async def metrics(request: Request):
     return Response(request.app.state.engine.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -166,7 +169,7 @@ def _check_chat(body: ChatCompletionRequest, request: Request) -> None:
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
+async def chat_completions(body: ChatCompletionRequest, request: Request, who: Caller = Depends(caller)):
     st = request.app.state
     _check_chat(body, request)
     messages, tools = messages_of(body), tool_use_of(body)
@@ -177,7 +180,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 tools=tools.tools if tools is not None else None)
     rid = st.engine.new_request_id("chatcmpl")
     gen = GenerationRequest(rid, params, messages=messages, chat=chat, context=context_of(body, request),
-                            **_request_fields(body, request))
+                            **_request_fields(body, request, who))
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": st.model_name}
     return await respond(request, st.engine, gen, body.stream, _include_usage(body), _chat_renderer(base, body, tools))
 
@@ -278,7 +281,7 @@ def _completion_prompt(body: CompletionRequest, request: Request) -> str | list[
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request):
+async def completions(body: CompletionRequest, request: Request, who: Caller = Depends(caller)):
     st = request.app.state
     prompt = _completion_prompt(body, request)
     prompt_lp = body.prompt_logprobs
@@ -286,7 +289,7 @@ async def completions(body: CompletionRequest, request: Request):
         prompt_lp = max(prompt_lp or 0, body.logprobs)
     params = sampling_of(body, body.max_tokens, body.logprobs, structured_of(body), prompt_lp)
     rid = st.engine.new_request_id("cmpl")
-    gen = GenerationRequest(rid, params, prompt=prompt, echo=body.echo, **_request_fields(body, request))
+    gen = GenerationRequest(rid, params, prompt=prompt, echo=body.echo, **_request_fields(body, request, who))
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.model_name}
     return await respond(request, st.engine, gen, body.stream, _include_usage(body), _completion_renderer(base, body))
 

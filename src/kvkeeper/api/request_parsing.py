@@ -13,7 +13,7 @@ from fastapi import Request
 
 from ..errors import KVKeeperError
 from ..kvcache.compression import KVCompression
-from ..kvcache.namespace import Namespace
+from ..kvcache.namespace import Namespace, tenant_namespace
 from ..sampling.params import SamplingParams
 from ..sampling.structured import StructuredOutput
 from .errors import APIError
@@ -221,14 +221,17 @@ def sampling_of(body: _SamplingFields, max_tokens: int | None, logprobs: int | N
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
 
 
-def namespace_of(body: _SamplingFields, request: Request, base: Namespace) -> Namespace | None:
-    """The request's cache namespace: ``base`` salted by ``cache_salt`` or ``X-Cache-Salt`` (None: unsalted)."""
+def namespace_of(body: _SamplingFields, request: Request, base: Namespace, tenant: str | None = None
+                 ) -> Namespace | None:
+    """The request's cache namespace: ``base`` salted by the caller's ``tenant`` and the client's ``cache_salt``
+    or ``X-Cache-Salt`` (:func:`~kvkeeper.kvcache.namespace.salt_hash`: the salt narrows the tenant's
+    namespace, never widens it); None (the engine's own) for no tenant and no salt."""
     salt = body.cache_salt if body.cache_salt is not None else request.headers.get("x-cache-salt")
-    if salt is None:
-        return None
-    if not salt or len(salt) > 256:
+    if salt is not None and (not salt or len(salt) > 256):
         raise APIError(400, "cache salt must be 1 to 256 characters", param="cache_salt")
-    return Namespace(base.model_revision, adapter=base.adapter, tenant_salt=salt, kv_dtype=base.kv_dtype)
+    if salt is None and tenant is None:
+        return None
+    return tenant_namespace(base, tenant, salt)
 
 
 def compression_of(body: _SamplingFields) -> KVCompression | None:

@@ -10,13 +10,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..argtypes import port, positive_int, size
+from ..argtypes import port as port_number, positive_int, size
 from ..diagnostics.audit import AuditConfig, ReuseAuditor
+from ..diagnostics.health import HealthConfig, HealthMonitor, gates_from_breaker
 from ..options import option
 from ..sessions.breaker import BreakerConfig, CircuitBreaker
 from ..sessions.manager import SessionConfig, SessionManager
 from .access_log import configure_access_log
-from .app import DEFAULT_MAX_BODY_BYTES, create_app
+from .app import DEFAULT_MAX_BODY_BYTES, create_admin_app, create_app
+from .auth import KeyRing
 from .async_engine import DEFAULT_MAX_QUEUE, AsyncEngine
 from .tracing import EXPORTERS, RequestTracer, configure_tracing
 
@@ -28,7 +30,7 @@ class ServerConfig:
     """HTTP server settings (bytes, tokens, seconds).  ``breaker``: watch KV memory (False: no circuit breaker)."""
 
     host: str = field(default="127.0.0.1", metadata=option("--host", "address to bind"))
-    port: int = field(default=8000, metadata=option("--port", "TCP port, 1..65535", type=port))
+    port: int = field(default=8000, metadata=option("--port", "TCP port, 1..65535", type=port_number))
     served_model_name: str | None = field(default=None, metadata=option(
         "--served-model-name", "the model id clients send and /v1/models lists (default: the --model value)",
         metavar="NAME"))
@@ -54,40 +56,86 @@ class ServerConfig:
     refuse_unknown_fields: bool = field(default=True, metadata=option(
         "--ignore-unknown-fields", "ignore request fields this server does not know, instead of answering 400 "
         "naming them (for clients that send extra fields)", action="store_true", negate=True))
+    api_key: str | None = field(default=None, repr=False, metadata=option(
+        "--api-key", "one admin API key: every route but /health, /metrics and /openapi.json needs 'Authorization: "
+        "Bearer KEY' (default: $KVKEEPER_API_KEY; without keys every client may use every session)", metavar="KEY"))
+    api_keys_file: str | None = field(default=None, metadata=option(
+        "--api-keys-file", "API keys of several tenants, JSON or TOML: key -> tenant, admin, max_sessions, "
+        "max_pinned_blocks (README: Tenants and API keys)", metavar="FILE"))
+    admin_port: int | None = field(default=None, metadata=option(
+        "--admin-port", "serve /admin/* on this port of 127.0.0.1 only, not on --port", type=port_number,
+        metavar="PORT"))
     log_level: str = "warning"
 
     @property
     def trace_exporter(self) -> str:
         return "otlp" if self.otlp_traces_endpoint else self.otel_traces
 
+    def key_ring(self) -> KeyRing | None:
+        """The API keys of ``api_key`` and ``api_keys_file`` (both: one ring), None for none.
+        Raises :class:`~kvkeeper.api.auth.KeysFileError` (a ValueError) for a bad key or keys file."""
+        from .auth import DEFAULT_TENANT, Caller, load_keys_file
+
+        keys = load_keys_file(self.api_keys_file) if self.api_keys_file else {}
+        if self.api_key is not None:
+            keys[self.api_key] = Caller(DEFAULT_TENANT, True, None)
+        return KeyRing(keys) if keys else None
+
 
 def build_server(engine, config: ServerConfig | None = None, sessions: SessionConfig | None = None,
-                 breaker: BreakerConfig | None = None, audit: AuditConfig | None = None):
+                 breaker: BreakerConfig | None = None, audit: AuditConfig | None = None,
+                 health: HealthConfig | None = None):
     """The FastAPI app serving ``engine`` (an :class:`LLMEngine`), with its parts attached.
 
     sessions: the offload tiers of the server's sessions; breaker: the circuit breaker's thresholds
-    (used when ``config.breaker``); audit: the reuse audit's sample.  Raises ValueError for an unknown
-    trace exporter or an engine that already serves an app (one server per engine: a second one would run
-    its sessions, breaker and audit hooks twice), and ImportError when the OTLP exporter is missing.
+    (used when ``config.breaker``); audit: the reuse audit's sample; health: the cache-health detector's
+    settings (its gates follow the breaker's thresholds; its warnings are the breaker's early signal).  With ``config.admin_port`` the
+    ``/admin/*`` routes are left out of the app and served by ``app.state.admin_app`` (:func:`run_server`).
+    Logs a warning when the server has no API keys.  Raises ValueError for an unknown trace exporter, a bad
+    API key or keys file, or an engine that already serves an app (one server per engine: a second one would
+    run its sessions, breaker and audit hooks twice), and ImportError when the OTLP exporter is missing.
     """
     if any(isinstance(h, SessionManager) for h in engine.holders):
         raise ValueError("this engine already has a session manager (it serves an app already): build one server "
                          "per engine")
     config = config or ServerConfig()
+    keys = config.key_ring()  # before anything is attached to the engine
+    if keys is None:
+        log.warning("no API keys (--api-key, --api-keys-file): every client can read, list and delete every "
+                    "session and use /admin; fine on a machine of your own, not on a shared network")
     name = config.served_model_name or engine.model_name
     manager = SessionManager(engine, sessions or SessionConfig())
-    br = CircuitBreaker(engine, manager, breaker or BreakerConfig()) if config.breaker else None
+    breaker = breaker or BreakerConfig()
+    br = CircuitBreaker(engine, manager, breaker) if config.breaker else None
+    monitor = HealthMonitor(gates_from_breaker(health or HealthConfig(), breaker))
+    if br is not None:
+        br.early_warning = monitor.active_signals
     auditor = ReuseAuditor.from_config(audit or AuditConfig()).attach(engine)
     tracer = configure_tracing(config.trace_exporter, config.otlp_traces_endpoint)
     aeng = AsyncEngine(engine, manager, max_queue=config.max_queue, max_new_tokens=config.max_new_tokens,
-                       tracer=RequestTracer(tracer, name) if tracer is not None else None, breaker=br, auditor=auditor)
+                       tracer=RequestTracer(tracer, name) if tracer is not None else None, breaker=br, auditor=auditor,
+                       health=monitor)
     configure_access_log(config.access_log)
-    return create_app(aeng, name, config.max_body_bytes, config.refuse_unknown_fields)
+    app = create_app(aeng, name, config.max_body_bytes, config.refuse_unknown_fields, keys,
+                     admin_routes=config.admin_port is None)
+    app.state.admin_app = create_admin_app(aeng, keys) if config.admin_port is not None else None
+    return app
+
+
+ADMIN_HOST = "127.0.0.1"  # the admin app's address (--admin-port): this machine only
 
 
 def run_server(app, config: ServerConfig) -> None:
-    """Serve ``app`` (from :func:`build_server`) on uvicorn until interrupted (SIGINT / SIGTERM)."""
+    """Serve ``app`` (from :func:`build_server`) on uvicorn until interrupted (SIGINT / SIGTERM); its admin app,
+    when it has one, on ``ADMIN_HOST:config.admin_port`` from a daemon thread (ended with the process)."""
+    import threading
+
     import uvicorn
 
     level = config.log_level
+    admin = getattr(app.state, "admin_app", None)
+    if admin is not None:
+        server = uvicorn.Server(uvicorn.Config(admin, host=ADMIN_HOST, port=config.admin_port, log_level=level,
+                                               access_log=level in ("info", "debug"), lifespan="off"))
+        threading.Thread(target=server.run, name="kvkeeper-admin", daemon=True).start()
     uvicorn.run(app, host=config.host, port=config.port, log_level=level, access_log=level in ("info", "debug"))

@@ -29,6 +29,8 @@ class GenerationRequest:
     chat: dict = field(default_factory=dict)  # how messages are rendered: add_generation_prompt, tools...
     context: tuple[str | None, int | None] | None = None  # (policy, budget) a session's turn runs under
     echo: bool = False  # completions: the prompt's text comes back before each choice's text
+    tenant: str | None = None  # the caller's tenant (kvkeeper.api.auth): owns the session it names
+    quota: Any = None  # the tenant's kvkeeper.sessions.manager.TenantQuota (None: no limits)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence
 from ..errors import InvalidRequestError
+from ..sessions.session import session_key
 from .metrics import ServerMetrics
 from .streams import Accepted, ChoiceDelta, EngineDeadError, GenerationRequest, StepOutput, Usage
 from .token_text import TokenText
@@ -74,11 +75,15 @@ class RequestTracker:
         """Add the request's first choice; a session opened for it is closed again if it is refused.
 
         Raises :class:`InvalidRequestError` (bad prompt, id in use), ``ContextLengthError``,
-        ``OverloadedError`` (no new sessions now) and ``SessionBusyError``.
+        ``OverloadedError`` (no new sessions now), ``QuotaExceededError`` (the tenant is at a limit) and
+        ``SessionBusyError``.
         """
         if req.request_id in self.tracked:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
-        sid = req.session_id
+        sid = None if req.session_id is None else session_key(req.tenant, req.session_id)
+        refresh = getattr(self.sessions, "refresh_from_disk", None) if sid is not None else None
+        if refresh is not None:
+            refresh(sid)  # a newer checkpoint another server sharing the data dir wrote
         opened = sid is not None and self.sessions is not None and sid not in self.sessions
         try:
             seq, trimmed, report = self._start(req)
@@ -112,7 +117,10 @@ class RequestTracker:
             return self.engine.add_request(prompt, req.params[0], **kw), 0, None
         if self.sessions is None:
             raise InvalidRequestError("this server keeps no sessions; send the request without X-Session-ID")
-        s = self.sessions.sessions.get(req.session_id) or self.sessions.open(session_id=req.session_id)
+        s = self.sessions.find(req.tenant, req.session_id)
+        self.sessions.check_quota(req.tenant, req.quota, opening=s is None)  # 429 beyond the tenant's limits
+        if s is None:
+            s = self.sessions.open(session_id=req.session_id, tenant=req.tenant)
         if req.session_priority is not None:
             s.priority = req.session_priority
         if req.context is not None:
@@ -198,7 +206,7 @@ class RequestTracker:
         lead = t.seqs[0]
         usage = Usage(lead.num_prompt_tokens, sum(s.num_output_tokens for s in t.seqs), lead.num_cached_tokens or 0)
         del self.tracked[rid]
-        sid = t.req.session_id
+        sid = None if t.req.session_id is None else session_key(t.req.tenant, t.req.session_id)
         if t.opened_session and lead.finish_reason == "error" and sid in self.sessions \
                 and not self.sessions.get(sid).turns:
             self.sessions.close(sid)  # a first turn that failed leaves no empty session behind

@@ -28,6 +28,7 @@ import sys
 
 from .. import __version__
 from ..errors import KVKeeperError
+from ..progress import reporting
 from . import chat, evals, kv, serve
 from .common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, CLIError, engine_parent
 
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdout.reconfigure(errors="replace")  # a reply with odd characters must not crash the CLI
     try:
-        return args.func(args)
+        with reporting():  # progress of long steps (model load, evals) on stderr
+            return args.func(args)
     except (KVKeeperError, CLIError) as e:
         msg = str(e)
     except FileNotFoundError as e:

@@ -13,8 +13,9 @@ from typing import Any
 
 from ..argtypes import non_negative_int
 from ..errors import ContextLengthError, KVKeeperError
+from ..progress import progress
 from ..sessions.manager import SessionManager
-from .common import (EXIT_OK, CLIError, add_sampling, err_console, fmt_s, load_engine, out_console, sampling,
+from .common import (EXIT_OK, CLIError, add_sampling, fmt_s, load_engine, out_console, sampling,
                      stats_line, stderr)
 
 
@@ -51,6 +52,12 @@ def add_parsers(sub, parent: argparse.ArgumentParser) -> None:
     v.add_argument("--json", metavar="OUT", dest="json_out", help="write one JSON record per turn to OUT")
     v.add_argument("--no-reuse", action="store_true",
                    help="recompute the whole conversation every turn (baseline without KV reuse)")
+    v.add_argument("--turns", type=non_negative_int, metavar="N", help="run only the first N turns of each conversation")
+    v.add_argument("--compare", action="store_true",
+                   help="run each conversation with KV reuse and again with a full re-prefill of the same history "
+                        "every turn; print TTFT of both per turn and their ratio")
+    v.add_argument("--plot", metavar="FILE.png", help="with --compare: draw TTFT per turn of both runs "
+                                                      "(needs matplotlib: pip install 'kvkeeper[plots]')")
     v.set_defaults(func=cmd_converse)
 
 
@@ -200,49 +207,71 @@ def _mean(xs: list[float]) -> float | None:
 
 def cmd_converse(args: argparse.Namespace) -> int:
     convs = load_conversations(args.file, args.limit)
+    if args.turns is not None:
+        convs = [(cid, turns[: args.turns]) for cid, turns in convs if args.turns]
     if not convs:
-        raise CLIError(f"{args.file}: no conversations to run" + (" (--limit 0)" if args.limit == 0 else ""))
+        raise CLIError(f"{args.file}: no conversations to run"
+                       + (" (--limit 0)" if args.limit == 0 else " (--turns 0)" if args.turns == 0 else ""))
     out_path = Path(args.json_out) if args.json_out else None
-    if out_path is not None and not out_path.resolve().parent.is_dir():
-        raise CLIError(f"cannot write --json {out_path}: folder {out_path.resolve().parent} does not exist")
+    for flag, path in (("--json", out_path), ("--plot", Path(args.plot) if args.plot else None)):
+        if path is not None and not path.resolve().parent.is_dir():
+            raise CLIError(f"cannot write {flag} {path}: folder {path.resolve().parent} does not exist")
+    if args.compare and args.no_reuse:
+        raise CLIError("--compare runs both ways already; leave out --no-reuse")
+    if args.plot and not args.compare:
+        raise CLIError("--plot draws the two runs of --compare; add --compare")
     params = sampling(args)
     engine = load_engine(args)
-    records = _run_conversations(SessionManager(engine), convs, args.system, not args.no_reuse, params)
-    out = out_console()
-    out.print(_turn_table(records, f"{engine.model_name}: {len(convs)} conversations, {len(records)} turns"
-                                   + (" (no KV reuse)" if args.no_reuse else "")))
-    out.print(_summary(records), markup=False)
+    if args.compare:
+        records = _compare(engine, convs, args, params)
+    else:
+        records = _run_conversations(SessionManager(engine), convs, args.system, not args.no_reuse, params)
+        out = out_console()
+        out.print(_turn_table(records, f"{engine.model_name}: {len(convs)} conversations, {len(records)} turns"
+                                       + (" (no KV reuse)" if args.no_reuse else "")))
+        out.print(_summary(records), markup=False)
     if out_path is not None:
         out_path.write_text(json.dumps(records, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
         stderr(f"wrote {len(records)} turn records to {out_path}")
     return EXIT_OK
 
 
+def _compare(engine, convs, args: argparse.Namespace, params) -> list[dict]:
+    """``converse --compare``: both runs, the table, the summary and the optional plot (kvkeeper.cli.compare)."""
+    from .compare import compare_summary, compare_table, plot_compare, run_compare
+
+    with progress("turns", total=sum(len(t) for _, t in convs)) as p:
+        records = run_compare(engine, convs, args.system, params, p)
+    title = (f"{engine.model_name}: {len(convs)} conversation(s), {len(records)} turns, "
+             f"KV reuse vs re-prefill of the same history")
+    out = out_console()
+    out.print(compare_table(records, title))
+    out.print(compare_summary(records), markup=False)
+    if args.plot:
+        plot_compare(records, args.plot, title)
+        stderr(f"wrote the TTFT plot to {args.plot}")
+    return records
+
+
 def _run_conversations(sessions: SessionManager, convs, system: str | None, reuse: bool, params) -> list[dict]:
     """One session per conversation, one record per turn (a turn that no longer fits ends its conversation)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     records: list[dict] = []
-    err = err_console()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True, disable=not err.is_terminal) as progress:
-        task = progress.add_task("turns", total=sum(len(t) for _, t in convs))
+    with progress("turns", total=sum(len(t) for _, t in convs)) as p:
         for cid, turns in convs:
             session = sessions.open(system=system, reuse=reuse, params=params)
             try:
                 for i, text in enumerate(turns, 1):
-                    progress.update(task, description=f"{cid} turn {i}")
+                    p.description = f"{cid} turn {i}"
                     try:
                         records.append(_turn_record(cid, session.send(text)))
                     except ContextLengthError as e:
-                        progress.console.print(f"conversation {cid} turn {i}: {e}; skipping the rest of it",
-                                               style="yellow", markup=False)
+                        p.note(f"conversation {cid} turn {i}: {e}; skipping the rest of it")
                         records.append({"id": cid, "turn": i, "prompt_tokens": e.prompt_tokens, "cached_tokens": None,
                                         "completion_tokens": None, "ttft_s": None, "decode_tok_per_s": None,
                                         "finish_reason": "error", "text": None, "token_ids": None, "error": str(e)})
-                        progress.advance(task, len(turns) - i + 1)
+                        p.advance(len(turns) - i + 1)
                         break
-                    progress.advance(task)
+                    p.advance()
             finally:
                 session.close()
     return records

@@ -95,7 +95,10 @@ def load_engine(args: argparse.Namespace):
         resolve_model_path(cfg.model)  # fail fast (and listing the known ids) before anything slow
     t0 = time.perf_counter()
     # Keep stdout clean for results: anything a library prints while loading goes to stderr.
-    with err_console().status(f"loading {cfg.model} ..."), contextlib.redirect_stdout(sys.stderr):
+    # Long steps of the load (a first dequantisation, packing weight blocks) show their own progress
+    # (kvkeeper.progress; the CLI turns reporting on).
+    stderr(f"loading {cfg.model} ...")
+    with contextlib.redirect_stdout(sys.stderr):
         engine = LLMEngine(cfg)
     r = engine.runner
     stderr(f"loaded {engine.model_name} ({str(r.dtype).removeprefix('torch.')} on {r.device}, weights "

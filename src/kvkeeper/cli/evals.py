@@ -69,7 +69,10 @@ def _add_memory_parsers(esub, parent: argparse.ArgumentParser) -> None:
     m.add_argument("--server", metavar="URL", help="ask a running kvkeeper server instead of an in-process engine")
     m.add_argument("--max-tokens", type=positive_int, default=16, metavar="N", help="tokens per answer (default: 16)")
     m.add_argument("--limit", type=positive_int, metavar="N", help="only the first N conversations")
-    m.add_argument("--json", metavar="OUT", help="write the result object (figures and per_question) to OUT")
+    m.add_argument("--replay", choices=("turns", "questions"), default="turns",
+                   help="send every user message of the history in order, as a live client would (turns, the "
+                        "default), or only the questions (faster; its cached share says nothing of a live session)")
+    m.add_argument("--json", metavar="OUT", help="write the result object (figures, per_question, per_turn) to OUT")
     m.set_defaults(func=cmd_eval_memory)
     g = esub.add_parser("memory-data", parents=[parent], help="generate conversations with planted facts",
                         description="Join Topical-Chat dialogues into long conversations, plant facts (a name, a "
@@ -163,13 +166,14 @@ def cmd_eval_memory(args: argparse.Namespace) -> int:
     else:
         backend = LibraryBackend(load_engine(args), args.context_policy, args.budget, args.max_tokens,
                                  context_every=args.context_every)
-    r = run(convs, backend, args.context_policy, args.budget)
+    r = run(convs, backend, args.context_policy, args.budget, replay=args.replay)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f)
     out_console().print(
         f"{r['policy']} at {r['budget']} tokens, {r['questions']} questions: answer in prompt "
         f"{r['answer_in_prompt']:.0%}, evidence in prompt {r['evidence_in_prompt']:.0%}, answer in reply "
-        f"{r['answer_in_reply']:.0%}, {r['mean_prompt_tokens']:.0f} prompt tokens, {r['cached_share']:.0%} cached, "
+        f"{r['answer_in_reply']:.0%}, {r['mean_prompt_tokens']:.0f} prompt tokens, {r['cached_share']:.0%} of the "
+        f"tokens of {r['turns'] + r['questions']} prompts cached, "
         f"memory {r['memory_ms_per_turn']:.1f} ms/turn ({r['seconds']:.0f} s)")
     return EXIT_OK

@@ -8,7 +8,9 @@ import os
 import socket
 
 from ..api.server import ServerConfig
+from ..cluster.config import ClusterConfig, ReplicaSpec
 from ..diagnostics.audit import AuditConfig
+from ..diagnostics.health import HealthConfig
 from ..errors import KVKeeperError
 from ..options import add_options, from_args
 from ..sessions.breaker import BreakerConfig
@@ -24,6 +26,8 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
     add_options(s.add_argument_group("KV circuit breaker (see README: Circuit breaker)"), BreakerConfig)
     add_options(s.add_argument_group("session offload tiers"), SessionConfig)
     add_options(s.add_argument_group("reuse audit"), AuditConfig)
+    add_options(s.add_argument_group("cache-health detector (see README: Cache-health prediction)"), HealthConfig)
+    add_options(s.add_argument_group("replicas on Ray Serve (README: Scale-out on Ray Serve)"), ClusterConfig)
     s.set_defaults(func=cmd_serve)
 
 
@@ -31,6 +35,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..api.server import build_server, run_server
 
     config = from_args(ServerConfig, args, log_level="info" if args.verbose else "warning")
+    if config.api_key is None:
+        config.api_key = os.environ.get("KVKEEPER_API_KEY") or None  # the environment is read here, at the edge
+    try:
+        config.key_ring()  # a bad keys file is refused before the model loads
+    except ValueError as e:
+        stderr(f"error: {e} (--api-key, --api-keys-file, $KVKEEPER_API_KEY)", None)
+        return EXIT_ERROR
     if config.trace_exporter == "otlp":
         try:
             import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
@@ -39,6 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return EXIT_ERROR
     try:
         breaker = from_args(BreakerConfig, args)
+        health = from_args(HealthConfig, args)
     except ValueError as e:
         stderr(f"error: {e}", None)
         return EXIT_ERROR
@@ -55,12 +67,63 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stderr(f"error: {e} (--context-policy, --context-budget)", None)
         return EXIT_ERROR
     _check_port_free(config.host, config.port)  # before the model loads
+    if config.admin_port is not None:
+        if config.admin_port == config.port:
+            raise CLIError(f"--admin-port {config.admin_port} is the --port: give the admin routes another port")
+        _check_port_free("127.0.0.1", config.admin_port)
+    cluster = from_args(ClusterConfig, args)
+    if cluster.replicas is not None or cluster.ray_address is not None:
+        if config.admin_port is not None:
+            raise CLIError("--admin-port is not served with --replicas (each replica keeps its admin routes on "
+                           "the main port); leave it out")
+        return _serve_cluster(args, config, sessions, breaker, cluster, health)
     engine = load_engine(args)
     config.served_model_name = config.served_model_name or args.model
-    app = build_server(engine, config, sessions, breaker if config.breaker else None, from_args(AuditConfig, args))
+    app = build_server(engine, config, sessions, breaker if config.breaker else None, from_args(AuditConfig, args),
+                       health)
     stderr(f"serving {config.served_model_name} on http://{config.host}:{config.port}/v1")
+    if config.admin_port is not None:
+        stderr(f"admin routes on http://127.0.0.1:{config.admin_port}/admin/kv")
     run_server(app, config)
     return EXIT_OK
+
+
+def _serve_cluster(args, config: ServerConfig, sessions: SessionConfig, breaker: BreakerConfig,
+                   cluster: ClusterConfig, health: HealthConfig) -> int:
+    """``--replicas N`` / ``--ray-address``: the engine replicas on Ray Serve, until interrupted."""
+    import signal
+    import time
+
+    from ..engine.config import EngineConfig
+
+    try:
+        from ..cluster import deployment
+    except ImportError as e:
+        stderr(f"error: --replicas needs Ray Serve ({e}): pip install 'kvkeeper[cluster]'", None)
+        return EXIT_ERROR
+    cluster.replicas = cluster.replicas or 1
+    if sessions.data_dir is not None and sessions.checkpoint_every_s is None:
+        sessions.checkpoint_every_s = 5.0  # a shared data dir: sessions outlive their replica
+    config.served_model_name = config.served_model_name or args.model
+    spec = ReplicaSpec(from_args(EngineConfig, args), config, sessions, breaker if config.breaker else None,
+                       from_args(AuditConfig, args), cluster.torch_threads, cluster.summary_size, health)
+    try:
+        deployment.start(spec, cluster, config.host, config.port)
+        # after ray.init, which installs its own SIGTERM handler in the driver: SIGTERM drains like Ctrl-C
+        signal.signal(signal.SIGTERM, _interrupt)
+        stderr(f"serving {config.served_model_name} with {cluster.replicas} replicas on Ray Serve "
+               f"(router: {cluster.router}) on http://{config.host}:{config.port}/v1")
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        deployment.stop()
+    return EXIT_OK
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -136,11 +136,12 @@ def dump_session(sessions, session_id: str, layers=None, start: int | None = Non
                  end: int | None = None) -> tuple[dict, dict]:
     """K/V a session keeps between turns (see :func:`dump_sequence`); sessions: a SessionManager.
 
-    Raises :class:`SessionNotFoundError` naming the open sessions for an unknown id.
+    session_id: the manager's key (``SessionManager.sessions``).  Raises :class:`SessionNotFoundError` for an
+    unknown id (naming no other session: they may be other tenants').
     """
     s = sessions.sessions.get(session_id)
     if s is None:
-        raise SessionNotFoundError(f"no open session {session_id!r}; open ones: {sorted(sessions.sessions)}")
+        raise SessionNotFoundError(f"no open session {session_id!r}")  # never lists the others (other tenants')
     st = s.kv
     tier = s.tier
     if tier != "pool":

@@ -23,7 +23,7 @@ import urllib.request
 from collections import Counter
 
 from ..errors import KVKeeperError
-from ..kvcache.blockmap import SHARED, STATE_COLOURS, check_block_map, owner_colour
+from ..kvcache.blockmap import SHARED, STATE_COLOURS, check_block_map, owner_colours
 
 CELL = "■"
 FIGURES = (("internal", "internal"), ("external", "external"), ("pool_rate", "pool rate"), ("usage", "usage"))
@@ -79,9 +79,10 @@ def _cell_keys(doc: dict) -> list[tuple]:
     return out
 
 
-def _colour(key: tuple, owners: list[dict]) -> str:
+def _colour(key: tuple, colours: list[str]) -> str:
+    """Colour of a cell key (``colours``: per owner index, from :func:`owner_colours`)."""
     if key[0] == "owned":
-        return owner_colour(owners[key[1]]["name"]) if key[1] >= 0 else STATE_COLOURS["owned"]
+        return colours[key[1]] if key[1] >= 0 else STATE_COLOURS["owned"]
     return STATE_COLOURS[key[0]]
 
 
@@ -120,11 +121,12 @@ def render_block_map(doc: dict, width: int = 100, max_rows: int = 32, max_owners
     head = Text(f"KV block map: {doc['num_blocks']} blocks of {doc['block_size']} tokens", style="bold")
     if k > 1:
         head.append(f"  (1 cell = {k} blocks, coloured by the state most of them have)", style="dim")
+    colours = owner_colours(o["name"] for o in doc["owners"])
     grid = Text()
     for i, key in enumerate(cells):
         if i and i % cols == 0:
             grid.append("\n")
-        grid.append(CELL, style=_colour(key, doc["owners"]))
+        grid.append(CELL, style=_colour(key, colours))
         grid.append(" ")
     shared = len(doc.get("shared") or [])
     items = []
@@ -146,7 +148,7 @@ def render_block_map(doc: dict, width: int = 100, max_rows: int = 32, max_owners
     own = Text()
     for i in order[:max_owners]:
         o = owners[i]
-        own.append(CELL + " ", style=owner_colour(o["name"]))
+        own.append(CELL + " ", style=colours[i])
         own.append(f"{o['name']}  {o['blocks']} blocks, {o['tokens']} tokens\n")
     if len(order) > max_owners:
         own.append(f"... {len(order) - max_owners} more owners\n", style="dim")

@@ -7,16 +7,21 @@
 tokens, with facts (a name, a number, a date, a place) planted as user messages in its first
 ``plant_within`` share, each asked about later (seeded: the same seed gives the same file).
 
-**Replay.** Each conversation is one session under the policy and budget.  At each question the
-history up to ``after`` is sent as written (assistant messages included) plus the question as the latest
-user message; the session builds the prompt under its policy and the model answers greedily.
+**Replay.**  Each conversation is one session under the policy and budget.  With ``replay="turns"``
+(the default) every user message of the history is sent in order, as a client would, with the history
+before it as written (assistant messages included) and a one-token reply (the written reply is what the
+next turn sends); at each question the history up to ``after`` plus the question is sent and the model
+answers greedily.  With ``replay="questions"`` only the questions are sent (faster; its cached share then
+says nothing about a live conversation, whose turns come one after another).
 
 **Figures** (each a fraction in 0..1 unless named): ``answer_in_prompt`` (the answer string appears in
 the prompt that was built, case-insensitive), ``evidence_in_prompt`` (every evidence message's text
 appears in it), ``answer_in_reply`` (the reply contains the answer, case-insensitive),
-``mean_prompt_tokens`` (tokens), ``cached_share`` (prompt tokens served from the KV cache / prompt
-tokens), ``memory_ms_per_turn`` (milliseconds the memory took per question); ``per_question`` holds each
-question's prompt, reply and counts, so that every figure can be recomputed (:func:`figures`).
+``mean_prompt_tokens`` (tokens, of the questions' prompts), ``cached_share`` (prompt tokens served from the
+KV cache / prompt tokens, over every request sent: history turns and questions), ``cached_share_questions``
+(the same over the questions only), ``memory_ms_per_turn`` (milliseconds the memory took per request
+sent); ``per_question`` holds each question's prompt, reply and counts and ``per_turn`` each history turn's
+counts, so that every figure can be recomputed (:func:`figures`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Callable
+
+from ..progress import track
 
 SYSTEM = "You are a friendly conversation partner. When asked about something said earlier, answer briefly."
 NAMES = ["Zanthe", "Orlaith", "Bartholomew", "Ysolde", "Kwabena", "Thaddeus", "Marisol", "Leopold", "Anouk",
@@ -101,9 +108,10 @@ def question_messages(conv: dict, q: dict) -> list[dict]:
     return head + conv["messages"][: q["after"] + 1] + [{"role": "user", "content": q["question"]}]
 
 
-def figures(conversations: list[dict], per_question: list[dict]) -> dict:
+def figures(conversations: list[dict], per_question: list[dict], per_turn: list[dict] | None = None) -> dict:
     """The figures of a run, from its per-question records (``prompt``, ``reply``, ``prompt_tokens``,
-    ``cached_tokens``, ``memory_ms``, ``conversation``, ``question_index``) and the conversations."""
+    ``cached_tokens``, ``memory_ms``, ``conversation``, ``question_index``), its per-turn records
+    (``prompt_tokens``, ``cached_tokens``, ``memory_ms``) and the conversations."""
     by_id = {c["id"]: c for c in conversations}
     n = len(per_question)
     a_p = e_p = a_r = 0
@@ -114,11 +122,20 @@ def figures(conversations: list[dict], per_question: list[dict]) -> dict:
         a_p += ans in prompt
         e_p += all(conv["messages"][i]["content"].lower() in prompt for i in q["evidence"])
         a_r += ans in r["reply"].lower()
-    ptok = sum(r["prompt_tokens"] for r in per_question)
-    return {"questions": n, "answer_in_prompt": a_p / n if n else 0.0, "evidence_in_prompt": e_p / n if n else 0.0,
-            "answer_in_reply": a_r / n if n else 0.0, "mean_prompt_tokens": ptok / n if n else 0.0,
-            "cached_share": sum(r["cached_tokens"] for r in per_question) / ptok if ptok else 0.0,
-            "memory_ms_per_turn": sum(r["memory_ms"] for r in per_question) / n if n else 0.0}
+    sent = per_question + list(per_turn or [])
+    qtok = sum(r["prompt_tokens"] for r in per_question)
+    stok = sum(r["prompt_tokens"] for r in sent)
+    return {"questions": n, "turns": len(per_turn or []), "answer_in_prompt": a_p / n if n else 0.0,
+            "evidence_in_prompt": e_p / n if n else 0.0, "answer_in_reply": a_r / n if n else 0.0,
+            "mean_prompt_tokens": qtok / n if n else 0.0,
+            "cached_share": sum(r["cached_tokens"] for r in sent) / stok if stok else 0.0,
+            "cached_share_questions": sum(r["cached_tokens"] for r in per_question) / qtok if qtok else 0.0,
+            "memory_ms_per_turn": sum(r["memory_ms"] for r in sent) / len(sent) if sent else 0.0}
+
+
+def history_turns(conv: dict) -> list[int]:
+    """Indices of the history's user messages: each is the last message of one request of the replay."""
+    return [i for i, m in enumerate(conv["messages"]) if m.get("role") == "user"]
 
 
 class LibraryBackend:
@@ -131,13 +148,15 @@ class LibraryBackend:
         self.engine = engine
         self.manager = SessionManager(engine, SessionConfig(context_policy=policy, context_budget=budget, **context))
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.turn_params = SamplingParams(temperature=0.0, max_tokens=1)
         self.sessions: dict[str, object] = {}
 
-    def ask(self, conv_id: str, messages: list[dict]) -> dict:
+    def ask(self, conv_id: str, messages: list[dict], max_tokens: int | None = None) -> dict:
+        """One request of conversation ``conv_id``; ``max_tokens`` 1 for a history turn (None: the answer's)."""
         s = self.sessions.get(conv_id)
         if s is None:
             s = self.sessions[conv_id] = self.manager.open()
-        seq = s.begin_turn(messages=messages, params=self.params)
+        seq = s.begin_turn(messages=messages, params=self.turn_params if max_tokens == 1 else self.params)
         self.engine.run_until_done([seq])
         rep = s.last_context
         ids = seq.token_ids[: seq.num_prompt_tokens]
@@ -161,11 +180,12 @@ class ServerBackend:
         self.run = uuid.uuid4().hex[:8]
         self.sids: set[str] = set()
 
-    def ask(self, conv_id: str, messages: list[dict]) -> dict:
+    def ask(self, conv_id: str, messages: list[dict], max_tokens: int | None = None) -> dict:
+        """One request of conversation ``conv_id`` (``max_tokens`` None: the answer's)."""
         sid = f"eval-{self.run}-{conv_id}"[:128]
         self.sids.add(sid)
         r = self.http.post("/v1/chat/completions", headers={"X-Session-ID": sid}, json={
-            "messages": messages, "max_tokens": self.max_tokens, "temperature": 0, "return_token_ids": True,
+            "messages": messages, "max_tokens": max_tokens or self.max_tokens, "temperature": 0, "return_token_ids": True,
             "context_policy": self.policy, "context_budget": self.budget})
         r.raise_for_status()
         body = r.json()
@@ -182,18 +202,37 @@ class ServerBackend:
         self.http.close()
 
 
-def run(conversations: list[dict], backend, policy: str, budget: int | None) -> dict:
-    """Replay every conversation's questions through ``backend`` (``ask(conv_id, messages) -> record``);
-    returns the result object (policy, budget, the figures, per_question, seconds)."""
+def _replay(conv: dict, backend, replay: str, per: list[dict], turns: list[dict]) -> None:
+    """Send one conversation's requests in order: its history turns (``replay="turns"``) and questions."""
+    head = [{"role": "system", "content": conv["system"]}] if conv.get("system") else []
+    points = history_turns(conv) if replay == "turns" else []
+    todo = sorted([(i, 0, None) for i in points] + [(q["after"], 1, qi) for qi, q in enumerate(conv["questions"])])
+    for at, is_q, qi in todo:
+        if is_q:
+            q = conv["questions"][qi]
+            rec = backend.ask(conv["id"], question_messages(conv, q))
+            per.append({"conversation": conv["id"], "question_index": qi, "question": q["question"],
+                        "answer": q["answer"], "evidence": q["evidence"], **rec})
+        else:
+            rec = backend.ask(conv["id"], head + conv["messages"][: at + 1], max_tokens=1)
+            turns.append({"conversation": conv["id"], "index": at, "prompt_tokens": rec["prompt_tokens"],
+                          "cached_tokens": rec["cached_tokens"], "memory_ms": rec["memory_ms"]})
+
+
+def run(conversations: list[dict], backend, policy: str, budget: int | None, replay: str = "turns") -> dict:
+    """Replay every conversation through ``backend`` (``ask(conv_id, messages, max_tokens=None) -> record``):
+    with ``replay="turns"`` each user message of the history in order, and the questions at their places;
+    with ``"questions"`` the questions only.  Returns the result object (policy, budget, replay, the
+    figures, per_question, per_turn, seconds).  Raises ValueError for another ``replay``."""
+    if replay not in ("turns", "questions"):
+        raise ValueError(f"replay must be 'turns' or 'questions', got {replay!r}")
     t0 = time.perf_counter()
-    per = []
+    per: list[dict] = []
+    turns: list[dict] = []
     try:
-        for conv in conversations:
-            for qi, q in enumerate(conv["questions"]):
-                rec = backend.ask(conv["id"], question_messages(conv, q))
-                per.append({"conversation": conv["id"], "question_index": qi, "question": q["question"],
-                            "answer": q["answer"], "evidence": q["evidence"], **rec})
+        for conv in track(conversations, "memory recall (conversations)"):
+            _replay(conv, backend, replay, per, turns)
     finally:
         backend.close()
-    return {"policy": policy, "budget": budget, **figures(conversations, per),
-            "seconds": round(time.perf_counter() - t0, 1), "per_question": per}
+    return {"policy": policy, "budget": budget, "replay": replay, **figures(conversations, per, turns),
+            "seconds": round(time.perf_counter() - t0, 1), "per_question": per, "per_turn": turns}

@@ -20,6 +20,7 @@ from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence
 from ..errors import InvalidRequestError
 from ..kvcache.surgery import compress_prompt
+from ..progress import track
 
 
 def read_text_tokens(engine, path: str | Path, context: int, skip_tokens: int = 0) -> list[int]:
@@ -42,6 +43,11 @@ def read_text_tokens(engine, path: str | Path, context: int, skip_tokens: int = 
     return ids[skip_tokens: skip_tokens + context]
 
 
+def _chunks(n: int, chunk: int) -> list[int]:
+    """Sizes of the prefill chunks of ``n`` tokens, ``chunk`` at most each."""
+    return [min(chunk, n - k) for k in range(0, n, chunk)]
+
+
 def _run_chunks(engine, seq, upto: int, chunk: int, targets: torch.Tensor, score_from: int) -> tuple[float, int]:
     """Prefill seq's tokens up to index ``upto`` in chunks; sum -log p of targets[t] for positions t >= score_from."""
     runner = engine.runner
@@ -49,8 +55,7 @@ def _run_chunks(engine, seq, upto: int, chunk: int, targets: torch.Tensor, score
     if not engine.kv.allocate(seq, upto - seq.num_computed):
         raise InvalidRequestError(f"{upto - seq.num_computed} more tokens do not fit the {engine.pool.num_free} free "
                                   "KV blocks; raise --kv-cache-bytes")
-    while seq.num_computed < upto:
-        m = min(chunk, upto - seq.num_computed)
+    for m in track(_chunks(upto - seq.num_computed, chunk), "perplexity (prefill chunks)"):
         start = seq.num_computed
         input_ids, positions, meta, _, _ = runner.build_batch([(seq, m)])
         hidden = runner.model(input_ids, positions, runner.kv_caches, meta)

@@ -9,6 +9,9 @@ local engine) and drawn by ``kvkeeper kv map`` (terminal) and the server page ``
       "states": "ffoocc...",       # one letter per block id: f free, c cached, o owned (len B)
       "owner":  [-1, -1, 0, 3, ...],  # per block id: index into "owners", -1 none, -2 shared (len B)
       "shared": [[bid, [i, j]], ...], # owners of each block held by several owners
+      "refcount": [0, 0, 2, 1, ...],  # per block id: the pool's reference count (len B)
+      "tokens": [0, 16, 16, 9, ...],  # per block id: token slots holding KV (owned: the largest fill an
+                                      # owner gives it; cached: its registered tokens; free: 0) (len B)
       "owners": [{"name", "kind", "blocks", "tokens"}, ...],  # kind: request / session
       "offloaded": N,                # blocks' worth of session KV outside the pool
       "stats": PoolStats.to_dict(),  # counts and figures now (kvkeeper.kvcache.telemetry)
@@ -34,31 +37,49 @@ SHARED = -2
 STATE_COLOURS = {
     "free": "#4b5563",
     "cached": "#3b82f6",
-    "owned": "#f59e0b",  # an owned block no listed owner holds; listed owners get their own hue
+    "owned": "#f59e0b",  # an owned block no listed owner holds; listed owners get their palette colour
     "shared": "#ec4899",  # held by several owners
     "offloaded": "#a855f7",
 }
 
 
-def owner_hue(name: str) -> int:
-    """Hue in degrees (20..160, orange to green) of an owner, from its name: 20 + FNV-1a-32(UTF-8 name) mod 141.
+# Owner colours: a fixed qualitative palette, most distinct first (picked greedily for the largest smallest
+# CIELAB distance, from Kelly's 22 colours of maximum contrast, Tableau 20 and a few saturated extras, against
+# the state colours above and the page background #111827).  Any two of these, and any one of them and a state
+# colour or the background, are at least OWNER_MIN_DELTA_E apart (CIE76 delta-E*ab; tests/test_kv_admin.py
+# computes it).  The /admin/kv page receives the same list.
+OWNER_PALETTE = [
+    "#76ff03", "#b9f6ca", "#882d17", "#1b5e20", "#f7b6d2", "#ff1744", "#8db600", "#00e5ff", "#ffea00",
+    "#827717", "#f99379", "#ffd180", "#875692", "#e65100", "#1f77b4", "#a1caf1", "#00bfa5", "#2ca02c",
+]
+OWNER_MIN_DELTA_E = 30.0
+PAGE_BACKGROUND = "#111827"
 
-    Derived from the name (not the owner's position in the list) so that an owner keeps its colour
-    while others come and go; the hues stay clear of the free (grey), cached (blue), shared (pink)
-    and offloaded (purple) colours.  The /admin/kv page computes the same function in JavaScript.
+
+def palette_slots(names, previous: dict[str, int] | None = None) -> dict[str, int]:
+    """Palette slot (index into :data:`OWNER_PALETTE`) of each owner name, assigned in a stable order.
+
+    Owners in ``previous`` (the last assignment) keep their slot; a new owner takes the lowest slot no
+    current owner holds, in the order of ``names``; with more owners than colours, slots repeat
+    (the extra owners get slot ``k mod len(OWNER_PALETTE)``).  The /admin/kv page runs the same rule
+    across its refreshes; from an empty ``previous`` the slots follow the order of ``names``.
     """
-    h = 0x811C9DC5
-    for byte in name.encode("utf-8"):
-        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
-    return 20 + h % 141
+    names = list(dict.fromkeys(names))
+    previous = previous or {}
+    out = {n: previous[n] for n in names if n in previous}
+    taken = set(out.values())
+    free = (k for k in range(len(OWNER_PALETTE)) if k not in taken)
+    for k, n in enumerate(x for x in names if x not in out):
+        slot = next(free, None)
+        out[n] = slot if slot is not None else (len(taken) + k) % len(OWNER_PALETTE)
+    return out
 
 
-def owner_colour(name: str) -> str:
-    """"#rrggbb" tint of the owner ``name``: HSL(:func:`owner_hue`, 75%, 50%)."""
-    import colorsys
-
-    r, g, b = colorsys.hls_to_rgb(owner_hue(name) / 360.0, 0.5, 0.75)
-    return "#%02x%02x%02x" % (round(r * 255), round(g * 255), round(b * 255))
+def owner_colours(names) -> list[str]:
+    """"#rrggbb" colour of each owner of ``names`` (in that order), from a fresh :func:`palette_slots`."""
+    names = list(names)
+    slots = palette_slots(names)
+    return [OWNER_PALETTE[slots[n]] for n in names]
 
 
 def owner_kind(name: str) -> str:
@@ -66,19 +87,8 @@ def owner_kind(name: str) -> str:
     return "session" if name.startswith("session:") else "request"
 
 
-def block_map(pool, owners=(), offloaded_blocks: int = 0, stats=None, windows=None) -> dict:
-    """The block-map document of ``pool`` (a BlockPool); see the module docstring.
-
-    owners: (name, sequence) pairs as ``LLMEngine.kv_owners()`` yields them (a sequence has
-    ``block_table``, ``num_computed`` and ``kv_offset``).  stats: a PoolStats to include (default:
-    computed here); windows: ``FragmentationMonitor.windows()`` (default: the stats' figures for
-    every default window).
-    """
-    from .telemetry import DEFAULT_WINDOWS_S, FIGURES, block_states, pool_stats
-
-    owners = list(owners)
-    n = pool.num_blocks
-    letters = [STATE_LETTERS[st] for st in block_states(pool)]
+def _owner_index(owners, n: int) -> tuple[list[int], dict[int, list[int]], list[dict]]:
+    """Per block id: its owner's index (or NO_OWNER / SHARED); the holders of shared blocks; the owners' info."""
     owner_of = [NO_OWNER] * n
     holders: dict[int, list[int]] = {}
     info = []
@@ -101,6 +111,27 @@ def block_map(pool, owners=(), offloaded_blocks: int = 0, stats=None, windows=No
             elif cur != i:
                 holders[bid] = [cur, i]
                 owner_of[bid] = SHARED
+    return owner_of, holders, info
+
+
+def block_map(pool, owners=(), offloaded_blocks: int = 0, stats=None, windows=None) -> dict:
+    """The block-map document of ``pool`` (a BlockPool); see the module docstring.
+
+    owners: (name, sequence) pairs as ``LLMEngine.kv_owners()`` yields them (a sequence has
+    ``block_table``, ``num_computed`` and ``kv_offset``).  stats: a PoolStats to include (default:
+    computed here); windows: ``FragmentationMonitor.windows()`` (default: the stats' figures for
+    every default window).
+    """
+    from .telemetry import DEFAULT_WINDOWS_S, FIGURES, block_states, pool_stats, used_slots_per_block
+
+    owners = list(owners)
+    n = pool.num_blocks
+    letters = [STATE_LETTERS[st] for st in block_states(pool)]
+    owner_of, holders, info = _owner_index(owners, n)
+    fills = used_slots_per_block(pool, owners)
+    tokens = [fills.get(bid, 0) if st == "o" else
+              (len(pool.blocks[bid].token_ids or ()) or pool.block_size) if st == "c" else 0
+              for bid, st in enumerate(letters)]
     if stats is None:
         stats = pool_stats(pool, owners, offloaded_blocks)
     if windows is None:
@@ -108,6 +139,7 @@ def block_map(pool, owners=(), offloaded_blocks: int = 0, stats=None, windows=No
     return {
         "num_blocks": n, "block_size": pool.block_size, "states": "".join(letters), "owner": owner_of,
         "shared": [[bid, ids] for bid, ids in sorted(holders.items())], "owners": info,
+        "refcount": [b.ref_count for b in pool.blocks], "tokens": tokens,
         "offloaded": int(offloaded_blocks), "stats": stats.to_dict(), "windows": windows,
     }
 

@@ -1,10 +1,39 @@
-"""Cache namespaces: KV computed under one namespace is never reused under another."""
+"""Cache namespaces: KV computed under one namespace is never reused under another.
+
+A namespace keeps no client secret in plain text: its ``tenant_salt`` is a one-way hash
+(:func:`salt_hash`) of the tenant name and the client's cache salt, so it can be written to a
+manifest on disk, shown in a KV dump or a block hash, and never gives the salt back.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 
 from dataclasses import dataclass
+
+SALT_DOMAIN = b"kvkeeper/cache-namespace/v1\x00"  # domain prefix of every salt hash
+_HASHED = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def salt_hash(tenant: str | None, salt: str | None) -> str:
+    """The namespace salt of a tenant (an API key's tenant; None without keys) and a client ``cache_salt``.
+
+    "" when both are None or empty (the engine's own, unsalted namespace); else ``"sha256:" + hex`` of
+    SHA-256 over :data:`SALT_DOMAIN` and the JSON ``[tenant, salt]`` (so no pair of strings collides with
+    another).  A client salt narrows the tenant's namespace and never widens it: every (tenant, salt) pair
+    has its own namespace.  One-way as far as SHA-256 is: a guessable salt can be found by trying
+    guesses, so clients should send random salts.
+    """
+    if not tenant and not salt:
+        return ""
+    return "sha256:" + hashlib.sha256(SALT_DOMAIN + json.dumps([tenant or "", salt or ""]).encode()).hexdigest()
+
+
+def is_salt_hash(value: str) -> bool:
+    """Whether ``value`` has the form :func:`salt_hash` returns ("" included)."""
+    return value == "" or bool(_HASHED.match(value))
 
 
 @dataclass(frozen=True)
@@ -13,7 +42,9 @@ class Namespace:
 
     model_revision: a content id of the weights (``ModelConfig.revision``).
     adapter: a LoRA or other adapter id ("" for none).
-    tenant_salt: a client-chosen salt (``cache_salt``) that isolates a tenant's prefixes.
+    tenant_salt: the tenant's namespace salt, kept only as :func:`salt_hash`; a plain string given here
+    (a library caller's own salt) is taken as the client salt of no tenant and hashed at construction,
+    so ``Namespace(r, tenant_salt="x")`` is the namespace of an unkeyed server's ``cache_salt: "x"``.
     kv_dtype: the cache's storage dtype (KV in one dtype is not KV in another).
     """
 
@@ -22,6 +53,19 @@ class Namespace:
     tenant_salt: str = ""
     kv_dtype: str = ""
 
+    def __post_init__(self):
+        if not is_salt_hash(self.tenant_salt):
+            object.__setattr__(self, "tenant_salt", salt_hash(None, self.tenant_salt))
+
     @property
     def key(self) -> str:
         return json.dumps([self.model_revision, self.adapter, self.tenant_salt, self.kv_dtype])
+
+
+def tenant_namespace(base: Namespace, tenant: str | None, salt: str | None) -> Namespace:
+    """``base`` (the engine's namespace) for ``tenant`` and the client ``salt``: ``base`` itself for neither,
+    else the same model, adapter and KV dtype under :func:`salt_hash` ``(tenant, salt)``."""
+    if not tenant and not salt:
+        return base
+    return Namespace(base.model_revision, adapter=base.adapter, tenant_salt=salt_hash(tenant, salt),
+                     kv_dtype=base.kv_dtype)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelFormatError, ModelNotFoundError
+from ..progress import track
 from .config import ModelConfig
 
 _GGUF_LAYER_NAMES = {
@@ -144,7 +145,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     layer_names = _GGUF_GEMMA3_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
     state = ModelWeights({}, "gguf", path, {name: t.tensor_type.name for name, t in tensors.items()})
     try:
-        for name, t in tensors.items():
+        for name, t in track(tensors.items(), f"dequantise {path.name}", total=len(tensors)):
             arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             if name in _GGUF_TOP_NAMES:
                 hf = _GGUF_TOP_NAMES[name]

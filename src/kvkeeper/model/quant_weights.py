@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..progress import track
 from . import cpu_kernels
 
 QUANTIZATION_CHOICES = ("none", "gguf", "int8", "int4")
@@ -377,7 +378,7 @@ def _gguf_packed(path, cfg) -> tuple[dict[str, PackedWeight], list[str]]:
             u, d, m = (_unpermute_rope(a, perm_heads) for a in (u, d, m))
         return u, d, m, bits, t.tensor_type.name
 
-    for i in range(cfg.num_layers):
+    for i in track(range(cfg.num_layers), "pack GGUF weight blocks (layers)"):
         for fused, parts in _FUSED:
             got = []
             for part in parts:
@@ -401,7 +402,7 @@ def _rtn_packed(state, cfg, fmt: str) -> tuple[dict[str, PackedWeight], list[str
     """Round-to-nearest ``fmt`` (int8 / int4) of the projection matrices of a float state dict; the embedding
     and an untied LM head get int8 in both formats (the LM head is the most sensitive matrix)."""
     packed, replaced = {}, []
-    for i in range(cfg.num_layers):
+    for i in track(range(cfg.num_layers), f"quantise weights to {fmt} (layers)"):
         for fused, parts in _FUSED:
             names = [f"model.layers.{i}.{p}.weight" for p in parts]
             if not all(n in state for n in names):

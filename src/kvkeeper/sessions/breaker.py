@@ -32,6 +32,12 @@ The tiers follow the load-shedding order of production servers: reclaim what cos
 nothing (cache, fragmentation), then move state to slower memory (vLLM's CPU swap
 space, LMCache's host and disk tiers), and only then refuse work (Nygard's circuit
 breaker, *Release It!*, with a half-open cool-down).
+
+**Early signal.** ``early_warning`` (a callable returning the names of the signals a health detector
+flags now, :meth:`kvkeeper.diagnostics.health.HealthMonitor.active_signals`) is read while the breaker is
+closed: when it first names a pool signal (usage, fragmentation, evictions, preemptions) the breaker logs a
+``health_warning`` event, and while it names ``pool_rate`` it compacts ahead of a trip (action
+``early_compact``, at most every ``cooldown_s``), without tripping or refusing anything.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from ..options import option
 log = logging.getLogger(__name__)
 
 TIER_NAMES = ("closed", "compaction", "offload", "degrade")
+EARLY_SIGNALS = ("usage", "pool_rate", "eviction_rate", "preemption_rate")  # the pool's signals of a health detector
 
 
 @dataclass
@@ -116,6 +123,10 @@ class CircuitBreaker:
         self._tier_at = -math.inf  # when the current tier was applied
         self._calm_since: float | None = None
         self.last_stats = None
+        self.early_warning = None  # () -> list of signal names; see the module docstring
+        self.evicted_blocks = 0  # cached blocks its compactions evicted (not allocation pressure)
+        self._early_on = False
+        self._early_at = -math.inf
         engine.step_hooks.append(self.evaluate)
         sessions.admission = self.check_new_session
 
@@ -164,7 +175,9 @@ class CircuitBreaker:
                     self._relieve(st, now)
             elif self.degraded and now - self._tier_at >= self.config.escalate_after_s:
                 self._relieve(st, now)
-        elif self.tier > 0:
+        elif self.tier == 0:
+            self._heed_early_warning(st, now)
+        else:
             if self._calm(st):
                 if self._calm_since is None:
                     self._calm_since = now
@@ -175,6 +188,23 @@ class CircuitBreaker:
                 if now - self._tier_at >= self.config.escalate_after_s:
                     self._relieve(st, now)
         return st
+
+    def _heed_early_warning(self, st, now: float) -> None:
+        """Closed, under the trip levels: log a health warning naming pool signals; compact early on
+        fragmentation (see the module docstring)."""
+        names = self.early_warning() if self.early_warning is not None else []
+        pool = [n for n in names if n in EARLY_SIGNALS]
+        if not pool:
+            self._early_on = False
+            return
+        if not self._early_on:
+            self._early_on = True
+            self._event(0, "health_warning", st, signals=",".join(pool))
+        if "pool_rate" in pool and now - self._early_at >= self.config.cooldown_s:
+            self._early_at = now
+            res = self.engine.compact()
+            self.evicted_blocks += res["evicted"]
+            self._event(0, "early_compact", st, self.engine.pool_stats(), evicted=res["evicted"], moved=res["moved"])
 
     def _relieve(self, st, now: float) -> None:
         """Tripped but not yet calm (between the recovery and trip levels, or degraded): every
@@ -205,6 +235,7 @@ class CircuitBreaker:
     def _compact(self, st, log_empty: bool = True) -> None:
         eng = self.engine
         res = eng.compact()
+        self.evicted_blocks += res["evicted"]
         if log_empty or res["evicted"] or res["moved"]:
             self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
 

@@ -3,8 +3,16 @@
 ``DATA_DIR/sessions/<session id>/`` holds ``kv-<uuid>.safetensors`` (one tensor ``"<layer>.<part>"``
 of shape ``(num_blocks, block_size, num_kv_heads, head_dim)`` per layer and part k / v, plus
 k_scale / v_scale ``(num_blocks, block_size, num_kv_heads)`` float16 when quantized) and
-``manifest.json`` (the session's token ids, namespace, turns, messages and text, the model
-revision, KV dtype and block size, and the sha256 of the tensor file).
+``manifest.json`` (the session's token ids, namespace, owning tenant and id, turns, messages and text,
+the model revision, KV dtype and block size, and the sha256 of the tensor file).
+
+The manifest never holds a cache salt in plain text: the namespace's ``tenant_salt`` is already a one-way
+hash of the tenant and the client's salt (:func:`kvkeeper.kvcache.namespace.salt_hash`), and a session
+is reopened under its owning tenant only (``tenant`` and ``name`` make its key,
+:func:`kvkeeper.sessions.session.session_key`).  Manifests of the first format
+(``kvkeeper-session/1``, written before tenants, with the salt in plain text) are migrated by
+:meth:`DiskTier.scan`: the salt is replaced by its hash (as the salt of no tenant, which is what those
+servers had) and the manifest is rewritten atomically in the current format, with a warning.
 
 Writes are atomic: each file is written to a temporary file in the same directory, flushed and
 ``os.fsync``-ed, then ``os.replace``-d into place, and the directory is fsync-ed.  The tensor
@@ -32,12 +40,14 @@ import torch
 
 from ..engine.outputs import TurnResult
 from ..errors import KVKeeperError
-from ..kvcache.namespace import Namespace
+from ..kvcache.namespace import Namespace, is_salt_hash, salt_hash
+from .session import session_key
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-FORMAT = "kvkeeper-session/1"
+FORMAT = "kvkeeper-session/2"
+FORMAT_V1 = "kvkeeper-session/1"  # salt in plain text, no tenant: migrated by DiskTier.scan
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_:\-][A-Za-z0-9._:\-]{0,127}$")
 
 
@@ -101,6 +111,8 @@ class SavedSession:
     turns: list[TurnResult] = field(default_factory=list)
     reuse: bool = True
     context: dict | None = None  # the context policy's spec and state (kvkeeper.sessions.context)
+    tenant: str | None = None  # the owning tenant (None: no tenant)
+    name: str = ""  # the session's id as its client knows it (session_id is the manager's key)
 
 
 class DiskTier:
@@ -127,7 +139,7 @@ class DiskTier:
             if man.get(k) != v:
                 raise OffloadError(f"session {sid} was saved with {k}={man.get(k)!r} but this engine has {v!r}; "
                                    "it can only be continued by an engine with the same model and KV settings")
-        for k in ("session_id", "kv_file", "sha256", "namespace", "num_computed", "num_blocks", "token_ids"):
+        for k in ("session_id", "name", "kv_file", "sha256", "namespace", "num_computed", "num_blocks", "token_ids"):
             if k not in man:
                 raise OffloadError(f"session {sid}: the manifest lacks {k!r}")
 
@@ -238,12 +250,33 @@ class DiskTier:
                 shutil.rmtree(d, ignore_errors=True)
                 continue
             try:
-                out.append(self._read_saved(d))
+                self._migrate_v1(d)
+                out.append(self.read_saved(d))
             except (OSError, ValueError, TypeError, KeyError, OffloadError) as e:
                 log.warning("skipping the saved session in %s: %s", d, e)
         return out
 
-    def _read_saved(self, d: Path) -> SavedSession:
+    def _migrate_v1(self, d: Path) -> None:
+        """Rewrite a ``kvkeeper-session/1`` manifest in the current format: its plain cache salt replaced by the
+        salt's hash (as no tenant's salt), owned by no tenant.  Other manifests, and those of another model or KV
+        settings (never rewritten: :meth:`read_saved` skips them), are left alone."""
+        man = json.loads((d / MANIFEST).read_text())
+        if not isinstance(man, dict) or man.get("format") != FORMAT_V1 or \
+                any(man.get(k) != v for k, v in self.identity.items()):
+            return
+        ns = man.get("namespace")
+        if not isinstance(ns, dict) or not isinstance(ns.get("tenant_salt", ""), str):
+            raise OffloadError("its manifest (format 1) has a malformed namespace")
+        plain = ns.get("tenant_salt", "")
+        hashed = plain if is_salt_hash(plain) else salt_hash(None, plain)
+        man = {**man, "format": FORMAT, "namespace": {**ns, "tenant_salt": hashed}, "tenant": None,
+               "name": man.get("session_id")}
+        atomic_write(d / MANIFEST, json.dumps(man).encode())
+        log.warning("migrated the saved session in %s to %s: its cache salt is now kept as a one-way hash; it "
+                    "belongs to no tenant (a server without API keys reopens it)", d, FORMAT)
+
+    def read_saved(self, d: Path) -> SavedSession:
+        """The session saved in folder ``d``; raises :class:`OffloadError` (or OSError / ValueError) when unreadable."""
         man = json.loads((d / MANIFEST).read_text())
         if not isinstance(man, dict):
             raise ValueError("not a JSON object")
@@ -253,9 +286,12 @@ class DiskTier:
         for f in d.glob("kv-*.safetensors"):
             if f.name != man["kv_file"]:
                 f.unlink(missing_ok=True)  # left by a crash between the manifest and the cleanup
-        sid = man["session_id"]
+        sid, tenant, name = man["session_id"], man.get("tenant"), man["name"]
         if not isinstance(sid, str) or session_dir_name(sid) != d.name:
             raise OffloadError(f"its manifest names session {sid!r}, which does not live in {d.name!r}")
+        if not (tenant is None or isinstance(tenant, str)) or not isinstance(name, str) or \
+                sid != session_key(tenant, name):
+            raise OffloadError(f"its owner (tenant {tenant!r}, id {name!r}) does not make its key {sid!r}")
         nc, nb = int(man["num_computed"]), int(man["num_blocks"])
         ids = [int(t) for t in man["token_ids"]]
         if not 0 < nc <= len(ids) or nb != -(-nc // self.identity["block_size"]):
@@ -267,7 +303,7 @@ class DiskTier:
             raise OffloadError("its messages, text or turns are malformed")
         return SavedSession(sid, d, Namespace(**man["namespace"]), nc, nb, int(man.get("nbytes", 0)), ids,
                             list(messages), text, [TurnResult(**t) for t in turns], bool(man.get("reuse", True)),
-                            man.get("context") if isinstance(man.get("context"), dict) else None)
+                            man.get("context") if isinstance(man.get("context"), dict) else None, tenant, name)
 
 
 def session_manifest(session, st, nc: int, nb: int, nbytes: int) -> dict:
@@ -281,7 +317,8 @@ def session_manifest(session, st, nc: int, nb: int, nbytes: int) -> dict:
         d = t.to_dict()
         d["prompt_token_ids"] = []  # the conversation's ids are kept once, below
         turns.append(d)
-    return {"session_id": session.id, "nbytes": nbytes, "namespace": asdict(st.namespace), "num_computed": nc,
+    return {"session_id": session.id, "tenant": session.tenant, "name": session.name, "nbytes": nbytes,
+            "namespace": asdict(st.namespace), "num_computed": nc,
             "num_blocks": nb, "token_ids": list(st.token_ids), "messages": session.messages, "text": session.text,
             "turns": turns, "reuse": session.reuse,
             "context": {"spec": asdict(session.context), "state": session.context_state.to_dict()}}

@@ -18,6 +18,7 @@ refuses new sessions while KV memory is short.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -25,14 +26,25 @@ from typing import Callable, Iterator
 from ..argtypes import positive_int, size
 from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence, SeqStatus
-from ..errors import InvalidRequestError, KVKeeperError, SessionNotFoundError
+from ..errors import InvalidRequestError, KVKeeperError, QuotaExceededError, SessionNotFoundError
 from ..options import option
 from .context import POLICIES, ContextSpec, ContextState, turn_text
 from .disk import session_dir_name
 from .offload import DEFAULT_HOST_OFFLOAD_BYTES, SessionStore
-from .session import Session
+from .session import Session, session_key
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    """A tenant's limits: ``max_sessions`` open sessions (offloaded ones included) and ``max_pinned_blocks``
+    KV blocks its idle sessions pin in the pool (None: no limit).  ``retry_after_s``: the ``Retry-After``
+    (seconds) of a refusal."""
+
+    max_sessions: int | None = None
+    max_pinned_blocks: int | None = None
+    retry_after_s: int = 5
 
 
 @dataclass
@@ -57,6 +69,10 @@ class SessionConfig:
     context_every: int = field(default=4, metadata=option(
         "--context-every", "turns leave a session's prompt (and the summary is rewritten) at least N at a time",
         type=positive_int, metavar="N"))
+    checkpoint_every_s: float | None = field(default=None, metadata=option(
+        "--checkpoint-every", "copy idle sessions' KV to the disk tier every S seconds, keeping it in the pool, and "
+        "continue a session from a newer copy another server wrote (servers sharing --data-dir, `--replicas`; "
+        "default: never)", type=float, metavar="S"))
     summary_tokens: int = 96
     memory_top_k: int = 3
     memory_threshold: float = 0.35
@@ -82,6 +98,11 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self.admission: Callable[[str], None] | None = None  # raises OverloadedError to refuse a new session
         self.store = SessionStore(engine, c.data_dir, c.host_offload_bytes, c.offload_write_delay_s)
+        if c.checkpoint_every_s is not None:
+            if c.checkpoint_every_s <= 0 or c.data_dir is None:
+                raise InvalidRequestError("checkpoints need a data directory and a positive period (seconds): "
+                                          "give --data-dir and --checkpoint-every S > 0")
+            self.store.keep_disk_copies = True
         self.default_context = c.context_spec()  # raises InvalidRequestError for a policy without a budget
         self._embedder = None
         self._memories: dict[str, object] = {}
@@ -90,18 +111,50 @@ class SessionManager:
 
     # ---- opening and closing ----------------------------------------------------------------
     def open(self, system: str | None = None, session_id: str | None = None, reuse: bool = True,
-             params: SamplingParams | None = None, context: ContextSpec | None = None) -> Session:
-        """A new session (id ``sess-<hex>`` unless given) with a context policy (default: the config's).
-        Raises :class:`InvalidRequestError` for an id already open, and ``OverloadedError`` while a circuit
-        breaker refuses new sessions."""
+             params: SamplingParams | None = None, context: ContextSpec | None = None,
+             tenant: str | None = None) -> Session:
+        """A new session (id ``sess-<hex>`` unless given) with a context policy (default: the config's), owned
+        by ``tenant`` (None: no tenant; its key in :attr:`sessions` is :func:`session_key`).
+        Raises :class:`InvalidRequestError` for an id the tenant has open already, and ``OverloadedError``
+        while a circuit breaker refuses new sessions."""
         sid = session_id or f"sess-{uuid.uuid4().hex[:12]}"
-        if sid in self.sessions:
+        key = session_key(tenant, sid)
+        if key in self.sessions:
             raise InvalidRequestError(f"session id {sid!r} is already open")
         if self.admission is not None:
-            self.admission(sid)
-        s = Session(self, sid, system=system, reuse=reuse, params=params, context=context or self.default_context)
-        self.sessions[sid] = s
+            self.admission(key)
+        s = Session(self, key, system=system, reuse=reuse, params=params, context=context or self.default_context,
+                    tenant=tenant, name=sid)
+        self.sessions[key] = s
         return s
+
+    def find(self, tenant: str | None, session_id: str) -> Session | None:
+        """``tenant``'s open session ``session_id`` (the client's id), or None (another tenant's never, nor a
+        session of no tenant whose library-given id happens to read ``tenant/id``)."""
+        s = self.sessions.get(session_key(tenant, session_id))
+        return s if s is not None and s.tenant == tenant else None
+
+    def of_tenant(self, tenant: str | None) -> list[Session]:
+        """The open sessions ``tenant`` owns (None: those of no tenant)."""
+        return [s for s in self.sessions.values() if s.tenant == tenant]
+
+    def check_quota(self, tenant: str | None, quota: TenantQuota | None, opening: bool) -> None:
+        """Raise :class:`QuotaExceededError` when a turn of ``tenant`` would go over ``quota``: ``opening`` a
+        session while it has ``max_sessions`` open, or any turn while its idle sessions pin
+        ``max_pinned_blocks`` pool blocks or more (a shared prefix block counted once)."""
+        if quota is None:
+            return
+        mine = self.of_tenant(tenant)
+        if opening and quota.max_sessions is not None and len(mine) >= quota.max_sessions:
+            raise QuotaExceededError(f"tenant {tenant!r} has {len(mine)} open sessions, its limit: close one "
+                                     "(DELETE /v1/sessions/ID) before opening another", quota.retry_after_s)
+        if quota.max_pinned_blocks is not None:
+            pinned = len({b for s in mine if s.kv is not None for b in s.kv.block_table})
+            if pinned >= quota.max_pinned_blocks:
+                raise QuotaExceededError(
+                    f"tenant {tenant!r}'s sessions pin {pinned} KV blocks (its limit: {quota.max_pinned_blocks}): "
+                    "offload (POST /v1/sessions/ID/offload) or close one of them, or retry later",
+                    quota.retry_after_s)
 
     def get(self, session_id: str) -> Session:
         """The open session ``session_id``; raises :class:`SessionNotFoundError`."""
@@ -149,15 +202,56 @@ class SessionManager:
                 log.warning("skipping the saved session in %s: session id %r is already open", saved.path,
                             saved.session_id)
                 continue
-            s = Session(self, saved.session_id, reuse=saved.reuse, context=self.default_context)
-            s.messages, s.text, s.turns = saved.messages, saved.text, saved.turns
-            _restore_context(s, saved.context)
-            s.kv = Sequence(f"{saved.session_id}-saved", saved.token_ids, SamplingParams(), saved.namespace,
-                            num_prompt_tokens=len(saved.token_ids), status=SeqStatus.FINISHED)
-            self.sessions[s.id] = s
-            self.store.adopt(saved, s)
+            self._adopt(saved)
         if self.sessions:
             log.info("registered %d saved sessions from %s", len(self.sessions), self.store.sessions_dir)
+
+    def _adopt(self, saved) -> Session:
+        """Open a saved session (:class:`~kvkeeper.sessions.disk.SavedSession`) whose KV stays on disk until its next turn."""
+        s = Session(self, saved.session_id, reuse=saved.reuse, context=self.default_context,
+                    tenant=saved.tenant, name=saved.name)
+        s.messages, s.text, s.turns = saved.messages, saved.text, saved.turns
+        _restore_context(s, saved.context)
+        s.kv = Sequence(f"{saved.session_id}-saved", saved.token_ids, SamplingParams(), saved.namespace,
+                        num_prompt_tokens=len(saved.token_ids), status=SeqStatus.FINISHED)
+        self.sessions[s.id] = s
+        self.store.adopt(saved, s)
+        return s
+
+    # ---- checkpoints: servers sharing a data directory --------------------------------------------
+    def checkpoint_idle(self, min_idle_s: float = 0.0) -> int:
+        """Copy to disk every idle session unused for ``min_idle_s`` seconds whose checkpoint is not current
+        (see :meth:`SessionStore.checkpoint`); returns how many were written.  Failures are logged."""
+        now, n = time.monotonic(), 0
+        for s in list(self.sessions.values()):
+            if now - s.last_used < min_idle_s:
+                continue
+            try:
+                n += self.store.checkpoint(s)
+            except KVKeeperError as e:
+                log.warning("could not checkpoint session %s: %s", s.id, e)
+        return n
+
+    def refresh_from_disk(self, session_id: str) -> bool:
+        """Before a turn of ``session_id`` (with checkpoints on): open the disk tier's copy when this manager
+        does not hold the session, or replace its own copy when the disk one has more turns (another server
+        continued the session).  Returns True when the disk copy was taken.  A turn in flight is left alone."""
+        if self.config.checkpoint_every_s is None:
+            return False
+        s = self.sessions.get(session_id)
+        if s is not None and s.turn is not None:
+            return False
+        saved = self.store.read_saved(session_id)
+        if saved is None or (s is not None and len(saved.turns) <= len(s.turns)):
+            return False
+        if s is not None:  # stale: forget it without removing the newer files
+            s.unpin()
+            self.store.records.pop(session_id, None)
+            s.kv, s.closed = None, True
+            del self.sessions[session_id]
+        self._adopt(saved)
+        self.store.checkpointed[session_id] = (len(saved.turns), saved.num_computed)
+        return True
 
     # ---- context policies: summaries and vector memory --------------------------------------------
     def memory_path(self, session_id: str):

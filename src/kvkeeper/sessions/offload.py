@@ -68,6 +68,7 @@ class OffloadCounters:
     restore_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     restore_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     dropped: int = 0  # host-tier sessions dropped for want of room and of a data directory
+    checkpoints: int = 0  # idle sessions copied to disk, their KV kept in the pool (SessionStore.checkpoint)
 
 
 class SessionStore:
@@ -97,6 +98,9 @@ class SessionStore:
             self.disk = DiskTier(self.sessions_dir, self._identity(), write_delay_s)
         self.records: dict[str, OffloadRecord] = {}
         self.counters = OffloadCounters()
+        # checkpoints (shared data dirs, kvkeeper.cluster): a restored session's folder stays on disk
+        self.keep_disk_copies = False
+        self.checkpointed: dict[str, tuple[int, int]] = {}  # session id -> (turns, tokens) of its last checkpoint
 
     def _identity(self) -> dict:
         eng, cfg = self.engine, self.engine.model_config
@@ -121,6 +125,7 @@ class SessionStore:
         return {"offload_total": dict(c.offloads), "offload_bytes_total": dict(c.offload_bytes),
                 "restore_total": dict(c.restores), "restore_bytes_total": dict(c.restore_bytes),
                 "restore_failures_total": dict(c.restore_failures), "dropped_total": c.dropped,
+                "checkpoint_total": c.checkpoints,
                 "offloaded_bytes": {t: self.bytes_in(t) for t in TIERS},
                 "offloaded_sessions": {t: sum(r.tier == t for r in self.records.values()) for t in TIERS},
                 "offloaded_blocks": self.num_blocks()}
@@ -236,6 +241,38 @@ class SessionStore:
                 log.warning("could not save session %s: %s", s.id, e)
         return n
 
+    def checkpoint(self, session) -> bool:
+        """Copy an idle session's KV to the disk tier and keep it in the pool (a checkpoint another process
+        sharing the data directory can continue the session from).  Returns True when written; False when
+        there is no disk tier, the session is not idle in the pool, or its checkpoint is already current.
+        Raises :class:`OffloadError` when the write fails."""
+        if self.disk is None or not session.idle or session.id in self.records:
+            return False
+        st = session.kv
+        sig = (len(session.turns), st.num_computed)
+        if self.checkpointed.get(session.id) == sig:
+            return False
+        nc, nb = st.num_computed, -(-st.num_computed // self.engine.block_size)
+        tensors = self._read(st.block_table[:nb])
+        nbytes = sum(t.nbytes for t in tensors.values())
+        self.disk.write(tensors, session_manifest(session, st, nc, nb, nbytes))
+        self.checkpointed[session.id] = sig
+        self.counters.checkpoints += 1
+        return True
+
+    def read_saved(self, session_id: str) -> SavedSession | None:
+        """The disk tier's saved copy of one session (None: no disk tier, no folder, or unreadable: logged)."""
+        if self.disk is None:
+            return None
+        d = self.disk.path(session_id)
+        if not (d / "manifest.json").is_file():
+            return None
+        try:
+            return self.disk.read_saved(d)
+        except (OSError, ValueError, TypeError, KeyError, OffloadError) as e:
+            log.warning("cannot read the saved session in %s: %s", d, e)
+            return None
+
     # ---- restore / discard ---------------------------------------------------------------------
     def restore(self, session) -> bool:
         """Put an offloaded session's KV back into the pool (fresh blocks, same prefix-cache hashes).
@@ -260,7 +297,7 @@ class SessionStore:
         self.counters.restores[rec.tier] += 1
         self.counters.restore_bytes[rec.tier] += rec.nbytes
         self.records.pop(session.id, None)
-        if rec.tier == "disk":
+        if rec.tier == "disk" and not self.keep_disk_copies:
             self.disk.remove(rec.path)
         return True
 
@@ -291,7 +328,11 @@ class SessionStore:
         return bids
 
     def discard(self, session_id: str) -> None:
-        """Forget a session's offloaded KV (host copy dropped, disk files removed)."""
+        """Forget a session's offloaded KV (host copy dropped, disk files removed, a checkpoint too)."""
         rec = self.records.pop(session_id, None)
         if rec is not None and rec.tier == "disk":
             self.disk.remove(rec.path)
+        elif self.checkpointed.pop(session_id, None) is not None or (self.keep_disk_copies and self.disk is not None):
+            d = self.disk.path(session_id)
+            if d.exists():
+                self.disk.remove(d)

@@ -35,6 +35,14 @@ from .budget import trim_oldest_turns
 from .context import ContextPlanner, ContextReport, ContextSpec, ContextState
 
 
+def session_key(tenant: str | None, session_id: str) -> str:
+    """The manager's key of a tenant's session: the client's id alone for no tenant (None), else
+    ``"<tenant>/<id>"``.  Tenant names have no "/" (:mod:`kvkeeper.api.auth` checks them) and neither have
+    HTTP session ids, so the same id opened by two tenants is two sessions, and one tenant never names
+    another's."""
+    return session_id if tenant is None else f"{tenant}/{session_id}"
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token id lists."""
     n = min(len(a), len(b))
@@ -69,6 +77,8 @@ class Session:
     """A multi-turn conversation on an engine, opened by :meth:`SessionManager.open`.
 
     reuse=False makes every turn recompute the whole conversation (a baseline for tests and benchmarks).
+    ``tenant``: the tenant owning it (None: no tenant); ``name``: its id as the tenant's client knows it
+    (``id`` is the manager's key, :func:`session_key`).
     Attributes: ``messages`` (the conversation), ``turns`` (a :class:`TurnResult` per finished turn),
     ``kv`` (the pinned KV between turns), ``text`` (the text that KV covers), ``turn`` (the turn in
     flight), ``priority`` (the circuit breaker trims the lowest first), ``trim_budget`` (tokens:
@@ -76,10 +86,13 @@ class Session:
     """
 
     def __init__(self, manager, session_id: str, system: str | None = None, reuse: bool = True,
-                 params: SamplingParams | None = None, context: ContextSpec | None = None):
+                 params: SamplingParams | None = None, context: ContextSpec | None = None,
+                 tenant: str | None = None, name: str | None = None):
         self.manager = manager
         self.engine = manager.engine
-        self.id = session_id
+        self.id = session_id  # the manager's key: the tenant's name and the client's id (see session_key)
+        self.tenant = tenant  # the owning tenant (an API key's); None on a server without keys and in the library
+        self.name = name if name is not None else session_id  # the id its client knows
         self.messages: list[dict] = [] if system is None else [{"role": "system", "content": system}]
         self.reuse = reuse
         self.params = params or SamplingParams()
@@ -117,7 +130,7 @@ class Session:
         return not self.closed and self.turn is None and st is not None and bool(st.block_table) and not st.kv_offset
 
     def info(self) -> dict:
-        return {"id": self.id, "turns": len(self.turns), "tokens": self.num_tokens, "blocks": self.num_blocks,
+        return {"id": self.name, "turns": len(self.turns), "tokens": self.num_tokens, "blocks": self.num_blocks,
                 "messages": len(self.messages), "tier": self.tier}
 
     def offload(self, tier: str = "host") -> int:

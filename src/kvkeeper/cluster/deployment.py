@@ -1,0 +1,348 @@
+"""``kvkeeper serve --replicas N``: N engine replicas on Ray Serve, behind a gateway, routed by :mod:`.router`.
+
+::
+
+    client -> Ray Serve HTTP proxy -> gateway (ASGI, 0 CPUs) -> KVKeeperRequestRouter -> engine replica i
+                                                                                         (build_server's app)
+
+* **Engine replicas** (:class:`EngineReplica`): each loads an engine and serves the very app of the
+  single-process server (:func:`kvkeeper.api.server.build_server`: same routes, headers, errors);
+  the gateway hands it the request's ASGI scope and body and streams the ASGI messages back.  Each
+  publishes in its Ray Serve routing stats the bounded summary of the prompt blocks it served.
+  With a shared ``--data-dir`` and ``--checkpoint-every``, idle sessions are checkpointed to the
+  disk tier and a replica continues a session from the newest checkpoint (SessionManager.refresh_from_disk);
+  a replica that drains (Ray Serve's graceful shutdown) writes its sessions to disk.
+* **Gateway** (:class:`Gateway`): reads the body, derives the routing hint (``X-Session-ID``, cache
+  salt, first prompt blocks) and calls the engine deployment's handle.  A replica that dies before
+  answering is retried once on another; when that fails too the client gets 503 with
+  ``Retry-After``.  ``GET /metrics`` joins every replica's page (label ``replica``) and the routing
+  counters.
+* **Router** (:class:`KVKeeperRequestRouter`): Ray Serve's request-router API (``RequestRouter.choose_replicas``)
+  over :class:`kvkeeper.cluster.router.Policy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+
+import ray
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.request_router import RequestRouter
+from ray.serve._private.constants import DEFAULT_REQUEST_ROUTER_PATH
+from ray.serve.config import RequestRouterConfig
+
+from .config import ClusterConfig, ReplicaSpec
+from .metrics_text import merge
+from .router import REGISTRY, Candidate, Policy, PrefixSummary, prompt_block_hashes
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "kvkeeper"
+BOARD_NAME = "kvkeeper-metrics-board"
+BOARD_TTL_S = 30.0
+REPLICA_HEADER = b"x-kvkeeper-replica"
+_SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "root_path", "query_string",
+               "headers", "server", "client")
+
+
+class KVKeeperRequestRouter(RequestRouter):
+    """Ray Serve request router: session affinity, then longest prefix, then power of two choices.
+
+    The hint is the ``routing`` keyword of :meth:`EngineReplica.asgi` (``{"session": id | None, "prefix":
+    [block hashes]}``); the replicas' summaries come from their routing stats (``{"prefix": [...]}``).
+    """
+
+    def initialize_state(self, **kwargs):
+        self.policy = Policy(vnodes=int(kwargs.get("vnodes", 64)))
+        self._sets: dict[str, tuple[int, frozenset]] = {}
+
+    def _candidate(self, r) -> Candidate:
+        rid = r.replica_id.unique_id
+        held = (r.routing_stats or {}).get("prefix") or []
+        cached = self._sets.get(rid)
+        if cached is None or cached[0] != id(held):
+            cached = self._sets[rid] = (id(held), frozenset(held))
+        return Candidate(rid, cached[1])
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if not candidate_replicas:
+            return []
+        hint = (pending_request.kwargs.get("routing") if pending_request is not None else None) or {}
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        d = self.policy.choose([self._candidate(r) for r in candidate_replicas], hint.get("session"),
+                               hint.get("prefix") or ())
+        return [[by_id[i] for i in rank] for rank in d.ranks if rank]
+
+
+@ray.remote(num_cpus=0)
+class MetricsBoard:
+    """The replicas' latest /metrics pages (a named actor the gateway reads)."""
+
+    def __init__(self):
+        self.pages: dict[str, tuple[float, str]] = {}
+
+    def put(self, name: str, text: str) -> None:
+        self.pages[name] = (time.time(), text)
+
+    def drop(self, name: str) -> None:
+        self.pages.pop(name, None)
+
+    def get(self) -> dict[str, str]:
+        now = time.time()
+        return {k: t for k, (ts, t) in self.pages.items() if now - ts < BOARD_TTL_S}
+
+
+def _board():
+    return MetricsBoard.options(name=BOARD_NAME, namespace="kvkeeper", get_if_exists=True,
+                                lifetime="detached").remote()
+
+
+async def run_asgi(app, scope: dict, body: bytes, extra_headers: list | None = None):
+    """Run one HTTP request through an ASGI ``app``; yields its ``send`` messages as they come (bytes body given whole)."""
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # the client stays connected; the task ends with the response
+
+    async def send(msg):
+        if msg["type"] == "http.response.start" and extra_headers:
+            msg = {**msg, "headers": list(msg.get("headers") or []) + extra_headers}
+        await q.put(msg)
+
+    async def call():
+        try:
+            await app(dict(scope), receive, send)
+        finally:
+            await q.put(done)
+
+    task = asyncio.ensure_future(call())
+    try:
+        while (msg := await q.get()) is not done:
+            yield msg
+        await task
+    finally:
+        task.cancel()
+
+
+class EngineReplica:
+    """One engine and the single-process server's app (:func:`kvkeeper.api.server.build_server`)."""
+
+    def __init__(self, spec: ReplicaSpec):
+        import torch
+
+        from ..api.server import build_server
+        from ..engine.llm_engine import LLMEngine
+
+        torch.set_num_threads(spec.torch_threads)
+        engine = LLMEngine(spec.engine)
+        self.app = build_server(engine, spec.server, spec.sessions, spec.breaker, spec.audit, spec.health)
+        self.aeng = self.app.state.engine
+        self.aeng.start()
+        self.summary = PrefixSummary(spec.summary_size)
+        try:
+            rid = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside a Serve replica (tests)
+            rid = "local"
+        self.name = f"{rid}@{socket.gethostname()}:{os.getpid()}"
+        self._board = None
+        self._pusher: asyncio.Task | None = None
+
+    def _ensure_pusher(self) -> None:
+        """Start publishing this replica's /metrics page (on the replica's event loop, once)."""
+        if self._pusher is None:
+            try:
+                self._pusher = asyncio.get_running_loop().create_task(self._push_metrics())
+            except RuntimeError:  # no loop on this thread: the next call on the loop starts it
+                pass
+
+    async def _push_metrics(self, period_s: float = 2.0) -> None:
+        self._board = _board()
+        while True:
+            try:
+                self._board.put.remote(self.name, self.aeng.metrics.render().decode())
+            except Exception:  # metrics must never take a replica down
+                log.exception("could not publish this replica's metrics")
+            await asyncio.sleep(period_s)
+
+    def record_routing_stats(self) -> dict:
+        """Ray Serve routing stats: the prompt-block summary (at most ``summary_size`` hashes)."""
+        self._ensure_pusher()
+        return {"prefix": self.summary.snapshot(), "replica": self.name}
+
+    async def asgi(self, scope: dict, body: bytes, routing: dict | None = None):
+        """Serve one request (its ASGI scope and whole body): yields the ASGI messages of the response."""
+        self._ensure_pusher()
+        if routing and routing.get("prefix"):
+            self.summary.add(routing["prefix"])
+        async for msg in run_asgi(self.app, scope, body, [(REPLICA_HEADER, self.name.encode())]):
+            yield msg
+
+    def __del__(self):
+        """Graceful shutdown (drain): stop the engine thread and write the sessions to the disk tier."""
+        pusher = getattr(self, "_pusher", None)
+        if pusher is not None:
+            pusher.cancel()
+        aeng = getattr(self, "aeng", None)
+        if aeng is not None:
+            aeng.stop()
+        board = getattr(self, "_board", None)
+        if board is not None:
+            board.drop.remote(self.name)
+
+
+def routing_hint(headers: dict[bytes, bytes], body: bytes) -> dict:
+    """``{"session": X-Session-ID or None, "prefix": first prompt block hashes}`` of one request."""
+    import json
+
+    sid = headers.get(b"x-session-id")
+    if sid is not None:
+        return {"session": sid.decode("latin-1"), "prefix": []}
+    try:
+        doc = json.loads(body) if body else {}
+    except ValueError:
+        doc = {}
+    if not isinstance(doc, dict):
+        return {"session": None, "prefix": []}
+    salt = headers.get(b"x-cache-salt", b"").decode("latin-1") or str(doc.get("cache_salt") or "")
+    return {"session": None, "prefix": prompt_block_hashes(doc, salt)}
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            break
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+async def _send_simple(send, status: int, body: bytes, headers: list | None = None,
+                       ctype: bytes = b"application/json") -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())] + (headers or [])})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class _ASGI:
+    """An ASGI 3 callable around a coroutine function (uvicorn takes a bare bound method for ASGI 2)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def __call__(self, scope, receive, send):
+        await self.fn(scope, receive, send)
+
+
+class Gateway:
+    """The ingress: forwards each request to an engine replica (retried once if that replica dies)."""
+
+    def __init__(self, engines, retry_after_s: int = 2):
+        self.engines = engines.options(stream=True)
+        self.retry_after_s = retry_after_s
+        self.board = None  # the metrics board, found on the first GET /metrics
+
+    def __serve_build_asgi_app__(self):
+        return _ASGI(self._asgi)
+
+    async def _asgi(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        body = await _read_body(receive)
+        if scope.get("path") == "/metrics" and scope.get("method") == "GET":
+            return await self._metrics(send)
+        await self._forward({k: scope[k] for k in _SCOPE_KEYS if k in scope}, body, send)
+
+    async def _forward(self, scope: dict, body: bytes, send) -> None:
+        """Forward to a replica; a replica that dies before the response starts is retried once, then 503."""
+        hint = routing_hint({k.lower(): v for k, v in scope.get("headers", [])}, body)
+        scope["headers"] = [(bytes(k), bytes(v)) for k, v in scope.get("headers", [])]
+        for attempt in (1, 2):
+            started = False
+            try:
+                async for msg in self.engines.asgi.remote(scope, body, routing=hint):
+                    started = True
+                    await send(msg)
+                return
+            except RayActorError as e:
+                log.warning("replica died during a request (attempt %d, response started: %s): %s", attempt,
+                            started, e)
+                if started:
+                    return  # the client sees the response cut short, never a wrong one
+        msg = (b'{"error": {"message": "the replica serving this request stopped; retry after a few seconds", '
+               b'"type": "service_unavailable", "param": null, "code": 503}}')
+        await _send_simple(send, 503, msg, [(b"retry-after", str(self.retry_after_s).encode())])
+
+    async def _metrics(self, send) -> None:
+        from prometheus_client import generate_latest
+
+        try:
+            self.board = self.board or _board()
+            pages = await self.board.get.remote()
+        except Exception as e:  # the board is gone: the routing counters alone
+            log.warning("no replica metrics: %s", e)
+            pages = {}
+        text = merge(pages) + generate_latest(REGISTRY).decode()
+        await _send_simple(send, 200, text.encode(), ctype=b"text/plain; version=0.0.4; charset=utf-8")
+
+
+def build_app(spec: ReplicaSpec, cluster: ClusterConfig):
+    """The Ray Serve application: the gateway bound to ``cluster.replicas`` engine replicas."""
+    router = RequestRouterConfig(
+        request_router_class=KVKeeperRequestRouter if cluster.router == "kvkeeper" else DEFAULT_REQUEST_ROUTER_PATH,
+        request_routing_stats_period_s=cluster.routing_stats_period_s,
+        request_routing_stats_timeout_s=max(5.0, 3 * cluster.routing_stats_period_s))
+    threads = str(spec.torch_threads)
+    engines = serve.deployment(
+        EngineReplica, name="kvkeeper-engine", num_replicas=cluster.replicas,
+        max_ongoing_requests=cluster.max_ongoing_requests, request_router_config=router,
+        graceful_shutdown_timeout_s=30,
+        ray_actor_options={"num_cpus": cluster.replica_cpus,
+                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}})
+    gateway = serve.deployment(serve.ingress()(Gateway), name="kvkeeper-gateway", num_replicas=1,
+                               max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
+    return gateway.bind(engines.bind(spec), retry_after_s=cluster.retry_after_s)
+
+
+def start(spec: ReplicaSpec, cluster: ClusterConfig, host: str, port: int) -> None:
+    """Start (or join, ``cluster.ray_address``) Ray, Serve's HTTP proxy on ``host:port`` and the application;
+    returns when every replica is running.  Raises RuntimeError when the deployment fails."""
+    if not ray.is_initialized():
+        ray.init(address=cluster.ray_address, include_dashboard=False, namespace="kvkeeper",
+                 logging_level=logging.WARNING, log_to_driver=True)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(spec, cluster), name=APP_NAME, route_prefix="/")
+
+
+def stop() -> None:
+    """Delete the application (replicas drain: their sessions go to disk), stop Serve and disconnect from Ray."""
+    try:
+        serve.delete(APP_NAME)
+        serve.shutdown()
+    finally:
+        try:
+            ray.kill(ray.get_actor(BOARD_NAME, namespace="kvkeeper"))
+        except Exception:  # already gone
+            pass
+        ray.shutdown()

@@ -1,0 +1,169 @@
+"""Cache-health detector (kvkeeper.diagnostics.health): EWMA charts on synthetic streams, the score, warning
+events and their reasons, counters to signals, and the circuit breaker's early signal."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvkeeper.diagnostics.health import (SIGNALS, CounterDeltas, EwmaChart, HealthConfig, HealthMonitor,
+                                         SignalSpec)
+from kvkeeper.sessions.breaker import BreakerConfig, CircuitBreaker
+
+
+def _feed(mon, stream, t0=0.0):
+    for i, sig in enumerate(stream):
+        mon.observe_signals(sig, now=t0 + i)
+
+
+def _flat(n, rng, usage=0.7, frag=0.2, ttft=0.3):
+    return [{"usage": usage + rng.gauss(0, 0.01), "pool_rate": frag + rng.gauss(0, 0.02),
+             "prefix_hit_rate": 0.6 + rng.gauss(0, 0.05), "eviction_rate": abs(rng.gauss(0, 0.002)),
+             "preemption_rate": 0.0, "audit_mismatches": 0.0, "ttft": ttft * (1 + rng.gauss(0, 0.1))}
+            for _ in range(n)]
+
+
+def test_flat_streams_raise_no_warning():
+    rng = random.Random(0)
+    mon = HealthMonitor(HealthConfig(warmup=20))
+    _feed(mon, _flat(600, rng))
+    assert mon.warnings == 0 and not mon.events
+    assert mon.score > 0.5
+
+
+@pytest.mark.parametrize("signal, after, reason", [
+    ("usage", 0.9, "usage"),               # a step up in KV usage, past the gate (0.57)
+    ("pool_rate", 0.6, "pool_rate"),       # fragmentation step
+    ("prefix_hit_rate", 0.1, "prefix_hit_rate"),  # hits collapse (a step down)
+    ("preemption_rate", 2.0, "preemption_rate"),
+    ("audit_mismatches", 1.0, "audit_mismatches"),
+    ("ttft", 2.0, "ttft"),
+])
+def test_a_step_change_warns_with_its_signal_as_the_reason(signal, after, reason):
+    rng = random.Random(1)
+    mon = HealthMonitor(HealthConfig(warmup=20))
+    stream = _flat(60, rng)
+    _feed(mon, stream)
+    assert mon.warnings == 0
+    step = _flat(10, rng)
+    for s in step:
+        s[signal] = after
+    _feed(mon, step, t0=60)
+    assert mon.warnings == 1 and mon.warning
+    ev = mon.events[-1]
+    assert ev["event"] == "warning" and [r["signal"] for r in ev["reasons"]] == [reason]
+    assert reason in ev["reasons"][0]["text"] and "control limit" in ev["reasons"][0]["text"]
+    assert mon.score <= 0.5 and mon.active_signals() == [reason]
+    # back to the baseline: the warning closes after clear_after calm samples
+    _feed(mon, _flat(40, rng), t0=70)
+    assert not mon.warning and mon.events[-1]["event"] == "clear" and mon.score > 0.5
+
+
+def test_a_shift_below_the_gate_does_not_count():
+    """Usage going from idle to half full is a shift but not a danger: the gate (60% of the trip level) holds it."""
+    rng = random.Random(2)
+    mon = HealthMonitor(HealthConfig(warmup=20))
+    _feed(mon, _flat(40, rng, usage=0.05))
+    _feed(mon, _flat(40, rng, usage=0.5), t0=40)
+    assert mon.warnings == 0 and mon.charts["usage"].excess() > 1.0 and not mon.charts["usage"].gated()
+
+
+def test_ewma_limits_follow_roberts():
+    spec = SignalSpec("x", +1, sigma_floor=0.0)
+    ch = EwmaChart(spec, lam=0.2, limit_sigmas=3.0, warmup=4)
+    for x in (1.0, 3.0, 1.0, 3.0):
+        ch.update(x)
+    assert ch.mu == 2.0 and ch.sigma == pytest.approx((4 / 3) ** 0.5)
+    ch.update(2.0)
+    # n = 1: L sigma sqrt(lam / (2 - lam) (1 - (1 - lam)^2)); asymptotically L sigma sqrt(lam / (2 - lam))
+    assert ch.limit_distance() == pytest.approx(3 * ch.sigma * (0.2 / 1.8 * (1 - 0.8 ** 2)) ** 0.5)
+    for _ in range(200):
+        ch.update(2.0)
+    assert ch.limit_distance() == pytest.approx(3 * ch.sigma * (0.2 / 1.8) ** 0.5)
+    assert ch.excess() == 0.0
+
+
+def test_counter_deltas_turn_counters_into_rates():
+    d = CounterDeltas()
+    base = {"usage": 0.5, "pool_rate": 0.1, "num_blocks": 100, "prefix_query_tokens": 0, "prefix_hit_tokens": 0,
+            "evictions": 0, "preemptions": 0, "audit_mismatches": 0, "ttft_sum": 0.0, "ttft_count": 0}
+    assert set(d.signals(0.0, base)) == {"usage", "pool_rate"}
+    nxt = {**base, "prefix_query_tokens": 200, "prefix_hit_tokens": 50, "evictions": 20, "preemptions": 4,
+           "audit_mismatches": 1, "ttft_sum": 1.5, "ttft_count": 3}
+    s = d.signals(2.0, nxt)
+    assert s["prefix_hit_rate"] == 0.25 and s["eviction_rate"] == pytest.approx(0.1)
+    assert s["preemption_rate"] == 2.0 and s["audit_mismatches"] == 1.0 and s["ttft"] == 0.5
+    # a restart (counters start over): no rates for that interval
+    assert set(d.signals(3.0, base)) == {"usage", "pool_rate"}
+
+
+def test_monitor_samples_at_its_interval():
+    mon = HealthMonitor(HealthConfig(interval_s=1.0))
+    c = {"usage": 0.1, "pool_rate": 0.0, "num_blocks": 10, "prefix_query_tokens": 0, "prefix_hit_tokens": 0,
+         "evictions": 0, "preemptions": 0, "audit_mismatches": 0, "ttft_sum": 0.0, "ttft_count": 0}
+    assert mon.observe(c, now=0.0) and not mon.observe(c, now=0.5) and mon.observe(c, now=1.0)
+    assert mon.samples == 2 and {s.name for s in SIGNALS} == set(mon.charts)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError):
+        HealthConfig(lam=0.0)
+    with pytest.raises(ValueError):
+        HealthConfig(limit_sigmas=-1)
+
+
+class _Stats:
+    def __init__(self, usage, pool_rate):
+        self.usage, self.pool_rate, self.owned = usage, pool_rate, 0
+
+
+class _Engine:
+    def __init__(self):
+        self.step_hooks = []
+        self.st = _Stats(0.3, 0.4)
+        self.compactions = 0
+
+    def pool_stats(self):
+        return self.st
+
+    def compact(self):
+        self.compactions += 1
+        return {"evicted": 0, "moved": 3}
+
+
+class _Sessions:
+    admission = None
+
+
+def test_breaker_heeds_the_early_signal_without_tripping():
+    eng = _Engine()
+    br = CircuitBreaker(eng, _Sessions(), BreakerConfig(), clock=lambda: 0.0)
+    active: list[str] = []
+    br.early_warning = lambda: active
+    br.evaluate(now=0.0, force=True)
+    assert eng.compactions == 0 and not br.events
+    active[:] = ["pool_rate", "ttft"]
+    br.evaluate(now=1.0, force=True)
+    br.evaluate(now=1.5, force=True)  # within cooldown_s: no second compaction
+    assert eng.compactions == 1 and br.trips == 0 and br.tier == 0
+    acts = [e["action"] for e in br.events]
+    assert acts == ["health_warning", "early_compact"] and br.events[0]["signals"] == "pool_rate"
+    active[:] = ["ttft"]  # not a pool signal: nothing
+    br.evaluate(now=5.0, force=True)
+    assert eng.compactions == 1
+
+
+def test_a_fault_during_warm_up_does_not_become_the_baseline():
+    """The audit mismatch chart's baseline is fixed at 0: a mismatch in warm-up warns, and so does a later one."""
+    rng = random.Random(3)
+    mon = HealthMonitor(HealthConfig(warmup=20))
+    stream = _flat(60, rng)
+    stream[5]["audit_mismatches"] = 1.0
+    _feed(mon, stream)
+    assert mon.warnings == 1 and mon.events[0]["reasons"][0]["signal"] == "audit_mismatches"
+    assert mon.charts["audit_mismatches"].mu == 0.0 and not mon.warning
+    late = _flat(5, rng)
+    late[0]["audit_mismatches"] = 1.0
+    _feed(mon, late, t0=60)
+    assert mon.warnings == 2
