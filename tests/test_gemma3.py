@@ -310,3 +310,15 @@ def test_real_file_chat_template(real):
     text = eng.tokenizer.decode(ids)
     assert text.startswith("<bos><start_of_turn>user\nSay hi.<end_of_turn>\n<start_of_turn>model\n")
     assert 106 in eng.eos_token_ids  # <end_of_turn> ends a reply
+
+
+def test_perplexity_on_the_hybrid_cache_equals_all_full(tiny):
+    """kvkeeper eval's perplexity prefills in chunks; with the hybrid cache it takes window blocks per chunk and
+    gives them back past the window, and gets the same value as all-full."""
+    from kvkeeper.eval.perplexity import perplexity
+
+    folder, _ = tiny
+    text = _prompt(150, 3)  # 38 blocks: more than the 28 window blocks, so they must come back past the window
+    vals = [perplexity(_engine(folder, hybrid, num_kv_blocks=40), text, chunk=8) for hybrid in (True, False)]
+    a, b = (v["ppl"] for v in vals)
+    assert abs(a - b) < 1e-3 * b
