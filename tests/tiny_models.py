@@ -47,12 +47,14 @@ def randomise_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 @torch.inference_mode()
-def kk_logits_chunked(eng, prompts: list[list[int]], schedule: list[list[int]], keep_seqs: list | None = None) -> list[torch.Tensor]:
+def kk_logits_chunked(eng, prompts: list[list[int]], schedule: list[list[int]], keep_seqs: list | None = None,
+                      commit: bool = False) -> list[torch.Tensor]:
     """Run prompts through the runner by hand; ``schedule[step][i]`` tokens of prompt i per step (0: skip).
 
     Returns every position's logits for each prompt.  Several sequences share a
     step, so prefills, prefill-over-cache chunks and decodes are packed together.  ``keep_seqs``: a list
-    that receives the sequences, whose KV blocks are then kept (the caller frees them).
+    that receives the sequences, whose KV blocks are then kept (the caller frees them).  ``commit``: after each
+    step, register full blocks and give back window blocks past the window, as the engine does.
     """
     seqs = [Sequence(f"parity-{i}", list(p), SamplingParams(), eng.namespace) for i, p in enumerate(prompts)]
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -69,6 +71,8 @@ def kk_logits_chunked(eng, prompts: list[list[int]], schedule: list[list[int]], 
                 rows[seqs.index(s)].append(logits[start:start + n].cpu())
                 start += n
                 s.num_computed += n
+                if commit:
+                    eng.kv.commit(s)
         for s, p in zip(seqs, prompts):
             assert s.num_computed == len(p), "schedule does not cover the prompt"
     finally:

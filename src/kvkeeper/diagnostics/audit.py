@@ -181,6 +181,9 @@ def audit_sequence(engine, seq, logits: torch.Tensor | None = None, tolerance: A
     """
     t0 = time.perf_counter()
     runner = engine.runner
+    if getattr(runner, "window_blocks", None):
+        raise ValueError(f"{seq.request_id}: the KV audit reads every layer by block id; a hybrid (sliding-window) "
+                         "KV cache cannot be audited: start the engine with --no-hybrid-kv-cache")
     if seq.kv_offset:
         raise ValueError(f"{seq.request_id}: compressed KV (kv_offset {seq.kv_offset}) cannot be audited")
     P = seq.num_computed if num_tokens is None else num_tokens

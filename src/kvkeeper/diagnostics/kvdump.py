@@ -85,6 +85,8 @@ def dump_sequence(engine, seq, layers=None, start: int | None = None, end: int |
     """
     runner = engine.runner
     cfg = runner.cfg
+    if getattr(runner, "window_blocks", None):
+        engine.require_uniform_kv("dumping KV tensors")
     layer_ids = parse_layers(layers, cfg.num_layers)
     n = seq.num_computed
     off = seq.kv_offset

@@ -34,6 +34,8 @@ class EngineConfig:
     cuda_graphs: replay decode steps as CUDA graphs (CUDA only; a no-op on CPU).
     kv_dtype: KV cache storage "fp32", "bf16", "fp16", "int8" or "fp8" (None: bf16 with quantized weights,
     else the ``dtype``).
+    hybrid_kv_cache: a model with sliding-window layers keeps their KV only for the window (see
+    ``kvkeeper.kvcache.block_pool``); False gives every layer every token's block.
     block_size: tokens per KV block.  KV budget: ``num_kv_blocks``, else ``kv_cache_bytes`` (default 1 GiB).
     max_num_seqs: running sequences at most.  max_num_batched_tokens: tokens per step (the prefill chunk).
     max_model_len: cap on the context window (None: the model's own).  num_threads: torch CPU threads.
@@ -82,6 +84,10 @@ class EngineConfig:
         "--max-batched-tokens", "token budget per engine step, i.e. the prefill chunk size", type=positive_int,
         metavar="N"))
     enable_chunked_prefill: bool = True
+    hybrid_kv_cache: bool = field(default=True, metadata=option(
+        "--no-hybrid-kv-cache", "models with sliding-window layers (Gemma 3): give every layer a block for every "
+        "token (all-full) instead of freeing the sliding layers' blocks that fall out of the window",
+        action="store_true", negate=True))
     enable_prefix_caching: bool = field(default=True, metadata=option(
         "--no-prefix-caching", "never reuse cached blocks across requests", action="store_true", negate=True))
     max_model_len: int | None = field(default=None, metadata=option(

@@ -101,18 +101,19 @@ class LLMEngine:
                                         ("bf16" if weights != "none" else torch_dtype))
         except ValueError as e:  # an unknown KV dtype, or a weight format this file cannot run
             raise InvalidRequestError(str(e)) from None
-        num_blocks = cfg.num_kv_blocks or self._blocks_for_budget(kv_format, mcfg)
+        num_blocks, window_blocks = self._kv_blocks(kv_format, mcfg)
         self.block_size = cfg.block_size
         try:
             self.runner = ModelRunner(mcfg, state, num_blocks, cfg.block_size, dtype=torch_dtype, device=device,
                                       kv_dtype=kv_format, attention_backend=cfg.attention_backend,
                                       quantization=weights, fused_decode=cfg.fused_decode,
-                                      cache_dir=cfg.cache_dir)
+                                      cache_dir=cfg.cache_dir, window_blocks=window_blocks)
         except ValueError as e:  # unknown or unavailable attention backend
             raise InvalidRequestError(str(e)) from None
         del state
-        self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool)
+        self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching, window_blocks)
+        self.kv = KVCacheManager(self.pool, mcfg.sliding_window if window_blocks else None)
+        self.runner.window_of = self.pool.window_id if window_blocks else None
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
                                    reclaim=self.reclaim)
         self.context_length = min(mcfg.context_length, cfg.max_model_len or mcfg.context_length)
@@ -145,10 +146,41 @@ class LLMEngine:
             mcfg, self.model_path = dummy.load_config(cfg.model)
             self.tokenizer = dummy.load_dummy_tokenizer(self.model_path, mcfg.vocab_size)
             return mcfg, dummy.dummy_state(mcfg, dtype, device, seed=cfg.seed)
-        self.model_path = resolve_model_path(cfg.model)
+        self.model_path = resolve_model_path(cfg.model, cfg.cache_dir)
         mcfg, state = load_weights(self.model_path, cfg.cache_dir)
         self.tokenizer = load_tokenizer(self.model_path, cfg.cache_dir)
         return mcfg, state
+
+    def _kv_blocks(self, kv_format, mcfg) -> tuple[int, int | None]:
+        """(blocks, window blocks or None).  A hybrid cache (sliding-window layers, ``hybrid_kv_cache``) gives
+        the sliding layers enough window blocks for every running sequence's window plus a prefill chunk, but
+        at most half the byte budget (and no more than there are blocks); the full layers get the rest."""
+        cfg = self.config
+        if not (cfg.hybrid_kv_cache and mcfg.is_hybrid):
+            return cfg.num_kv_blocks or self._blocks_for_budget(kv_format, mcfg), None
+        bs = cfg.block_size
+        parts, heads, dim = mcfg.kv_layout
+        layer_block = kv_format.bytes_per_token(1, heads, dim, parts) * bs
+        n_slide = sum(mcfg.is_sliding_layer(i) for i in range(mcfg.num_layers))
+        n_full = mcfg.num_layers - n_slide
+        want = cfg.max_num_seqs * (-(-(mcfg.sliding_window + cfg.max_num_batched_tokens) // bs) + 1)
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks, max(1, min(want, cfg.num_kv_blocks))
+        budget = cfg.kv_budget_bytes
+        window_blocks = max(1, min(want, budget // 2 // (n_slide * layer_block)))
+        blocks = (budget - window_blocks * n_slide * layer_block) // (n_full * layer_block)
+        if blocks < 1:
+            raise InvalidRequestError(f"kv_cache_bytes={budget} is too small for a hybrid KV cache "
+                                      f"({window_blocks} window blocks leave no room for one block)")
+        return blocks, min(window_blocks, blocks)
+
+    def require_uniform_kv(self, what: str) -> None:
+        """Raise InvalidRequestError when ``what`` (an operation that reads or moves every layer's KV by block
+        id) meets a hybrid KV cache, whose sliding layers keep their KV in window blocks."""
+        if self.runner.window_blocks:
+            raise InvalidRequestError(f"{what} is not supported with the hybrid KV cache of a sliding-window model "
+                                      "(its sliding layers keep KV per window); start the engine with "
+                                      "--no-hybrid-kv-cache (hybrid_kv_cache=False) to use it")
 
     def _blocks_for_budget(self, kv_format, mcfg) -> int:
         budget = self.config.kv_budget_bytes
@@ -248,6 +280,9 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._req_ids)}"
         if request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if compression is not None and self.model_config.layer_types:
+            raise InvalidRequestError("KV compression is not supported for sliding-window models (Gemma 3): their "
+                                      "layers keep different token ranges; send the request without compression")
         if compression is not None and self.model_config.is_mla:
             raise InvalidRequestError("KV compression is not supported for Multi-head Latent Attention (DeepSeek) "
                                       "models: their cache holds one shared latent row per token, not per-head keys")
@@ -511,6 +546,7 @@ class LLMEngine:
 
         Call between steps only.  Returns ``{"evicted": cached blocks dropped, "moved": blocks whose id changed}``.
         """
+        self.require_uniform_kv("defragmenting the KV pool (compact)")
         return compact(self.pool, (seq.block_table for _, seq in self.kv_owners()), self.runner.kv_caches,
                        self.runner.device)
 
@@ -530,6 +566,9 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "kv_window_blocks_total": self.pool.window_blocks or 0,
+            "kv_window_blocks_free": self.pool.num_window_free,
             "weight_format": self.runner.weight_format,
         }
 

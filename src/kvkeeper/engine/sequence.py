@@ -69,6 +69,7 @@ class Sequence:
     compression: object | None = None  # kvcache.compression.KVCompression applied at the end of prefill
     observer: object | None = None  # its PrefillObserver while the prompt is being prefilled
     kv_offset: int = 0  # prompt tokens dropped by compression: KV index = token index - kv_offset
+    window_released: int = 0  # hybrid KV cache: leading blocks whose window blocks it gave back
     compressed: bool = False  # compression was applied to the current KV
     num_kv_dropped: int = 0  # tokens dropped by compression over the request's life
     num_preemptions: int = 0

@@ -52,14 +52,18 @@ def _run_chunks(engine, seq, upto: int, chunk: int, targets: torch.Tensor, score
     """Prefill seq's tokens up to index ``upto`` in chunks; sum -log p of targets[t] for positions t >= score_from."""
     runner = engine.runner
     nll, scored = 0.0, 0
-    if not engine.kv.allocate(seq, upto - seq.num_computed):
-        raise InvalidRequestError(f"{upto - seq.num_computed} more tokens do not fit the {engine.pool.num_free} free "
-                                  "KV blocks; raise --kv-cache-bytes")
-    for m in track(_chunks(upto - seq.num_computed, chunk), "perplexity (prefill chunks)"):
+    hybrid = getattr(engine.pool, "hybrid", False)  # window blocks are taken per chunk and given back past it
+    for i, m in enumerate(track(_chunks(upto - seq.num_computed, chunk), "perplexity (prefill chunks)")):
+        n = m if hybrid else upto - seq.num_computed
+        if (hybrid or i == 0) and not engine.kv.allocate(seq, n):
+            raise InvalidRequestError(f"{n} more tokens do not fit the {engine.pool.num_free} free KV blocks; "
+                                      "raise --kv-cache-bytes")
         start = seq.num_computed
         input_ids, positions, meta, _, _ = runner.build_batch([(seq, m)])
         hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
         seq.num_computed += m
+        if hybrid:
+            engine.kv.release_out_of_window(seq)
         a = max(start, score_from)
         b = min(start + m, len(targets))
         if b > a:

@@ -11,6 +11,16 @@ collision of the parent chain's hash on top of identical tokens.
 
 Prefix-cache keys are chained: ``hash(parent_hash, namespace, token_ids)``
 (blake2b, 64 bits), so a block matches only when every block before it did.
+
+Hybrid KV cache (models whose sliding-window layers attend to the last ``window`` tokens only, Gemma 3): with
+``window_blocks`` set, the pool also keeps a second, smaller set of *window blocks*, the sliding layers'
+storage.  Every block a sequence is given comes with a window block (``window_id``); the full-attention layers
+use the block id, the sliding layers its window block.  Once a block lies wholly before a sequence's window,
+:meth:`release_window` gives its window block back while the block itself (the full layers' KV, and its
+prefix-cache entry) stays.  A cached free block keeps its window block until a window allocation needs it
+(least recently freed first), so a prefix hit can still use it as the last window of the matched prefix.
+This follows vLLM's hybrid KV cache manager (sliding-window blocks outside the window go back to the free
+list), with one window block per block instead of vLLM's separate block tables per layer group.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ class Block:
     parent: int | None = None  # hash of the previous block in the chain (None for the first)
     token_ids: tuple[int, ...] | None = None
     namespace: Namespace | None = None
+    window: int | None = None  # its window block (hybrid pools), None when it has none
 
 
 class BlockPool:
@@ -54,9 +65,16 @@ class BlockPool:
     Raises :class:`NoFreeBlocksError` when an allocation cannot be met.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window_blocks: int | None = None):
+        """window_blocks: size of the sliding layers' window-block set (hybrid KV cache), None for none."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
+        if window_blocks is not None and window_blocks < 1:
+            raise ValueError(f"a hybrid pool needs at least one window block (got {window_blocks})")
+        self.window_blocks = window_blocks
+        self._win_free: list[int] = list(range(window_blocks or 0))[::-1]  # a stack: lowest id first
+        self._win_reclaimable: OrderedDict[int, None] = OrderedDict()  # cached free blocks holding one (LRU)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -69,12 +87,51 @@ class BlockPool:
     # ---- sizes -----------------------------------------------------------
     @property
     def num_free(self) -> int:
-        """Blocks with refcount 0 (allocatable), including evictable cached ones."""
-        return len(self._free_plain) + len(self._free_cached)
+        """Blocks allocatable now: refcount 0, including evictable cached ones; in a hybrid pool no more than
+        the window blocks that are free or held by cached free blocks (each new block takes one)."""
+        n = len(self._free_plain) + len(self._free_cached)
+        if self.window_blocks is not None:
+            n = min(n, len(self._win_free) + len(self._win_reclaimable))
+        return n
+
+    @property
+    def hybrid(self) -> bool:
+        return self.window_blocks is not None
+
+    @property
+    def num_window_free(self) -> int:
+        """Window blocks held by no block (hybrid pools; 0 otherwise)."""
+        return len(self._win_free)
+
+    def window_id(self, bid: int) -> int | None:
+        """The window block of block ``bid`` (hybrid pools), None when it has none."""
+        return self.blocks[bid].window
+
+    def _drop_window(self, b: Block) -> None:
+        if b.window is not None:
+            self._win_free.append(b.window)
+            b.window = None
+            self._win_reclaimable.pop(b.block_id, None)
+
+    def _take_window(self) -> int:
+        if not self._win_free:  # the least recently freed cached block gives its window block up
+            bid, _ = self._win_reclaimable.popitem(last=False)
+            self._drop_window(self.blocks[bid])
+        return self._win_free.pop()
+
+    def release_window(self, bid: int) -> bool:
+        """Give back block ``bid``'s window block when one owner alone holds the block (it moved past it);
+        True when released.  The block keeps its full-layer KV and prefix-cache entry."""
+        b = self.blocks[bid]
+        if b.window is None or b.ref_count != 1:
+            return False
+        self._drop_window(b)
+        return True
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - self.num_free
+        """Blocks referenced by some owner (refcount > 0)."""
+        return self.num_blocks - len(self._free_plain) - len(self._free_cached)
 
     @property
     def num_cached(self) -> int:
@@ -95,6 +152,7 @@ class BlockPool:
         if b.hash is not None and self._by_hash.get(b.hash) == bid:
             del self._by_hash[b.hash]
         b.hash = b.parent = b.token_ids = b.namespace = None
+        self._drop_window(b)
         self.evictions += 1
 
     def allocate(self, n: int = 1) -> list[int]:
@@ -109,6 +167,8 @@ class BlockPool:
                 bid, _ = self._free_cached.popitem(last=False)
                 self._evict(bid)
             self.blocks[bid].ref_count = 1
+            if self.window_blocks is not None:
+                self.blocks[bid].window = self._take_window()
             out.append(bid)
         return out
 
@@ -118,6 +178,7 @@ class BlockPool:
         if b.ref_count == 0:
             if b.hash is not None:
                 del self._free_cached[bid]
+                self._win_reclaimable.pop(bid, None)
             else:
                 del self._free_plain[bid]
         b.ref_count += 1
@@ -131,8 +192,11 @@ class BlockPool:
         if b.ref_count == 0:
             if b.hash is not None:
                 self._free_cached[bid] = None  # most recently used at the end
+                if b.window is not None:
+                    self._win_reclaimable[bid] = None
             else:
                 self._free_plain[bid] = None
+                self._drop_window(b)
 
     def free_all(self, bids) -> None:
         # free in reverse so that a sequence's tail blocks are evicted before its head
@@ -217,6 +281,7 @@ class BlockPool:
         self._free_cached = OrderedDict((mapping[i], None) for i in self._free_cached)
         self._free_plain = OrderedDict((mapping[i], None) for i in self._free_plain)
         self._by_hash = {h: mapping[bid] for h, bid in self._by_hash.items()}
+        self._win_reclaimable = OrderedDict((mapping[i], None) for i in self._win_reclaimable)
         return mapping
 
     def reset_prefix_cache(self) -> None:
@@ -236,4 +301,14 @@ class BlockPool:
                 assert self._by_hash.get(b.hash) == b.block_id
         for h, bid in self._by_hash.items():
             assert self.blocks[bid].hash == h
-        assert self.num_free + self.num_used == self.num_blocks
+        assert len(self._free_plain) + len(self._free_cached) + self.num_used == self.num_blocks
+        assert self.num_free <= len(free_ids)
+        if self.window_blocks is not None:
+            held = [b.window for b in self.blocks if b.window is not None]
+            assert len(set(held)) == len(held), "a window block held twice"
+            assert not set(held) & set(self._win_free), "a held window block is also free"
+            assert len(held) + len(self._win_free) == self.window_blocks, "window blocks lost"
+            for b in self.blocks:
+                if b.window is not None:
+                    assert b.ref_count > 0 or b.block_id in self._free_cached, f"free block {b.block_id} holds one"
+                assert (b.block_id in self._win_reclaimable) == (b.ref_count == 0 and b.window is not None)

@@ -13,15 +13,49 @@ class KVCacheManager:
     Prefix-cache statistics are counted in tokens: ``query_tokens``, ``hit_tokens``.
     """
 
-    def __init__(self, pool: BlockPool):
+    def __init__(self, pool: BlockPool, window: int | None = None):
+        """window: tokens a sliding-window layer attends to, with a hybrid pool (see
+        :mod:`kvkeeper.kvcache.block_pool`): blocks wholly before a sequence's window give their window blocks
+        back, and a prefix hit or a truncation keeps only a prefix whose last window still has them."""
         self.pool = pool
         self.block_size = pool.block_size
+        self.window = window if pool.hybrid else None
         self.query_tokens = 0
         self.hit_tokens = 0
 
     def blocks_needed(self, seq, num_new_tokens: int) -> int:
         total = seq.num_computed - seq.kv_offset + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def usable(self, table: list[int], num_tokens: int) -> bool:
+        """Whether KV of the first ``num_tokens`` tokens in ``table`` can be continued: with a hybrid pool, every
+        block holding one of the last ``window - 1`` of them still has its window block (the next token's
+        sliding layers attend to those)."""
+        if self.window is None or num_tokens <= 0:
+            return True
+        bs = self.block_size
+        first = max(0, num_tokens - self.window + 1) // bs
+        return all(self.pool.window_id(b) is not None for b in table[first : (num_tokens - 1) // bs + 1])
+
+    def usable_prefix(self, table: list[int], num_tokens: int) -> int:
+        """The longest continuable prefix (see :meth:`usable`): ``num_tokens``, else a block boundary below it."""
+        if self.usable(table, num_tokens):
+            return num_tokens
+        n = (num_tokens - 1) // self.block_size * self.block_size
+        while n > 0 and not self.usable(table, n):
+            n -= self.block_size
+        return n
+
+    def release_out_of_window(self, seq) -> int:
+        """Give back the window blocks of the sequence's blocks that lie wholly before the window of its next
+        token (hybrid pools; a block shared with another owner keeps its own); returns how many."""
+        if self.window is None or seq.kv_offset:
+            return 0
+        limit = min(len(seq.block_table), max(0, seq.num_computed - self.window) // self.block_size)
+        start = getattr(seq, "window_released", 0)
+        n = sum(self.pool.release_window(seq.block_table[i]) for i in range(min(start, limit), limit))
+        seq.window_released = max(start, limit)
+        return n
 
     def match_prefix(self, seq) -> int:
         """On first scheduling, take cached full blocks matching the sequence's head.
@@ -46,6 +80,9 @@ class KVCacheManager:
             hits.append(bid)
             hashes.append(h)
             parent = h
+        keep = self.usable_prefix(hits, len(hits) * bs) // bs  # sliding layers: the last window must be there
+        self.pool.free_all(hits[keep:])
+        del hits[keep:], hashes[keep:]
         seq.block_table = hits
         seq.block_hashes = hashes
         seq.num_computed = len(hits) * bs
@@ -72,6 +109,7 @@ class KVCacheManager:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = self.pool.register(seq.block_table[i], parent, seq.namespace, seq.token_ids[i * bs : (i + 1) * bs])
             seq.block_hashes.append(h)
+        self.release_out_of_window(seq)
 
     def free(self, seq) -> None:
         """Release every block of the sequence (cached ones stay reusable until evicted)."""
@@ -79,6 +117,7 @@ class KVCacheManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0
+        seq.window_released = 0
         seq.kv_offset = 0
         seq.observer = None  # a recomputed prefill is observed (and compressed) afresh
         seq.compressed = False
@@ -92,7 +131,8 @@ class KVCacheManager:
         its tokens recomputed.  Sets ``num_computed`` to what remains valid.
         """
         bs = self.block_size
-        keep_tokens = min(keep_tokens, seq.num_computed)
+        keep_tokens = self.usable_prefix(seq.block_table, min(keep_tokens, seq.num_computed))
+        seq.window_released = min(getattr(seq, "window_released", 0), keep_tokens // bs)
         nfull = keep_tokens // bs
         keep_blocks = nfull
         if keep_tokens % bs and nfull < len(seq.block_table):

@@ -61,16 +61,15 @@ def paged_attention(
             vs = v[p.start : p.start + p.q_len]
             o = F.scaled_dot_product_attention(
                 qs, ks.transpose(0, 1).unsqueeze(0).to(q.dtype), vs.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                is_causal=True, scale=scale, enable_gqa=True,
+                attn_mask=None if meta.window is None else _mask(p.q_len, p.q_len, meta.window, q.device),
+                is_causal=meta.window is None, scale=scale, enable_gqa=True,
             )
             if p.observer is not None:
                 p.observer.observe(cache.layer_idx, q[p.start : p.start + p.q_len], ks, 0, scale)
         else:
             ks, vs = cache.gather(p.block_table, p.context_len, q.dtype)
             offset = p.context_len - p.q_len
-            qpos = torch.arange(p.q_len, device=q.device)[:, None] + offset
-            kpos = torch.arange(p.context_len, device=q.device)[None, :]
-            mask = kpos <= qpos  # (q, L)
+            mask = _mask(p.q_len, p.context_len, meta.window, q.device)  # (q, L)
             o = F.scaled_dot_product_attention(
                 qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
                 attn_mask=mask, scale=scale, enable_gqa=True,
@@ -82,6 +81,17 @@ def paged_attention(
         qd = q.index_select(0, meta.decode_indices)
         out.index_copy_(0, meta.decode_indices, decode(qd, cache, meta, scale))
     return out
+
+
+def _mask(q_len: int, context_len: int, window: int | None, device) -> torch.Tensor:
+    """(q_len, context_len) bool: query j (KV index context_len - q_len + j) sees key i when i <= its index and,
+    with a window, i > its index - window (transformers' sliding-window mask)."""
+    qpos = torch.arange(q_len, device=device)[:, None] + (context_len - q_len)
+    kpos = torch.arange(context_len, device=device)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    return mask
 
 
 def decode_attention(qd: torch.Tensor, cache: PagedKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -31,6 +31,7 @@ class AttentionMetadata:
     decode_block_tables: (B_d, max_blocks) int64, padded with 0.
     decode_context_lens: (B_d,) int64, KV length of each decode sequence (incl. the new token).
     prefills: one :class:`PrefillSpan` per sequence adding more than one token.
+    window / sliding: see :mod:`kvkeeper.model.gemma3` (a step with a window runs the PyTorch reference).
     backend: "torch" (kvkeeper.model.attention, the reference), "cpu" (the C++ decode kernel,
     kvkeeper.model.cpu_attention) or "triton" (kvkeeper.model.triton_attention).
     """
@@ -44,6 +45,8 @@ class AttentionMetadata:
     backend: str = "torch"
     decode_max_len: int | None = None  # host-side max of decode_context_lens (picks the split-K factor)
     decode_num_splits: int | None = None  # fixed split-K factor (CUDA graphs); None: from decode_max_len
+    window: int | None = None  # sliding-window layers: a query at KV index i sees keys (i - window, i] only
+    sliding: "AttentionMetadata | None" = None  # the sliding layers' own tables (hybrid KV cache), else None
 
     @property
     def decode_only(self) -> bool:
@@ -55,5 +58,9 @@ class AttentionMetadata:
         if self.decode_mask is None:
             L = self.decode_block_tables.shape[1] * block_size
             ar = torch.arange(L, device=self.decode_context_lens.device)
-            self.decode_mask = (ar[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
+            lens = self.decode_context_lens[:, None]
+            mask = ar[None, :] < lens
+            if self.window is not None:
+                mask &= ar[None, :] >= lens - self.window
+            self.decode_mask = mask[:, None, None, :]
         return self.decode_mask

@@ -12,13 +12,15 @@ from typing import Any
 from ..errors import ModelFormatError, UnsupportedArchitectureError
 
 # model_type (HF) / general.architecture (GGUF) values we implement.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3", "gemma3")
 _HF_ARCH_NAMES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Gemma3ForCausalLM": "gemma3",
+    "gemma3_text": "gemma3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -69,6 +71,19 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = False
+    # Gemma 3: per-layer attention kind, local RoPE base, query scaling, logit soft-capping
+    layer_types: list[str] | None = None  # "sliding_attention" / "full_attention" per layer (None: all full)
+    rope_local_theta: float = 10000.0  # RoPE base of the sliding-window layers (Gemma 3 rope_local_base_freq)
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (None: head_dim)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when some layers attend within ``sliding_window`` tokens and others to the whole context."""
+        return bool(self.layer_types) and bool(self.sliding_window) and "sliding_attention" in self.layer_types
+
+    def is_sliding_layer(self, i: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
 
     @property
     def is_mla(self) -> bool:
@@ -89,7 +104,7 @@ class ModelConfig:
     @property
     def context_length(self) -> int:
         """Tokens a sequence may hold (prompt plus output)."""
-        if self.sliding_window:
+        if self.sliding_window and not self.layer_types:  # Mistral: every layer slides
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
@@ -155,9 +170,51 @@ class ModelConfig:
             )
             if arch.startswith("deepseek"):
                 kw.update(_deepseek_fields(cfg, arch))
+            if arch == "gemma3":
+                kw.update(_gemma3_fields(cfg))
             return cls(**kw)
         except KeyError as e:
             raise ModelFormatError(f"config.json lacks the required key {e.args[0]!r}") from e
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
+    """Gemma 3's default layer kinds: every ``pattern``-th layer (1-based) is global, the rest slide
+    (transformers' Gemma3TextConfig ``sliding_window_pattern`` 6)."""
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+
+
+def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 fields of a ``config.json`` (names as transformers' Gemma3TextConfig; a ``Gemma3Config`` with a
+    vision tower is not handled: pass its ``text_config``).  Raises UnsupportedArchitectureError for attention
+    logit soft-capping (Gemma 2; None in Gemma 3), bidirectional attention or another activation."""
+    if cfg.get("attn_logit_softcapping"):
+        raise UnsupportedArchitectureError("attn_logit_softcapping is not supported (Gemma 3 configs set None)")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedArchitectureError("use_bidirectional_attention is not supported (a causal decoder only)")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedArchitectureError(f"hidden_activation {act!r} is not supported; Gemma 3 uses gelu_pytorch_tanh")
+    n = int(cfg["num_hidden_layers"])
+    rope = cfg.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {}
+    local = rope.get("sliding_attention") or {}
+    for kind in (full, local):
+        if kind.get("rope_type", "default") not in ("default", None):
+            raise UnsupportedArchitectureError(f"Gemma 3 rope scaling {kind.get('rope_type')!r} is not supported")
+    if cfg.get("rope_scaling"):
+        raise UnsupportedArchitectureError("Gemma 3 rope_scaling is not supported (the 270M/1B text models have none)")
+    return dict(
+        layer_types=list(cfg.get("layer_types") or gemma3_layer_types(n, int(cfg.get("sliding_window_pattern", 6)))),
+        rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
+        rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))),
+        rope_scaling=None,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        sliding_window=int(cfg.get("sliding_window") or 4096),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        bos_token_id=cfg.get("bos_token_id", 2),
+    )
 
 
 def _deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:

@@ -89,5 +89,10 @@ class DeepseekForCausalLM(LlamaForCausalLM):
 
 
 def causal_lm_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
-    """The decoder class of a configuration: :class:`DeepseekForCausalLM` for MLA, else :class:`LlamaForCausalLM`."""
+    """The decoder class of a configuration: :class:`DeepseekForCausalLM` for MLA, Gemma 3's
+    (:mod:`kvkeeper.model.gemma3`), else :class:`LlamaForCausalLM`."""
+    if cfg.architecture == "gemma3":
+        from .gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
     return DeepseekForCausalLM if cfg.is_mla else LlamaForCausalLM

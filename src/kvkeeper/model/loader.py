@@ -31,6 +31,15 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3: four norms a layer plus q/k norms; llama.cpp's converter stores every norm as 1 + weight
+_GGUF_GEMMA3_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -128,6 +137,12 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         eos_token_ids=[] if eos is None else [int(eos)],
         revision=_file_revision(path),
     )
+    if arch == "gemma3":
+        _gemma3_gguf_fields(cfg, field, p)
+        toks = reader.fields.get("tokenizer.ggml.tokens")
+        if toks is not None and len(toks.data) > 106 and toks.contents(106) == "<end_of_turn>":
+            cfg.eos_token_ids.append(106)  # a chat turn ends there
+    layer_names = _GGUF_GEMMA3_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
     state = ModelWeights({}, "gguf", path, {name: t.tensor_type.name for name, t in tensors.items()})
     try:
         for name, t in track(tensors.items(), f"dequantise {path.name}", total=len(tensors)):
@@ -139,15 +154,35 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
                 if name == "rope_freqs.weight":
                     cfg.rope_freq_factors = [float(x) for x in arr.reshape(-1)]
                     continue
-                if parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+                if parts[0] != "blk" or parts[2] not in layer_names:
                     continue
-                hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+                hf = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
                 if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
                     arr = _unpermute_rope(arr, n_heads if parts[2] == "attn_q" else n_kv)
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                arr = arr - 1.0  # back to transformers' Gemma3RMSNorm weight (it scales by 1 + weight)
             state[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
     except Exception as e:
         raise ModelFormatError(f"{path}: could not read tensor data ({type(e).__name__}: {e}); the file may be truncated") from e
     return cfg, state
+
+
+def _gemma3_gguf_fields(cfg: ModelConfig, field, p: str) -> None:
+    """Gemma 3 hyper-parameters that GGUF metadata carries or llama.cpp fixes for the architecture: the window
+    (``{p}.attention.sliding_window``), every 6th layer global, local RoPE base 10,000, query scale
+    ``key_length**-0.5`` (Gemma 3 270M/1B/4B/12B), soft-capping when the file names one."""
+    from .config import gemma3_layer_types
+
+    cfg.sliding_window = int(field(f"{p}.attention.sliding_window", 4096))
+    cfg.layer_types = gemma3_layer_types(cfg.num_layers)
+    cfg.rope_local_theta = 10000.0
+    cfg.query_pre_attn_scalar = float(cfg.head_dim)
+    cap = field(f"{p}.final_logit_softcapping")
+    cfg.final_logit_softcapping = float(cap) if cap else None
+    if field(f"{p}.attn_logit_softcapping"):
+        from ..errors import UnsupportedArchitectureError
+
+        raise UnsupportedArchitectureError("attention logit soft-capping (Gemma 2) is not supported")
 
 
 def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

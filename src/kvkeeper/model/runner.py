@@ -67,7 +67,7 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  kv_dtype: str | torch.dtype | KVFormat | None = None, transposed_weights: bool | None = None,
                  attention_backend: str = "auto", quantization: str | None = None, fused_decode: bool = True,
-                 cache_dir=None):
+                 cache_dir=None, window_blocks: int | None = None):
         """kv_dtype: KV storage format (fp32, bf16, fp16, int8, fp8; default: the model dtype).
         transposed_weights: keep W^T copies for fast few-row products (default: on for fp32 on CPU with
         unquantized weights).
@@ -77,7 +77,10 @@ class ModelRunner:
         quantization: weight format, None/"auto" for the model file's default (see
         kvkeeper.model.quant_weights); raises QuantizationError (a ValueError) for one the file cannot run.
         fused_decode: run a decode-only step as one C++ call when the weights are packed (False: layer by layer).
-        cache_dir: where packed weights are cached (default: kvkeeper.text.tokenizer.cache_dir())."""
+        cache_dir: where packed weights are cached (default: kvkeeper.text.tokenizer.cache_dir()).
+        window_blocks: hybrid KV cache (a model with sliding-window layers): the sliding layers' caches hold
+        this many blocks, addressed through ``window_of`` (block id -> window block id, set by the engine from
+        its :class:`~kvkeeper.kvcache.block_pool.BlockPool`); None: every layer has ``num_blocks``."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -87,9 +90,18 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if cfg.is_mla:
             attention_backend, quantization = _mla_options(attention_backend, quantization)
+        if cfg.architecture == "gemma3" and quantization not in (None, "auto", "none"):
+            from ..errors import InvalidRequestError
+
+            raise InvalidRequestError(f"weight quantization {quantization!r} does not run Gemma 3 yet (its K-quant "
+                                      "blocks are dequantized at load); use --quantization none")
+        self.window_blocks = window_blocks if cfg.is_hybrid else None
+        self.window_of = None  # block id -> window block id (hybrid KV cache), set by the engine
         with skip_init(), torch.device("meta"):
             model = causal_lm_class(cfg)(cfg)
         model.rope = type(model.rope)(cfg).to(self.device)  # buffers computed, not loaded
+        if hasattr(model, "rope_local"):  # Gemma 3: the sliding layers' RoPE base
+            model.rope_local = type(model.rope)(model.local_rope_config(cfg)).to(self.device)
         prepared = prepare_weights(state, cfg, quantization, self.device, dtype, cache=cache_dir)
         self.weight_format = prepared.format  # "none", "gguf", "int8" or "int4"
         self.weight_description = prepared.description
@@ -112,12 +124,14 @@ class ModelRunner:
             self._check_cpu_kernels()
         self.graphs = None  # a cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
         parts, heads, dim = cfg.kv_layout  # MLA: one latent row per token and layer (no V part)
-        self.kv_caches = [PagedKV(num_blocks, block_size, heads, dim, self.kv_format, self.device, layer_idx=i,
+        self.kv_caches = [PagedKV(self.window_blocks if self.window_blocks and cfg.is_sliding_layer(i) else num_blocks,
+                                  block_size, heads, dim, self.kv_format, self.device, layer_idx=i,
                                   values=parts == 2) for i in range(cfg.num_layers)]
         # one C++ call per decode step when the weights are packed (kvkeeper.model.fused_decode); the
         # layer-by-layer path then uses the same C++ element-wise routines
         self.fused_decode = (FusedDecode.build(self.model, self.kv_caches) if fused_decode and
-                             self.attention_backend == "cpu" and self.weight_format != "none" else None)
+                             self.attention_backend == "cpu" and self.weight_format != "none"
+                             and cfg.architecture != "gemma3" else None)
         if self.fused_decode is not None:
             self.model.use_cpu_kernels(self.fused_decode.kernels)
         self.lora: LoRAHooks | None = None  # installed by enable_lora() (kvkeeper.model.lora)
@@ -168,9 +182,24 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of KV (values plus scales) per token across all layers."""
+        """Bytes of KV (values plus scales) per token across all layers (a hybrid cache: what a token costs
+        while inside the window; past it, only the full layers' share, :attr:`kv_bytes_per_token_full_layers`)."""
         parts, heads, dim = self.cfg.kv_layout
         return self.kv_format.bytes_per_token(self.cfg.num_layers, heads, dim, parts)
+
+    @property
+    def kv_bytes_per_token_full_layers(self) -> int:
+        """Bytes of KV per token in the full-attention layers only (all layers without a hybrid cache)."""
+        parts, heads, dim = self.cfg.kv_layout
+        n = sum(not self.cfg.is_sliding_layer(i) for i in range(self.cfg.num_layers)) if self.window_blocks else \
+            self.cfg.num_layers
+        return self.kv_format.bytes_per_token(n, heads, dim, parts)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV tensors of all layers hold (values plus scales)."""
+        return sum(t.numel() * t.element_size() for c in self.kv_caches
+                   for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None)
 
     def build_batch(self, scheduled):
         """scheduled: list of (seq, num_new_tokens).  Returns (input_ids, positions, meta, logits_rows, sample_seqs)."""
@@ -211,9 +240,44 @@ class ModelRunner:
             meta.decode_context_lens = torch.tensor(dec_len, dtype=torch.int64, device=dev)
             meta.decode_max_len = max(dec_len)
         meta.backend = self.attention_backend
+        if self.window_blocks:
+            meta.sliding = self._sliding_meta(scheduled, meta)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.cat(pos).to(dev)
         return input_ids, positions, meta, logit_rows, sample_seqs
+
+    def _sliding_meta(self, scheduled, meta: AttentionMetadata) -> AttentionMetadata:
+        """The sliding layers' metadata in a hybrid cache: slots and tables of window blocks, each table from
+        the block holding the first new token's window start (KV indices shifted by that block's start)."""
+        bs, window, dev = self.block_size, self.cfg.sliding_window, self.device
+        slots, prefills, dec_bt, dec_len = [], [], [], []
+        start = 0
+        for seq, n in scheduled:
+            c = seq.num_computed
+            wins = [self.window_of(b) for b in seq.block_table]
+            first = max(0, c - window + 1) // bs
+            if seq.kv_offset or any(w is None for w in wins[first:]):
+                raise RuntimeError(f"sequence {seq.request_id}: a block inside its window has no window block "
+                                   "(a KV cache bookkeeping bug)")
+            table = torch.tensor(wins[first:], dtype=torch.int64)
+            p = torch.arange(c, c + n) - first * bs
+            slots.append(table[p // bs] * bs + p % bs)
+            if n == 1 and seq.observer is None:
+                dec_bt.append(table)
+                dec_len.append(c + 1 - first * bs)
+            else:
+                prefills.append(PrefillSpan(start, n, c + n - first * bs, table.to(dev), None))
+            start += n
+        out = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills, window=window,
+                                backend="torch", decode_indices=meta.decode_indices)
+        if dec_bt:
+            padded = torch.zeros(len(dec_bt), max(len(b) for b in dec_bt), dtype=torch.int64)
+            for i, b in enumerate(dec_bt):
+                padded[i, : len(b)] = b
+            out.decode_block_tables = padded.to(dev)
+            out.decode_context_lens = torch.tensor(dec_len, dtype=torch.int64, device=dev)
+            out.decode_max_len = max(dec_len)
+        return out
 
     @torch.inference_mode()
     def execute(self, scheduled) -> tuple[torch.Tensor | None, list]:
@@ -245,10 +309,11 @@ class ModelRunner:
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Capture decode-step CUDA graphs for batches up to ``max_num_seqs`` (see kvkeeper.model.cuda_graphs).
 
-        Returns False (and keeps the eager path) on a CPU device or with the PyTorch attention backend.
+        Returns False (and keeps the eager path) on a CPU device, with the PyTorch attention backend or for a
+        sliding-window model (Gemma 3).
         """
-        if self.device.type != "cuda" or self.attention_backend != "triton":
-            return False
+        if self.device.type != "cuda" or self.attention_backend != "triton" or self.cfg.layer_types:
+            return False  # (sliding-window models: their windowed layers run the PyTorch path, not captured)
         graphs = DecodeGraphs(self, max_model_len)
         graphs.capture(max_num_seqs)
         self.graphs = graphs if graphs.graphs else None

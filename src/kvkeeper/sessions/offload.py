@@ -158,6 +158,8 @@ class SessionStore:
             return 0
         if st.kv_offset:
             raise InvalidRequestError(f"session {session.id} holds compressed KV, which is never offloaded")
+        if getattr(self.engine.runner, "window_blocks", None):
+            self.engine.require_uniform_kv("offloading a session's KV")
         if not session.idle:
             return 0
         eng = self.engine
@@ -306,6 +308,9 @@ class SessionStore:
             raise OffloadError(f"session {session.id} has no token state to restore into")
         tensors = rec.tensors if rec.tier == "host" else self.disk.load(
             rec.path, session.id, st.namespace, rec.num_computed, rec.num_blocks, st.token_ids)
+        if getattr(eng.runner, "window_blocks", None):
+            raise OffloadError(f"session {session.id}: saved KV cannot be restored into a hybrid (sliding-window) KV "
+                               "cache; its next prompt is recomputed")
         need = rec.num_blocks
         if need > eng.pool.num_free:
             eng.reclaim(need - eng.pool.num_free)

@@ -21,6 +21,24 @@ from ..errors import ModelFormatError
 log = logging.getLogger(__name__)
 
 
+# Gemma's turn format (Gemma 3 model card): <start_of_turn>{user|model}\n{text}<end_of_turn>\n, a system message
+# folded into the first user turn, the generation prompt "<start_of_turn>model\n".  Written here for GGUF files
+# that carry no tokenizer.chat_template (the gemma-3-270m package's file has none).
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set sys = namespace(text='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set sys.text = sys.text + m['content'] + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n' }}"
+    "{% if m['role'] == 'user' %}{{ sys.text }}{% set sys.text = '' %}{% endif %}"
+    "{{ (m['content'] or '') | trim }}<end_of_turn>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
 def cache_dir(folder: str | os.PathLike | None = None) -> Path:
     """kvkeeper's cache folder: ``folder`` when given, else ``~/.cache/kvkeeper``."""
     return Path(folder) if folder is not None else Path.home() / ".cache" / "kvkeeper"
@@ -51,6 +69,8 @@ def load_tokenizer(model_path: str | os.PathLike, cache: str | os.PathLike | Non
             except Exception:  # a damaged cache is rebuilt below
                 log.warning("tokenizer cache %s unreadable; rebuilding", cached)
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        if not tok.chat_template and tok.convert_tokens_to_ids("<start_of_turn>") not in (None, tok.unk_token_id):
+            tok.chat_template = GEMMA_CHAT_TEMPLATE  # a Gemma GGUF without tokenizer.chat_template
         try:
             tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
             tok.save_pretrained(str(tmp))

@@ -1,0 +1,145 @@
+"""Gemma 3 text decoder (Gemma Team, "Gemma 3 Technical Report", 2025) written against the paged KV cache.
+
+Differences from Llama (:mod:`kvkeeper.model.llama`), as transformers' ``Gemma3ForCausalLM`` computes them:
+the embedding is scaled by ``sqrt(hidden_size)``; RMSNorm multiplies by ``1 + weight``; every layer has
+four norms (before and after attention, before and after the feed-forward) plus RMSNorm over each query and
+key head; the MLP is GELU(tanh)(gate) * up; attention scores are scaled by ``query_pre_attn_scalar**-0.5``;
+the layers of ``layer_types`` "sliding_attention" attend to the last ``sliding_window`` tokens only (each
+query sees keys at positions ``(p - window, p]``) with RoPE base ``rope_local_theta``, the others to the whole
+context with ``rope_theta``; logits are soft-capped ``cap * tanh(x / cap)`` when the config has a cap.
+
+A sliding layer reads ``meta.sliding`` (the sliding layers' block tables and slots, see
+:mod:`kvkeeper.model.runner` and :mod:`kvkeeper.kvcache.block_pool`'s window blocks), a full layer ``meta``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention_backend import paged_attention
+from .attn_meta import AttentionMetadata
+from .config import ModelConfig
+from .llama import Linear, LlamaForCausalLM
+from .rope import RotaryEmbedding, apply_rope
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm scaled by ``1 + weight``, in float32 (transformers' Gemma3RMSNorm); x (..., dim) -> same."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GemmaAttention(nn.Module):
+    """Grouped-query attention with q/k RMSNorm; ``sliding``: attends within the config's window."""
+
+    def __init__(self, cfg: ModelConfig, sliding: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.sliding = sliding
+
+    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(self.q_norm(q.view(T, self.num_heads, self.head_dim)), *cos_sin)
+        k = apply_rope(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), *cos_sin)
+        o = paged_attention(q, k, v.view(T, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(T, -1))
+
+
+class GemmaMLP(nn.Module):
+    """GELU(tanh approximation)(gate) * up, then down; one fused gate/up projection."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        self.sliding = cfg.is_sliding_layer(i)
+        self.self_attn = GemmaAttention(cfg, self.sliding)
+        self.mlp = GemmaMLP(cfg)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x, cos_sin, kv_cache, meta):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+def sliding_meta(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The sliding layers' metadata: ``meta.sliding`` when the runner built one (hybrid cache: their own
+    block tables), else ``meta`` itself with the window set (all layers share the full block tables)."""
+    if meta.sliding is not None:
+        return meta.sliding
+    return dataclasses.replace(meta, window=window, sliding=None)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3 over packed tokens; same interface as :class:`LlamaForCausalLM` (``forward(input_ids (T,),
+    positions (T,), kv_caches, meta)`` -> hidden (T, hidden_size); ``compute_logits`` -> float32 (N, vocab))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope_local = RotaryEmbedding(self.local_rope_config(cfg))
+        self.embed_scale = math.sqrt(cfg.hidden_size)
+
+    @staticmethod
+    def make_layer(cfg: ModelConfig, i: int) -> nn.Module:
+        return GemmaDecoderLayer(cfg, i)
+
+    @staticmethod
+    def local_rope_config(cfg: ModelConfig) -> ModelConfig:
+        """The configuration of the sliding layers' RoPE (base ``rope_local_theta``, no scaling)."""
+        return dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None, rope_freq_factors=None)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # as transformers: the scale in the weights' dtype
+        cs_full = self.rope.cos_sin(positions, x.dtype)
+        cs_local = self.rope_local.cos_sin(positions, x.dtype)
+        meta_local = sliding_meta(meta, self.config.sliding_window)
+        for layer, kv in zip(self.model.layers, kv_caches):
+            if layer.sliding:
+                x = layer(x, cs_local, kv, meta_local)
+            else:
+                x = layer(x, cs_full, kv, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
+    def use_cpu_kernels(self, kernels) -> None:
+        """Gemma 3 keeps PyTorch's element-wise operators (the C++ routines are Llama's)."""
