@@ -77,14 +77,15 @@ def default_tolerance(compute_dtype: torch.dtype, kv_format, weight_format: str 
     (0.055 and 0.15; logits 0.66 and 0.96).
     A 16-bit (bf16/fp16) cache: the default engine (gguf weights, bf16 KV) over 40 MT-Bench sessions (80 audits,
     48 tokens per reply; 2026-12-01) differed by up to 0.032 of a token's largest K/V value (a few bf16 steps
-    compounded over the layers) and 0.11 on the logits; tolerance 0.08 and 0.5 (a wrong block differs by the
-    order of the values themselves).
+    compounded over the layers) and 0.11 on the logits, and in a 30-minute soak (763 audits) one prompt differed
+    by 0.438 on a token whose largest V value is about 5 (0.086: a prefill resumed after a 16-token prefix hit
+    against a one-piece recompute); tolerance 0.15 and 0.5 (a wrong block differs by the order of the values).
     """
     if kv_format.quantized:
         rtol = 10.0 / kv_format.qmax if kv_format.storage == torch.int8 else 0.3
         return AuditTolerance(kv_atol=1e-3, kv_rtol=rtol, logits_atol=1.5)
     if compute_dtype != torch.float32 or kv_format.storage != torch.float32:  # a 16-bit step: one rounding flip
-        return AuditTolerance(kv_atol=1e-2, kv_rtol=8e-2, logits_atol=0.5)
+        return AuditTolerance(kv_atol=1e-2, kv_rtol=0.15, logits_atol=0.5)
     if weight_format != "none":
         return AuditTolerance(kv_atol=1e-3, kv_rtol=3e-3, logits_atol=0.05)
     return AuditTolerance(kv_atol=1e-4, kv_rtol=1e-5, logits_atol=1e-3)
