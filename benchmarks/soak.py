@@ -464,6 +464,12 @@ def verdict(res: dict, bound: float) -> dict:
             "ok": all(checks.values())}
 
 
+def audit_warnings(log_path: Path, most: int = 10) -> list[str]:
+    """The server log's reuse-audit mismatch lines (first divergent layer and token, max |dKV|), at most ``most``."""
+    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if "KV reuse audit of" in ln]
+    return lines[:most]
+
+
 def latency(requests: list[dict]) -> dict:
     ttft = [r["ttft_s"] for r in requests if r.get("ttft_s") is not None]
     tpot = [r["tpot_s"] for r in requests if r.get("tpot_s") is not None]
@@ -617,6 +623,7 @@ async def soak(args) -> dict:
     res["latency"] = latency(run.requests)
     res["health"] = health_report(res)
     res["verdict"] = verdict(res, args.rss_slope_bound)
+    res["verdict"]["audit_warnings"] = audit_warnings(out / f"{args.name}.server.log")
     return res
 
 

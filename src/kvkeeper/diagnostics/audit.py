@@ -21,9 +21,12 @@ diverge when ``max|a - b| > logits_atol``.  Default tolerances
 (:func:`default_tolerance`) sit above the numerical noise between a chunked or
 prefix-reusing prefill and a one-piece recompute (GEMMs of other shapes round
 differently): for fp32 weights and KV, measured on SmolLM2-135M over MT-Bench
-sessions, up to 7e-5 on K/V (7e-6 of the largest value) and 5e-5 on the logits
-(see the README); bf16/fp16 storage and quantized formats allow about one
-rounding or quantization step.
+sessions, up to 7e-5 on K/V (7e-6 of the largest value) and 5e-5 on the logits;
+in the soak (benchmarks/soak.py, 652 audits over 5 runs with sessions, n=2,
+hang-ups, offloads and a restart; 2026-12-01) up to 1.9e-4 on K/V (1.5e-5 of the
+token's largest value: a turn whose prompt was cached but for its last token) and
+7.6e-5 on the logits (see the README); bf16/fp16 storage and quantized formats
+allow about one rounding or quantization step.
 
 Compressed requests (``kv_offset > 0``) hold KV of a subset of their tokens and
 are skipped (counted in ``skipped``).
@@ -62,7 +65,9 @@ class AuditTolerance:
 def default_tolerance(compute_dtype: torch.dtype, kv_format, weight_format: str = "none") -> AuditTolerance:
     """Tolerances for a compute dtype and a :class:`~kvkeeper.kvcache.quant.KVFormat`.
 
-    fp32 weights and fp32 KV: a bit above fp32 noise.  bf16/fp16 compute or storage:
+    fp32 weights and fp32 KV: about ten times the largest fp32 noise measured (1.5e-5 of a token's largest
+    value, 7.6e-5 on the logits; the module docstring), far below a wrong block.  An rtol of 1e-5 sat
+    too close: CI's 2-minute soak flagged one clean prompt in 38.  bf16/fp16 compute or storage:
     a few units of the last place.  int8/fp8: rounding to a quantization step is discontinuous,
     so the fp32 noise between a reused and a recomputed prompt flips some roundings, and the
     flips compound over the layers; measured on SmolLM2-135M over 8 MT-Bench sessions (turn 2
@@ -88,7 +93,7 @@ def default_tolerance(compute_dtype: torch.dtype, kv_format, weight_format: str 
         return AuditTolerance(kv_atol=1e-2, kv_rtol=0.15, logits_atol=0.5)
     if weight_format != "none":
         return AuditTolerance(kv_atol=1e-3, kv_rtol=3e-3, logits_atol=0.05)
-    return AuditTolerance(kv_atol=1e-4, kv_rtol=1e-5, logits_atol=1e-3)
+    return AuditTolerance(kv_atol=1e-4, kv_rtol=2e-4, logits_atol=1e-3)
 
 
 @dataclass
