@@ -20,7 +20,7 @@ Targets (issue 16): the router keeps >= 90% of the single replica's hit rate and
 ``--pressure F``: after the three set-ups with the default KV pool (1 GiB per replica, far more than the
 sessions need), run them again with each replica's pool at F x the KV blocks all sessions hold after their
 last turn (measured on the 1-replica set-up) and in effect no host offload tier (``--kv-blocks N
---host-offload-bytes 1``: a 1-byte tier drops what it gets; the CLI refuses 0): the case where a
+--host-offload-bytes 0``: an idle session's KV is unpinned, its full blocks left to the prefix cache): the case where a
 replica cannot keep every session, so that routing decides what stays cached.  ``--kv-blocks N`` sets
 that pool directly; ``--pressure-only`` skips the first run.
 
@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import datetime as _dt
 import fcntl
+import functools
 import json
 import math
 import os
@@ -49,7 +50,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_model, write_report  # noqa: E402
-from serve_bench import pct, user_turns  # noqa: E402
+from serve_bench import conversation, pct, stream_chat, user_turns  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 16  # the engine's default --block-size, which the set-ups keep
@@ -95,40 +96,12 @@ def cluster(replicas: int, router: str, log: Path, port: int, extra: tuple[str, 
 
 
 async def session_turn(http: httpx.AsyncClient, base: str, sid: str, messages: list[dict], max_tokens: int) -> dict:
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    rec = {"ttft_s": None, "text": "", "usage": None, "status": None}
-    async with http.stream("POST", base + "/v1/chat/completions", json=body, headers={"X-Session-ID": sid}) as r:
-        rec["status"] = r.status_code
-        if r.status_code != 200:
-            rec["error"] = (await r.aread()).decode(errors="replace")[:300]
-            return rec
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for c in chunk.get("choices") or []:
-                piece = (c.get("delta") or {}).get("content") or ""
-                if piece and rec["ttft_s"] is None:
-                    rec["ttft_s"] = time.perf_counter() - t0
-                rec["text"] += piece
-            if chunk.get("usage"):
-                rec["usage"] = chunk["usage"]
-    return rec
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    return await stream_chat(http, base + "/v1/chat/completions", body, headers={"X-Session-ID": sid})
 
 
 async def run_session(http, base: str, sid: str, turns: list[str], max_tokens: int) -> list[dict]:
-    messages, recs = [], []
-    for i, text in enumerate(turns):
-        messages.append({"role": "user", "content": text})
-        rec = await session_turn(http, base, sid, messages, max_tokens)
-        rec["turn"] = i
-        recs.append(rec)
-        if rec["status"] != 200:
-            break
-        messages.append({"role": "assistant", "content": rec["text"]})
-    return recs
+    return await conversation(functools.partial(session_turn, http, base, sid, max_tokens=max_tokens), turns)
 
 
 def _hit_rate(recs: list[dict]) -> float | None:
@@ -214,8 +187,9 @@ def markdown(res: dict) -> str:
             size = "a pool given with --kv-blocks (the sessions' KV was not measured in this run)"
         lines += [f"## KV pool per replica under pressure: {pr['kv_blocks']} blocks of {BLOCK_SIZE} tokens, "
                   "no host offload tier", "",
-                  f"`--kv-blocks {pr['kv_blocks']} --host-offload-bytes 1` on every replica (a 1-byte host "
-                  f"tier drops an offloaded session's KV at once: in effect none; the CLI refuses 0): {size}.  "
+                  f"`--kv-blocks {pr['kv_blocks']} --host-offload-bytes {pr.get('host_offload_bytes', 0)}` on every "
+                  f"replica (no host tier: an idle session's KV is unpinned, its full blocks left to the prefix "
+                  f"cache): {size}.  "
                   "Under affinity each of 2 replicas holds about half of it; under random routing a session's "
                   "copies on both replicas compete for the pool, and idle sessions' KV is dropped (only the "
                   "prefix cache keeps their blocks until evicted).  The 1-replica set-up has the same pool, "
@@ -254,12 +228,11 @@ def pressure_run(a, logs: Path, need: int | None) -> dict:
     if a.kv_blocks is None and not need:
         raise SystemExit("--pressure needs the default-pool run (to measure the sessions' KV) or --kv-blocks N")
     blocks = a.kv_blocks or math.ceil(a.pressure * need)
-    # No host tier: the CLI refuses 0 bytes, and a 1-byte tier drops each offloaded session's KV at once
-    # (its full blocks stay in the prefix cache, as with no tier).
-    extra = ("--kv-blocks", str(blocks), "--host-offload-bytes", "1")
+    # No host tier: an idle session's KV is unpinned (its full blocks stay in the prefix cache until evicted).
+    extra = ("--kv-blocks", str(blocks), "--host-offload-bytes", "0")
     setups = run_setups(a, logs, extra, "p")
     return {"kv_blocks": blocks, "need_blocks": need, "fraction": blocks / need if need else None,
-            "host_offload_bytes": 1, "setups": setups, "targets": targets(setups)}
+            "host_offload_bytes": 0, "setups": setups, "targets": targets(setups)}
 
 
 def parse_args(argv: list[str] | None):

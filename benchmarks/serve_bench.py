@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as _dt
+import functools
 import json
 import os
 import shutil
@@ -145,12 +146,15 @@ def user_turns(k: int, turns: int) -> list[list[str]]:
     return out
 
 
-async def one_turn(http: httpx.AsyncClient, srv: Server, messages: list[dict], max_tokens: int) -> dict:
-    body = {"model": srv.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def stream_chat(http: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None) -> dict:
+    """POST a streamed chat completion (``stream_options.include_usage``) and time it.
+
+    Returns status, ttft_s and end_s (seconds from the request), chunks (with content), text, usage (the final
+    chunk's), and error (the body's first 300 characters) when the status is not 200."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     rec = {"ttft_s": None, "end_s": None, "chunks": 0, "text": "", "usage": None, "status": None}
-    async with http.stream("POST", srv.base + "/v1/chat/completions", json=body) as r:
+    async with http.stream("POST", url, json=body, headers=headers) as r:
         rec["status"] = r.status_code
         if r.status_code != 200:
             rec["error"] = (await r.aread()).decode(errors="replace")[:300]
@@ -172,11 +176,18 @@ async def one_turn(http: httpx.AsyncClient, srv: Server, messages: list[dict], m
     return rec
 
 
-async def conversation(http, srv: Server, turns: list[str], max_tokens: int) -> list[dict]:
+async def one_turn(http: httpx.AsyncClient, srv: Server, messages: list[dict], max_tokens: int) -> dict:
+    body = {"model": srv.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    return await stream_chat(http, srv.base + "/v1/chat/completions", body)
+
+
+async def conversation(turn, turns: list[str]) -> list[dict]:
+    """Send ``turns`` as user messages in order, each with the replies so far; ``turn(messages)`` sends one
+    (a coroutine returning a :func:`stream_chat` record).  Stops at the first status other than 200."""
     messages, recs = [], []
     for i, text in enumerate(turns):
         messages.append({"role": "user", "content": text})
-        rec = await one_turn(http, srv, messages, max_tokens)
+        rec = await turn(messages)
         rec["turn"] = i
         recs.append(rec)
         if rec["status"] != 200:
@@ -202,7 +213,7 @@ async def run_level(srv: Server, c: int, turns: int, max_tokens: int) -> dict:
     before = prefix_counters(srv.base)
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(900), limits=httpx.Limits(max_connections=c + 4)) as http:
-        results = await asyncio.gather(*(conversation(http, srv, ts, max_tokens) for ts in convs))
+        results = await asyncio.gather(*(conversation(functools.partial(one_turn, http, srv, max_tokens=max_tokens), ts) for ts in convs))
     wall = time.perf_counter() - t0
     after = prefix_counters(srv.base)
     recs = [r for conv in results for r in conv]
