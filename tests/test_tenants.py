@@ -163,7 +163,7 @@ RULES = {
     ("DELETE", "/v1/sessions/{sid}"): _check_owned, ("POST", "/v1/sessions/{sid}/offload"): _check_owned,
     ("GET", "/admin/kv/dump"): _check_dump,
     ("GET", "/admin/kv"): _check_admin, ("GET", "/admin/kv.json"): _check_admin,
-    ("GET", "/admin/breaker"): _check_admin,
+    ("GET", "/admin/breaker"): _check_admin, ("GET", "/admin/sessions"): _check_admin,
     ("GET", "/admin/health"): _check_admin,
     ("POST", "/v1/load_lora_adapter"): _check_lora, ("POST", "/v1/unload_lora_adapter"): _check_lora,
 }
@@ -194,6 +194,21 @@ def test_every_route_has_an_access_rule_and_keeps_it(client):
     assert set(routes) == set(RULES), f"rules of routes that are gone: {set(RULES) - set(routes)}"
     for i, (method, path) in enumerate(routes):
         RULES[(method, path)](client, method, path, f"route-{i}")
+
+
+def test_admins_list_every_tenants_sessions_with_their_tenant(client):
+    """/v1/sessions lists the caller's own; /admin/sessions (admin key) lists every tenant's, labelled."""
+    _turn(client, ALICE, "ops-view", PIN)
+    _turn(client, BOB, "ops-view", PIN)
+    r = client.get("/admin/sessions", headers=OPS)
+    assert r.status_code == 200, r.text
+    rows = [x for x in r.json()["data"] if x["id"] == "ops-view"]
+    assert sorted(x["tenant"] for x in rows) == ["alice", "bob"], rows
+    assert all(x["tokens"] > 0 and x["tier"] == "pool" for x in rows), rows
+    assert "ops-view" not in _listed(client, OPS)  # the admin's own listing stays its own tenant's
+    for h in (ALICE, BOB):
+        client.delete("/v1/sessions/ops-view", headers=h)
+    assert not [x for x in client.get("/admin/sessions", headers=OPS).json()["data"] if x["id"] == "ops-view"]
 
 
 def test_the_same_id_is_two_sessions_for_two_tenants(client):

@@ -338,6 +338,19 @@ async def kv_dump(request: Request, session: str, tenant: str | None = None, lay
                     headers={"Content-Disposition": 'attachment; filename="kv-dump.safetensors"'})
 
 
+@router.get("/admin/sessions", dependencies=[Depends(admin_caller)])
+async def all_sessions(request: Request):
+    """Every tenant's open sessions, for the operator: each :meth:`~kvkeeper.sessions.session.Session.info`
+    (``id``, ``turns``, ``tokens``, ``blocks`` pinned, ``messages``, ``tier``) with its ``tenant`` (None: opened
+    without keys, or migrated from a manifest without tenants).  404 when the server keeps no sessions."""
+    sessions = managed_sessions(request)
+
+    def ls(_):
+        return [{**s.info(), "tenant": s.tenant, "object": "session"} for s in sessions]
+
+    return {"object": "list", "data": await request.app.state.engine.call(ls)}
+
+
 @router.get("/admin/breaker", dependencies=[Depends(admin_caller)])
 async def breaker_state(request: Request):
     br = request.app.state.engine.breaker
