@@ -251,3 +251,14 @@ def test_unknown_fields_refused_or_ignored_and_the_access_log(caplog):
         c.post("/v1/chat/completions", json=BODY)
     assert len(lines) == 2  # off: no line
     configure_access_log(False)
+
+
+@pytest.mark.parametrize("header,value", [("X-Context-Policy", "last"), ("X-Context-Budget", "300")])
+def test_context_headers_on_text_completions_are_refused(header, value):
+    # they were accepted and ignored: a text completion has no messages for a policy to keep or drop
+    app = _app(FakeEngine())
+    with TestClient(app, raise_server_exceptions=False) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                   headers={"X-Session-ID": "s", header: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == header, r.text
+        assert "/v1/chat/completions" in r.json()["error"]["message"]

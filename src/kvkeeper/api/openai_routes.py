@@ -23,7 +23,8 @@ from .auth import Caller, caller
 from .errors import APIError
 from .metrics import CONTENT_TYPE
 from .request_parsing import (check_fields, check_model, compression_of, context_of, loaded_adapters, messages_of,
-                              namespace_of, sampling_of, session_id_of, session_priority_of, structured_of)
+                              namespace_of, refuse_context_headers, sampling_of, session_id_of, session_priority_of,
+                              structured_of)
 from .responses import Collected, Renderer, finish_reason, respond
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _SamplingFields
 from .streams import ChoiceDelta, GenerationRequest, RequestStream
@@ -295,6 +296,7 @@ def _completion_prompt(body: CompletionRequest, request: Request) -> str | list[
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, who: Caller = Depends(caller)):
     st = request.app.state
+    refuse_context_headers(request)
     prompt = _completion_prompt(body, request)
     prompt_lp = body.prompt_logprobs
     if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with their logprobs
