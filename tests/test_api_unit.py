@@ -262,3 +262,25 @@ def test_context_headers_on_text_completions_are_refused(header, value):
                    headers={"X-Session-ID": "s", header: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == header, r.text
         assert "/v1/chat/completions" in r.json()["error"]["message"]
+
+
+
+def test_context_length_error_names_the_prompt_on_text_completions():
+    # it named `messages`, a field /v1/completions does not have
+    from fastapi import FastAPI
+
+    from kvkeeper.api.errors import install_error_handlers
+    from kvkeeper.errors import ContextLengthError
+
+    app = FastAPI()
+    install_error_handlers(app, RuntimeError)
+
+    @app.post("/v1/completions")
+    @app.post("/v1/chat/completions")
+    async def over():
+        raise ContextLengthError(100, 64, 8)
+
+    with TestClient(app) as c:
+        for path, param in (("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")):
+            err = c.post(path).json()["error"]
+            assert err["code"] == "context_length_exceeded" and err["param"] == param, (path, err)
