@@ -284,3 +284,14 @@ def test_context_length_error_names_the_prompt_on_text_completions():
         for path, param in (("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")):
             err = c.post(path).json()["error"]
             assert err["code"] == "context_length_exceeded" and err["param"] == param, (path, err)
+
+
+def test_null_in_openai_nullable_fields_means_the_default():
+    # "n": null, "stream": null, "logprobs": null (chat) and "echo": null were 400s; OpenAI's schemas allow null
+    from kvkeeper.api.schemas import ChatCompletionRequest, CompletionRequest
+
+    chat = ChatCompletionRequest.model_validate({**BODY, "n": None, "stream": None, "logprobs": None})
+    assert (chat.n, chat.stream, chat.logprobs) == (1, False, False)
+    comp = CompletionRequest.model_validate({"prompt": "x", "n": None, "stream": None, "echo": None, "logprobs": None})
+    assert (comp.n, comp.stream, comp.echo, comp.logprobs) == (1, False, False, None)
+    assert "n" not in chat.model_fields_set and not chat.model_extra
