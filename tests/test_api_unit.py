@@ -295,3 +295,14 @@ def test_null_in_openai_nullable_fields_means_the_default():
     comp = CompletionRequest.model_validate({"prompt": "x", "n": None, "stream": None, "echo": None, "logprobs": None})
     assert (comp.n, comp.stream, comp.echo, comp.logprobs) == (1, False, False, None)
     assert "n" not in chat.model_fields_set and not chat.model_extra
+
+
+@pytest.mark.parametrize("content_type,body", [
+    ("text/plain", b'{"prompt": "x"}'), (None, b'{"prompt": "x"}'), ("application/json", b""),
+    ("application/json", b"[1]"), ("application/x-www-form-urlencoded", b"prompt=x")])
+def test_a_body_that_is_not_a_json_object_says_how_to_send_one(content_type, body):
+    # the message was pydantic's "Input should be a valid dictionary or object to extract fields from" / "Field required"
+    with TestClient(_app(FakeEngine())) as c:
+        r = c.post("/v1/completions", content=body, headers={"Content-Type": content_type} if content_type else {})
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 400 and "JSON object" in msg and "Content-Type: application/json" in msg, msg

@@ -104,7 +104,11 @@ def _validation_body(e) -> dict:
             msgs.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', 'decode error')}")
             continue
         where = ".".join(loc)
-        param = param or where or None
+        if not where:  # the body itself: empty, not JSON-typed, or JSON but not an object
+            msgs.append(f"the request body must be a JSON object of the request's fields, sent with "
+                        f"Content-Type: application/json ({err.get('msg')})")
+            continue
+        param = param or where
         msgs.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
     return error_body("; ".join(msgs) or "invalid request", param=param)
 
