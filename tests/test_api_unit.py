@@ -306,3 +306,27 @@ def test_a_body_that_is_not_a_json_object_says_how_to_send_one(content_type, bod
         r = c.post("/v1/completions", content=body, headers={"Content-Type": content_type} if content_type else {})
         msg = r.json()["error"]["message"]
         assert r.status_code == 400 and "JSON object" in msg and "Content-Type: application/json" in msg, msg
+
+
+def test_health_answers_head_probes():
+    # HEAD /health was 405: some load balancers probe with HEAD
+    with TestClient(_app(FakeEngine())) as c:
+        assert c.head("/health").status_code == 200 and c.get("/health").json() == {"status": "ok"}
+
+
+def test_offload_tier_and_dump_range_errors_name_their_parameter():
+    # they had param null
+    from types import SimpleNamespace
+
+    from kvkeeper.diagnostics.kvdump import parse_layers
+    from kvkeeper.errors import InvalidRequestError
+    from kvkeeper.sessions.offload import SessionStore
+
+    for tier in ("moon", "disk"):
+        with pytest.raises(InvalidRequestError) as e:
+            SessionStore.check_tier(SimpleNamespace(disk=None), tier)
+        assert e.value.param == "tier"
+    for spec in ("a-b", "99"):
+        with pytest.raises(InvalidRequestError) as e:
+            parse_layers(spec, 30)
+        assert e.value.param == "layers"

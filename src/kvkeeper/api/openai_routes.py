@@ -65,7 +65,7 @@ def vllm_prompt_logprobs(entries: list[dict] | None, k: int) -> list[dict | None
     return out
 
 
-@public_router.get("/health")
+@public_router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
 async def health(request: Request):
     if not request.app.state.engine.alive:
         return JSONResponse({"status": "error", "detail": "the engine thread is not running"}, status_code=503)
