@@ -330,3 +330,12 @@ def test_offload_tier_and_dump_range_errors_name_their_parameter():
         with pytest.raises(InvalidRequestError) as e:
             parse_layers(spec, 30)
         assert e.value.param == "layers"
+
+
+@pytest.mark.parametrize("field,value", [("add_generation_prompt", False), ("tools", []),
+                                         ("continue_final_message", True)])
+def test_tokenize_refuses_chat_fields_with_a_text_prompt(field, value):
+    # they were accepted and ignored: a text prompt is not rendered by the chat template
+    with TestClient(_app(FakeEngine())) as c:
+        r = c.post("/tokenize", json={"prompt": "x", field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

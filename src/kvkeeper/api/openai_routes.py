@@ -316,6 +316,10 @@ async def tokenize(body: TokenizeRequest, request: Request):
     check_fields(body, request)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt (text) or messages (chat)", param="prompt")
+    chat_only = sorted({"tools", "add_generation_prompt", "continue_final_message"} & body.model_fields_set)
+    if body.prompt is not None and chat_only:
+        raise APIError(400, f"{chat_only[0]} applies to messages (the chat template), not to a text prompt: "
+                            "send messages, or leave it out", param=chat_only[0])
     if body.messages is not None:
         if not body.messages:
             raise APIError(400, "messages is empty: give at least one message", param="messages")
