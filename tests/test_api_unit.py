@@ -339,3 +339,14 @@ def test_tokenize_refuses_chat_fields_with_a_text_prompt(field, value):
     with TestClient(_app(FakeEngine())) as c:
         r = c.post("/tokenize", json={"prompt": "x", field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", True), ("max_tokens", "5"), ("max_tokens", 2.0), ("n", "2"),
+                                         ("stream", "yes"), ("stream", 1), ("prompt_logprobs", False),
+                                         ("temperature", "0.5"), ("seed", "7")])
+def test_values_of_the_wrong_json_type_are_refused(field, value):
+    # they were coerced: "max_tokens": true ran with 1 token, "prompt_logprobs": false returned prompt logprobs
+    with TestClient(_app(FakeEngine())) as c:
+        r = c.post("/v1/chat/completions", json={**BODY, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert c.post("/detokenize", json={"tokens": [True]}).json()["error"]["param"] == "tokens.0"

@@ -15,8 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Unknown fields are kept, to be refused by name (or ignored with --ignore-unknown-fields); the published
-# schema (/openapi.json) says what the server accepts by default: no additional properties.
-_OPEN = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
+# schema (/openapi.json) says what the server accepts by default: no additional properties.  Strict types, as
+# OpenAI's API: no "5" or true for an integer, no "yes" or 1 for a boolean (an integer is still a number).
+_OPEN = ConfigDict(extra="allow", strict=True, json_schema_extra={"additionalProperties": False})
 
 
 def _only(*noop: Any) -> Any:
@@ -93,7 +94,8 @@ class NamedToolChoice(BaseModel):
 
 
 class JsonSchemaSpec(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True, json_schema_extra={"additionalProperties": False})
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True,
+                              json_schema_extra={"additionalProperties": False})
     name: str = Field("response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")  # omitted: any JSON object
