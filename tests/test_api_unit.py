@@ -251,3 +251,102 @@ def test_unknown_fields_refused_or_ignored_and_the_access_log(caplog):
         c.post("/v1/chat/completions", json=BODY)
     assert len(lines) == 2  # off: no line
     configure_access_log(False)
+
+
+@pytest.mark.parametrize("header,value", [("X-Context-Policy", "last"), ("X-Context-Budget", "300")])
+def test_context_headers_on_text_completions_are_refused(header, value):
+    # they were accepted and ignored: a text completion has no messages for a policy to keep or drop
+    app = _app(FakeEngine())
+    with TestClient(app, raise_server_exceptions=False) as c:
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                   headers={"X-Session-ID": "s", header: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == header, r.text
+        assert "/v1/chat/completions" in r.json()["error"]["message"]
+
+
+
+def test_context_length_error_names_the_prompt_on_text_completions():
+    # it named `messages`, a field /v1/completions does not have
+    from fastapi import FastAPI
+
+    from kvkeeper.api.errors import install_error_handlers
+    from kvkeeper.errors import ContextLengthError
+
+    app = FastAPI()
+    install_error_handlers(app, RuntimeError)
+
+    @app.post("/v1/completions")
+    @app.post("/v1/chat/completions")
+    async def over():
+        raise ContextLengthError(100, 64, 8)
+
+    with TestClient(app) as c:
+        for path, param in (("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")):
+            err = c.post(path).json()["error"]
+            assert err["code"] == "context_length_exceeded" and err["param"] == param, (path, err)
+
+
+def test_null_in_openai_nullable_fields_means_the_default():
+    # "n": null, "stream": null, "logprobs": null (chat) and "echo": null were 400s; OpenAI's schemas allow null
+    from kvkeeper.api.schemas import ChatCompletionRequest, CompletionRequest
+
+    chat = ChatCompletionRequest.model_validate({**BODY, "n": None, "stream": None, "logprobs": None})
+    assert (chat.n, chat.stream, chat.logprobs) == (1, False, False)
+    comp = CompletionRequest.model_validate({"prompt": "x", "n": None, "stream": None, "echo": None, "logprobs": None})
+    assert (comp.n, comp.stream, comp.echo, comp.logprobs) == (1, False, False, None)
+    assert "n" not in chat.model_fields_set and not chat.model_extra
+
+
+@pytest.mark.parametrize("content_type,body", [
+    ("text/plain", b'{"prompt": "x"}'), (None, b'{"prompt": "x"}'), ("application/json", b""),
+    ("application/json", b"[1]"), ("application/x-www-form-urlencoded", b"prompt=x")])
+def test_a_body_that_is_not_a_json_object_says_how_to_send_one(content_type, body):
+    # the message was pydantic's "Input should be a valid dictionary or object to extract fields from" / "Field required"
+    with TestClient(_app(FakeEngine())) as c:
+        r = c.post("/v1/completions", content=body, headers={"Content-Type": content_type} if content_type else {})
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 400 and "JSON object" in msg and "Content-Type: application/json" in msg, msg
+
+
+def test_health_answers_head_probes():
+    # HEAD /health was 405: some load balancers probe with HEAD
+    with TestClient(_app(FakeEngine())) as c:
+        assert c.head("/health").status_code == 200 and c.get("/health").json() == {"status": "ok"}
+
+
+def test_offload_tier_and_dump_range_errors_name_their_parameter():
+    # they had param null
+    from types import SimpleNamespace
+
+    from kvkeeper.diagnostics.kvdump import parse_layers
+    from kvkeeper.errors import InvalidRequestError
+    from kvkeeper.sessions.offload import SessionStore
+
+    for tier in ("moon", "disk"):
+        with pytest.raises(InvalidRequestError) as e:
+            SessionStore.check_tier(SimpleNamespace(disk=None), tier)
+        assert e.value.param == "tier"
+    for spec in ("a-b", "99"):
+        with pytest.raises(InvalidRequestError) as e:
+            parse_layers(spec, 30)
+        assert e.value.param == "layers"
+
+
+@pytest.mark.parametrize("field,value", [("add_generation_prompt", False), ("tools", []),
+                                         ("continue_final_message", True)])
+def test_tokenize_refuses_chat_fields_with_a_text_prompt(field, value):
+    # they were accepted and ignored: a text prompt is not rendered by the chat template
+    with TestClient(_app(FakeEngine())) as c:
+        r = c.post("/tokenize", json={"prompt": "x", field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", True), ("max_tokens", "5"), ("max_tokens", 2.0), ("n", "2"),
+                                         ("stream", "yes"), ("stream", 1), ("prompt_logprobs", False),
+                                         ("temperature", "0.5"), ("seed", "7")])
+def test_values_of_the_wrong_json_type_are_refused(field, value):
+    # they were coerced: "max_tokens": true ran with 1 token, "prompt_logprobs": false returned prompt logprobs
+    with TestClient(_app(FakeEngine())) as c:
+        r = c.post("/v1/chat/completions", json={**BODY, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert c.post("/detokenize", json={"tokens": [True]}).json()["error"]["param"] == "tokens.0"

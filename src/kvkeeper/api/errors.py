@@ -68,8 +68,11 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def from_kvkeeper_error(e: KVKeeperError) -> APIError:
-    """Map an engine error to its HTTP status: 400 for bad input, 404 for unknown model or session."""
+def from_kvkeeper_error(e: KVKeeperError, prompt_param: str = "messages") -> APIError:
+    """Map an engine error to its HTTP status: 400 for bad input, 404 for unknown model or session.
+
+    prompt_param: the request field holding the prompt, named by a context-length error (``messages`` for chat,
+    ``prompt`` for text completions)."""
     if isinstance(e, OverloadedError):
         return APIError(503, str(e), type="server_overloaded", code="kv_memory_short",
                         headers={"Retry-After": str(e.retry_after_s)})
@@ -77,7 +80,7 @@ def from_kvkeeper_error(e: KVKeeperError) -> APIError:
         return APIError(429, str(e), type="rate_limit_error", code="tenant_quota_exceeded",
                         headers={"Retry-After": str(e.retry_after_s)})
     if isinstance(e, ContextLengthError):
-        return APIError(400, str(e), param="messages", code="context_length_exceeded")
+        return APIError(400, str(e), param=prompt_param, code="context_length_exceeded")
     if isinstance(e, SessionBusyError):
         return APIError(409, str(e), code="session_busy")
     if isinstance(e, SessionNotFoundError):
@@ -101,7 +104,11 @@ def _validation_body(e) -> dict:
             msgs.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', 'decode error')}")
             continue
         where = ".".join(loc)
-        param = param or where or None
+        if not where:  # the body itself: empty, not JSON-typed, or JSON but not an object
+            msgs.append(f"the request body must be a JSON object of the request's fields, sent with "
+                        f"Content-Type: application/json ({err.get('msg')})")
+            continue
+        param = param or where
         msgs.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
     return error_body("; ".join(msgs) or "invalid request", param=param)
 
@@ -123,7 +130,7 @@ def install_error_handlers(app, engine_dead: type[Exception]) -> None:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     async def kvk_error(request, e: KVKeeperError):
-        a = from_kvkeeper_error(e)
+        a = from_kvkeeper_error(e, "prompt" if request.url.path.rstrip("/").endswith("/v1/completions") else "messages")
         return JSONResponse(a.body(), status_code=a.status, headers=a.headers)
 
     async def validation_error(request, e: RequestValidationError):

@@ -24,7 +24,7 @@ class LoadLoRAAdapterRequest(BaseModel):
     """vLLM's body: ``lora_name``, ``lora_path`` (a PEFT adapter directory on the server), ``load_inplace``
     (replace an adapter of that name: its KV is not reused, its content hash differs)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     lora_name: str
     lora_path: str
     load_inplace: bool = False
@@ -33,7 +33,7 @@ class LoadLoRAAdapterRequest(BaseModel):
 class UnloadLoRAAdapterRequest(BaseModel):
     """vLLM's body: ``lora_name`` (``lora_int_id`` is accepted and ignored: adapters are known by name here)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     lora_name: str
     lora_int_id: int | None = None
 

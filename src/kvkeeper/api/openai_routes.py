@@ -23,7 +23,8 @@ from .auth import Caller, caller
 from .errors import APIError
 from .metrics import CONTENT_TYPE
 from .request_parsing import (check_fields, check_model, compression_of, context_of, loaded_adapters, messages_of,
-                              namespace_of, sampling_of, session_id_of, session_priority_of, structured_of)
+                              namespace_of, refuse_context_headers, sampling_of, session_id_of, session_priority_of,
+                              structured_of)
 from .responses import Collected, Renderer, finish_reason, respond
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _SamplingFields
 from .streams import ChoiceDelta, GenerationRequest, RequestStream
@@ -64,7 +65,7 @@ def vllm_prompt_logprobs(entries: list[dict] | None, k: int) -> list[dict | None
     return out
 
 
-@public_router.get("/health")
+@public_router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
 async def health(request: Request):
     if not request.app.state.engine.alive:
         return JSONResponse({"status": "error", "detail": "the engine thread is not running"}, status_code=503)
@@ -295,6 +296,7 @@ def _completion_prompt(body: CompletionRequest, request: Request) -> str | list[
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, who: Caller = Depends(caller)):
     st = request.app.state
+    refuse_context_headers(request)
     prompt = _completion_prompt(body, request)
     prompt_lp = body.prompt_logprobs
     if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with their logprobs
@@ -314,6 +316,10 @@ async def tokenize(body: TokenizeRequest, request: Request):
     check_fields(body, request)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt (text) or messages (chat)", param="prompt")
+    chat_only = sorted({"tools", "add_generation_prompt", "continue_final_message"} & body.model_fields_set)
+    if body.prompt is not None and chat_only:
+        raise APIError(400, f"{chat_only[0]} applies to messages (the chat template), not to a text prompt: "
+                            "send messages, or leave it out", param=chat_only[0])
     if body.messages is not None:
         if not body.messages:
             raise APIError(400, "messages is empty: give at least one message", param="messages")

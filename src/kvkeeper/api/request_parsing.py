@@ -289,6 +289,16 @@ def context_of(body: ChatCompletionRequest, request: Request) -> tuple[str | Non
     return (policy.strip().lower() if policy else None), budget
 
 
+def refuse_context_headers(request: Request) -> None:
+    """``X-Context-Policy`` / ``X-Context-Budget`` on ``/v1/completions``: 400 naming the header (a context policy
+    rewrites a conversation's messages; a text completion has none, so the header would be ignored)."""
+    for name in ("X-Context-Policy", "X-Context-Budget"):
+        if request.headers.get(name) is not None:
+            raise APIError(400, f"{name} applies to chat sessions only (/v1/chat/completions with X-Session-ID): "
+                                "a context policy keeps or drops a conversation's messages, and a text completion "
+                                "has none; remove the header", param=name)
+
+
 def session_priority_of(request: Request) -> int | None:
     raw = request.headers.get("x-session-priority")
     if raw is None:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Unknown fields are kept, to be refused by name (or ignored with --ignore-unknown-fields); the published
-# schema (/openapi.json) says what the server accepts by default: no additional properties.
-_OPEN = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
+# schema (/openapi.json) says what the server accepts by default: no additional properties.  Strict types, as
+# OpenAI's API: no "5" or true for an integer, no "yes" or 1 for a boolean (an integer is still a number).
+_OPEN = ConfigDict(extra="allow", strict=True, json_schema_extra={"additionalProperties": False})
 
 
 def _only(*noop: Any) -> Any:
@@ -93,7 +94,8 @@ class NamedToolChoice(BaseModel):
 
 
 class JsonSchemaSpec(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True, json_schema_extra={"additionalProperties": False})
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True,
+                              json_schema_extra={"additionalProperties": False})
     name: str = Field("response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")  # omitted: any JSON object
@@ -125,10 +127,22 @@ class KVCompressionSpec(BaseModel):
     ratio: float = Field(0.5, ge=0, lt=1)
 
 
+# Fields the OpenAI schemas declare nullable but that have a non-null default here: null means the default.
+_NULL_IS_DEFAULT = ("n", "stream", "logprobs", "echo")
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
     model_config = _OPEN
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """``"n": null`` (and ``stream``, chat's ``logprobs``, ``echo``) as if the field were left out, as OpenAI."""
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_IS_DEFAULT):
+            data = {k: v for k, v in data.items() if not (k in _NULL_IS_DEFAULT and v is None)}
+        return data
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)

@@ -99,6 +99,8 @@ class RequestTracker:
         if req.echo:
             echo = req.prompt if isinstance(req.prompt, str) else self.engine.tokenizer.decode(prompt)
         if report is not None and req.messages is not None:
+            if report.policy == "full":  # the planner renders nothing for it: the prompt as queued
+                report.prompt_tokens = len(prompt)
             self.metrics.observe_context(report)
         return Accepted(prompt, trimmed, echo, report.header() if report is not None else None)
 
@@ -123,8 +125,10 @@ class RequestTracker:
             s = self.sessions.open(session_id=req.session_id, tenant=req.tenant)
         if req.session_priority is not None:
             s.priority = req.session_priority
-        if req.context is not None:
-            s.context = self.sessions.config.context_spec(*req.context)
+        if req.context is not None:  # what the request leaves out stays as the session has it
+            policy, budget = req.context
+            s.context = self.sessions.config.context_spec(policy or s.context.policy,
+                                                          budget if budget is not None else s.context.budget)
         seq = s.begin_turn(messages=req.messages, prompt=None if req.messages is not None else req.prompt,
                            params=req.params[0], **req.chat, **kw)
         return seq, s.trimmed_turns, s.last_context if req.messages is not None else None

@@ -63,10 +63,10 @@ def parse_layers(spec: str | list[int] | int | None, num_layers: int | None) -> 
                 out.add(int(item))
         except ValueError:
             raise InvalidRequestError(f"bad layer {item!r} in {spec!r}: give layer numbers such as 0,5,29 "
-                                      f"or ranges such as 0-3{have}") from None
+                                      f"or ranges such as 0-3{have}", param="layers") from None
     bad = sorted(i for i in out if not 0 <= i < (num_layers if num_layers is not None else 1 << 62))
     if bad:
-        raise InvalidRequestError(f"layer {bad[0]} does not exist: layers are numbered from 0{have}")
+        raise InvalidRequestError(f"layer {bad[0]} does not exist: layers are numbered from 0{have}", param="layers")
     return sorted(out)
 
 
@@ -99,7 +99,7 @@ def dump_sequence(engine, seq, layers=None, start: int | None = None, end: int |
     if not lo <= start < end <= n:
         why = f" (positions below {lo} were compressed, kv_offset {off})" if off else ""
         raise InvalidRequestError(f"token range {start}..{end} is outside the KV of {source}: give "
-                                  f"{lo} <= start < end <= {n}{why}")
+                                  f"{lo} <= start < end <= {n}{why}", param="start")
     bs = runner.block_size
     slots = torch.arange(start - off, end - off, dtype=torch.int64)
     table = torch.tensor(seq.block_table, dtype=torch.int64)

@@ -134,10 +134,11 @@ class SessionStore:
     def check_tier(self, tier: str) -> None:
         """Raise :class:`InvalidRequestError` for an unknown tier or the disk tier without a data directory."""
         if tier not in TIERS:
-            raise InvalidRequestError(f"unknown offload tier {tier!r}; choose one of {', '.join(TIERS)}")
+            raise InvalidRequestError(f"unknown offload tier {tier!r}; choose one of {', '.join(TIERS)}", param="tier")
         if tier == "disk" and self.disk is None:
             raise InvalidRequestError("the disk tier is disabled: start with a data directory "
-                                      "(kvkeeper serve --data-dir DIR, or SessionManager(engine, data_dir=...))")
+                                      "(kvkeeper serve --data-dir DIR, or SessionManager(engine, data_dir=...))",
+                                      param="tier")
 
     def offload(self, session, tier: str = "host") -> int:
         """Move an idle session's KV out of the pool into ``tier``; returns the pool blocks released.
