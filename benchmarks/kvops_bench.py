@@ -110,7 +110,8 @@ def compaction(eng) -> dict:
     moved_bytes = res["moved"] * eng.block_size * eng.kv_bytes_per_token
     for s in ss[1::2]:
         s.close()
-    return {"owned_blocks": before.owned, "moved_blocks": res["moved"], "evicted": res["evicted"],
+    return {"owned_blocks": before.owned, "cached_blocks": before.cached, "cached_after": after.cached,
+            "moved_blocks": res["moved"], "evicted": res["evicted"],
             "pool_rate_before": round(before.pool_rate, 3), "pool_rate_after": round(after.pool_rate, 3),
             "seconds": dt, "moved_gb_s": moved_bytes / dt / 1e9 if dt > 0 else None}
 
@@ -156,10 +157,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         limits = machine_limits(tmp)
-        eng = LLMEngine(validate_every=0)
+        eng = LLMEngine(validate_every=0, quantization="none", kv_dtype="fp32")  # the exact path (docstring)
         SessionManager(eng, data_dir=tmp / "data")
         res = {"machine": {"cpu": cpu_model(), "threads": torch.get_num_threads(), **limits},
-               "kv_bytes_per_token": eng.kv_bytes_per_token,
+               "kv_bytes_per_token": eng.kv_bytes_per_token, "kv_dtype": str(eng.runner.kv_format.storage),
+               "weight_format": eng.runner.weight_format,
                "recompute": recompute_prefill(eng, args.tokens, args.repeats),
                "host": offload_restore(eng, "host", args.tokens, args.repeats),
                "disk": offload_restore(eng, "disk", args.tokens, args.repeats),
@@ -170,7 +172,7 @@ def main() -> int:
     m = res["machine"]
     md = [f"# KV operations ({m['cpu']}, {m['threads']} threads)", "",
           f"Machine: copy {m['copy_gb_s']} GB/s (read+write), disk write+fsync {m['disk_write_fsync_gb_s']} GB/s. "
-          f"KV {res['kv_bytes_per_token']} bytes/token (fp32).", "",
+          f"KV {res['kv_bytes_per_token']} bytes/token ({res['kv_dtype']}, weights {res['weight_format']}).", "",
           "| operation | tokens | bytes | seconds | GB/s | vs recompute (prefill) |", "|---|---:|---:|---:|---:|---:|"]
     for name, r in (("host offload", h), ("host restore", h), ("disk offload", d), ("disk restore", d)):
         key = "offload" if "offload" in name else "restore"
@@ -178,9 +180,10 @@ def main() -> int:
                   f"{rc['prefill_s'] / r[key + '_s']:.1f}x faster |")
     md.append(f"| recompute (prefill) | {rc['tokens']} | | {rc['prefill_s']:.3f} | | 1x |")
     c = res["compaction"]
-    md += ["", f"Compaction: {c['moved_blocks']} of {c['owned_blocks']} owned blocks moved in {c['seconds'] * 1e3:.1f} ms "
-           f"({c['moved_gb_s'] or 0:.2f} GB/s), fragmentation rate {c['pool_rate_before']} -> {c['pool_rate_after']}, "
-           f"{c['evicted']} cached blocks evicted.", ""]
+    md += ["", f"Compaction: {c['moved_blocks']} blocks moved ({c['owned_blocks']} owned and {c['cached_blocks']} "
+           f"unreferenced cached blocks renumbered) in {c['seconds'] * 1e3:.1f} ms ({c['moved_gb_s'] or 0:.2f} GB/s), "
+           f"fragmentation rate {c['pool_rate_before']} -> {c['pool_rate_after']}, {c['evicted']} cached blocks "
+           f"evicted, {c['cached_after']} still cached.", ""]
     a = res["audit"]
     md += [f"Reuse audit of a {a['tokens']}-token prompt (recompute in a private cache, compare logits and 30 "
            f"layers of K/V): {a['audit_s']:.3f} s, {a['ratio']:.2f}x a full prefill of the same ids "

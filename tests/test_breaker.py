@@ -51,8 +51,9 @@ def test_compaction_moves_kv_bit_exactly_and_sessions_continue_identically(folde
     kv_before = [_session_kv(eng, s) for s in live]
     res = eng.compact()
     after = eng.pool_stats()
-    assert res["evicted"] == before.cached and res["moved"] > 0
-    assert after.cached == 0 and after.pool_rate == 0.0 and after.external == 0.0
+    assert res["evicted"] == 0 and res["moved"] > 0
+    # the prefix cache is kept (its blocks are allocatable already: evicting them would only lose hits)
+    assert after.cached == before.cached > 0 and after.pool_rate == 0.0 and after.external == 0.0
     assert after.owned == before.owned and after.used_slots == before.used_slots
     assert sorted({b for s in live for b in s.kv.block_table}) == list(range(after.owned))  # shared heads once
     assert check_engine(eng) == []
@@ -62,6 +63,20 @@ def test_compaction_moves_kv_bit_exactly_and_sessions_continue_identically(folde
     for s, t in zip(live, twin_live):
         r, rt = s.send("And one more thing?", GREEDY), t.send("And one more thing?", GREEDY)
         assert r.token_ids == rt.token_ids and r.cached_tokens == rt.cached_tokens > 0
+    # the cached blocks moved with their KV: the unrelated prompts hit them as on the twin, same tokens
+    again = [f"an unrelated prompt {k} " * 3 for k in range(3)]
+    outs, touts = eng.generate(again, GREEDY), twin.generate(again, GREEDY)
+    assert [o.cached_tokens for o in outs] == [o.cached_tokens for o in touts] and outs[0].cached_tokens > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in touts]
+    assert check_engine(eng) == []
+
+
+def test_compaction_can_drop_the_prefix_cache_when_asked(folder):
+    eng, live = _fragmented(folder)
+    before = eng.pool_stats()
+    res = eng.compact(evict_cache=True)
+    after = eng.pool_stats()
+    assert res["evicted"] == before.cached > 0 and after.cached == 0 and after.pool_rate == 0.0
     assert check_engine(eng) == []
 
 

@@ -541,14 +541,15 @@ class LLMEngine:
         """Blocks' worth of KV the holders keep outside the pool (host memory and disk tiers)."""
         return sum(h.offloaded_blocks() for h in self.holders)
 
-    def compact(self) -> dict:
-        """Evict unreferenced cached blocks and defragment the pool (see :func:`kvkeeper.kvcache.surgery.compact`).
+    def compact(self, evict_cache: bool = False) -> dict:
+        """Defragment the pool, keeping the prefix cache (see :func:`kvkeeper.kvcache.surgery.compact`).
 
-        Call between steps only.  Returns ``{"evicted": cached blocks dropped, "moved": blocks whose id changed}``.
+        evict_cache: drop the unreferenced cached blocks first.  Call between steps only.
+        Returns ``{"evicted": cached blocks dropped, "moved": blocks whose id changed}``.
         """
         self.require_uniform_kv("defragmenting the KV pool (compact)")
         return compact(self.pool, (seq.block_table for _, seq in self.kv_owners()), self.runner.kv_caches,
-                       self.runner.device)
+                       self.runner.device, evict_cache)
 
     def pool_stats(self):
         """Block states and fragmentation figures now (a :class:`kvkeeper.kvcache.telemetry.PoolStats`)."""

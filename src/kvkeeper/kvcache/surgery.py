@@ -58,15 +58,19 @@ def compress_prompt(seq, pool: BlockPool, caches: list, reclaim: Callable[[int],
 
 
 @torch.inference_mode()
-def compact(pool: BlockPool, tables: Iterable[list[int]], caches: list, device: torch.device) -> dict:
-    """Evict unreferenced cached blocks and renumber owned blocks to ids ``0..k-1``.
+def compact(pool: BlockPool, tables: Iterable[list[int]], caches: list, device: torch.device,
+            evict_cache: bool = False) -> dict:
+    """Renumber owned blocks to ids ``0..k-1``, then the prefix cache's unreferenced blocks (LRU order).
 
     tables: every block table holding blocks (each owner's, in order; the same list object
     may appear more than once).  Each owner's blocks become contiguous in table order; their K/V
     move with them (raw copy, every layer of ``caches``) and the tables are rewritten in place.
-    Returns ``{"evicted": cached blocks dropped, "moved": blocks whose id changed}``.
+    The cached blocks keep their KV and prefix-cache entries (moved as well): they are allocatable
+    already, so evicting them would reclaim no memory and only lose prefix hits.  ``evict_cache``:
+    drop them first instead (``LLMEngine.reset_prefix_cache`` semantics, fewer bytes moved).
+    Returns ``{"evicted": cached blocks dropped, "moved": blocks whose id changed (owned and cached)}``.
     """
-    evicted = pool.evict_cached()
+    evicted = pool.evict_cached() if evict_cache else 0
     unique: list[list[int]] = []
     seen_tables: set[int] = set()
     order: list[int] = []
@@ -80,8 +84,9 @@ def compact(pool: BlockPool, tables: Iterable[list[int]], caches: list, device: 
             if b not in seen:
                 seen.add(b)
                 order.append(b)
+    keep = len(order) + pool.num_cached_free  # owned, then unreferenced cached blocks: the ids whose KV matters
     mapping = pool.defragment(order)
-    moved = [(o, n) for o, n in mapping.items() if o != n and n < len(order)]
+    moved = [(o, n) for o, n in mapping.items() if o != n and n < keep]
     if moved:
         src = torch.tensor([o for o, _ in moved], dtype=torch.int64, device=device)
         dst = torch.tensor([n for _, n in moved], dtype=torch.int64, device=device)

@@ -5,8 +5,9 @@ the pool fragmentation rate reaches ``frag_threshold`` (default 0.683) or KV usa
 reaches ``usage_threshold`` (default 0.95).  While tripped it applies three tiers in
 order, giving each ``escalate_after_s`` seconds to work before the next:
 
-1. **compaction**: evict unreferenced cached blocks and defragment the pool
-   (:meth:`LLMEngine.compact`: owned blocks renumbered contiguously, their KV moved);
+1. **compaction**: defragment the pool (:meth:`LLMEngine.compact`: owned blocks renumbered
+   contiguously, then the prefix cache's blocks, their KV moved; the prefix cache is kept, since its
+   unreferenced blocks are allocatable already and evicting them would only lose hits);
 2. **offload**: move idle sessions' KV out of the pool, to host memory first, then to
    disk when a data directory is configured (``SessionManager.offload_idle``), until
    usage would fall to ``recover_usage``;
@@ -29,7 +30,7 @@ scheduler's preemption keeps them correct).  Every action is logged at WARNING, 
 :attr:`CircuitBreaker.events` and counted in :attr:`CircuitBreaker.actions`.
 
 The tiers follow the load-shedding order of production servers: reclaim what costs
-nothing (cache, fragmentation), then move state to slower memory (vLLM's CPU swap
+nothing (fragmentation), then move state to slower memory (vLLM's CPU swap
 space, LMCache's host and disk tiers), and only then refuse work (Nygard's circuit
 breaker, *Release It!*, with a half-open cool-down).
 
