@@ -290,7 +290,7 @@ def test_tripped_breaker_compacts_again_when_fragmentation_sits_between_its_leve
     assert rate > 0.1
     clock = Clock()
     br = CircuitBreaker(eng, sessions_of(eng), BreakerConfig(frag_threshold=min(1.0, rate + 0.05), recover_frag=rate - 0.05,
-                                           escalate_after_s=1.0, cooldown_s=2.0), clock=clock)
+                                           escalate_after_s=1.0, cooldown_s=2.0, frag_min_usage=0.0), clock=clock)
     eng.step_hooks.clear()
     br.tier, br.trips, br._tier_at = 1, 1, 0.0  # tripped earlier; the pool has since settled in the band
     for t in range(1, 8):
@@ -335,7 +335,12 @@ def test_fragmentation_alone_recompacts_and_never_escalates():
             return n
 
     clock = Clock()
-    br = CircuitBreaker(Scripted(), ScriptedSessions(), BreakerConfig(escalate_after_s=1.0), clock=clock)
+    idle = CircuitBreaker(Scripted(), ScriptedSessions(), BreakerConfig(escalate_after_s=1.0), clock=clock)
+    idle.evaluate(force=True)  # usage 0.4, under the default frag_min_usage (0.5): fragmentation does not count
+    assert idle.tier == 0 and idle.trips == 0 and calls == []
+    Scripted.step_hooks = []
+    br = CircuitBreaker(Scripted(), ScriptedSessions(), BreakerConfig(escalate_after_s=1.0, frag_min_usage=0.3),
+                        clock=clock)
     for t in (0.0, 1.0, 2.0, 3.0):
         clock.t = t
         br.evaluate(force=True)

@@ -138,7 +138,7 @@ class _Sessions:
 
 def test_breaker_heeds_the_early_signal_without_tripping():
     eng = _Engine()
-    br = CircuitBreaker(eng, _Sessions(), BreakerConfig(), clock=lambda: 0.0)
+    br = CircuitBreaker(eng, _Sessions(), BreakerConfig(frag_min_usage=0.2), clock=lambda: 0.0)  # usage 0.3
     active: list[str] = []
     br.early_warning = lambda: active
     br.evaluate(now=0.0, force=True)
@@ -151,6 +151,10 @@ def test_breaker_heeds_the_early_signal_without_tripping():
     assert acts == ["health_warning", "early_compact"] and br.events[0]["signals"] == "pool_rate"
     active[:] = ["ttft"]  # not a pool signal: nothing
     br.evaluate(now=5.0, force=True)
+    assert eng.compactions == 1
+    br.config.frag_min_usage = 0.5  # the default: at usage 0.3 fragmentation is not worth a compaction
+    active[:] = ["pool_rate"]
+    br.evaluate(now=10.0, force=True)
     assert eng.compactions == 1
 
 

@@ -1,8 +1,9 @@
 """A tiered circuit breaker for KV memory: degrade gracefully instead of failing.
 
 The breaker watches the block pool (:mod:`kvkeeper.kvcache.telemetry`) and trips when
-the pool fragmentation rate reaches ``frag_threshold`` (default 0.683) or KV usage
-reaches ``usage_threshold`` (default 0.95).  While tripped it applies three tiers in
+the pool fragmentation rate reaches ``frag_threshold`` (default 0.683) while KV usage is at
+least ``frag_min_usage`` (default 0.5: on a pool mostly free, scattered blocks cost nothing), or
+KV usage reaches ``usage_threshold`` (default 0.95).  While tripped it applies three tiers in
 order, giving each ``escalate_after_s`` seconds to work before the next:
 
 1. **compaction**: defragment the pool (:meth:`LLMEngine.compact`: owned blocks renumbered
@@ -37,7 +38,8 @@ breaker, *Release It!*, with a half-open cool-down).
 **Early signal.** ``early_warning`` (a callable returning the names of the signals a health detector
 flags now, :meth:`kvkeeper.diagnostics.health.HealthMonitor.active_signals`) is read while the breaker is
 closed: when it first names a pool signal (usage, fragmentation, evictions, preemptions) the breaker logs a
-``health_warning`` event, and while it names ``pool_rate`` it compacts ahead of a trip (action
+``health_warning`` event, and while it names ``pool_rate`` (and usage is at least ``frag_min_usage``) it
+compacts ahead of a trip (action
 ``early_compact``, at most every ``cooldown_s``), without tripping or refusing anything.
 """
 
@@ -71,6 +73,9 @@ class BreakerConfig:
         "--breaker-frag-threshold", "trip at this pool fragmentation rate, 0..1", type=float, metavar="F"))
     usage_threshold: float = field(default=0.95, metadata=option(
         "--breaker-usage-threshold", "trip at this KV usage, 0..1", type=float, metavar="U"))
+    frag_min_usage: float = field(default=0.5, metadata=option(
+        "--breaker-frag-min-usage", "fragmentation counts (trips, early compaction) only at this KV usage or "
+        "more, 0..1 (default 0.5; 0: always)", type=float, metavar="U"))
     recover_usage: float | None = field(default=None, metadata=option(
         "--breaker-recover-usage", "close again below this KV usage, 0..1 (default: min(0.80, 0.85 x the usage "
         "threshold))", type=float, metavar="U"))
@@ -92,6 +97,8 @@ class BreakerConfig:
             v = getattr(self, k)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"{k} must be in (0, 1], got {v}")
+        if not 0.0 <= self.frag_min_usage <= 1.0:
+            raise ValueError(f"frag_min_usage must be in [0, 1], got {self.frag_min_usage}")
         if self.recover_usage > self.usage_threshold or self.recover_frag > self.frag_threshold:
             raise ValueError("recovery thresholds must not exceed the trip thresholds")
         for k in ("interval_s", "escalate_after_s", "cooldown_s"):
@@ -136,13 +143,18 @@ class CircuitBreaker:
     def degraded(self) -> bool:
         return self.tier >= 3
 
+    def _fragmented(self, st, level: float) -> bool:
+        """The pool fragmentation rate at ``level`` or more while usage is at ``frag_min_usage`` or more
+        (below it free blocks abound, and compacting would only copy blocks)."""
+        return st.usage >= self.config.frag_min_usage and st.pool_rate >= level
+
     def _over(self, st) -> bool:
         c = self.config
-        return st.usage >= c.usage_threshold or st.pool_rate >= c.frag_threshold
+        return st.usage >= c.usage_threshold or self._fragmented(st, c.frag_threshold)
 
     def _calm(self, st) -> bool:
         c = self.config
-        return st.usage < c.recover_usage and st.pool_rate < c.recover_frag
+        return st.usage < c.recover_usage and not self._fragmented(st, c.recover_frag)
 
     def _event(self, tier: int, action: str, before, after=None, **detail) -> None:
         ev = {"t": time.time(), "tier": tier, "tier_name": TIER_NAMES[tier], "action": action,
@@ -201,7 +213,8 @@ class CircuitBreaker:
         if not self._early_on:
             self._early_on = True
             self._event(0, "health_warning", st, signals=",".join(pool))
-        if "pool_rate" in pool and now - self._early_at >= self.config.cooldown_s:
+        if ("pool_rate" in pool and st.usage >= self.config.frag_min_usage
+                and now - self._early_at >= self.config.cooldown_s):
             self._early_at = now
             res = self.engine.compact()
             self.evicted_blocks += res["evicted"]
@@ -213,7 +226,7 @@ class CircuitBreaker:
         the pool reaches the recovery level and the breaker can close instead of staying tripped (and, when
         degraded, refusing new sessions) for as long as idle sessions hold KV.  Logged only when it acted."""
         self._tier_at = now
-        if st.pool_rate >= self.config.recover_frag:
+        if self._fragmented(st, self.config.recover_frag):
             self._compact(st, log_empty=False)
         if self.tier >= 2 and st.owned > self._calm_owned():
             self._offload(st, log_empty=False)
