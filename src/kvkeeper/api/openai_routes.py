@@ -65,11 +65,16 @@ def vllm_prompt_logprobs(entries: list[dict] | None, k: int) -> list[dict | None
     return out
 
 
-@public_router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
+@public_router.get("/health")
 async def health(request: Request):
     if not request.app.state.engine.alive:
         return JSONResponse({"status": "error", "detail": "the engine thread is not running"}, status_code=503)
     return {"status": "ok"}
+
+
+@public_router.head("/health", include_in_schema=False)  # load balancers' probes (one OpenAPI operation: GET)
+async def health_head(request: Request):
+    return await health(request)
 
 
 @public_router.get("/metrics")
