@@ -109,13 +109,13 @@ def test_breaker_under_overload_trips_in_order_and_serves_everything_correctly(t
         for t in threads:
             t.start()
         # a late session: it arrives as soon as the breaker is seen degraded (so it is refused first)
-        saw_degraded = False
+        saw_degraded, seen_at = False, None
         while any(t.is_alive() for t in threads):
             if httpx.get(base + "/admin/breaker", timeout=30).json()["tier"] == 3:
-                saw_degraded = True
+                saw_degraded, seen_at = True, time.time()
                 _client_session(base, N_SESSIONS, mt_bench, results, errors, delay=0.0)
                 break
-            time.sleep(0.1)
+            time.sleep(0.05)
         for t in threads:
             t.join(900)
         closed_after = None  # once the load is gone the breaker closes again and admits new sessions
@@ -145,7 +145,12 @@ def test_breaker_under_overload_trips_in_order_and_serves_everything_correctly(t
     assert _metric(metrics, "kvkeeper:breaker_actions_total", tier="compaction", action="compact") >= 1
     refused = [r for r in results if r["status"] == 503]
     assert all(r["turn"] == 0 for r in refused)  # only new sessions are refused
-    assert saw_degraded and any(r["session"] == N_SESSIONS for r in refused)  # the late one was, at first
+    assert saw_degraded, breaker["events"]
+    # the late one was refused at first, unless the breaker closed between the poll that saw it degraded and its
+    # request (a race the pool's recovery can win: then it was rightly admitted)
+    late_first = next(r for r in results if r["session"] == N_SESSIONS)
+    closed_since = [ev for ev in breaker["events"] if ev["action"] == "close" and ev["t"] >= seen_at]
+    assert late_first["status"] == 503 or closed_since, (late_first, breaker["events"][-5:])
     assert closed_after is not None and fresh.status_code == 200, breaker["events"][-5:]
     assert hwm < 4096, f"server peak RSS {hwm:.0f} MB"
     # every admitted request is correct: the engine's greedy completion of the messages it ran on

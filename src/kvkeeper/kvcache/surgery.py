@@ -67,7 +67,7 @@ def compact(pool: BlockPool, tables: Iterable[list[int]], caches: list, device: 
     move with them (raw copy, every layer of ``caches``) and the tables are rewritten in place.
     The cached blocks keep their KV and prefix-cache entries (moved as well): they are allocatable
     already, so evicting them would reclaim no memory and only lose prefix hits.  ``evict_cache``:
-    drop them first instead (``LLMEngine.reset_prefix_cache`` semantics, fewer bytes moved).
+    drop them first instead (as ``BlockPool.reset_prefix_cache``; fewer bytes moved).
     Returns ``{"evicted": cached blocks dropped, "moved": blocks whose id changed (owned and cached)}``.
     """
     evicted = pool.evict_cached() if evict_cache else 0
