@@ -109,7 +109,7 @@ def _validation_body(e) -> dict:
                         f"Content-Type: application/json ({err.get('msg')})")
             continue
         param = param or where
-        msgs.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        msgs.append(f"{where}: {err.get('msg')}")
     return error_body("; ".join(msgs) or "invalid request", param=param)
 
 
