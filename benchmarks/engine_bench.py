@@ -217,15 +217,16 @@ def measure_roofline(bc: BenchConfig, shapes: list[tuple[int, int]]) -> dict:
 def qmm_rate(bc: BenchConfig) -> dict | None:
     """Throughput of kvkeeper's block matmul (the gguf / int8 / int4 kernel): 512 x 576 @ (3072 x 576 int4)^T."""
     try:
-        from kvkeeper.model import cpu_kernels
-        from kvkeeper.model import quant_weights as qw
+        from kvkeeper.kernels import cpu as cpu_kernels
+        from kvkeeper.layers import quantized
+        from kvkeeper.weights import formats as qw
     except ImportError:
         return None
     mod = cpu_kernels.load()
     if mod is None:
         return {"error": cpu_kernels.unavailable_reason()}
     w = torch.randn(3072, 576) * 0.05
-    pw = qw.pack_numpy(*qw.quantize_rtn(w, "int4"), kind="int4")
+    pw = quantized.pack_numpy(*qw.quantize_rtn(w, "int4"), kind="int4")
     x = torch.randn(512, 576)
     best, med = _best_and_median(lambda: mod.qmm(x, pw.qs, pw.sc, 4, 3072), bc.mm_reps)
     ops = 2 * 512 * 576 * 3072

@@ -82,7 +82,7 @@ def run_llama_cpp(context: int, steps: int) -> dict:
     import llama_cpp
     from llama_cpp import Llama
 
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
     from kvkeeper.text.tokenizer import load_tokenizer
 
     path = resolve_model_path("gemma-3-270m")

@@ -4,8 +4,8 @@
 One run of a few minutes on one GPU, nothing downloaded (the 8B model is ``--load-format dummy``: random
 weights of a shipped Llama-3.1-8B config, bf16):
 
-1. ``kernels``: the Triton kernels (kvkeeper.model.triton_attention) against the PyTorch reference
-   (kvkeeper.model.attention) on the GPU, Llama-8B head shapes (D 128), GQA 1/4/8, bf16/fp16/int8/fp8
+1. ``kernels``: the Triton kernels (kvkeeper.attention.triton_backend) against the PyTorch reference
+   (kvkeeper.attention.reference) on the GPU, Llama-8B head shapes (D 128), GQA 1/4/8, bf16/fp16/int8/fp8
    caches, decode (lengths 1 .. 32k, split-K) and prefill/extend; plus the block-table index broken on
    purpose, which must fail.
 2. ``bandwidth``: device-to-device copy bandwidth (``torch`` copy of 1 GiB: bytes read + written per second)
@@ -67,7 +67,7 @@ def parse_args(argv=None):
 
 ARGS = parse_args()
 if ARGS.smoke_cpu:
-    os.environ["TRITON_INTERPRET"] = "1"  # before kvkeeper.model.triton_attention is imported
+    os.environ["TRITON_INTERPRET"] = "1"  # before kvkeeper.attention.triton_backend is imported
 
 import torch  # noqa: E402
 
@@ -81,7 +81,7 @@ from common import write_report  # noqa: E402
 
 from kvkeeper import LLMEngine, SamplingParams  # noqa: E402
 from kvkeeper.kvcache.quant import PagedKV, parse_kv_format  # noqa: E402
-from kvkeeper.model import attention as ref  # noqa: E402
+from kvkeeper.attention import reference as ref  # noqa: E402
 
 GB = 1e9
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
@@ -143,13 +143,13 @@ def timed(fn, dev, iters: int = 20, warmup: int = 3) -> float:
 
 def make_step(seqs, H, KVH, D, bs, kv, dtype, dev, seed=0, extra_cols=0):
     """Random paged cache plus one step's q/k/v and metadata, twice (``kernel_check.random_step``)."""
-    from kvkeeper.model import kernel_check
+    from kvkeeper.worker import kernel_check
 
     return kernel_check.random_step(seqs, H, KVH, D, bs, kv, dtype, dev, seed, extra_cols)
 
 
 def section_kernels(dev, smoke: bool) -> dict:
-    from kvkeeper.model import triton_attention as tk
+    from kvkeeper.attention import triton_backend as tk
 
     D = 32 if smoke else 128
     scale = D**-0.5
@@ -192,7 +192,7 @@ def section_kernels(dev, smoke: bool) -> dict:
 
 
 def section_bandwidth(dev, smoke: bool) -> dict:
-    from kvkeeper.model import triton_attention as tk
+    from kvkeeper.attention import triton_backend as tk
 
     nbytes = (1 << 20) if smoke else (1 << 30)
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -352,7 +352,7 @@ def section_transformers(dev, args, cfg_name) -> dict:
     """transformers generate_batch on a model of the same config (its own random weights), same prompts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvkeeper.model.dummy import resolve_config
+    from kvkeeper.weights.dummy import resolve_config
 
     t0 = time.perf_counter()
     raw = {k: v for k, v in json.loads(resolve_config(cfg_name).read_text()).items() if not k.startswith("_")}

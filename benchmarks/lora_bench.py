@@ -10,7 +10,7 @@ one warm-up run:
   base model, all under adapter A, and mixed (A, B, base, base).
 
 A step with an adapter runs layer by layer (the fused C++ decode step knows no adapters) and adds each adapter's
-low-rank term with a loop over the distinct adapters in the step (kvkeeper.model.lora).
+low-rank term with a loop over the distinct adapters in the step (kvkeeper.layers.lora).
 
 Run: ``PYTHONPATH=src flock -x /work/.cpu.lock python benchmarks/lora_bench.py`` (about 2 minutes on 2 cores).
 """

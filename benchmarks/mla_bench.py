@@ -44,7 +44,7 @@ def make_folder(out: Path):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
     hf.save_pretrained(out)
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
     from kvkeeper.text.tokenizer import load_tokenizer
 
     load_tokenizer(resolve_model_path()).save_pretrained(out)  # the perplexity text

@@ -54,7 +54,7 @@ CONVERSATIONS = ROOT / "data" / "topical_chat" / "test_freq_conversations_first2
 
 def hf_folder() -> Path:
     """A Hugging Face folder (config.json + safetensors + tokenizer) of the embedded GGUF, written once."""
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
     from kvkeeper.text.tokenizer import cache_dir
 
     out = cache_dir() / "hf" / "smollm2-135m-instruct"

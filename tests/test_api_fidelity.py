@@ -213,7 +213,7 @@ def test_stop_token_ids(client):
     cut = _chat(client, BANANA, max_tokens=12, extra_body={"return_token_ids": True, "stop_token_ids": [stop]}).choices[0]
     assert cut.model_extra["token_ids"] == ids[: ids.index(stop) + 1] and cut.finish_reason == "stop"
     # the stop token's id is returned, its text is not (vLLM)
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
     from kvkeeper.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path(MODEL))
@@ -379,7 +379,7 @@ def test_continue_final_message(client):
     ext = {"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True}
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0, extra_body=ext)
     ids = r.model_extra["prompt_token_ids"]
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
     from kvkeeper.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path(MODEL))  # transformers' tokenizer and chat template: the reference

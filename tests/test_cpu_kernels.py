@@ -6,7 +6,7 @@
   rounding per 32 values: relative 1e-3 with 16-bit codes, 5e-2 with 8-bit ones; measured about 2e-5 and 6e-3);
 * the interleaved packing, GGUF block decoding and round-to-nearest quantization;
 * decode and prefill ("extend") attention read in place against the gathering reference
-  (:mod:`kvkeeper.model.attention`) on awkward lengths, GQA and every KV format.
+  (:mod:`kvkeeper.attention.reference`) on awkward lengths, GQA and every KV format.
 
 The kernels are built by ``make setup``.  Without them these tests skip locally and fail under CI (CI=true).
 """
@@ -17,9 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvkeeper.model import attention as ref
-from kvkeeper.model import cpu_attention, cpu_kernels, kernel_check
-from kvkeeper.model import quant_weights as qw
+from kvkeeper.attention import reference as ref
+from kvkeeper.attention import cpu as cpu_attention
+from kvkeeper.kernels import cpu as cpu_kernels
+from kvkeeper.worker import kernel_check
+from kvkeeper.layers import quantized
+from kvkeeper.weights import formats as qw
 
 ISAS = ["generic", "avx512_vnni"]
 
@@ -50,7 +53,7 @@ def _random_packed(n, k, bits, seed):
     u = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.int32)
     d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half()
     m = (torch.randn(n, k // 32, generator=g) * 0.05).half()
-    return u, d, m, qw.pack_blocks(u, d, m, bits, f"random{bits}")
+    return u, d, m, quantized.pack_blocks(u, d, m, bits, f"random{bits}")
 
 
 def _exact_ref(kernels, x, w):
@@ -72,7 +75,7 @@ def _rel(a, b):
 def test_pack_round_trip_and_rows(bits, n, k):
     u, d, m, pw = _random_packed(n, k, bits, seed=n + k + bits)
     assert pw.qs.shape == (-(-n // 16), k // 32, 256 if bits == 4 else 512)
-    assert torch.equal(qw.unpack_codes(pw), u)
+    assert torch.equal(quantized.unpack_codes(pw), u)
     want = (u.view(n, -1, 32).float() * d.float()[..., None] + m.float()[..., None]).view(n, k)
     assert torch.equal(pw.dequantize(), want)
     ids = torch.tensor([0, n - 1, n // 2, 0])
@@ -81,9 +84,9 @@ def test_pack_round_trip_and_rows(bits, n, k):
 
 def test_pack_rejects_bad_input():
     with pytest.raises(ValueError, match="multiple of 32"):
-        qw.pack_blocks(torch.zeros(4, 40, dtype=torch.int32), torch.zeros(4, 1).half(), torch.zeros(4, 1).half(), 4, "x")
+        quantized.pack_blocks(torch.zeros(4, 40, dtype=torch.int32), torch.zeros(4, 1).half(), torch.zeros(4, 1).half(), 4, "x")
     with pytest.raises(ValueError, match="codes outside"):
-        qw.pack_blocks(torch.full((4, 32), 16, dtype=torch.int32), torch.zeros(4, 1).half(), torch.zeros(4, 1).half(),
+        quantized.pack_blocks(torch.full((4, 32), 16, dtype=torch.int32), torch.zeros(4, 1).half(), torch.zeros(4, 1).half(),
                        4, "x")
 
 
@@ -93,7 +96,7 @@ def test_round_to_nearest_error_is_half_a_step(fmt, bits):
     w[3, 32:64] = 0.0  # an all-zero group
     u, d, m, b = qw.quantize_rtn(w, fmt)
     assert b == bits
-    pw = qw.pack_numpy(u, d, m, b, fmt)
+    pw = quantized.pack_numpy(u, d, m, b, fmt)
     err = (pw.dequantize() - w).abs().view(48, -1, 32)
     step = torch.from_numpy(d.astype(np.float32))[..., None]
     # half a step, plus float16 rounding of the scale (and, for int4, of the minimum)
@@ -178,7 +181,7 @@ def test_qmm_bad_arguments_say_what_is_wrong(kernels):
 @pytest.fixture(scope="module")
 def gguf_tensors():
     gguf = pytest.importorskip("gguf")
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
 
     try:
         path = resolve_model_path()
@@ -195,7 +198,7 @@ def test_qmm_on_the_real_file_tensors(kernels, gguf_tensors, name):
     t = tensors[name]
     n, k = int(t.shape[1]), int(t.shape[0])
     u, d, m, bits = qw.gguf_blocks(t.data, t.tensor_type.name, n, k)
-    pw = qw.pack_numpy(u, d, m, bits, t.tensor_type.name)
+    pw = quantized.pack_numpy(u, d, m, bits, t.tensor_type.name)
     want_w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)).reshape(n, k)
     assert torch.equal(pw.dequantize(), want_w)  # the repacking keeps every weight exactly
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))

@@ -105,7 +105,7 @@ def test_refusals(folder, eng):
 
 def test_dummy_configs(folder):
     """Shipped DeepSeek shapes are counted on the meta device; a dummy engine runs a DeepSeek config."""
-    from kvkeeper.model import dummy
+    from kvkeeper.weights import dummy
 
     counts = {n: dummy.parameter_count(dummy.load_config(n)[0]) for n in ("deepseek-v2-lite", "deepseek-v3")}
     assert round(counts["deepseek-v2-lite"] / 1e9, 1) == 15.7

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvkeeper.errors import InvalidRequestError
-from kvkeeper.model.registry import resolve_model_path
+from kvkeeper.weights.sources import resolve_model_path
 from kvkeeper.text.detokenizer import IncrementalDetokenizer
 from kvkeeper.text.tokenizer import load_tokenizer
 

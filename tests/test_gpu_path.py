@@ -18,8 +18,8 @@ import torch
 
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.errors import InvalidRequestError, ModelNotFoundError
-from kvkeeper.model import dummy
-from kvkeeper.model.cuda_graphs import BATCH_SIZES, pick_batch_size, sizes_up_to
+from kvkeeper.weights import dummy
+from kvkeeper.worker.cuda_graphs import BATCH_SIZES, pick_batch_size, sizes_up_to
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {
@@ -97,7 +97,7 @@ def test_dummy_weights_seeded_and_engine_runs_on_cpu(tiny_config):
     assert abs(wa[name].std().item() - 0.02) < 0.003
     assert torch.equal(wa["model.norm.weight"], torch.ones(64))
     # CPU: the C++ decode kernel when built (else the reference attention) and no CUDA graphs (eager)
-    from kvkeeper.model import cpu_kernels
+    from kvkeeper.kernels import cpu as cpu_kernels
 
     assert a.runner.attention_backend == ("cpu" if cpu_kernels.available() else "torch") and a.runner.graphs is None
     assert a.runner.dtype == torch.float32
@@ -126,7 +126,7 @@ def _fake_seq(tokens, block_table):
 
 
 def test_decode_graph_buffers_padding_equals_unpadded_eager(tiny_config):
-    from kvkeeper.model.cuda_graphs import DecodeGraphs
+    from kvkeeper.worker.cuda_graphs import DecodeGraphs
 
     eng = LLMEngine(tiny_config, load_format="dummy", seed=4, num_kv_blocks=40, block_size=4,
                     attention_backend="triton", kv_dtype="int8")
@@ -171,7 +171,7 @@ def test_runner_replays_padded_graph_batches_for_decode_steps(tiny_config):
     # The runner's graph dispatch on CPU: "replay" runs the captured computation (forward_static) eagerly on
     # the padded static buffers.  Decode-only steps of 3 sequences go through size 4; tokens equal the
     # PyTorch path's; prefill and mixed steps stay eager.
-    from kvkeeper.model.cuda_graphs import DecodeGraphs
+    from kvkeeper.worker.cuda_graphs import DecodeGraphs
 
     class EagerReplay(DecodeGraphs):
         def replay(self, size, *batch):

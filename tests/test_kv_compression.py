@@ -107,7 +107,7 @@ def test_bad_policy_and_ratio_are_clear_errors():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
     from kvkeeper.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path())

@@ -99,7 +99,7 @@ def test_paged_store_gathers_what_was_written(fmt):
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
     from kvkeeper.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path())

@@ -1,4 +1,4 @@
-"""LoRA adapters (kvkeeper.model.lora): parity with transformers + peft, per-request adapters in one batch, and
+"""LoRA adapters (kvkeeper.layers.lora): parity with transformers + peft, per-request adapters in one batch, and
 the adapter's identity in the KV cache namespace.
 
 Adapters are made here with ``peft`` (``get_peft_model`` + ``save_pretrained``) with random A and B large enough

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from kvkeeper import InvalidRequestError, LLMEngine, SamplingParams
-from kvkeeper.model import cpu_kernels
-from kvkeeper.model import quant_weights as qw
+from kvkeeper.kernels import cpu as cpu_kernels
+from kvkeeper.layers import quantized
+from kvkeeper.weights import formats as qw
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def test_round_to_nearest_formats_on_a_hf_folder(kernels, tiny_folder, fmt):
     eng = LLMEngine(str(tiny_folder), quantization=fmt, num_kv_blocks=32)
     assert eng.runner.weight_format == fmt and fmt in eng.runner.weight_description
     assert eng.runner.fused_decode is not None
-    assert isinstance(eng.runner.model.model.layers[0].mlp.down_proj, qw.QuantLinear)
+    assert isinstance(eng.runner.model.model.layers[0].mlp.down_proj, quantized.QuantLinear)
     assert eng.stats()["weight_format"] == fmt
     ids = list(range(5, 45))
     for e in (ref, eng):
@@ -132,7 +133,7 @@ def test_fused_step_equals_layer_by_layer(gguf_engine):
     """One decode step of the real model: the fused C++ step against the PyTorch modules, after 1, 2 and 30 layers."""
     from types import SimpleNamespace
 
-    from kvkeeper.model.fused_decode import FusedDecode
+    from kvkeeper.worker.fused_decode import FusedDecode
 
     eng = gguf_engine
     r, m = eng.runner, eng.runner.model

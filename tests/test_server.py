@@ -232,7 +232,7 @@ def ref_tokenizer():
     """transformers' tokenizer read straight from the embedded GGUF file: the reference chat template."""
     from transformers import AutoTokenizer
 
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
 
     p = resolve_model_path(MODEL)
     return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)

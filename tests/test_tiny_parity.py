@@ -26,11 +26,11 @@ from kvkeeper.errors import (
     ModelNotFoundError,
     UnsupportedArchitectureError,
 )
-from kvkeeper.model.config import ModelConfig
-from kvkeeper.model.loader import load_weights
-from kvkeeper.model.registry import resolve_model_path
-from kvkeeper.model.rope import RotaryEmbedding
-from kvkeeper.model.runner import ModelRunner
+from kvkeeper.model_config import ModelConfig
+from kvkeeper.weights.loader import load_weights
+from kvkeeper.weights.sources import resolve_model_path
+from kvkeeper.layers.rope import RotaryEmbedding
+from kvkeeper.worker.runner import ModelRunner
 
 from tiny_models import _one_thread, tokenizer  # noqa: F401 - fixtures
 from tiny_models import kk_logits_chunked as _kk_logits_chunked

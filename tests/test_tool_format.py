@@ -59,7 +59,7 @@ def test_streamed_parsing_equals_whole_parsing_for_any_chunking():
 
 @pytest.fixture(scope="module")
 def grammars():
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
     from kvkeeper.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))

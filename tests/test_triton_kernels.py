@@ -1,5 +1,5 @@
 """The Triton paged-attention kernels under Triton's interpreter (CPU tensors) against the PyTorch
-reference (kvkeeper.model.attention.paged_attention), on awkward sizes: lengths that are not
+reference (kvkeeper.attention.reference.paged_attention), on awkward sizes: lengths that are not
 multiples of the block size, one token, many blocks, GQA ratios 1, 4 and 8, fp32 / bf16 / int8 /
 fp8 caches, decode-only, prefill-only and mixed steps.  A kernel broken on purpose (block-table
 index off by one) must fail the same comparison."""
@@ -14,9 +14,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kvkeeper.kvcache.quant import PagedKV, parse_kv_format  # noqa: E402
-from kvkeeper.model import attention as ref  # noqa: E402
-from kvkeeper.model import kernel_check  # noqa: E402
-from kvkeeper.model import triton_attention as tk  # noqa: E402
+from kvkeeper.attention import reference as ref  # noqa: E402
+from kvkeeper.worker import kernel_check  # noqa: E402
+from kvkeeper.attention import triton_backend as tk  # noqa: E402
 
 TOL = {"float32": 2e-5, "int8": 2e-5, "fp8_e4m3": 2e-5, "bfloat16": 2e-2}
 

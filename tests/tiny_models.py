@@ -15,7 +15,7 @@ def tiny_llama_folder(out: Path, *, hidden_size: int = 32, head_dim: int = 8, nu
     """Write config.json + safetensors + tokenizer to ``out`` (intermediate size 2 x hidden); returns ``out``."""
     import torch
     import transformers
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
     from kvkeeper.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path())
@@ -89,7 +89,7 @@ def tiny_deepseek_folder(out: Path, *, seed: int = 0) -> Path:
     top-2, one shared) saved as a Hugging Face folder with the embedded model's tokenizer; returns ``out``."""
     import transformers
 
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
     from kvkeeper.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path())
@@ -120,7 +120,7 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def tokenizer():
     """The embedded model's tokenizer (tiny configs share its vocabulary)."""
-    from kvkeeper.model.registry import resolve_model_path
+    from kvkeeper.weights.sources import resolve_model_path
     from kvkeeper.text.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model_path())

@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvkeeper.model import triton_attention as tk  # noqa: E402
+from kvkeeper.attention import triton_backend as tk  # noqa: E402
 
 
 def build(target, fn, types, constexprs, name):

@@ -5,7 +5,7 @@ Loading reads a local directory the request names, so the endpoints answer 403 u
 started with ``--allow-runtime-lora`` (vLLM gates them behind ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), and
 with API keys they need an admin key (401 / 403 otherwise, :func:`kvkeeper.api.auth.admin_caller`).
 The adapter is read and registered on the engine thread (between steps).  Requests then select it by
-name in ``model``; see :mod:`kvkeeper.model.lora` for the file format and the KV namespace.
+name in ``model``; see :mod:`kvkeeper.layers.lora` for the file format and the KV namespace.
 """
 
 from __future__ import annotations

@@ -80,15 +80,15 @@ def sampling(args: argparse.Namespace, **extra) -> SamplingParams:
 def load_engine(args: argparse.Namespace):
     """The engine the engine options describe, with a load line on stderr (model, dtypes, KV pool, context)."""
     from ..engine.llm_engine import LLMEngine
-    from ..model.registry import resolve_model_path
+    from ..weights.sources import resolve_model_path
 
     cfg = from_args(EngineConfig, args)
     if os.environ.get("KVKEEPER_CPU_KERNELS", "1") == "0":
-        from ..model import cpu_kernels
+        from ..kernels import cpu as cpu_kernels
 
         cpu_kernels.disable("KVKEEPER_CPU_KERNELS=0")
     if cfg.load_format == "dummy":
-        from ..model.dummy import resolve_config
+        from ..weights.dummy import resolve_config
 
         resolve_config(cfg.model)  # fail fast, listing the shipped config names
     else:

@@ -135,7 +135,7 @@ def cmd_eval_passkey(args: argparse.Namespace) -> int:
 
 def cmd_eval_memory_data(args: argparse.Namespace) -> int:
     from ..eval.memory_recall import generate, load_dialogues
-    from ..model.registry import resolve_model_path
+    from ..weights.sources import resolve_model_path
     from ..text.tokenizer import load_tokenizer
 
     try:

@@ -47,7 +47,7 @@ import torch
 
 from ..argtypes import fraction as fraction_arg
 from ..kvcache.quant import PagedKV
-from ..model.attention import AttentionMetadata, PrefillSpan
+from ..attention.metadata import AttentionMetadata, PrefillSpan
 from ..options import option
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def default_tolerance(compute_dtype: torch.dtype, kv_format, weight_format: str 
     value and 0.33 / 0.72 on the first-token logits.  The defaults sit above that noise
     (int8 10/127, fp8 0.3, logits 1.5) and far below a wrong block (differences of the order
     of the values themselves).
-    Quantized weights (``weight_format`` gguf, int8, int4; kvkeeper.model.quant_weights) round the
+    Quantized weights (``weight_format`` gguf, int8, int4; kvkeeper.weights.formats) round the
     activations to 16-bit codes in every projection, with the same kind of flips: measured on SmolLM2-135M
     (gguf) over 40 MT-Bench sessions up to 2.9e-4 of a layer's largest value and 5.7e-3 on the logits with
     an fp32 cache (tolerance 3e-3 and 0.05), and within the int8 / fp8 tolerances above with those caches
@@ -139,9 +139,9 @@ class AuditReport:
 def recompute_prompt(runner, token_ids: list[int], chunk: int = 512, lora=None) -> tuple[torch.Tensor, list[PagedKV]]:
     """Prefill ``token_ids`` from scratch into a private cache (the shared pool is untouched).
 
-    runner: the engine's :class:`~kvkeeper.model.runner.ModelRunner` (its weights and KV format).
+    runner: the engine's :class:`~kvkeeper.worker.runner.ModelRunner` (its weights and KV format).
     chunk: prefill chunk in tokens (bounds activation memory, as the scheduler's token budget does).
-    lora: the sequence's LoRA adapter (:class:`kvkeeper.model.lora.LoRAAdapter`), None for the base model.
+    lora: the sequence's LoRA adapter (:class:`kvkeeper.layers.lora.LoRAAdapter`), None for the base model.
     Returns (float32 logits of the last token (vocab,), one PagedKV per layer whose blocks
     ``0 .. ceil(P / block_size) - 1`` hold positions ``0 .. P-1`` in order).
     """

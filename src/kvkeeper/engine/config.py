@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from ..argtypes import positive_int, size, validate_every_arg
 from ..errors import InvalidRequestError
 from ..kvcache.quant import KV_DTYPE_CHOICES
-from ..model.quant_weights import QUANTIZATION_CHOICES
-from ..model.registry import DEFAULT_MODEL
+from ..weights.formats import QUANTIZATION_CHOICES
+from ..weights.sources import DEFAULT_MODEL
 from ..options import option
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB
@@ -23,12 +23,12 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB
 class EngineConfig:
     """Model, device, KV cache and scheduling settings (units: tokens, blocks, bytes).
 
-    model: a known id (``kvkeeper.model.registry``) or a path to a GGUF file / Hugging Face folder.
+    model: a known id (``kvkeeper.weights.sources``) or a path to a GGUF file / Hugging Face folder.
     dtype: weights and activations (None: float32 on CPU, bfloat16 on CUDA).
     device: "auto" (CUDA when available), "cpu", "cuda" or "cuda:N".
     load_format: "auto" (the model's files) or "dummy" (random weights of a shipped config, seeded by ``seed``).
     quantization: weight format "none", "gguf", "int8", "int4" or None/"auto" (the file's default, see
-    ``kvkeeper.model.quant_weights``; ``runner.weight_format`` says which runs).
+    ``kvkeeper.weights.formats``; ``runner.weight_format`` says which runs).
     attention_backend: "auto", "torch" (the reference), "cpu" (C++ kernels) or "triton" (CUDA).
     fused_decode: a decode-only step as one C++ call over packed weights (CPU, quantized weights).
     cuda_graphs: replay decode steps as CUDA graphs (CUDA only; a no-op on CPU).

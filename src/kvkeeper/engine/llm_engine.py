@@ -35,10 +35,10 @@ from ..kvcache.quant import parse_kv_format
 from ..kvcache.surgery import compact, compress_prompt
 from ..kvcache.telemetry import pool_stats
 from ..kvcache.validate import assert_engine_ok
-from ..model.loader import load_weights
-from ..model.quant_weights import weight_format_for
-from ..model.registry import resolve_model_path
-from ..model.runner import ModelRunner, parse_dtype
+from ..weights.loader import load_weights
+from ..weights.formats import weight_format_for
+from ..weights.sources import resolve_model_path
+from ..worker.runner import ModelRunner, parse_dtype
 from ..sampling.processors import build_processors
 from ..sampling.sampler import NO_TOKEN, make_generator, prompt_logprob_entries, sample
 from ..sampling.structured import GrammarCompiler, GrammarMask
@@ -127,7 +127,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size,  # structured outputs
                                         None if eos_id is None else int(eos_id))
         self._req_ids = itertools.count()
-        self.loras: dict = {}  # name -> kvkeeper.model.lora.LoRAAdapter (load_lora / unload_lora)
+        self.loras: dict = {}  # name -> kvkeeper.layers.lora.LoRAAdapter (load_lora / unload_lora)
         self._seqs: dict[str, Sequence] = {}
         self.holders: list[KVHolder] = []
         self.num_steps = 0
@@ -135,13 +135,13 @@ class LLMEngine:
         self.first_token_hooks: list[Callable[[Sequence, torch.Tensor], None]] = []  # (seq, (vocab,) logits)
         self.capture_first_logits = False  # tests: keep each request's first-token logits in seq.first_logits
         self.validate_every = cfg.validate_every  # KV integrity validators every N steps (0: never)
-        if cfg.cuda_graphs:  # decode-step CUDA graphs (a no-op on CPU; see kvkeeper.model.cuda_graphs)
+        if cfg.cuda_graphs:  # decode-step CUDA graphs (a no-op on CPU; see kvkeeper.worker.cuda_graphs)
             self.runner.capture_cuda_graphs(cfg.max_num_seqs, self.context_length)
 
     def _load(self, cfg: EngineConfig, dtype: torch.dtype, device: torch.device):
         """(model config, state dict); sets ``model_path`` and ``tokenizer``."""
-        if cfg.load_format == "dummy":  # random weights of a config's shapes (kvkeeper.model.dummy), made on the device
-            from ..model import dummy
+        if cfg.load_format == "dummy":  # random weights of a config's shapes (kvkeeper.weights.dummy), made on the device
+            from ..weights import dummy
 
             mcfg, self.model_path = dummy.load_config(cfg.model)
             self.tokenizer = dummy.load_dummy_tokenizer(self.model_path, mcfg.vocab_size)
@@ -303,15 +303,15 @@ class LLMEngine:
 
     # ---- LoRA adapters ----------------------------------------------------------
     def load_lora(self, name: str, path, replace: bool = False):
-        """Load a PEFT LoRA adapter directory under ``name`` (see :mod:`kvkeeper.model.lora`); returns its
-        :class:`~kvkeeper.model.lora.LoRAAdapter`.  Call between steps (the server runs it on the engine thread).
+        """Load a PEFT LoRA adapter directory under ``name`` (see :mod:`kvkeeper.layers.lora`); returns its
+        :class:`~kvkeeper.layers.lora.LoRAAdapter`.  Call between steps (the server runs it on the engine thread).
 
         replace: a loaded adapter of that name is replaced (requests running under it finish with the old
         weights; its KV is never reused under the new one: the namespace holds the content hash).  Raises
         :class:`InvalidRequestError` for a name already loaded (without ``replace``), the base model's own
         name, or an adapter that cannot be read or does not fit this model.
         """
-        from ..model.lora import load_adapter
+        from ..layers.lora import load_adapter
 
         if name in self.loras and not replace:
             raise InvalidRequestError(f"the LoRA adapter {name!r} has already been loaded; unload it first",

@@ -65,7 +65,7 @@ class Sequence:
     prompt_logprobs: list | None = None
     first_logits: torch.Tensor | None = None  # (vocab,) float32, kept when the engine captures logits
     kv_keeper: Callable[["Sequence"], None] | None = None
-    lora: object | None = None  # its LoRA adapter (kvkeeper.model.lora.LoRAAdapter; its id is namespace.adapter)
+    lora: object | None = None  # its LoRA adapter (kvkeeper.layers.lora.LoRAAdapter; its id is namespace.adapter)
     compression: object | None = None  # kvcache.compression.KVCompression applied at the end of prefill
     observer: object | None = None  # its PrefillObserver while the prompt is being prefilled
     kv_offset: int = 0  # prompt tokens dropped by compression: KV index = token index - kv_offset

@@ -47,7 +47,7 @@ class KVFormat:
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, parts: int = 2) -> int:
         """Bytes of K plus V (values plus scales) for one token across all layers (``parts`` 1: an MLA latent
-        row, see :meth:`kvkeeper.model.config.ModelConfig.kv_layout`)."""
+        row, see :meth:`kvkeeper.model_config.ModelConfig.kv_layout`)."""
         elem = torch.empty(0, dtype=self.storage).element_size()
         per_head = head_dim * elem + (torch.empty(0, dtype=_SCALE_DTYPE).element_size() if self.quantized else 0)
         return parts * num_layers * num_kv_heads * per_head

@@ -5,14 +5,14 @@ Per token the PyTorch path runs some 25 small operators per layer (norms, RoPE, 
 SiLU, residual adds), each a few microseconds of dispatch: at SmolLM2-135M's 30 layers that is a large
 share of a 10 ms decode step.  :class:`FusedDecode` hands the residual stream of a decode-only step to
 ``DecodeModel.step`` (csrc/kvk_cpu.cpp), which applies every layer in turn with the same operations as
-:class:`kvkeeper.model.llama.DecoderLayer`: RMSNorm, the packed q/k/v projection (plus bias), RoPE
-(half-split, as :func:`kvkeeper.model.rope.apply_rope`), the new K/V written into the paged cache with
+:class:`kvkeeper.models.llama.DecoderLayer`: RMSNorm, the packed q/k/v projection (plus bias), RoPE
+(half-split, as :func:`kvkeeper.layers.rope.apply_rope`), the new K/V written into the paged cache with
 the rounding of :meth:`kvkeeper.kvcache.quant.PagedKV.write`, decode attention read in place
-(:mod:`kvkeeper.model.cpu_attention`), the output projection, RMSNorm, gate/up, SiLU(gate) * up, down,
+(:mod:`kvkeeper.attention.cpu`), the output projection, RMSNorm, gate/up, SiLU(gate) * up, down,
 residual adds.  The embedding lookup, final norm and LM head stay in Python (one call each).
 
 The layer-by-layer path of such a model calls the same C++ routines for RMSNorm, RoPE and SiLU(gate) * up
-(:meth:`kvkeeper.model.llama.LlamaForCausalLM.use_cpu_kernels`), the same block matmul and the same decode
+(:meth:`kvkeeper.models.llama.LlamaForCausalLM.use_cpu_kernels`), the same block matmul and the same decode
 attention, so a decode token's result is identical bit for bit on both paths (tested): whether a step runs
 fused (decode only) or layer by layer (mixed with a prefill) does not change any output.
 ``EngineConfig(fused_decode=False)`` (``--no-fused-decode``) turns the fused step off.
@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_attention, cpu_kernels
-from .attn_meta import AttentionMetadata
-from .llama import LlamaForCausalLM, RMSNorm
-from .quant_weights import QuantLinear
+from ..attention import cpu as cpu_attention
+from ..kernels import cpu as cpu_kernels
+from ..attention.metadata import AttentionMetadata
+from ..models.llama import LlamaForCausalLM
+from ..layers.norm import RMSNorm
+from ..layers.quantized import QuantLinear
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
 

@@ -1,7 +1,7 @@
 """Per-step attention inputs shared by every attention path (a leaf module: it imports no other model module).
 
 The model runner builds one :class:`AttentionMetadata` per step and passes it explicitly to every layer;
-:mod:`kvkeeper.model.attention_backend` reads ``backend`` to pick the path that computes the step.
+:mod:`kvkeeper.attention.selector` reads ``backend`` to pick the path that computes the step.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ class AttentionMetadata:
     decode_block_tables: (B_d, max_blocks) int64, padded with 0.
     decode_context_lens: (B_d,) int64, KV length of each decode sequence (incl. the new token).
     prefills: one :class:`PrefillSpan` per sequence adding more than one token.
-    window / sliding: see :mod:`kvkeeper.model.gemma3` (a step with a window runs the PyTorch reference).
-    backend: "torch" (kvkeeper.model.attention, the reference), "cpu" (the C++ decode kernel,
-    kvkeeper.model.cpu_attention) or "triton" (kvkeeper.model.triton_attention).
+    window / sliding: see :mod:`kvkeeper.models.gemma3` (a step with a window runs the PyTorch reference).
+    backend: "torch" (kvkeeper.attention.reference, the reference), "cpu" (the C++ decode kernel,
+    kvkeeper.attention.cpu) or "triton" (kvkeeper.attention.triton_backend).
     """
 
     slot_mapping: torch.Tensor

@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kvcache.quant import PagedKV
-from .attn_meta import AttentionMetadata
-from .config import ModelConfig
-from .llama import Linear, RMSNorm
+from ..attention.metadata import AttentionMetadata
+from ..model_config import ModelConfig
+from .linear import Linear
+from .norm import RMSNorm
 from .rope import apply_rope_pairs
 
 DECODE_MODES = ("absorbed", "expanded")
@@ -122,7 +123,7 @@ def latent_attention(attn: MLAttention, q_nope: torch.Tensor, q_pe: torch.Tensor
 
     q_nope (T, H, nope), q_pe (T, H, rope) (rotated), rows (T, R + rope) are written into the cache first.
     Returns (T, H, v).  Prefill spans run expanded; decode tokens run ``attn.decode_mode``.  As in
-    :func:`kvkeeper.model.attention.paged_attention`, a quantized cache is attended to as it holds the rows.
+    :func:`kvkeeper.attention.reference.paged_attention`, a quantized cache is attended to as it holds the rows.
     Raises ValueError for a prefill that collects attention statistics (KV compression is refused for MLA).
     """
     cache.write_latent(rows, meta.slot_mapping)

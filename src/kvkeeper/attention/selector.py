@@ -1,13 +1,13 @@
 """Which attention path computes a step: the dispatch between the PyTorch reference and the kernels.
 
-Imports flow one way: this module imports the reference (:mod:`kvkeeper.model.attention`) and the CPU
-kernel wrapper (:mod:`kvkeeper.model.cpu_attention`) at the top and the Triton kernels
-(:mod:`kvkeeper.model.triton_attention`, CUDA or Triton's interpreter) lazily, since triton is optional;
+Imports flow one way: this module imports the reference (:mod:`kvkeeper.attention.reference`) and the CPU
+kernel wrapper (:mod:`kvkeeper.attention.cpu`) at the top and the Triton kernels
+(:mod:`kvkeeper.attention.triton_backend`, CUDA or Triton's interpreter) lazily, since triton is optional;
 none of them imports this module.  Backends, named in ``AttentionMetadata.backend``:
 
-* ``torch``: :func:`kvkeeper.model.attention.paged_attention` as is (gathers each decode sequence's blocks).
+* ``torch``: :func:`kvkeeper.attention.reference.paged_attention` as is (gathers each decode sequence's blocks).
 * ``cpu``: the C++ kernels, which read the blocks in place, for prefill spans and decode tokens
-  (:mod:`kvkeeper.model.cpu_attention`; attention statistics for KV compression are observed as the reference
+  (:mod:`kvkeeper.attention.cpu`; attention statistics for KV compression are observed as the reference
   observes them).
 * ``triton``: the Triton kernels for everything (a step whose prefill collects attention statistics for KV
   compression runs the reference instead: the kernels do not produce them).
@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 
 from ..kvcache.quant import PagedKV
-from . import attention, cpu_attention, cpu_kernels
-from .attn_meta import AttentionMetadata
+from . import reference as attention, cpu as cpu_attention
+from ..kernels import cpu as cpu_kernels
+from .metadata import AttentionMetadata
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -27,12 +28,12 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKV, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """The step's attention by ``meta.backend``; same shapes and contract as the reference
-    :func:`kvkeeper.model.attention.paged_attention` (q (T, H, D), k and v (T, KVH, D) -> (T, H, D))."""
+    :func:`kvkeeper.attention.reference.paged_attention` (q (T, H, D), k and v (T, KVH, D) -> (T, H, D))."""
     backend = meta.backend if meta.window is None else "torch"  # windows: the reference path only
     if backend == "cpu":
         return cpu_attention.paged_attention(q, k, v, cache, meta, scale)
     if backend == "triton" and not any(p.observer is not None for p in meta.prefills):
-        from .triton_attention import triton_paged_attention  # CUDA (or Triton's interpreter) only
+        from .triton_backend import triton_paged_attention  # CUDA (or Triton's interpreter) only
 
         return triton_paged_attention(q, k, v, cache, meta, scale)
     return attention.paged_attention(q, k, v, cache, meta, scale)

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from .attn_meta import AttentionMetadata
+from ..attention.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +46,12 @@ def sizes_up_to(max_num_seqs: int, sizes=BATCH_SIZES) -> tuple[int, ...]:
 class DecodeGraphs:
     """Static decode buffers plus one captured graph per batch size (see the module docstring).
 
-    runner: a :class:`~kvkeeper.model.runner.ModelRunner` on the triton attention backend.
+    runner: a :class:`~kvkeeper.worker.runner.ModelRunner` on the triton attention backend.
     max_model_len: longest sequence (tokens) a replay must handle; fixes W and the split-K factor.
     """
 
     def __init__(self, runner, max_model_len: int, sizes=BATCH_SIZES):
-        from .triton_attention import choose_num_splits  # noqa: F401  (the kernel path must be importable)
+        from ..attention.triton_backend import choose_num_splits  # noqa: F401  (the kernel path must be importable)
 
         self.runner = runner
         self.sizes = tuple(sorted(sizes))
@@ -72,7 +72,7 @@ class DecodeGraphs:
         self.eager_steps = 0
 
     def num_splits(self, size: int) -> int:
-        from .triton_attention import choose_num_splits
+        from ..attention.triton_backend import choose_num_splits
 
         return choose_num_splits(size, self.runner.cfg.num_kv_heads, self.max_model_len)
 

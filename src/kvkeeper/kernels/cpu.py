@@ -1,8 +1,8 @@
 """The C++ CPU kernels (``csrc/kvk_cpu.cpp``): how they are built, found and loaded.
 
-``make setup`` runs ``python -m kvkeeper.model.build_kernels``, which compiles the source with
+``make setup`` runs ``python -m kvkeeper.kernels.build``, which compiles the source with
 ``torch.utils.cpp_extension`` (g++ and ninja, OpenMP through torch's own libgomp) into
-``src/kvkeeper/model/_ext/`` next to a stamp holding the source's sha256.  :func:`load` imports that
+``src/kvkeeper/kernels/_ext/`` next to a stamp holding the source's sha256.  :func:`load` imports that
 module; when it is missing, stale (the source changed since the build), fails to import, or was
 :func:`disable`-d (the CLI does so for ``KVKEEPER_CPU_KERNELS=0``), :func:`load` returns None, logs one
 warning saying why and how to fix it, and the engine runs the PyTorch paths (weights dequantized to float32, the reference
@@ -85,12 +85,12 @@ def _import() -> ModuleType:
     so = _so_path()
     if so is None:
         raise ImportError(f"not built (no {EXT_NAME}*.so in {EXT_DIR}); run `make setup` "
-                          f"(or python -m kvkeeper.model.build_kernels)")
+                          f"(or python -m kvkeeper.kernels.build)")
     if SOURCE.exists():
         built = STAMP.read_text().strip() if STAMP.exists() else ""
         if built != _sha(SOURCE):
             raise ImportError(f"{so.name} is stale ({SOURCE.name} changed since it was built); run `make setup` "
-                              f"(or python -m kvkeeper.model.build_kernels)")
+                              f"(or python -m kvkeeper.kernels.build)")
     loader = importlib.machinery.ExtensionFileLoader(EXT_NAME, str(so))
     spec = importlib.util.spec_from_file_location(EXT_NAME, str(so), loader=loader)
     mod = importlib.util.module_from_spec(spec)
@@ -122,8 +122,8 @@ def unavailable_reason() -> str | None:
 
 
 def main(argv=None) -> int:
-    """Command line of :mod:`kvkeeper.model.build_kernels`: build (``--build``) and/or report the kernels."""
-    ap = argparse.ArgumentParser(prog="python -m kvkeeper.model.build_kernels",
+    """Command line of :mod:`kvkeeper.kernels.build`: build (``--build``) and/or report the kernels."""
+    ap = argparse.ArgumentParser(prog="python -m kvkeeper.kernels.build",
                                  description="Build or check kvkeeper's C++ CPU kernels (csrc/kvk_cpu.cpp).")
     ap.add_argument("--check", action="store_true", help="only report whether the built kernels load")
     ap.add_argument("--verbose", action="store_true")

@@ -1,6 +1,6 @@
 """Gemma 3 text decoder (Gemma Team, "Gemma 3 Technical Report", 2025) written against the paged KV cache.
 
-Differences from Llama (:mod:`kvkeeper.model.llama`), as transformers' ``Gemma3ForCausalLM`` computes them:
+Differences from Llama (:mod:`kvkeeper.models.llama`), as transformers' ``Gemma3ForCausalLM`` computes them:
 the embedding is scaled by ``sqrt(hidden_size)``; RMSNorm multiplies by ``1 + weight``; every layer has
 four norms (before and after attention, before and after the feed-forward) plus RMSNorm over each query and
 key head; the MLP is GELU(tanh)(gate) * up; attention scores are scaled by ``query_pre_attn_scalar**-0.5``;
@@ -9,7 +9,7 @@ query sees keys at positions ``(p - window, p]``) with RoPE base ``rope_local_th
 context with ``rope_theta``; logits are soft-capped ``cap * tanh(x / cap)`` when the config has a cap.
 
 A sliding layer reads ``meta.sliding`` (the sliding layers' block tables and slots, see
-:mod:`kvkeeper.model.runner` and :mod:`kvkeeper.kvcache.block_pool`'s window blocks), a full layer ``meta``.
+:mod:`kvkeeper.worker.runner` and :mod:`kvkeeper.kvcache.block_pool`'s window blocks), a full layer ``meta``.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention_backend import paged_attention
-from .attn_meta import AttentionMetadata
-from .config import ModelConfig
-from .llama import Linear, LlamaForCausalLM
-from .rope import RotaryEmbedding, apply_rope
+from ..attention.selector import paged_attention
+from ..attention.metadata import AttentionMetadata
+from ..model_config import ModelConfig
+from ..layers.linear import Linear
+from .llama import LlamaForCausalLM
+from ..layers.rope import RotaryEmbedding, apply_rope
 
 
 class GemmaRMSNorm(nn.Module):

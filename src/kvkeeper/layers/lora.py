@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidRequestError
-from .config import ModelConfig
+from ..model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -15,15 +15,15 @@ import torch
 
 from ..kvcache.quant import KVFormat, PagedKV, parse_kv_format
 from . import kernel_check
-from .attention_backend import resolve_attention_backend, triton_available  # noqa: F401  (re-exported)
-from .attn_meta import AttentionMetadata, PrefillSpan
-from .config import ModelConfig
+from ..attention.selector import resolve_attention_backend, triton_available  # noqa: F401  (re-exported)
+from ..attention.metadata import AttentionMetadata, PrefillSpan
+from ..model_config import ModelConfig
 from .cuda_graphs import DecodeGraphs
 from .fused_decode import FusedDecode
-from .deepseek import causal_lm_class
-from .llama import skip_init
-from .lora import LoRAHooks
-from .quant_weights import prepare_weights
+from ..models.registry import causal_lm_class
+from ..models.llama import skip_init
+from ..layers.lora import LoRAHooks
+from ..weights.formats import prepare_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -39,7 +39,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def _mla_options(attention_backend: str, quantization: str | None) -> tuple[str, str]:
-    """An MLA (DeepSeek) model's attention runs in PyTorch (:mod:`kvkeeper.model.mla`) on float weights.
+    """An MLA (DeepSeek) model's attention runs in PyTorch (:mod:`kvkeeper.layers.mla`) on float weights.
 
     Returns ("torch", "none"); raises InvalidRequestError for the C++ / Triton attention backends or a
     quantized weight format, which have no MLA path."""
@@ -71,11 +71,11 @@ class ModelRunner:
         """kv_dtype: KV storage format (fp32, bf16, fp16, int8, fp8; default: the model dtype).
         transposed_weights: keep W^T copies for fast few-row products (default: on for fp32 on CPU with
         unquantized weights).
-        attention_backend: "torch" (kvkeeper.model.attention, the reference), "cpu" (its prefill, the C++
-        decode kernel), "triton" (kvkeeper.model.triton_attention) or "auto" (see
-        kvkeeper.model.attention_backend.resolve_attention_backend).
+        attention_backend: "torch" (kvkeeper.attention.reference, the reference), "cpu" (its prefill, the C++
+        decode kernel), "triton" (kvkeeper.attention.triton_backend) or "auto" (see
+        kvkeeper.attention.selector.resolve_attention_backend).
         quantization: weight format, None/"auto" for the model file's default (see
-        kvkeeper.model.quant_weights); raises QuantizationError (a ValueError) for one the file cannot run.
+        kvkeeper.weights.formats); raises QuantizationError (a ValueError) for one the file cannot run.
         fused_decode: run a decode-only step as one C++ call when the weights are packed (False: layer by layer).
         cache_dir: where packed weights are cached (default: kvkeeper.text.tokenizer.cache_dir()).
         window_blocks: hybrid KV cache (a model with sliding-window layers): the sliding layers' caches hold
@@ -127,14 +127,14 @@ class ModelRunner:
         self.kv_caches = [PagedKV(self.window_blocks if self.window_blocks and cfg.is_sliding_layer(i) else num_blocks,
                                   block_size, heads, dim, self.kv_format, self.device, layer_idx=i,
                                   values=parts == 2) for i in range(cfg.num_layers)]
-        # one C++ call per decode step when the weights are packed (kvkeeper.model.fused_decode); the
+        # one C++ call per decode step when the weights are packed (kvkeeper.worker.fused_decode); the
         # layer-by-layer path then uses the same C++ element-wise routines
         self.fused_decode = (FusedDecode.build(self.model, self.kv_caches) if fused_decode and
                              self.attention_backend == "cpu" and self.weight_format != "none"
                              and cfg.architecture != "gemma3" else None)
         if self.fused_decode is not None:
             self.model.use_cpu_kernels(self.fused_decode.kernels)
-        self.lora: LoRAHooks | None = None  # installed by enable_lora() (kvkeeper.model.lora)
+        self.lora: LoRAHooks | None = None  # installed by enable_lora() (kvkeeper.layers.lora)
 
     def enable_lora(self) -> LoRAHooks:
         """Install the LoRA forward hooks once (call between steps); raises InvalidRequestError for a model
@@ -307,7 +307,7 @@ class ModelRunner:
         return self.model.compute_logits(h), seqs  # on the model's device: the sampler moves what it needs
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
-        """Capture decode-step CUDA graphs for batches up to ``max_num_seqs`` (see kvkeeper.model.cuda_graphs).
+        """Capture decode-step CUDA graphs for batches up to ``max_num_seqs`` (see kvkeeper.worker.cuda_graphs).
 
         Returns False (and keeps the eager path) on a CPU device, with the PyTorch attention backend or for a
         sliding-window model (Gemma 3).

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .config import ModelConfig
+from ..model_config import ModelConfig
 
 
 def inv_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
-from .llama import MLP
+from ..model_config import ModelConfig
+from .mlp import MLP
 
 
 class Router(nn.Module):

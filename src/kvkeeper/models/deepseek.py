@@ -1,8 +1,8 @@
 """DeepSeek V2 / V2-Lite / V3 decoders (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``) on the paged cache.
 
-Multi-head Latent Attention (:mod:`kvkeeper.model.mla`) in every layer, a dense SwiGLU MLP in the first
-``first_k_dense_replace`` layers and a mixture of experts (:mod:`kvkeeper.model.moe`) after them.  Same
-interface as :class:`~kvkeeper.model.llama.LlamaForCausalLM` (``forward``, ``compute_logits``,
+Multi-head Latent Attention (:mod:`kvkeeper.layers.mla`) in every layer, a dense SwiGLU MLP in the first
+``first_k_dense_replace`` layers and a mixture of experts (:mod:`kvkeeper.layers.moe`) after them.  Same
+interface as :class:`~kvkeeper.models.llama.LlamaForCausalLM` (``forward``, ``compute_logits``,
 ``load_weights``); weights keep transformers' names, except that each MLP's gate/up projections are fused and
 the routed experts are stacked (``mlp.experts.gate_up_proj`` (E, 2 * inter, hidden), ``mlp.experts.down_proj``
 (E, hidden, inter)), built here from the checkpoint's per-expert tensors.  The KV cache of every layer is a
@@ -14,10 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import ModelConfig
-from .llama import MLP, DecoderLayer, LlamaForCausalLM, RMSNorm, take_parameters
-from .mla import DECODE_MODES, MLAttention
-from .moe import MoE
+from ..model_config import ModelConfig
+from ..layers.mlp import MLP
+from .llama import DecoderLayer, LlamaForCausalLM, take_parameters
+from ..layers.norm import RMSNorm
+from ..layers.mla import DECODE_MODES, MLAttention
+from ..layers.moe import MoE
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -88,11 +90,3 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         raise ValueError("the fused C++ decode step does not run DeepSeek (MLA/MoE) layers")
 
 
-def causal_lm_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
-    """The decoder class of a configuration: :class:`DeepseekForCausalLM` for MLA, Gemma 3's
-    (:mod:`kvkeeper.model.gemma3`), else :class:`LlamaForCausalLM`."""
-    if cfg.architecture == "gemma3":
-        from .gemma3 import Gemma3ForCausalLM
-
-        return Gemma3ForCausalLM
-    return DeepseekForCausalLM if cfg.is_mla else LlamaForCausalLM

@@ -1,6 +1,6 @@
 """``--load-format dummy``: random weights of a named Hugging Face config, for measuring speed without weight files.
 
-The package ships a few ``config.json`` files of common shapes under ``kvkeeper/model/configs/``
+The package ships a few ``config.json`` files of common shapes under ``kvkeeper/weights/configs/``
 (``llama-3.1-8b``, ``llama-3-8b``, ``qwen2.5-7b``, ``deepseek-v2-lite``, ``deepseek-v3``); any path to a ``config.json`` (or a folder
 holding one) works too.  Nothing is downloaded.  The config goes through the same parser as a real
 Hugging Face folder (:meth:`ModelConfig.from_hf_dict`).
@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelFormatError, ModelNotFoundError
-from .config import ModelConfig
+from ..model_config import ModelConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 def known_configs() -> list[str]:
-    """Names of the shipped configs (file stems under kvkeeper/model/configs)."""
+    """Names of the shipped configs (file stems under kvkeeper/weights/configs)."""
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 
 
@@ -65,8 +65,8 @@ def load_config(name_or_path: str) -> tuple[ModelConfig, Path]:
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the model's parameters (fused q/k/v and gate/up), built on the meta device."""
-    from .deepseek import causal_lm_class
-    from .llama import skip_init
+    from ..models.registry import causal_lm_class
+    from ..models.llama import skip_init
 
     with skip_init(), torch.device("meta"):
         model = causal_lm_class(cfg)(cfg)

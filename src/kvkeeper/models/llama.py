@@ -14,60 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention_backend import paged_attention
-from .attn_meta import AttentionMetadata
-from .config import ModelConfig
-from .quant_weights import PackedWeight, QuantEmbedding, QuantLinear, qmm
-from .rope import RotaryEmbedding, apply_rope
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich, 2019), computed in float32 like transformers."""
-
-    kernels = None  # the C++ kernels module when the model's weights are packed (see use_cpu_kernels)
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            return self.kernels.rmsnorm(x, self.weight, self.eps)
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` that picks the fastest CPU BLAS layout for the number of rows.
-
-    x: (M, in) -> (M, out).  On the 2-core EPYC CI machine with MKL, a one- or
-    two-row product streams the weight about 30% faster as ``x @ W^T`` with
-    ``W^T`` (in, out) contiguous than as ``F.linear`` (measured in
-    ``benchmarks/engine_bench.py``'s roofline section), and 9..48 rows run
-    faster as ``(W @ x^T)^T``.  ``add_transposed_copy()`` keeps that extra
-    ``W^T`` copy (doubling this layer's weight memory); without it the module
-    is a plain ``nn.Linear``.
-    """
-
-    transposed: torch.Tensor | None = None
-
-    def add_transposed_copy(self) -> None:
-        self.transposed = self.weight.detach().t().contiguous()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        if self.transposed is not None:
-            if m <= 2:
-                y = torch.mm(x, self.transposed)
-                return y if self.bias is None else y + self.bias
-            if 9 <= m <= 48:
-                y = torch.mm(self.weight, x.t()).t().contiguous()
-                return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+from ..attention.metadata import AttentionMetadata
+from ..attention.selector import paged_attention
+from ..layers.linear import Linear
+from ..layers.mlp import MLP
+from ..layers.norm import RMSNorm
+from ..layers.quantized import PackedWeight, QuantEmbedding, QuantLinear, qmm
+from ..layers.rope import RotaryEmbedding, apply_rope
+from ..model_config import ModelConfig
 
 
 class Attention(nn.Module):
@@ -99,24 +53,6 @@ class Attention(nn.Module):
             k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), *cos_sin)
         o = paged_attention(q, k, v.view(T, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, -1))
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer, 2020) with one fused gate/up projection."""
-
-    kernels = None  # see LlamaForCausalLM.use_cpu_kernels
-
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
-        super().__init__()
-        self.inter = inter = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
-        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -197,9 +133,9 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32) -> None:
         """Copy a HF-named state dict in (q/k/v and gate/up are fused here).
 
-        A :class:`~kvkeeper.model.quant_weights.PackedWeight` under a fused projection's name (e.g.
+        A :class:`~kvkeeper.layers.quantized.PackedWeight` under a fused projection's name (e.g.
         ``model.layers.0.self_attn.qkv_proj.weight``) or the embedding's / LM head's name replaces that
-        module by a :class:`QuantLinear` / :class:`QuantEmbedding` (see kvkeeper.model.quant_weights).
+        module by a :class:`QuantLinear` / :class:`QuantEmbedding` (see kvkeeper.weights.formats).
         Raises :class:`ModelFormatError` naming missing or misshaped tensors.
         """
         from ..errors import ModelFormatError
@@ -251,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_kernels(self, kernels) -> None:
         """Compute RMSNorm, RoPE and SiLU(gate) * up with the C++ routines of the fused decode step
-        (:mod:`kvkeeper.model.fused_decode`), so that a decode token's result is the same bit for bit whether its
+        (:mod:`kvkeeper.worker.fused_decode`), so that a decode token's result is the same bit for bit whether its
         step runs fused or layer by layer (mixed with a prefill).  For packed (quantized) float32 models on CPU;
         the float32 reference path keeps PyTorch's operators."""
         for m in self.modules():

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ModelFormatError, UnsupportedArchitectureError
+from .errors import ModelFormatError, UnsupportedArchitectureError
 
 # model_type (HF) / general.architecture (GGUF) values we implement.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3", "gemma3")

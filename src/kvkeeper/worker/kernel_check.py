@@ -2,9 +2,9 @@
 
 * :func:`self_check`: one mixed and one decode-only attention step on small random paged caches of the
   model's shapes, through a kernel backend ("triton" or "cpu", dispatched by
-  :mod:`kvkeeper.model.attention_backend`) and through the reference; the runner runs it before trusting a
+  :mod:`kvkeeper.attention.selector`) and through the reference; the runner runs it before trusting a
   backend and falls back to the reference on an error or a mismatch.
-* :func:`qmm_self_check`: the C++ block matmul (:mod:`kvkeeper.model.quant_weights`) on random 4- and 8-bit
+* :func:`qmm_self_check`: the C++ block matmul (:mod:`kvkeeper.weights.formats`) on random 4- and 8-bit
   blocks against the float64 product of the dequantized weights and the int8-rounded activations.
 
 Kernel modules never import this module; it imports them (the Triton module lazily, inside the dispatch).
@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 
 from ..kvcache.quant import PagedKV, parse_kv_format
-from . import attention, attention_backend, cpu_kernels, quant_weights
-from .attn_meta import AttentionMetadata, PrefillSpan
+from ..attention import reference as attention, selector as attention_backend
+from ..kernels import cpu as cpu_kernels
+from ..layers import quantized
+from ..attention.metadata import AttentionMetadata, PrefillSpan
 
 
 def random_step(seqs, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, fmt,
@@ -126,7 +128,7 @@ def qmm_self_check(k: int = 96, n: int = 40, m: int = 3, seed: int = 0) -> float
         u = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.int32)
         d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
         mm = (torch.randn(n, k // 32, generator=g) * 0.05).half()
-        pw = quant_weights.pack_blocks(u, d, mm, bits, f"random {bits}-bit")
+        pw = quantized.pack_blocks(u, d, mm, bits, f"random {bits}-bit")
         x = torch.randn(m, k, generator=g)
         y = mod.qmm(x, pw.qs, pw.sc, bits, n).double()
         xq, dx, _ = mod.quantize_activations(x)

@@ -1,6 +1,6 @@
 """Attention on CPU that reads the paged KV cache in place (the C++ kernels of csrc/kvk_cpu.cpp).
 
-:func:`decode_attention` has the contract of :func:`kvkeeper.model.attention.decode_attention` (the
+:func:`decode_attention` has the contract of :func:`kvkeeper.attention.reference.decode_attention` (the
 reference, which gathers every block of every sequence into a padded tensor each step): qd (B, H, D) ->
 (B, H, D) in qd's dtype, for sequences whose KV lengths are ``meta.decode_context_lens`` and whose blocks
 are ``meta.decode_block_tables``.  The kernel walks each sequence's blocks where they lie, dequantizing
@@ -10,7 +10,7 @@ with an online softmax (Milakov & Gimelshein, 2018); the context is cut into chu
 2023).  The chunking depends only on each sequence's own length, so a sequence's result does not depend
 on the other sequences of the batch.  Computed in float32 (a bfloat16/float16 query is converted).
 
-:func:`paged_attention` is the whole step with the contract of :func:`kvkeeper.model.attention.paged_attention`:
+:func:`paged_attention` is the whole step with the contract of :func:`kvkeeper.attention.reference.paged_attention`:
 the new K/V are written, prefill spans go through ``extend_attention`` (causal, FlashAttention-2 style tiles of
 16 queries times the GQA group, over the blocks in place: no gather of the context), decode tokens through
 :func:`decode_attention`.  Every token, new ones included, is attended to as the cache holds it.  A span whose
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from ..kvcache.quant import PagedKV
-from . import cpu_kernels
-from .attn_meta import AttentionMetadata
+from ..kernels import cpu as cpu_kernels
+from .metadata import AttentionMetadata
 
 SPLIT_BLOCKS = 16  # blocks per parallel work item (256 tokens at the default block size)
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}

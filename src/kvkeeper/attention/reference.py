@@ -13,7 +13,7 @@ tokens (prefill or a prefill chunk) run one causal attention call each.  GQA
 is handled by ``scaled_dot_product_attention(enable_gqa=True)``.
 
 This module is the reference: it imports no kernel module.  Which path computes a step is decided in
-:mod:`kvkeeper.model.attention_backend`, which may hand :func:`paged_attention` a faster decode routine.
+:mod:`kvkeeper.attention.selector`, which may hand :func:`paged_attention` a faster decode routine.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kvcache.quant import PagedKV
-from .attn_meta import AttentionMetadata, PrefillSpan
+from .metadata import AttentionMetadata, PrefillSpan
 
 __all__ = ["AttentionMetadata", "PrefillSpan", "paged_attention"]
 

@@ -24,12 +24,12 @@ block_size, KVH)`` for K and for V):
   holds the tokens (the PyTorch reference does the same).
 
 Quantized blocks are dequantized in the kernel: ``value.to(float32) * scale``, then cast to the query
-dtype before the product, as the reference (:mod:`kvkeeper.model.attention`) does.
+dtype before the product, as the reference (:mod:`kvkeeper.attention.reference`) does.
 
-Only this module imports ``triton``, and only the dispatch (:mod:`kvkeeper.model.attention_backend`), the
-start-up check (:mod:`kvkeeper.model.kernel_check`) and the CUDA graphs import this module, lazily; it imports
+Only this module imports ``triton``, and only the dispatch (:mod:`kvkeeper.attention.selector`), the
+start-up check (:mod:`kvkeeper.worker.kernel_check`) and the CUDA graphs import this module, lazily; it imports
 no other attention module.  Importing it without triton installed fails with ImportError, so callers check
-:func:`kvkeeper.model.attention_backend.triton_available` first.
+:func:`kvkeeper.attention.selector.triton_available` first.
 The kernels run on CPU tensors when ``TRITON_INTERPRET=1`` is set before this module is imported
 (``triton.jit`` reads it when the kernels are defined; the CI tests do that).
 
@@ -357,7 +357,7 @@ def extend_attention(q: torch.Tensor, cache: PagedKV, q_starts: torch.Tensor, q_
     return out
 
 
-# ---- the step: same contract as kvkeeper.model.attention.paged_attention -----------------------
+# ---- the step: same contract as kvkeeper.attention.reference.paged_attention -----------------------
 
 
 def _extend_inputs(meta, device):
@@ -388,7 +388,7 @@ def _extend_inputs(meta, device):
 
 def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKV, meta,
                            scale: float) -> torch.Tensor:
-    """The kernel path of :func:`kvkeeper.model.attention.paged_attention` (same shapes and contract).
+    """The kernel path of :func:`kvkeeper.attention.reference.paged_attention` (same shapes and contract).
 
     q: (T, H, D); k, v: (T, KVH, D).  Decode-only steps use :func:`decode_attention` (the number of
     splits from ``meta.decode_num_splits`` when set, e.g. by a CUDA graph, else from

@@ -3,7 +3,7 @@
 Both paths produce a :class:`ModelConfig` and a state dict in Hugging Face
 naming (``model.layers.{i}.self_attn.q_proj.weight`` ...), dequantised to
 float32 tensors (a :class:`ModelWeights`, which also says where they came from);
-the model casts them to its dtype, or :mod:`kvkeeper.model.quant_weights`
+the model casts them to its dtype, or :mod:`kvkeeper.weights.formats`
 replaces matrices by packed blocks (``--quantization``).
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ModelFormatError, ModelNotFoundError
 from ..progress import track
-from .config import ModelConfig
+from ..model_config import ModelConfig
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -171,7 +171,7 @@ def _gemma3_gguf_fields(cfg: ModelConfig, field, p: str) -> None:
     """Gemma 3 hyper-parameters that GGUF metadata carries or llama.cpp fixes for the architecture: the window
     (``{p}.attention.sliding_window``), every 6th layer global, local RoPE base 10,000, query scale
     ``key_length**-0.5`` (Gemma 3 270M/1B/4B/12B), soft-capping when the file names one."""
-    from .config import gemma3_layer_types
+    from ..model_config import gemma3_layer_types
 
     cfg.sliding_window = int(field(f"{p}.attention.sliding_window", 4096))
     cfg.layer_types = gemma3_layer_types(cfg.num_layers)
