@@ -23,17 +23,17 @@ SHORT_FUNCTION_DIRS = ("engine", "sessions", "api", "cluster")
 
 
 def read_layers(readme: Path) -> dict[str, int]:
-    """{top-level part of the package: layer number} from the README's table between the layer markers."""
+    """{top-level part of the package: layer number} from docs/architecture.md's table between the layer markers."""
     text = readme.read_text(encoding="utf-8")
     m = re.search(r"<!-- layers:begin -->(.*?)<!-- layers:end -->", text, re.S)
-    assert m, "README.md lacks the layer table (<!-- layers:begin --> ... <!-- layers:end -->)"
+    assert m, f"{readme.name} lacks the layer table (<!-- layers:begin --> ... <!-- layers:end -->)"
     layers: dict[str, int] = {}
     for line in m.group(1).splitlines():
         row = re.match(r"\|\s*(\d+)\s*\|([^|]*)\|", line)
         if row:
             for name in re.findall(r"`([\w.]+)`", row.group(2)):
                 layers[name] = int(row.group(1))
-    assert layers, "the README's layer table has no rows"
+    assert layers, f"the layer table of {readme.name} has no rows"
     return layers
 
 
@@ -141,7 +141,7 @@ def test_no_import_cycle():
 
 
 def test_imports_follow_the_readme_layers():
-    assert layer_violations(module_imports(SRC, PKG), read_layers(ROOT / "README.md"), PKG) == []
+    assert layer_violations(module_imports(SRC, PKG), read_layers(ROOT / "docs" / "architecture.md"), PKG) == []
 
 
 @pytest.mark.parametrize("part", SHORT_FUNCTION_DIRS)
