@@ -15,13 +15,13 @@ from ..argtypes import non_negative_int
 from ..errors import ContextLengthError, KVKeeperError
 from ..progress import progress
 from ..sessions.manager import SessionManager
-from .common import (EXIT_OK, CLIError, add_sampling, fmt_s, load_engine, out_console, sampling,
+from .common import (EXIT_OK, CLIError, add_sampling, command, fmt_s, load_engine, out_console, sampling,
                      stats_line, stderr)
 
 
 def add_parsers(sub, parent: argparse.ArgumentParser) -> None:
     """Add ``generate``, ``chat`` and ``converse`` to the subcommands ``sub`` (parent: the engine options)."""
-    g = sub.add_parser("generate", parents=[parent], help="complete one prompt",
+    g = command(sub, cmd_generate, "generate", parents=[parent], help="complete one prompt",
                        description="Complete one prompt.  Raw text by default; --chat sends it as one user message "
                                    "through the model's chat template.")
     g.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt text ('-' reads it from stdin)")
@@ -32,22 +32,20 @@ def add_parsers(sub, parent: argparse.ArgumentParser) -> None:
                    help="strings that end generation (not included in the text)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token ids, token counts, timings) instead of the text")
-    g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", parents=[parent], help="interactive multi-turn chat (one session, KV kept between turns)",
+    c = command(sub, cmd_chat, "chat", parents=[parent], help="interactive multi-turn chat (one session, KV kept between turns)",
                        description="Chat on one session: each line read from stdin is a user message.  "
                                    "Commands: /reset starts a new session, /exit (or end of input) quits.")
     c.add_argument("--system", metavar="TEXT", help="system message")
     add_sampling(c, max_tokens=256, temperature=0.7)
-    c.set_defaults(func=cmd_chat)
 
-    v = sub.add_parser("converse", parents=[parent], help="run scripted multi-turn conversations from a JSONL file",
+    v = command(sub, cmd_converse, "converse", parents=[parent], help="run scripted multi-turn conversations from a JSONL file",
                        description="Run scripted conversations, one session per JSONL line.  A line holds a list of "
                                    "user turns under 'turns': strings (MT-Bench) or objects with 'text' (Topical-Chat).  "
                                    "The id is 'question_id', else 'id', else the line number.")
     v.add_argument("file", metavar="FILE.jsonl", help="conversations, one JSON object per line")
-    v.add_argument("--system", metavar="TEXT", help="system message for every conversation")
     add_sampling(v, max_tokens=128, temperature=0.0)
+    v.add_argument("--system", metavar="TEXT", help="system message for every conversation")
     v.add_argument("--limit", type=non_negative_int, metavar="K", help="run only the first K conversations")
     v.add_argument("--json", metavar="OUT", dest="json_out", help="write one JSON record per turn to OUT")
     v.add_argument("--no-reuse", action="store_true",
@@ -58,7 +56,6 @@ def add_parsers(sub, parent: argparse.ArgumentParser) -> None:
                         "every turn; print TTFT of both per turn and their ratio")
     v.add_argument("--plot", metavar="FILE.png", help="with --compare: draw TTFT per turn of both runs "
                                                       "(needs matplotlib: pip install 'kvkeeper[plots]')")
-    v.set_defaults(func=cmd_converse)
 
 
 # ---- generate -------------------------------------------------------------------

@@ -46,6 +46,20 @@ def stderr(msg: str, style: str | None = "dim") -> None:
     err_console().print(msg, style=style, markup=False)
 
 
+def command(sub, func, name: str, **kw) -> argparse.ArgumentParser:
+    """A subcommand ``name`` of ``sub`` that runs ``func(args)``; kw: ``add_parser``'s (help, description, parents)."""
+    p = sub.add_parser(name, **kw)
+    p.set_defaults(func=func)
+    return p
+
+
+def tool_group(sub, dest: str, metavar: str, name: str, **kw):
+    """A subcommand ``name`` of ``sub`` whose own subcommands are required (``kvkeeper kv TOOL``); returns them."""
+    group = sub.add_parser(name, **kw).add_subparsers(dest=dest, metavar=metavar)
+    group.required = True
+    return group
+
+
 def engine_parent() -> argparse.ArgumentParser:
     """A parent parser with the engine options (EngineConfig's fields) and ``-v``."""
     p = argparse.ArgumentParser(add_help=False)

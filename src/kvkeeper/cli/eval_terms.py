@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ..argtypes import positive_int
-from .common import EXIT_OK, CLIError, load_engine, out_console, stderr
+from .common import EXIT_OK, CLIError, command, load_engine, out_console, stderr, tool_group
 
 DEFAULT_TERMS = Path(__file__).resolve().parents[3] / "data" / "wmt21_terminology_enfr" / "dev.en-fr.terms.jsonl"
 ROWS = (("term_accuracy", "term acc", 1), ("window_overlap_2", "WO-2", 1), ("window_overlap_3", "WO-3", 1),
@@ -31,12 +31,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(esub, parent: argparse.ArgumentParser) -> None:
-    t = esub.add_parser("terms", help="terminology accuracy and consistency of document translation",
+    tsub = tool_group(esub, "terms_command", "MODE", "terms", help="terminology accuracy and consistency of document translation",
                         description="Score translations with the WMT21 terminology metrics and a consistency "
                                     "score, or translate documents as sessions and score them.")
-    tsub = t.add_subparsers(dest="terms_command", metavar="MODE")
-    tsub.required = True
-    sc = tsub.add_parser("score", help="score a hypothesis file against references and a terms file",
+    sc = command(tsub, cmd_terms_score, "score", help="score a hypothesis file against references and a terms file",
                          description="Score one hypothesis line per segment (matched by order with --ref and "
                                      "--terms; documents from the terms file's doc_id).")
     sc.add_argument("--hyp", required=True, metavar="FILE", help="translations, one segment a line")
@@ -44,8 +42,7 @@ def add_parser(esub, parent: argparse.ArgumentParser) -> None:
     sc.add_argument("--terms", required=True, metavar="FILE.jsonl", help="one terms record per segment")
     _common(sc)
     sc.add_argument("-v", "--verbose", action="store_true", help="log to stderr (INFO)")
-    sc.set_defaults(func=cmd_terms_score)
-    g = tsub.add_parser("generate", parents=[parent], help="translate documents as sessions, then score",
+    g = command(tsub, cmd_terms_generate, "generate", parents=[parent], help="translate documents as sessions, then score",
                         description="Translate each document of --terms as one session (a segment a turn, greedy) "
                                     "under each --conditions, through the local engine or --server, and score.")
     g.add_argument("--terms", default=str(DEFAULT_TERMS), metavar="FILE.jsonl",
@@ -66,7 +63,6 @@ def add_parser(esub, parent: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the random-terms control (default: 0)")
     g.add_argument("--out", metavar="DIR", help="write hyp.<condition>.txt, turns.<condition>.jsonl and scores.json")
     _common(g)
-    g.set_defaults(func=cmd_terms_generate)
 
 
 def _read_lines(path: str) -> list[str]:

@@ -11,15 +11,13 @@ import json
 
 from ..argtypes import non_negative_int, positive_int
 from . import eval_terms
-from .common import EXIT_ERROR, EXIT_OK, load_engine, out_console, stderr
+from .common import EXIT_ERROR, EXIT_OK, command, load_engine, out_console, stderr, tool_group
 
 
 def add_parser(sub, parent: argparse.ArgumentParser) -> None:
-    e = sub.add_parser("eval", help="quality under KV quantization: perplexity, passkey retrieval, terminology",
+    esub = tool_group(sub, "eval_command", "TASK", "eval", help="quality under KV quantization: perplexity, passkey retrieval, terminology",
                        description="Evaluate the model through kvkeeper's own KV cache.")
-    esub = e.add_subparsers(dest="eval_command", metavar="TASK")
-    esub.required = True
-    pp = esub.add_parser("perplexity", parents=[parent], help="perplexity of the first N tokens of a UTF-8 text",
+    pp = command(esub, cmd_eval_perplexity, "perplexity", parents=[parent], help="perplexity of the first N tokens of a UTF-8 text",
                          description="Run the first --context tokens of --text as one sequence (prefilled in chunks "
                                      "through the paged KV cache) and report its perplexity.")
     pp.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file")
@@ -35,8 +33,7 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
                     help="score only the M tokens after the --context tokens (continuation perplexity; "
                          "default 256 with --policy, else every position of the context is scored)")
     pp.add_argument("--json", action="store_true", help="print one JSON object: ppl, tokens, kv_bytes_per_token, ...")
-    pp.set_defaults(func=cmd_eval_perplexity)
-    pk = esub.add_parser("passkey", parents=[parent], help="passkey retrieval accuracy over lengths and depths",
+    pk = command(esub, cmd_eval_passkey, "passkey", parents=[parent], help="passkey retrieval accuracy over lengths and depths",
                          description="Hide a five-digit pass key at each depth of a filler text of each length and "
                                      "ask for it (greedy); report the accuracy per cell and overall.")
     pk.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096], metavar="N",
@@ -49,7 +46,6 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
     pk.add_argument("--ratio", type=float, default=0.5, metavar="R", help="fraction dropped (default: 0.5)")
     pk.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default: 0)")
     pk.add_argument("--json", action="store_true", help="print one JSON object with the cells and the accuracy")
-    pk.set_defaults(func=cmd_eval_passkey)
     eval_terms.add_parser(esub, parent)
     _add_memory_parsers(esub, parent)
 
@@ -57,11 +53,12 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
 def _add_memory_parsers(esub, parent: argparse.ArgumentParser) -> None:
     from ..sessions.context import POLICIES
 
-    m = esub.add_parser("memory", parents=[parent], help="recall of early facts under a context policy",
+    m = command(esub, cmd_eval_memory, "memory", parents=[parent], help="recall of early facts under a context policy",
                         description="Replay conversations (FILE.jsonl: id, system, messages, questions) one session "
                                     "each under --context-policy and --budget, ask each question and report how often "
                                     "the answer and its evidence were in the prompt and in the reply.")
     m.add_argument("file", metavar="FILE.jsonl", help="conversations with questions (see `eval memory-data`)")
+    m.add_argument("--json", metavar="OUT", help="write the result object (figures, per_question, per_turn) to OUT")
     m.add_argument("--context-policy", choices=POLICIES, required=True, help="the sessions' context policy")
     m.add_argument("--budget", type=positive_int, required=True, metavar="N", help="prompt tokens (context budget)")
     m.add_argument("--context-every", type=positive_int, default=4, metavar="K",
@@ -72,9 +69,7 @@ def _add_memory_parsers(esub, parent: argparse.ArgumentParser) -> None:
     m.add_argument("--replay", choices=("turns", "questions"), default="turns",
                    help="send every user message of the history in order, as a live client would (turns, the "
                         "default), or only the questions (faster; its cached share says nothing of a live session)")
-    m.add_argument("--json", metavar="OUT", help="write the result object (figures, per_question, per_turn) to OUT")
-    m.set_defaults(func=cmd_eval_memory)
-    g = esub.add_parser("memory-data", parents=[parent], help="generate conversations with planted facts",
+    g = command(esub, cmd_eval_memory_data, "memory-data", parents=[parent], help="generate conversations with planted facts",
                         description="Join Topical-Chat dialogues into long conversations, plant facts (a name, a "
                                     "number, a date, a place) early and ask about them later; seeded.")
     g.add_argument("out", metavar="OUT.jsonl")
@@ -85,7 +80,6 @@ def _add_memory_parsers(esub, parent: argparse.ArgumentParser) -> None:
                    help="tokens per conversation at least (default: 6000)")
     g.add_argument("--facts", type=positive_int, default=3, metavar="N", help="planted facts each (default: 3)")
     g.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
-    g.set_defaults(func=cmd_eval_memory_data)
 
 
 def cmd_eval_perplexity(args: argparse.Namespace) -> int:

@@ -19,19 +19,17 @@ from pathlib import Path
 
 from ..argtypes import non_negative_float as _non_negative_float
 from ..argtypes import positive_int as _positive_int
-from .common import EXIT_OK, CLIError, load_engine, out_console, stderr
+from .common import EXIT_OK, CLIError, command, load_engine, out_console, stderr, tool_group
 
 EXIT_DIVERGED = 1
 
 
 def add_parser(sub, parent: argparse.ArgumentParser) -> None:
     """Add ``kv`` and its tools (map, dump, diff, audit) to the subcommands ``sub``; parent: the engine options."""
-    kvp = sub.add_parser("kv", help="inspect the KV cache: block map, dump, diff, audit",
+    kvsub = tool_group(sub, "kv_command", "TOOL", "kv", help="inspect the KV cache: block map, dump, diff, audit",
                          description="Inspect the KV cache of a server or of a local engine: the block map, "
                                      "layer-wise dumps and diffs, the reuse audit.")
-    kvsub = kvp.add_subparsers(dest="kv_command", metavar="TOOL")
-    kvsub.required = True
-    km = kvsub.add_parser("map", parents=[parent], help="draw the KV block pool in the terminal",
+    km = command(kvsub, cmd_kv_map, "map", parents=[parent], help="draw the KV block pool in the terminal",
                           description="Draw every KV block as a coloured cell (free, cached, owned per owner, shared, "
                                       "offloaded) with the fragmentation figures, from a server's /admin/kv.json or "
                                       "(--demo) from a local engine after a few prompts.  Engine options apply to --demo.")
@@ -44,8 +42,7 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
     km.add_argument("--rows", type=_positive_int, default=32, metavar="N",
                     help="at most N rows of cells; larger pools draw several blocks per cell (default: 32)")
     km.add_argument("--json", action="store_true", help="print the block-map document (JSON) instead of drawing it")
-    km.set_defaults(func=cmd_kv_map)
-    d = kvsub.add_parser("dump", parents=[parent], help="write a prompt's or a session's K/V to a safetensors file",
+    d = command(kvsub, cmd_kv_dump, "dump", parents=[parent], help="write a prompt's or a session's K/V to a safetensors file",
                         description="Dump K and V (layers x token positions) to a safetensors file with metadata. "
                                     "Either compute a prompt here (--prompt / --messages) or fetch a session's KV "
                                     "from a running server (--server URL --session ID).")
@@ -63,9 +60,8 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
                    help="prefill the prompt's first N tokens first, so that the dump reuses them from the prefix "
                         "cache (default: 0, the prompt is computed whole)")
     d.add_argument("-o", "--output", required=True, metavar="OUT.safetensors", help="output file")
-    d.set_defaults(func=cmd_kv_dump)
 
-    f = kvsub.add_parser("diff", help="compare two KV dumps layer by layer",
+    f = command(kvsub, cmd_kv_diff, "diff", help="compare two KV dumps layer by layer",
                         description="Per-layer max and mean |A - B| of K and V, and the first divergent layer and "
                                     "token.  Exit status 0: no divergence above --atol; 1: divergence; 2: error.")
     f.add_argument("a", metavar="A.safetensors")
@@ -73,20 +69,19 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
     f.add_argument("--atol", type=_non_negative_float, default=0.0, metavar="X",
                    help="a token diverges when some |A - B| exceeds X (default: 0)")
     f.add_argument("--json", action="store_true", help="print one JSON object")
-    f.set_defaults(func=cmd_kv_diff, verbose=False)
+    f.set_defaults(verbose=False)
 
-    a = kvsub.add_parser("audit", parents=[parent], help="run prompts with every request audited (reuse vs recompute)",
+    a = command(kvsub, cmd_kv_audit, "audit", parents=[parent], help="run prompts with every request audited (reuse vs recompute)",
                         description="Run a prompt, a conversation or conversations from a JSONL file (one session "
                                     "per line, as `converse`) with the reuse audit on every request.  Exit status "
                                     "0: no divergence; 1: some request diverged.")
+    a.add_argument("--limit", type=_positive_int, metavar="K", help="only the first K conversations")
+    a.add_argument("--max-tokens", type=int, default=16, metavar="N", help="tokens per reply (default: 16)")
+    a.add_argument("--json", action="store_true", help="print one JSON object per audited request")
     src = a.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="raw prompt text")
     src.add_argument("--messages", metavar="FILE.json", help="a conversation (JSON list of {role, content})")
     src.add_argument("--conversations", metavar="FILE.jsonl", help="user turns per line (MT-Bench / Topical-Chat)")
-    a.add_argument("--limit", type=_positive_int, metavar="K", help="only the first K conversations")
-    a.add_argument("--max-tokens", type=int, default=16, metavar="N", help="tokens per reply (default: 16)")
-    a.add_argument("--json", action="store_true", help="print one JSON object per audited request")
-    a.set_defaults(func=cmd_kv_audit)
 
 
 # ---- helpers ---------------------------------------------------------------------

@@ -15,11 +15,11 @@ from ..errors import KVKeeperError
 from ..options import add_options, from_args
 from ..sessions.breaker import BreakerConfig
 from ..sessions.manager import SessionConfig
-from .common import EXIT_ERROR, EXIT_OK, CLIError, load_engine, stderr
+from .common import EXIT_ERROR, EXIT_OK, CLIError, command, load_engine, stderr
 
 
 def add_parser(sub, parent: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("serve", parents=[parent], help="run the OpenAI-compatible HTTP server",
+    s = command(sub, cmd_serve, "serve", parents=[parent], help="run the OpenAI-compatible HTTP server",
                        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /v1/sessions, "
                                    "/health and /metrics over HTTP.")
     add_options(s, ServerConfig)
@@ -28,7 +28,6 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
     add_options(s.add_argument_group("reuse audit"), AuditConfig)
     add_options(s.add_argument_group("cache-health detector (see README: Cache-health prediction)"), HealthConfig)
     add_options(s.add_argument_group("replicas on Ray Serve (README: Scale-out on Ray Serve)"), ClusterConfig)
-    s.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
