@@ -140,6 +140,7 @@ class BlockPool:
 
     @property
     def num_cached_free(self) -> int:
+        """Cached blocks no owner references: allocatable, reused by a prefix hit until then (LRU order)."""
         return len(self._free_cached)
 
     def usage(self) -> float:
