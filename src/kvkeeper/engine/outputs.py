@@ -45,16 +45,16 @@ class RequestOutput:
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
-
     @classmethod
     def from_seq(cls, seq: Sequence) -> "RequestOutput":
         ttft, speed = _timings(seq)
         return cls(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], list(seq.output_token_ids), seq.text,
                    seq.finish_reason, seq.num_cached_tokens or 0, ttft, speed, seq.num_preemptions,
                    list(seq.logprobs), seq.error)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
