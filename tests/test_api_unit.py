@@ -199,7 +199,7 @@ def test_gauges_are_published_before_outputs_and_answers(tmp_path, monkeypatch):
         snap = {}
         monkeypatch.setattr(ae, "_resolve", lambda f, r=None, e=None: (snap.update(aeng.metrics.snapshot),
                                                                        real_resolve(f, r, e)))
-        aeng._handle((kind, *args, loop, fut) if kind == "call" else (kind, args[0], loop, fut, args[1]))
+        aeng._handle(ae.Call(args[0], loop, fut) if kind == "call" else ae.Add(args[0], loop, fut, args[1]))
         return fut, snap
 
     async def run():
