@@ -115,6 +115,7 @@ class AsyncEngine:
         self.metrics = metrics or ServerMetrics()
         self.tracker = RequestTracker(engine, sessions, self.metrics, tracer, max_new_tokens)
         self._served_name: str | None = None
+        self._grammars = getattr(engine, "grammars", None)  # the compiler (thread-safe), taken before the thread runs
         self.served = ServedModels.of(engine)  # replaced (never changed) by the engine thread
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -178,10 +179,10 @@ class AsyncEngine:
         """Compile the request's output grammar in a worker thread, so that the engine thread finds it
         compiled (the compiler keeps it) instead of stalling every running request while it compiles.
         Raises :class:`InvalidRequestError` for a grammar that cannot be used."""
-        grammars = getattr(self.engine, "grammars", None)
         so = req.params[0].structured if req.params else None
-        if grammars is not None and so is not None:
-            await asyncio.to_thread(grammars.matcher, so)
+        if self._grammars is not None and so is not None:
+            await asyncio.to_thread(self._grammars.matcher, so)
+
     async def submit(self, req: GenerationRequest) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it.
 
