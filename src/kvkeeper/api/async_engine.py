@@ -102,6 +102,8 @@ class AsyncEngine:
     before :meth:`submit` raises :class:`QueueFullError` (HTTP 503).  max_new_tokens: cap on tokens
     per choice.  tracer: a :class:`kvkeeper.api.tracing.RequestTracer` (None: no traces).  health: a
     :class:`~kvkeeper.diagnostics.health.HealthMonitor` fed with the telemetry samples (None: none).
+    ``served``: the :class:`~kvkeeper.api.served.ServedModels` snapshot handlers read (replaced, never changed,
+    by the engine thread after each :class:`Call`).
     """
 
     def __init__(self, engine, sessions=None, max_queue: int = DEFAULT_MAX_QUEUE, metrics: ServerMetrics | None = None,

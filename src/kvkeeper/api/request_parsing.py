@@ -47,7 +47,7 @@ def request_context(request: Request, who: Caller, chat: bool = True) -> Request
     """Parse the request's headers; ``chat`` False (``/v1/completions``) refuses the context headers."""
     h, st = request.headers, request.app.state
     if not chat:
-        refuse_context_headers(request)
+        _refuse_context_headers(request)
     sid = h.get("x-session-id")
     if sid is not None and not _SESSION_ID_RE.match(sid):
         raise APIError(400, "X-Session-ID must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", param="X-Session-ID")
@@ -81,7 +81,7 @@ def context_headers(request: Request) -> tuple[str | None, int | None]:
     return (policy.strip().lower() if policy is not None else None), budget
 
 
-def refuse_context_headers(request: Request) -> None:
+def _refuse_context_headers(request: Request) -> None:
     """``X-Context-Policy`` / ``X-Context-Budget`` on ``/v1/completions``: 400 naming the header (a context policy
     rewrites a conversation's messages; a text completion has none, so the header would be ignored)."""
     for name in _CONTEXT_HEADERS:
