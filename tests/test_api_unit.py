@@ -199,7 +199,7 @@ def test_gauges_are_published_before_outputs_and_answers(tmp_path, monkeypatch):
         snap = {}
         monkeypatch.setattr(ae, "_resolve", lambda f, r=None, e=None: (snap.update(aeng.metrics.snapshot),
                                                                        real_resolve(f, r, e)))
-        aeng._handle((kind, *args, loop, fut) if kind == "call" else (kind, args[0], loop, fut, args[1]))
+        aeng._handle(ae.Call(args[0], loop, fut) if kind == "call" else ae.Add(args[0], loop, fut, args[1]))
         return fut, snap
 
     async def run():
@@ -350,3 +350,85 @@ def test_values_of_the_wrong_json_type_are_refused(field, value):
         r = c.post("/v1/chat/completions", json={**BODY, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assert c.post("/detokenize", json={"tokens": [True]}).json()["error"]["param"] == "tokens.0"
+
+
+# ---- handlers read the engine thread's snapshot, never the engine --------------------------------
+
+
+class WatchedEngine(FakeEngine):
+    """Records the thread of every read of the adapters once ``watching`` is set."""
+
+    watching = False
+
+    def __init__(self):
+        super().__init__()
+        self.readers: list[str] = []
+
+    @property
+    def loras(self) -> dict:
+        import threading
+
+        if self.watching:
+            self.readers.append(threading.current_thread().name)
+        return {}
+
+
+def test_handlers_read_the_published_snapshot_not_the_engine():
+    # /v1/models and every request's model check read LLMEngine.loras from the event loop
+    eng = WatchedEngine()
+    with TestClient(_app(eng), raise_server_exceptions=False) as c:
+        eng.watching = True
+        assert c.get("/v1/models").json()["data"][0]["id"] == "fake"
+        assert c.get("/v1/models/lora-x").status_code == 404
+        c.post("/v1/chat/completions", json=BODY)
+        c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        c.post("/tokenize", json={"prompt": "x"})
+    assert eng.readers and set(eng.readers) == {"kvkeeper-engine"}, eng.readers  # republished after each call
+
+
+def test_the_snapshot_follows_an_adapter_loaded_on_the_engine_thread():
+    import asyncio
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    eng = FakeEngine()
+    eng.loras = {}
+    aeng = AsyncEngine(eng, FakeSessions(eng))
+    aeng.serve_as("served")
+    assert aeng.served.name == "served" and aeng.served.adapters == ()
+    aeng.start()
+    try:
+        asyncio.run(aeng.call(lambda e: e.loras.update(a=SimpleNamespace(path=Path("/x"), id="a-123"))))
+        assert [(a.name, a.path, a.id) for a in aeng.served.adapters] == [("a", "/x", "a-123")]
+        assert aeng.served.adapter("a").id == "a-123" and aeng.served.adapter("served") is None
+    finally:
+        aeng.stop()
+
+
+def test_context_policies_are_the_sessions_own():
+    from typing import get_args
+
+    from kvkeeper.api.schemas import ChatCompletionRequest
+    from kvkeeper.sessions.context import POLICIES
+
+    assert set(get_args(get_args(ChatCompletionRequest.model_fields["context_policy"].annotation)[0])) == set(POLICIES)
+
+
+@pytest.mark.parametrize("headers", [{}, {"X-Session-ID": "s1"}])
+def test_rules_the_engine_checks_still_name_their_field(tmp_path, headers):
+    # the API's own copies of these checks were removed: the engine's InvalidRequestError names the field
+    from tiny_models import tiny_llama_folder
+
+    from kvkeeper import LLMEngine
+    from kvkeeper.sessions.manager import SessionManager
+
+    eng = LLMEngine(str(tiny_llama_folder(tmp_path / "tiny")), num_kv_blocks=64, block_size=4)
+    vocab = eng.model_config.vocab_size
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    with TestClient(create_app(AsyncEngine(eng, SessionManager(eng)), "m")) as c:
+        for path, body, param in (("/v1/chat/completions", {"messages": msgs, "continue_final_message": True},
+                                   "continue_final_message"),
+                                  ("/v1/completions", {"prompt": [1, vocab], "max_tokens": 2}, "prompt"),
+                                  ("/v1/completions", {"prompt": "x", "logit_bias": {str(vocab): 1}}, "logit_bias")):
+            r = c.post(path, json=body, headers=headers)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -42,6 +42,8 @@ from .async_engine import AsyncEngine
 from .auth import KeyRing, admin_caller, caller
 from .errors import BodyTooLargeError, install_error_handlers
 from .lora_routes import router as lora_router
+from .chat import router as chat_router
+from .completions import router as completions_router
 from .openai_routes import public_router
 from .openai_routes import router as openai_router
 from .session_routes import router as session_router
@@ -109,13 +111,14 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
     app.state.engine = engine
     app.state.keys = keys
     app.state.refuse_unknown_fields = refuse_unknown_fields
-    app.state.model_name = served_model_name or engine.model_name
-    app.state.base_ns = engine.engine.namespace  # frozen: safe to read from any thread
+    engine.serve_as(served_model_name)  # handlers read engine.served (the engine thread's snapshot)
+    app.state.model_name = engine.served.name
     app.state.created = int(time.time())
     app.state.allow_runtime_lora = False  # build_server sets --allow-runtime-lora
     install_error_handlers(app, EngineDeadError)
     app.include_router(public_router)
-    app.include_router(openai_router, dependencies=[Depends(caller)])
+    for r in (chat_router, completions_router, openai_router):
+        app.include_router(r, dependencies=[Depends(caller)])
     app.include_router(lora_router, dependencies=[Depends(admin_caller)])
     app.include_router(session_router, dependencies=[Depends(caller)])
     if admin_routes:

@@ -1,15 +1,18 @@
 """The engine loop thread: the only thread that touches the :class:`LLMEngine` and its sessions.
 
 The HTTP handlers run on an asyncio event loop.  They never call the engine (or its
-tokenizer, which is not safe to share between threads); they put commands on a
-thread-safe queue instead:
+tokenizer, which is not safe to share between threads), nor read it: they read the snapshot the
+engine thread publishes (``served``, a :class:`~kvkeeper.api.served.ServedModels`: model name,
+LoRA adapters, context window, vocabulary size), and put typed commands on a thread-safe queue:
 
-* ``submit(GenerationRequest)`` -- the engine thread adds the request
+* :class:`Add` (``submit(GenerationRequest)``) -- the engine thread adds the request
   (:class:`~kvkeeper.api.tracker.RequestTracker`: a session turn when it names a session)
   and answers with a :class:`RequestStream`; errors (:class:`KVKeeperError`) are raised to the caller.
-* ``abort(request_id)`` -- a client went away: every sequence of the request is aborted at once.
-* ``call(fn)`` -- run ``fn(engine)`` on the engine thread (tokenizing, session listing and deletion).
+* :class:`Abort` (``abort(request_id)``) -- a client went away: every sequence of the request is aborted at once.
+* :class:`Call` (``call(fn)``) -- run ``fn(engine)`` on the engine thread (tokenizing, session listing and
+  deletion, loading LoRA adapters); the snapshot is published again after it.
 * ``block_map()`` -- the pool's block map (:mod:`kvkeeper.kvcache.blockmap`), built on the engine thread.
+* :class:`Wake` -- no work: wakes the thread to see that it is asked to stop.
 
 While there is work the thread calls ``engine.step()`` and then publishes each request's new
 output; while idle it lets the circuit breaker cool down.  It also refreshes the metrics
@@ -26,6 +29,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..diagnostics.health import engine_counters
@@ -34,12 +38,14 @@ from ..kvcache.blockmap import engine_block_map
 from ..kvcache.telemetry import FragmentationMonitor
 from .errors import QueueFullError
 from .metrics import ServerMetrics
+from .served import ServedModels
 from .streams import Accepted, EngineDeadError, GenerationRequest, RequestStream
 from .tracker import RequestTracker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "GenerationRequest", "RequestStream"]
+__all__ = ["Abort", "Add", "AsyncEngine", "Call", "Command", "EngineDeadError", "GenerationRequest",
+           "RequestStream", "Wake"]
 
 DEFAULT_MAX_QUEUE = 256  # requests that may wait before new ones get 503 (ServerConfig.max_queue)
 
@@ -53,6 +59,40 @@ def _resolve(fut: asyncio.Future, result=None, exc: BaseException | None = None)
         fut.set_result(result)
 
 
+@dataclass
+class Add:
+    """Add ``req``; resolve ``fut`` (on ``loop``) with its :class:`Accepted`, then feed its outputs to ``q``."""
+
+    req: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    fut: asyncio.Future
+    q: asyncio.Queue
+
+
+@dataclass
+class Abort:
+    """Abort every sequence of the request ``request_id`` (no-op when it has finished)."""
+
+    request_id: str
+
+
+@dataclass
+class Call:
+    """Run ``fn(engine)``; resolve ``fut`` (on ``loop``) with its result or exception."""
+
+    fn: Callable[[Any], Any]
+    loop: asyncio.AbstractEventLoop
+    fut: asyncio.Future
+
+
+@dataclass
+class Wake:
+    """Nothing to do: wakes an idle engine thread (to see that it must stop)."""
+
+
+Command = Add | Abort | Call | Wake
+
+
 class AsyncEngine:
     """Owns an :class:`LLMEngine` (and its sessions) on a background thread; entry points for asyncio code.
 
@@ -62,6 +102,8 @@ class AsyncEngine:
     before :meth:`submit` raises :class:`QueueFullError` (HTTP 503).  max_new_tokens: cap on tokens
     per choice.  tracer: a :class:`kvkeeper.api.tracing.RequestTracer` (None: no traces).  health: a
     :class:`~kvkeeper.diagnostics.health.HealthMonitor` fed with the telemetry samples (None: none).
+    ``served``: the :class:`~kvkeeper.api.served.ServedModels` snapshot handlers read (replaced, never changed,
+    by the engine thread after each :class:`Call`).
     """
 
     def __init__(self, engine, sessions=None, max_queue: int = DEFAULT_MAX_QUEUE, metrics: ServerMetrics | None = None,
@@ -74,8 +116,9 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics()
         self.tracker = RequestTracker(engine, sessions, self.metrics, tracer, max_new_tokens)
-        self.model_name = engine.model_name
-        self.context_length = engine.context_length
+        self._served_name: str | None = None
+        self._grammars = getattr(engine, "grammars", None)  # the compiler (thread-safe), taken before the thread runs
+        self.served = ServedModels.of(engine)  # replaced (never changed) by the engine thread
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._pending_adds = 0  # submitted, not yet taken by the engine thread
@@ -93,6 +136,12 @@ class AsyncEngine:
         self._publish_stats()
 
     # ---- lifecycle --------------------------------------------------------------------
+    def serve_as(self, name: str | None) -> None:
+        """Serve the model as ``name`` (the ``model`` id clients send; None: the engine's model name).
+        Call before :meth:`start`."""
+        self._served_name = name
+        self.served = ServedModels.of(self.engine, name)
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvkeeper-engine", daemon=True)
@@ -101,7 +150,7 @@ class AsyncEngine:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the engine thread; then, with a disk tier, save the sessions holding KV (see sessions.offload)."""
         self._stop.set()
-        self._inbox.put(("wake",))
+        self._inbox.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -132,10 +181,10 @@ class AsyncEngine:
         """Compile the request's output grammar in a worker thread, so that the engine thread finds it
         compiled (the compiler keeps it) instead of stalling every running request while it compiles.
         Raises :class:`InvalidRequestError` for a grammar that cannot be used."""
-        grammars = getattr(self.engine, "grammars", None)
         so = req.params[0].structured if req.params else None
-        if grammars is not None and so is not None:
-            await asyncio.to_thread(grammars.matcher, so)
+        if self._grammars is not None and so is not None:
+            await asyncio.to_thread(self._grammars.matcher, so)
+
     async def submit(self, req: GenerationRequest) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it.
 
@@ -153,7 +202,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         q: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(("add", req, loop, fut, q))
+        self._inbox.put(Add(req, loop, fut, q))
         try:
             accepted: Accepted = await fut
         except asyncio.CancelledError:
@@ -163,7 +212,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort every sequence of a request (no-op if it already finished); frees its blocks."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(Abort(request_id))
 
     async def call(self, fn: Callable[[Any], Any]):
         """Run ``fn(engine)`` on the engine thread and return its result (exceptions propagate)."""
@@ -171,7 +220,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine thread is not running")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._inbox.put(("call", fn, loop, fut))
+        self._inbox.put(Call(fn, loop, fut))
         return await fut
 
     async def block_map(self) -> dict:
@@ -226,19 +275,25 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _handle(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, req, loop, fut, q = cmd
-            with self._lock:
-                self._pending_adds -= 1
-            self._answer(loop, fut, lambda: self.tracker.add(req, loop, q), f"could not add request {req.request_id}")
-        elif kind == "abort":
-            self.tracker.abort(cmd[1])
-            self.tracker.publish(before_send=self._publish_stats)
-        elif kind == "call":
-            _, fn, loop, fut = cmd
-            self._answer(loop, fut, lambda: fn(self.engine), None)
+    def _handle(self, cmd: Command) -> None:
+        match cmd:
+            case Add(req, loop, fut, q):
+                with self._lock:
+                    self._pending_adds -= 1
+                self._answer(loop, fut, lambda: self.tracker.add(req, loop, q),
+                             f"could not add request {req.request_id}")
+            case Abort(request_id):
+                self.tracker.abort(request_id)
+                self.tracker.publish(before_send=self._publish_stats)
+            case Call(fn, loop, fut):
+                self._answer(loop, fut, lambda: self._call(fn), None)
+
+    def _call(self, fn: Callable[[Any], Any]):
+        """``fn(engine)``, then the snapshot again (the call may have loaded or unloaded an adapter)."""
+        try:
+            return fn(self.engine)
+        finally:
+            self.served = ServedModels.of(self.engine, self._served_name)
 
     def _answer(self, loop, fut, fn: Callable[[], Any], unexpected: str | None) -> None:
         """Resolve ``fut`` on its loop with ``fn()``'s result or exception (unexpected ones are logged);

@@ -27,6 +27,29 @@ def finish_reason(r: str | None) -> str | None:
     return r if r in (None, "stop", "length", "abort") else "stop"
 
 
+def include_usage(body) -> bool:
+    """Whether a streamed response ends with a usage chunk (``stream_options.include_usage``)."""
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def usage_of(got: "Collected") -> dict | None:
+    return got.usage.to_dict() if got.usage else None
+
+
+def vllm_prompt_logprobs(entries: list[dict] | None, k: int) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: None for the first token, then per token
+    ``{"token id": {"logprob", "rank", "decoded_token"}}`` for the prompt's token and the top ``k`` ones."""
+    if entries is None:
+        return None
+    out: list[dict | None] = [None]
+    for e in entries[1:]:
+        d = {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": e["token"]}}
+        for r, t in enumerate(e["top_logprobs"][:k], 1):
+            d.setdefault(str(t["token_id"]), {"logprob": t["logprob"], "rank": r, "decoded_token": t["token"]})
+        out.append(d)
+    return out
+
+
 def choice_error(d: ChoiceDelta) -> APIError:
     return APIError(400, d.error or "the request failed", code="request_failed")
 

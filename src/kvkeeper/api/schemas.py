@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..sessions.context import POLICIES
+
 # Unknown fields are kept, to be refused by name (or ignored with --ignore-unknown-fields); the published
 # schema (/openapi.json) says what the server accepts by default: no additional properties.  Strict types, as
 # OpenAI's API: no "5" or true for an integer, no "yes" or 1 for a boolean (an integer is still a number).
@@ -194,7 +196,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True  # extension (vLLM)
     continue_final_message: bool = False  # extension (vLLM)
-    context_policy: Literal["full", "last", "summary", "memory", "hybrid"] | None = None  # extension: a session's
+    context_policy: Literal[POLICIES] | None = None  # extension: a session's (sessions.context.POLICIES)
     context_budget: int | None = Field(None, ge=16)  # extension: prompt tokens the session's context policy keeps
     audio: Any = _only(None)
     function_call: Any = _only(None)

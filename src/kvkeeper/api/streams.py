@@ -22,7 +22,8 @@ class GenerationRequest:
     params: list[SamplingParams]
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
-    namespace: Namespace | None = None
+    namespace: Namespace | None = None  # the cache namespace (None: the engine's own), before the adapter's
+    lora: str | None = None  # the LoRA adapter ``model`` names: the engine thread puts the namespace under it
     session_id: str | None = None
     compression: Any = None  # kvkeeper.kvcache.compression.KVCompression
     session_priority: int | None = None  # X-Session-Priority: higher is trimmed later by the circuit breaker

@@ -13,6 +13,7 @@ through ``loop.call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any, Callable
 
 from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, ModelNotFoundError
 from ..sessions.session import session_key
 from .metrics import ServerMetrics
 from .streams import Accepted, ChoiceDelta, EngineDeadError, GenerationRequest, StepOutput, Usage
@@ -80,6 +81,7 @@ class RequestTracker:
         """
         if req.request_id in self.tracked:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+        req = self._under_adapter(req)
         sid = None if req.session_id is None else session_key(req.tenant, req.session_id)
         refresh = getattr(self.sessions, "refresh_from_disk", None) if sid is not None else None
         if refresh is not None:
@@ -103,6 +105,16 @@ class RequestTracker:
                 report.prompt_tokens = len(prompt)
             self.metrics.observe_context(report)
         return Accepted(prompt, trimmed, echo, report.header() if report is not None else None)
+
+    def _under_adapter(self, req: GenerationRequest) -> GenerationRequest:
+        """``req`` with its namespace under the LoRA adapter it names (``ModelNotFoundError``, a 404, when the
+        adapter was unloaded since the handler saw it)."""
+        if req.lora is None:
+            return req
+        try:
+            return dataclasses.replace(req, namespace=self.engine.lora_namespace(req.lora, req.namespace))
+        except InvalidRequestError as e:
+            raise ModelNotFoundError(str(e)) from None
 
     def _start(self, req: GenerationRequest):
         """Queue choice 0, as a session turn when the request names a session; returns it, the turns trimmed
