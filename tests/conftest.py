@@ -1,6 +1,5 @@
 import json
 import os
-from pathlib import Path
 
 # KV integrity validators before every engine step in every test: servers the tests start read this at
 # their edge (the CLI); in-process engines get it below unless a test sets validate_every itself.
@@ -30,7 +29,7 @@ def _validating_init(self, *args, **kwargs):
 
 _llm_engine.LLMEngine.__init__ = _validating_init
 
-DATA = Path(__file__).resolve().parent.parent / "data"
+from tests.utils.paths import DATA  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from tests.utils.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 PKG = "kvkeeper"
 MAX_FUNCTION_LINES = 60
