@@ -1,4 +1,12 @@
-"""Fast checks of the HTTP layer on a fake engine (no model): 503 on a full queue, no stack traces on 500."""
+"""The HTTP layer in process (FastAPI's TestClient, no server process), mostly on a fake engine (no model): what
+a request gets when it cannot be served, and that nothing is left behind: 400 naming the field (unknown fields,
+wrong JSON types, nulls, bodies that are not JSON objects, context headers where they do not apply), 503 with
+Retry-After (full queue, breaker), a generic 500 without a stack trace, a refused first turn leaving no session,
+one server per engine; with them the gauges published before an answer and HEAD /health.
+
+The other HTTP files: ``test_request_fields.py`` (every request field applied or refused, on a real server),
+``test_openai_client.py`` (the endpoints as the official client uses them), ``test_fuzz.py`` (generated requests).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,7 @@ pytest.importorskip("fastapi")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
+from kvkeeper import LLMEngine  # noqa: E402
 from kvkeeper.api.app import create_app  # noqa: E402
 from kvkeeper.api.async_engine import AsyncEngine  # noqa: E402
 from kvkeeper.kvcache.namespace import Namespace  # noqa: E402
@@ -350,3 +359,38 @@ def test_values_of_the_wrong_json_type_are_refused(field, value):
         r = c.post("/v1/chat/completions", json={**BODY, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         assert c.post("/detokenize", json={"tokens": [True]}).json()["error"]["param"] == "tokens.0"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from tests.utils.tiny_models import tiny_llama_folder
+
+    return tiny_llama_folder(tmp_path_factory.mktemp("tiny-http"))
+
+
+def test_a_server_first_turn_that_fails_leaves_no_empty_session(folder):
+    from fastapi.testclient import TestClient
+
+    from kvkeeper.api.server import build_server
+
+    eng = LLMEngine(str(folder), num_kv_blocks=16, block_size=4)
+    with TestClient(build_server(eng)) as c:
+        for i in range(3):
+            r = c.post("/v1/completions", json={"prompt": list(range(100, 180)), "max_tokens": 2},
+                       headers={"X-Session-ID": f"doomed-{i}"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "request_failed", r.text
+        ok = c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, headers={"X-Session-ID": "kept"})
+        assert ok.status_code == 200
+        assert [x["id"] for x in c.get("/v1/sessions").json()["data"]] == ["kept"]
+        assert "kvkeeper:sessions_open 1.0" in c.get("/metrics").text
+
+
+def test_one_server_per_engine(folder):
+    from kvkeeper.api.server import build_server
+
+    eng = LLMEngine(str(folder), num_kv_blocks=16, block_size=4)
+    build_server(eng)
+    hooks = (len(eng.holders), len(eng.step_hooks), len(eng.first_token_hooks))
+    with pytest.raises(ValueError, match="one server per engine"):
+        build_server(eng)
+    assert (len(eng.holders), len(eng.step_hooks), len(eng.first_token_hooks)) == hooks  # nothing stacked

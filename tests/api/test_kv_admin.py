@@ -505,3 +505,24 @@ def test_terminal_map_watch_refreshes_until_interrupted():
     assert len(calls) == 4
     out = con.export_text()
     assert "KV block map: 12 blocks of 4 tokens" in out and "cannot reach the test server (retrying" in out
+
+
+@pytest.mark.parametrize("query", ["interval=abc", "interval=", "interval=-5", "cell=x&cols=y"])
+def test_admin_page_refresh_interval_is_never_nan(query):
+    # ?interval=abc gave setInterval(refresh, NaN): the page fetched /admin/kv.json (built on the engine thread)
+    # as fast as the browser could
+    import json
+    import re
+    import shutil
+    import subprocess
+
+    from kvkeeper.api.admin import page_html
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    m = re.search(r"const P = \{.*?\};", page_html(), re.S)
+    assert m, "the page's parameter object P was not found"
+    js = f"const q = new URLSearchParams({json.dumps(query)});\n{m.group(0)}\nconsole.log(JSON.stringify(P));"
+    out = json.loads(subprocess.run([node, "-e", js], capture_output=True, text=True, timeout=30, check=True).stdout)
+    assert isinstance(out["interval"], int) and out["interval"] >= 200, out

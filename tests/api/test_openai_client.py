@@ -1,7 +1,11 @@
-"""The OpenAI-compatible server, run as a subprocess and driven by the official ``openai`` client.
+"""The OpenAI-compatible endpoints, run as a subprocess and driven by the official ``openai`` client: models and
+health, chat streamed and not, completions, n, stop strings, logprobs, sessions and their cached tokens, cache
+salts, context overflow, unknown models, disconnects mid-stream, the chat template's tokens, whole characters in
+stream deltas, bounded load with hang-ups, the KV compression extension.
 
 One server (the embedded SmolLM2-135M) is shared by the module; every test keeps
-its generations short.  Teardown always terminates the server.
+its generations short.  Teardown always terminates the server.  Each request field, applied or refused:
+``test_request_fields.py``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""OpenAI API fidelity, against a real server with the official ``openai`` client: every request field
+"""The OpenAI request fields, against a real server with the official ``openai`` client: every request field
 is applied or refused with a 400 that names it; sampling fields follow their references; structured
 outputs, tool calls, assistant prefill, echo and prompt logprobs; the access log and gauges.
 
-One server (the embedded SmolLM2-135M, greedy unless said) is shared by the module.
+One server (the embedded SmolLM2-135M, greedy unless said) is shared by the module.  Status codes of the HTTP
+layer on a fake engine: ``test_http_errors.py``; the endpoints' behaviour: ``test_openai_client.py``.
 """
 
 from __future__ import annotations

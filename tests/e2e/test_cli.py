@@ -8,7 +8,9 @@ before any model is loaded and are fast.
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -198,3 +200,22 @@ def test_compare_summary_uses_turn_ten_and_counts_cache_share():
     text = compare_summary(recs)
     assert "turn 10: TTFT 15.0x lower" in text and "mean of 2 conversations" in text
     assert "11000 of 13200 (83.3%)" in text and "22,000 bytes" in text
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "kvkeeper.cli", *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+def test_cli_refuses_bad_environment_and_ports_without_a_traceback():
+    r = _cli("generate", "--prompt", "hi", env={"KVKEEPER_VALIDATE": "abc"})
+    assert r.returncode == 2 and "KVKEEPER_VALIDATE" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("serve", "--port", "99999999")
+    assert r.returncode == 2 and "1..65535" in r.stderr and "Traceback" not in r.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = _cli("serve", "--port", str(s.getsockname()[1]))
+    assert r.returncode == 2 and "cannot listen" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("serve", "--port", "1", env={"KVKEEPER_TEST_OFFLOAD_DELAY": "abc"})
+    assert r.returncode == 2 and "KVKEEPER_TEST_OFFLOAD_DELAY" in r.stderr and "Traceback" not in r.stderr

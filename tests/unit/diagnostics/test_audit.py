@@ -249,3 +249,16 @@ def test_quantized_cache_faults_are_named_above_the_rounding_noise(kv_dtype, mt_
     eng.run_until_done([seq])
     r = _report(eng, seq.request_id)
     assert not r.ok and (r.layer, r.token, r.tensor) == (0, 20, "k")
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_kv_audit_limit_below_one_is_refused(limit, tmp_path, monkeypatch, capsys):
+    # --limit -1 (or 0) audited nothing and exited 0: "no divergence" for a run that checked no request
+    import kvkeeper.cli as cli
+
+    monkeypatch.setattr(cli.kv, "load_engine", lambda args: pytest.fail("the model was loaded"))
+    f = tmp_path / "c.jsonl"
+    f.write_text('{"turns": ["Hi"]}\n')
+    with pytest.raises(SystemExit) as e:
+        cli.main(["kv", "audit", "--conversations", str(f), "--limit", limit])
+    assert e.value.code == 2 and "--limit" in capsys.readouterr().err

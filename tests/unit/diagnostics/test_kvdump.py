@@ -4,6 +4,7 @@ CLI round trip (exit codes, --json, clear errors); quantized caches dump exactly
 from __future__ import annotations
 
 import json
+import time
 import subprocess
 import sys
 
@@ -183,3 +184,81 @@ def test_quantized_dump_is_exact_and_audit_is_clean(folder, kv_dtype):
     r = eng.auditor.reports[-1]
     assert (r.request_id, r.layer, r.token, r.tensor) == (seq.request_id, 0, 9, "k")
     s.close()
+
+
+@pytest.mark.parametrize("num_layers", [30, None])
+def test_huge_layer_range_is_refused_at_once(num_layers):
+    # "0-99999999999" used to build a set of 1e11 ints on the engine thread (the server ran out of memory)
+    t0 = time.perf_counter()
+    if num_layers is None:
+        assert parse_layers("0-99999999999", None) is not None  # syntax only: valid, not expanded
+    else:
+        with pytest.raises(InvalidRequestError, match="layer 99999999999 does not exist.*0..29"):
+            parse_layers("0-99999999999", num_layers)
+    assert time.perf_counter() - t0 < 1.0
+    assert parse_layers("2-4,0", 30) == [0, 2, 3, 4]
+
+
+def test_kv_dump_errors_are_messages_under_python_m_kvkeeper_cli(tmp_path):
+    # `python -m kvkeeper.cli` runs the module as __main__; the kv subcommands raise kvkeeper.cli.CLIError,
+    # which must still be caught (it printed a traceback and exited 1)
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "kv", "dump", "--session", "s1",
+                        "-o", str(tmp_path / "x.safetensors")], capture_output=True, text=True, timeout=120,
+                       env=os.environ.copy())
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "error: --session needs --server URL" in r.stderr
+
+
+def test_kv_dump_to_a_folder_is_refused_before_any_work(tmp_path, monkeypatch):
+    import kvkeeper.cli as cli
+
+    def no_engine(args):
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    monkeypatch.setattr(cli.kv, "load_engine", no_engine)
+    assert cli.main(["kv", "dump", "--prompt", "Hi", "-o", str(tmp_path)]) == 2
+
+
+def test_parse_layers_takes_one_int_and_refuses_other_types_clearly():
+    # dump_session(eng, "s", 3) raised AttributeError: 'int' object has no attribute 'split'
+    assert parse_layers(3, 30) == [3]
+    assert parse_layers((0, 2), 30) == [0, 2]
+    for bad in (True, 1.5, {"a": 1}):
+        with pytest.raises(InvalidRequestError, match="layers must be"):
+            parse_layers(bad, 30)
+
+
+def _dump(k0, v0):
+    import torch
+
+    meta = {"layers": "0", "token_start": "10", "token_end": str(10 + k0.shape[0]), "model_revision": "r",
+            "namespace": "n", "kv_dtype": "float32", "token_ids": "[]"}
+    return {"layers.0.k": k0, "layers.0.v": v0}, meta
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_kv_diff_reports_nan_or_inf_as_divergence(bad):
+    # a dump with NaN KV was reported as "max |diff| 0; no divergence" (exit 0), and --json printed NaN
+    import json
+
+    import torch
+
+    from kvkeeper.diagnostics.kvdiff import diff_dumps, format_report, to_json
+
+    k = torch.randn(6, 3, 8, generator=torch.Generator().manual_seed(0))
+    v = torch.randn(6, 3, 8, generator=torch.Generator().manual_seed(1))
+    k2 = k.clone()
+    k2[4, 1, 2] = bad
+    for a, b in ((_dump(k, v), _dump(k2, v)), (_dump(k2, v), _dump(k, v))):
+        r = diff_dumps(a, b, atol=1e-3)
+        assert r["first_divergent"] == {"layer": 0, "token": 14, "tensor": "k"}, r
+        assert any("NaN or infinite" in w for w in r["warnings"])
+        json.loads(to_json(r), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+        assert "no divergence" not in format_report(r)
+    same = diff_dumps(_dump(k2, v), _dump(k2.clone(), v))  # the same bits on both sides: no divergence
+    assert same["first_divergent"] is None and same["max_abs"] == 0.0

@@ -146,3 +146,17 @@ def test_out_of_range_values_name_their_field(kw, param):
     with pytest.raises(InvalidRequestError) as ei:
         SamplingParams(**kw)
     assert ei.value.param == param
+
+
+def test_a_tiny_temperature_samples_greedily_instead_of_crashing():
+    # schemathesis sent temperature 6.25e-270: logits / T overflowed (T is 0 in float32) and
+    # torch.multinomial raised on NaN probabilities, failing the engine step (a 500)
+    import torch
+
+    from kvkeeper.sampling.params import SamplingParams
+    from kvkeeper.sampling.sampler import make_generator, sample
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=t, seed=1) for t in (6.25e-270, 1e-6, 1e-4)]
+    ids, _ = sample(logits, params, [make_generator(p) for p in params])
+    assert ids == logits.argmax(-1).tolist()
