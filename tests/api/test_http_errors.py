@@ -11,12 +11,12 @@ The other HTTP files: ``test_request_fields.py`` (every request field applied or
 from __future__ import annotations
 
 import pytest
+from tests.utils.engines import make_engine
 
 pytest.importorskip("fastapi")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from kvkeeper import LLMEngine  # noqa: E402
 from kvkeeper.api.app import create_app  # noqa: E402
 from kvkeeper.api.async_engine import AsyncEngine  # noqa: E402
 from kvkeeper.kvcache.namespace import Namespace  # noqa: E402
@@ -189,13 +189,13 @@ def test_gauges_are_published_before_outputs_and_answers(tmp_path, monkeypatch):
 
     from tests.utils.tiny_models import tiny_llama_folder
 
-    from kvkeeper import LLMEngine, SamplingParams
+    from kvkeeper import SamplingParams
     from kvkeeper.api import async_engine as ae
     from kvkeeper.api import tracker as tr
     from kvkeeper.api.streams import GenerationRequest
     from kvkeeper.sessions.manager import SessionManager
 
-    eng = LLMEngine(str(tiny_llama_folder(tmp_path / "tiny")), num_kv_blocks=64, block_size=4)
+    eng = make_engine(str(tiny_llama_folder(tmp_path / "tiny")), num_kv_blocks=64, block_size=4)
     aeng = AsyncEngine(eng, SessionManager(eng))
     seen = []  # the snapshot at each hand-over
     real_put, real_resolve = tr.put, ae._resolve
@@ -373,7 +373,7 @@ def test_a_server_first_turn_that_fails_leaves_no_empty_session(folder):
 
     from kvkeeper.api.server import build_server
 
-    eng = LLMEngine(str(folder), num_kv_blocks=16, block_size=4)
+    eng = make_engine(str(folder), num_kv_blocks=16, block_size=4)
     with TestClient(build_server(eng)) as c:
         for i in range(3):
             r = c.post("/v1/completions", json={"prompt": list(range(100, 180)), "max_tokens": 2},
@@ -388,7 +388,7 @@ def test_a_server_first_turn_that_fails_leaves_no_empty_session(folder):
 def test_one_server_per_engine(folder):
     from kvkeeper.api.server import build_server
 
-    eng = LLMEngine(str(folder), num_kv_blocks=16, block_size=4)
+    eng = make_engine(str(folder), num_kv_blocks=16, block_size=4)
     build_server(eng)
     hooks = (len(eng.holders), len(eng.step_hooks), len(eng.first_token_hooks))
     with pytest.raises(ValueError, match="one server per engine"):

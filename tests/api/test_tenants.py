@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.api.auth import KeyRing, KeysFileError, load_keys_file
 from kvkeeper.api.server import ServerConfig, build_server
 from kvkeeper.kvcache.block_pool import block_hash
@@ -23,6 +23,7 @@ from kvkeeper.kvcache.namespace import Namespace, salt_hash, tenant_namespace
 from kvkeeper.sessions import SessionConfig, SessionManager
 from kvkeeper.sessions.disk import FORMAT, FORMAT_V1, MANIFEST, session_dir_name
 from tests.utils.tiny_models import tiny_llama_folder
+from tests.utils.engines import make_engine
 
 KEYS = {"sk-alice-1": {"tenant": "alice", "max_sessions": 50},
         "sk-bob-1": "bob",
@@ -48,7 +49,7 @@ def keys_file(tmp_path_factory):
 
 
 def _server(folder, keys_file, data_dir, **server):
-    eng = LLMEngine(str(folder), num_kv_blocks=256, block_size=4)
+    eng = make_engine(str(folder), num_kv_blocks=256, block_size=4)
     config = ServerConfig(api_keys_file=str(keys_file), **server)
     return build_server(eng, config, SessionConfig(data_dir=str(data_dir)))
 
@@ -309,7 +310,7 @@ def test_a_restart_restores_each_tenants_sessions_to_that_tenant_only(folder, ke
 
 
 def test_a_first_format_manifest_with_a_plain_salt_is_migrated(folder, tmp_path):
-    eng = LLMEngine(str(folder), num_kv_blocks=64, block_size=4)
+    eng = make_engine(str(folder), num_kv_blocks=64, block_size=4)
     ns = Namespace(eng.namespace.model_revision, tenant_salt="old-plain-salt", kv_dtype=eng.namespace.kv_dtype)
     s = SessionManager(eng, data_dir=tmp_path).open(session_id="old")
     seq = s.begin_turn(messages=[{"role": "user", "content": "Hello there, how are you?"}],
@@ -321,7 +322,7 @@ def test_a_first_format_manifest_with_a_plain_salt_is_migrated(folder, tmp_path)
     old = {k: v for k, v in man.items() if k not in ("tenant", "name")}
     path.write_text(json.dumps({**old, "format": FORMAT_V1, "namespace": {**man["namespace"],
                                                                           "tenant_salt": "old-plain-salt"}}))
-    eng2 = LLMEngine(str(folder), num_kv_blocks=64, block_size=4)
+    eng2 = make_engine(str(folder), num_kv_blocks=64, block_size=4)
     s2 = SessionManager(eng2, data_dir=tmp_path).get("old")
     text = path.read_text()
     assert "old-plain-salt" not in text and json.loads(text)["format"] == FORMAT and s2.tenant is None
@@ -398,7 +399,7 @@ def test_engine_reuses_a_prefix_only_inside_its_namespace(tiny_engine, owners):
 
 @pytest.fixture(scope="module")
 def tiny_engine(folder):
-    return LLMEngine(str(folder), num_kv_blocks=128, block_size=4)
+    return make_engine(str(folder), num_kv_blocks=128, block_size=4)
 
 
 # ---- the command line: $KVKEEPER_API_KEY, --admin-port on 127.0.0.1, the warning without keys ----

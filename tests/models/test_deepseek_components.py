@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.diagnostics.audit import audit_sequence
 from kvkeeper.diagnostics.kvdump import dump_prompt
 from kvkeeper.errors import InvalidRequestError
@@ -17,6 +17,7 @@ from kvkeeper.kvcache.compression import KVCompression
 from kvkeeper.kvcache.validate import check_engine
 from kvkeeper.sessions import SessionManager
 from tests.utils.tiny_models import kk_logits_chunked, tiny_deepseek_folder
+from tests.utils.engines import make_engine
 
 pytest.importorskip("transformers")
 
@@ -32,7 +33,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def eng(folder):
     """int8 latent cache (one scale per token row), blocks of 8."""
-    return LLMEngine(model=str(folder), num_kv_blocks=128, block_size=8, kv_dtype="int8", quantization="none")
+    return make_engine(model=str(folder), num_kv_blocks=128, block_size=8, kv_dtype="int8", quantization="none")
 
 
 def test_int8_latent_rows_have_one_scale_per_token(eng):
@@ -97,9 +98,9 @@ def test_refusals(folder, eng):
     with pytest.raises(InvalidRequestError, match="KV compression is not supported"):
         eng.add_request(list(range(50)), GREEDY, compression=KVCompression("streaming_llm", 0.5))
     with pytest.raises(InvalidRequestError, match="no Multi-head Latent Attention kernel"):
-        LLMEngine(model=str(folder), num_kv_blocks=16, attention_backend="cpu")
+        make_engine(model=str(folder), num_kv_blocks=16, attention_backend="cpu")
     with pytest.raises(InvalidRequestError, match="does not run DeepSeek"):
-        LLMEngine(model=str(folder), num_kv_blocks=16, quantization="int8")
+        make_engine(model=str(folder), num_kv_blocks=16, quantization="int8")
     assert eng.runner.attention_backend == "torch" and eng.runner.fused_decode is None
 
 
@@ -110,6 +111,6 @@ def test_dummy_configs(folder):
     counts = {n: dummy.parameter_count(dummy.load_config(n)[0]) for n in ("deepseek-v2-lite", "deepseek-v3")}
     assert round(counts["deepseek-v2-lite"] / 1e9, 1) == 15.7
     assert round(counts["deepseek-v3"] / 1e9, 1) == 671.0
-    e = LLMEngine(model=str(folder / "config.json"), load_format="dummy", num_kv_blocks=16, quantization="none")
+    e = make_engine(model=str(folder / "config.json"), load_format="dummy", num_kv_blocks=16, quantization="none")
     (out,) = e.generate([list(range(10, 30))], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out.token_ids) == 3 and e.model_config.is_mla

@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from tests.utils.tiny_models import _one_thread, tokenizer  # noqa: F401 - fixtures
 from tests.utils.tiny_models import kk_logits_chunked, randomise_weights
+from tests.utils.engines import make_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,13 +76,13 @@ def case(request, tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def engine(case):
-    return LLMEngine(model=str(case[1]), num_kv_blocks=128, block_size=16, kv_dtype="fp32", quantization="none")
+    return make_engine(model=str(case[1]), num_kv_blocks=128, block_size=16, kv_dtype="fp32", quantization="none")
 
 
 @pytest.fixture(scope="module")
 def small_engine(case):
     """Blocks of 4 tokens, 8 tokens per step: chunked prefill over many blocks."""
-    return LLMEngine(model=str(case[1]), num_kv_blocks=128, block_size=4, max_num_batched_tokens=8,
+    return make_engine(model=str(case[1]), num_kv_blocks=128, block_size=4, max_num_batched_tokens=8,
                      kv_dtype="fp32", quantization="none")
 
 
@@ -217,7 +218,7 @@ def test_multi_turn_reuse_equals_recompute(case, small_engine, engine):
     (o2,) = small_engine.generate([turn2], params)
     cached_prefix = (len(turn1) + len(o1.token_ids) - 1) // 4 * 4  # full blocks of 4 holding computed KV
     assert o2.cached_tokens == cached_prefix, f"{name}: cached_tokens {o2.cached_tokens} != {cached_prefix}"
-    (fresh,) = LLMEngine(model=str(case[1]), num_kv_blocks=64, block_size=4, max_num_batched_tokens=8,
+    (fresh,) = make_engine(model=str(case[1]), num_kv_blocks=64, block_size=4, max_num_batched_tokens=8,
                          kv_dtype="fp32", quantization="none", enable_prefix_caching=False).generate([turn2], params)
     assert fresh.cached_tokens == 0
     assert o2.token_ids == fresh.token_ids, f"{name}: reused turn differs from recompute"

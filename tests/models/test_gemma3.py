@@ -15,12 +15,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.errors import InvalidRequestError, ModelNotFoundError, UnsupportedArchitectureError
 from kvkeeper.model_config import ModelConfig
 
 from tests.utils.tiny_models import _one_thread, tokenizer  # noqa: F401 - fixtures
 from tests.utils.tiny_models import kk_logits_chunked, randomise_weights
+from tests.utils.engines import make_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,7 +51,7 @@ def tiny(tmp_path_factory, tokenizer):  # noqa: F811
 def _engine(folder, hybrid=True, **kw):
     kw = {"num_kv_blocks": 64, "block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16, "validate_every": 1,
           **kw}
-    return LLMEngine(model=str(folder), hybrid_kv_cache=hybrid, **kw)
+    return make_engine(model=str(folder), hybrid_kv_cache=hybrid, **kw)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -259,7 +260,7 @@ def real():
     from kvkeeper.weights.loader import load_weights
     from kvkeeper.weights.sources import resolve_model_path
 
-    eng = LLMEngine(model="gemma-3-270m", num_kv_blocks=256, block_size=16, max_num_seqs=8)
+    eng = make_engine(model="gemma-3-270m", num_kv_blocks=256, block_size=16, max_num_seqs=8)
     cfg, state = load_weights(resolve_model_path("gemma-3-270m"))
     hcfg = transformers.Gemma3TextConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,

@@ -14,12 +14,13 @@ import json
 
 import pytest
 import torch
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.diagnostics.audit import audit_sequence
 from kvkeeper.errors import InvalidRequestError
 from kvkeeper.sessions.manager import SessionManager
 
 from tests.utils.tiny_models import _one_thread, randomise_weights, tokenizer  # noqa: F401 - fixtures
+from tests.utils.engines import make_engine
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -89,7 +90,7 @@ def tiny(request, tmp_path_factory, tokenizer):
     tokenizer.save_pretrained(folder)
     pa = make_adapter(hf, folder / "lora-a", seed=1, **opts)
     pb = make_adapter(hf, folder / "lora-b", seed=2, **opts)
-    eng = LLMEngine(model=str(folder), num_kv_blocks=96, block_size=4)
+    eng = make_engine(model=str(folder), num_kv_blocks=96, block_size=4)
     eng.capture_first_logits = True
     eng.load_lora("a", folder / "lora-a")
     eng.load_lora("b", folder / "lora-b")
@@ -133,7 +134,7 @@ def test_server_wiring_in_process(tiny):
     from kvkeeper.api.server import ServerConfig, build_server
 
     _, _, _, _, _, folder = tiny
-    eng = LLMEngine(model=str(folder), num_kv_blocks=32, block_size=4)
+    eng = make_engine(model=str(folder), num_kv_blocks=32, block_size=4)
     for bad in ("noequals", f"={folder / 'lora-a'}", f"base={folder / 'lora-a'}"):
         with pytest.raises(ValueError, match="--lora-modules"):
             build_server(eng, ServerConfig(served_model_name="base", lora_modules=[bad]))

@@ -20,7 +20,7 @@ import shutil
 
 import pytest
 import torch
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.errors import (
     ModelFormatError,
     ModelNotFoundError,
@@ -35,6 +35,7 @@ from kvkeeper.worker.runner import ModelRunner
 from tests.utils.tiny_models import _one_thread, tokenizer  # noqa: F401 - fixtures
 from tests.utils.tiny_models import kk_logits_chunked as _kk_logits_chunked
 from tests.utils.tiny_models import randomise_weights as _randomise
+from tests.utils.engines import make_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,14 +110,14 @@ def case(request, tmp_path_factory, tokenizer):
 @pytest.fixture(scope="module")
 def engine(case):
     _, folder, _ = case
-    return LLMEngine(model=str(folder), num_kv_blocks=64, block_size=16)
+    return make_engine(model=str(folder), num_kv_blocks=64, block_size=16)
 
 
 @pytest.fixture(scope="module")
 def small_engine(case):
     """Blocks of 4 tokens, 8 tokens per step: chunked prefill over many blocks."""
     _, folder, _ = case
-    return LLMEngine(model=str(folder), num_kv_blocks=64, block_size=4, max_num_batched_tokens=8)
+    return make_engine(model=str(folder), num_kv_blocks=64, block_size=4, max_num_batched_tokens=8)
 
 
 def _prompt(vocab: int, n: int = PROMPT_LEN, seed: int = 1234) -> list[int]:
@@ -332,7 +333,7 @@ def _llama_config_dict(**over) -> dict:
 def test_unsupported_architecture(tmp_path, cfg):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedArchitectureError) as ei:
-        LLMEngine(model=str(tmp_path))
+        make_engine(model=str(tmp_path))
     msg = str(ei.value)
     assert ("gpt2" if "model_type" in cfg else "GPT2LMHeadModel") in msg
     for supported in ("llama", "mistral", "qwen2"):
@@ -343,7 +344,7 @@ def test_unsupported_rope_type(tmp_path):
     cfg = _llama_config_dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0})
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedArchitectureError, match="longrope"):
-        LLMEngine(model=str(tmp_path))
+        make_engine(model=str(tmp_path))
 
 
 def test_architectures_only_config_is_accepted():
@@ -356,20 +357,20 @@ def test_architectures_only_config_is_accepted():
 def test_folder_without_safetensors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_llama_config_dict()))
     with pytest.raises(ModelFormatError, match="safetensors"):
-        LLMEngine(model=str(tmp_path))
+        make_engine(model=str(tmp_path))
 
 
 def test_folder_without_config(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
     with pytest.raises(ModelFormatError, match="config.json"):
-        LLMEngine(model=str(tmp_path))
+        make_engine(model=str(tmp_path))
 
 
 def test_corrupt_safetensors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_llama_config_dict()))
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json" + b"\xff" * 64)
     with pytest.raises(ModelFormatError, match="model.safetensors"):
-        LLMEngine(model=str(tmp_path))
+        make_engine(model=str(tmp_path))
 
 
 def test_config_weights_mismatch(tmp_path):
@@ -401,7 +402,7 @@ def test_corrupt_gguf(tmp_path, content):
     path = tmp_path / "model.gguf"
     path.write_bytes(content)
     with pytest.raises(ModelFormatError) as ei:
-        LLMEngine(model=str(path))
+        make_engine(model=str(path))
     assert str(path) in str(ei.value)
     if not content.startswith(b"GGUF"):
         assert "magic" in str(ei.value)
@@ -414,7 +415,7 @@ def test_truncated_real_gguf(tmp_path):
     with open(src, "rb") as f:
         path.write_bytes(f.read(1 << 20))
     with pytest.raises(ModelFormatError):
-        LLMEngine(model=str(path))
+        make_engine(model=str(path))
 
 
 def test_unknown_model_id():
@@ -423,4 +424,4 @@ def test_unknown_model_id():
     assert "smollm2-135m-instruct" in str(ei.value)
     assert "no-such-model" in str(ei.value)
     with pytest.raises(ModelNotFoundError, match="smollm2-135m-instruct"):
-        LLMEngine(model="no-such-model")
+        make_engine(model="no-such-model")

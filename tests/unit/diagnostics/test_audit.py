@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.diagnostics import faults
 from kvkeeper.diagnostics.audit import ReuseAuditor
 from kvkeeper.kvcache.compression import KVCompression
@@ -18,6 +18,7 @@ from kvkeeper.sessions import SessionManager
 
 from tests.utils.serverproc import running_server
 from tests.utils.sessionutil import sessions_of
+from tests.utils.engines import make_engine
 
 TEXT_A = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lamp, a flask "
           "of tea and a notebook in which he recorded the ships that passed the rocky point during the night.")
@@ -29,7 +30,7 @@ TEXT_B = ("A small bakery on the corner sold bread, pastries and cakes to the pe
 def eng():
     """SmolLM2 fp32 with every request audited; validators off (the fault tests corrupt the cache on purpose,
     each in its own namespace); the clean-run test turns them back on."""
-    e = LLMEngine(num_kv_blocks=320, validate_every=0, quantization="none")
+    e = make_engine(num_kv_blocks=320, validate_every=0, quantization="none")
     e.auditor = ReuseAuditor(1.0).attach(e)  # the tests read its counters and reports
     return e
 
@@ -227,7 +228,7 @@ def test_kv_audit_command(eng, monkeypatch, capsys, tmp_path):
 def test_quantized_cache_faults_are_named_above_the_rounding_noise(kv_dtype, mt_bench):
     """With int8/fp8 KV the tolerances sit above quantization noise, yet a foreign block and shifted
     positions are still named at layer 0 and their first token; a clean two-turn session passes."""
-    eng = LLMEngine(num_kv_blocks=160, validate_every=0, kv_dtype=kv_dtype)
+    eng = make_engine(num_kv_blocks=160, validate_every=0, kv_dtype=kv_dtype)
     eng.auditor = ReuseAuditor(1.0).attach(eng)
     s = SessionManager(eng).open()
     for turn in mt_bench[0]["turns"]:

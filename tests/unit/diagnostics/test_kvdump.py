@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from tests.utils.tiny_models import tiny_llama_folder
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.diagnostics import faults
 from kvkeeper.diagnostics.kvdiff import DumpMismatchError, diff_dumps, diff_files, load_dump
 from kvkeeper.diagnostics.kvdump import dump_prompt, dump_session, dump_sequence, parse_layers, save_dump
 from kvkeeper.diagnostics.audit import ReuseAuditor
 from kvkeeper.errors import InvalidRequestError, SessionNotFoundError
 from kvkeeper.sessions import SessionManager
+from tests.utils.engines import make_engine
 
 PROMPT = ("In the spring the river rose over its banks and the people of the valley moved their animals to the "
           "high pastures, where the grass was short but green, and waited for the water to go down again.")
@@ -26,7 +27,7 @@ PROMPT = ("In the spring the river rose over its banks and the people of the val
 
 @pytest.fixture(scope="module")
 def eng():
-    return LLMEngine(num_kv_blocks=256)
+    return make_engine(num_kv_blocks=256)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def folder(tmp_path_factory):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
 def test_quantized_dump_is_exact_and_audit_is_clean(folder, kv_dtype):
-    eng = LLMEngine(str(folder), num_kv_blocks=64, block_size=4, kv_dtype=kv_dtype,
+    eng = make_engine(str(folder), num_kv_blocks=64, block_size=4, kv_dtype=kv_dtype,
                     max_num_batched_tokens=8)  # chunked prefill: chunks read the quantized cache
     eng.auditor = ReuseAuditor(1.0).attach(eng)
     s = SessionManager(eng).open()

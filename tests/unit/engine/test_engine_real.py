@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from kvkeeper import ContextLengthError, InvalidRequestError, LLMEngine, ModelNotFoundError, SamplingParams
+from kvkeeper import ContextLengthError, InvalidRequestError, ModelNotFoundError, SamplingParams
 from tests.utils.sessionutil import sessions_of
+from tests.utils.engines import make_engine
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +129,7 @@ def test_preemption_small_pool_completes_with_same_outputs(engine, mt_bench):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     big = engine.generate(prompts, params, namespace=engine.isolated_namespace())
     need = sum(-(-(len(p) + 40) // 16) for p in prompts)
-    small = LLMEngine(num_kv_blocks=max(len(max(prompts, key=len)) // 16 + 4, need // 3), max_num_batched_tokens=128,
+    small = make_engine(num_kv_blocks=max(len(max(prompts, key=len)) // 16 + 4, need // 3), max_num_batched_tokens=128,
                       quantization="none")
     assert small.pool.num_blocks < need
     outs = small.generate(prompts, params)
@@ -141,7 +142,7 @@ def test_preemption_small_pool_completes_with_same_outputs(engine, mt_bench):
 
 
 def test_request_that_can_never_fit_fails_cleanly():
-    eng = LLMEngine(num_kv_blocks=4, block_size=16)
+    eng = make_engine(num_kv_blocks=4, block_size=16)
     out = eng.generate(["word " * 100], SamplingParams(max_tokens=4))[0]
     assert out.finish_reason == "error" and "KV blocks" in out.error and "raise the KV budget" in out.error
     assert eng.pool.num_used == 0
@@ -153,7 +154,7 @@ def test_bad_input_errors(engine):
         engine.generate([[100] * (n + 5)])
     assert str(n + 5) in str(e.value) and str(n) in str(e.value)
     with pytest.raises(ModelNotFoundError) as e:
-        LLMEngine("no-such-model")
+        make_engine("no-such-model")
     assert "smollm2-135m-instruct" in str(e.value)
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.encode_chat([])
@@ -192,7 +193,7 @@ def test_stop_strings_and_max_tokens(engine):
 def test_bfloat16_engine_runs_close_to_fp32(engine):
     p = engine.tokenizer.encode("The capital of France is")
     engine.capture_first_logits = True
-    bf = LLMEngine(dtype="bfloat16", num_kv_blocks=64)
+    bf = make_engine(dtype="bfloat16", num_kv_blocks=64)
     bf.capture_first_logits = True
     try:
         ref = engine.add_request(p, SamplingParams(max_tokens=1))

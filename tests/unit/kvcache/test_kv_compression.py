@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.errors import InvalidRequestError
 from kvkeeper.kvcache.compression import POLICIES, KVCompression, PrefillObserver, select
 from kvkeeper.sessions import SessionManager
+from tests.utils.engines import make_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -152,7 +153,7 @@ def hf_decode_after_pruning(hf, ids: list[int], policy: str, ratio: float, n: in
 @pytest.mark.parametrize("policy", POLICIES)
 def test_decoding_after_compression_matches_the_reference(tiny, policy):
     folder, hf = tiny
-    eng = LLMEngine(str(folder), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)  # prefill in 4 chunks
+    eng = make_engine(str(folder), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)  # prefill in 4 chunks
     ids = torch.randint(0, 40000, (61,), generator=torch.Generator().manual_seed(7)).tolist()
     c = comp(policy, 0.5)
     seq = eng.add_request(ids, SamplingParams(max_tokens=12, ignore_eos=True), compression=c)
@@ -170,7 +171,7 @@ def test_decoding_after_compression_matches_the_reference(tiny, policy):
 
 def test_compressed_kv_is_never_reused_as_a_full_prefix(tiny):
     folder, _ = tiny
-    eng = LLMEngine(str(folder), num_kv_blocks=64, block_size=4)
+    eng = make_engine(str(folder), num_kv_blocks=64, block_size=4)
     ids = torch.randint(0, 40000, (50,), generator=torch.Generator().manual_seed(9)).tolist()
     p = SamplingParams(max_tokens=10, ignore_eos=True)
     full = eng.generate([ids], p)[0]
@@ -192,7 +193,7 @@ def test_compressed_kv_is_never_reused_as_a_full_prefix(tiny):
 
 def test_preempted_compressed_request_recompresses_and_frees(tiny):
     folder, _ = tiny
-    eng = LLMEngine(str(folder), num_kv_blocks=14, block_size=4, max_num_batched_tokens=64)
+    eng = make_engine(str(folder), num_kv_blocks=14, block_size=4, max_num_batched_tokens=64)
     prompts = [torch.randint(0, 40000, (30,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)]
     outs = eng.generate(prompts, SamplingParams(max_tokens=14, ignore_eos=True), compression=comp("h2o", 0.5))
     assert all(len(o.token_ids) == 14 and o.finish_reason == "length" for o in outs)
@@ -212,7 +213,7 @@ def test_continuation_perplexity_with_and_without_compression(tiny):
     from kvkeeper.eval.perplexity import perplexity
 
     folder, hf = tiny
-    eng = LLMEngine(str(folder), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
+    eng = make_engine(str(folder), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
     ids = torch.randint(0, 40000, (80,), generator=torch.Generator().manual_seed(11)).tolist()
     base = perplexity(eng, ids, chunk=16, score_tokens=20)
     assert base["scored_tokens"] == 20 and base["kv_tokens"] == 60

@@ -25,6 +25,7 @@ from kvkeeper.sampling.params import SamplingParams
 from kvkeeper.engine.sequence import Sequence
 from kvkeeper.kvcache.quant import FORMATS, PagedKV, dequantize, parse_kv_format, quantize
 from tests.utils.paths import DATA
+from tests.utils.engines import make_engine
 
 BOOK = DATA / "gutenberg_pride_and_prejudice" / "1342-0.txt"
 
@@ -138,8 +139,8 @@ def _prompt_logits(eng: LLMEngine, ids: list[int], chunk: int) -> torch.Tensor:
 @pytest.mark.parametrize("fmt,tol", [("int8", 0.05), ("fp8", 0.3)])
 def test_quantized_cache_is_close_to_fp32_and_chunk_invariant(tiny_folder, fmt, tol):
     ids = torch.randint(0, 40000, (45,), generator=torch.Generator().manual_seed(3)).tolist()
-    ref = _prompt_logits(LLMEngine(str(tiny_folder), num_kv_blocks=16, block_size=4), ids, 45)
-    eng = LLMEngine(str(tiny_folder), num_kv_blocks=16, block_size=4, kv_dtype=fmt)
+    ref = _prompt_logits(make_engine(str(tiny_folder), num_kv_blocks=16, block_size=4), ids, 45)
+    eng = make_engine(str(tiny_folder), num_kv_blocks=16, block_size=4, kv_dtype=fmt)
     assert eng.namespace.kv_dtype == parse_kv_format(fmt).name  # never shares prefixes with the fp32 cache
     whole = _prompt_logits(eng, ids, 45)
     chunked = _prompt_logits(eng, ids, 7)
@@ -171,7 +172,7 @@ def test_int8_kv_perplexity_within_one_percent_at_4k_with_a_quarter_of_the_bytes
 
     ids = read_text_tokens(engine, BOOK, 4096, skip_tokens=2000)
     fp32 = perplexity(engine, ids)
-    q = LLMEngine(kv_dtype="int8", kv_cache_bytes=256 << 20, quantization="none")
+    q = make_engine(kv_dtype="int8", kv_cache_bytes=256 << 20, quantization="none")
     int8 = perplexity(q, ids)
     assert int8["kv_dtype"] == "int8" and int8["kv_bytes_per_token"] * 4 <= fp32["kv_bytes_per_token"] * 1.04
     assert abs(int8["ppl"] / fp32["ppl"] - 1) < 0.01, (int8["ppl"], fp32["ppl"])

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from tests.utils.tiny_models import tiny_llama_folder
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.kvcache.validate import IntegrityError, assert_engine_ok, check_engine
 from kvkeeper.sessions import SessionManager
+from tests.utils.engines import make_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,7 +25,7 @@ def _ids(n, seed):
 
 def _running_pair(folder):
     """Two sequences mid-decode (prefilled, full blocks registered), in two namespaces."""
-    eng = LLMEngine(str(folder), num_kv_blocks=64, block_size=4, validate_every=1)
+    eng = make_engine(str(folder), num_kv_blocks=64, block_size=4, validate_every=1)
     a = eng.add_request(_ids(18, 1), SamplingParams(max_tokens=20, ignore_eos=True))
     b = eng.add_request(_ids(18, 2), SamplingParams(max_tokens=20, ignore_eos=True), namespace=eng.isolated_namespace("b"))
     for _ in range(3):
@@ -34,7 +35,7 @@ def _running_pair(folder):
 
 
 def test_clean_runs_have_no_violations(folder):
-    eng = LLMEngine(str(folder), num_kv_blocks=24, block_size=4, max_num_batched_tokens=8, validate_every=1)
+    eng = make_engine(str(folder), num_kv_blocks=24, block_size=4, max_num_batched_tokens=8, validate_every=1)
     s = SessionManager(eng).open()
     s.send("Hello there, how are you?", SamplingParams(max_tokens=6))
     s.send("And the weather?", SamplingParams(max_tokens=6))

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from tests.utils.tiny_models import tiny_llama_folder
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.kvcache.validate import check_engine
 from kvkeeper.sessions.breaker import BreakerConfig, CircuitBreaker, OverloadedError
 from kvkeeper.sessions.budget import split_turns, trim_oldest_turns
 from tests.utils.sessionutil import sessions_of
+from tests.utils.engines import make_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,7 +32,7 @@ def _session_kv(eng, s):
 
 def _fragmented(folder, kv_dtype=None):
     """Four sessions, two turns each, then sessions 1 and 3 closed: holes between the survivors."""
-    eng = LLMEngine(str(folder), num_kv_blocks=96, block_size=4, validate_every=1, kv_dtype=kv_dtype)
+    eng = make_engine(str(folder), num_kv_blocks=96, block_size=4, validate_every=1, kv_dtype=kv_dtype)
     ss = [sessions_of(eng).open(system=f"You are helper number {i}.") for i in range(4)]
     for turn in range(2):
         for i, s in enumerate(ss):
@@ -97,7 +98,7 @@ class Clock:
 
 
 def test_tiers_trip_in_order_refuse_sessions_and_close_again(folder):
-    eng = LLMEngine(str(folder), num_kv_blocks=40, block_size=4, validate_every=1, max_num_batched_tokens=64)
+    eng = make_engine(str(folder), num_kv_blocks=40, block_size=4, validate_every=1, max_num_batched_tokens=64)
     low = sessions_of(eng).open(system="Low priority.")
     high = sessions_of(eng).open(system="High priority.")
     high.priority = 5
@@ -161,7 +162,7 @@ def test_budget_trims_oldest_turns_and_keeps_system_and_last():
 
 
 def test_session_trim_budget_is_a_reversible_view(folder):
-    eng = LLMEngine(str(folder), num_kv_blocks=128, block_size=4, validate_every=1)
+    eng = make_engine(str(folder), num_kv_blocks=128, block_size=4, validate_every=1)
     s = sessions_of(eng).open(system="Be brief.")
     for k in range(3):
         s.send(f"question number {k} about something rather long to make the prompt grow", GREEDY)
@@ -187,7 +188,7 @@ def test_config_rejects_bad_thresholds():
 def test_waiting_turns_holding_session_kv_do_not_starve_the_queue_head(folder):
     """Turns queued together each hold their session's handed-over KV; when the head cannot fit and nothing
     runs, the others' blocks are released (they stay in the prefix cache) instead of rejecting the head."""
-    eng = LLMEngine(str(folder), num_kv_blocks=30, block_size=4, validate_every=1, max_num_batched_tokens=256)
+    eng = make_engine(str(folder), num_kv_blocks=30, block_size=4, validate_every=1, max_num_batched_tokens=256)
     ss = [sessions_of(eng).open(system=f"S{i}") for i in range(3)]
     for i, s in enumerate(ss):
         s.send(f"first message of session {i} with several words in it to fill blocks", GREEDY)
@@ -207,7 +208,7 @@ def test_waiting_turns_holding_session_kv_do_not_starve_the_queue_head(folder):
 def test_degraded_breaker_offloads_sessions_that_refill_the_pool_and_closes(folder):
     """Sessions busy during tiers 1-2 pin their KV afterwards: while degraded the breaker repeats the
     offload tier, so the pool drains and the breaker closes instead of refusing sessions for ever."""
-    eng = LLMEngine(str(folder), num_kv_blocks=48, block_size=4, validate_every=1, max_num_batched_tokens=64)
+    eng = make_engine(str(folder), num_kv_blocks=48, block_size=4, validate_every=1, max_num_batched_tokens=64)
     ss = [sessions_of(eng).open(system=f"S{i}") for i in range(3)]
     clock = Clock()
     br = CircuitBreaker(eng, sessions_of(eng), BreakerConfig(usage_threshold=0.6, recover_usage=0.5, escalate_after_s=1.0,
@@ -244,7 +245,7 @@ def test_degraded_breaker_does_not_stay_stuck_between_recovery_and_trip_levels(f
     """Degraded with idle high-priority sessions holding KV between the recovery level and the trip level:
     the breaker must go on relieving the pool (offload idle sessions) and close, not refuse new sessions
     forever."""
-    eng = LLMEngine(str(folder), num_kv_blocks=40, block_size=4, validate_every=1)
+    eng = make_engine(str(folder), num_kv_blocks=40, block_size=4, validate_every=1)
     lo, hi1, hi2 = (sessions_of(eng).open(system=f"S{i}") for i in range(3))
     lo.priority, hi1.priority, hi2.priority = -1, 5, 5
     clock = Clock()

@@ -23,6 +23,7 @@ from kvkeeper.kvcache.validate import check_engine
 from kvkeeper.sessions import SessionManager
 from kvkeeper.sessions.disk import MANIFEST, session_dir_name
 from kvkeeper.sessions.offload import SessionStore
+from tests.utils.engines import make_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 SHORT = SamplingParams(max_tokens=2, temperature=0)
@@ -33,7 +34,7 @@ TURNS = ["Name three colours.", "And three animals?", "Which of them is the larg
 @pytest.fixture(scope="module")
 def eng():
     """fp32 SmolLM2 on 256 blocks."""
-    return LLMEngine(num_kv_blocks=256)
+    return make_engine(num_kv_blocks=256)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +162,7 @@ def test_host_budget_overflow_moves_least_recent_to_disk(eng, sessions, referenc
 
 
 def test_int8_kv_round_trip_bit_exact(tmp_path):
-    e = LLMEngine(num_kv_blocks=64, kv_dtype="int8")
+    e = make_engine(num_kv_blocks=64, kv_dtype="int8")
     sessions = SessionManager(e, data_dir=tmp_path)
     ref = sessions.open(system=SYSTEM)
     want = [ref.send(t, GREEDY) for t in TURNS]

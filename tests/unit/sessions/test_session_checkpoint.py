@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.errors import InvalidRequestError
 from kvkeeper.sessions import SessionManager
 from kvkeeper.sessions.disk import MANIFEST
+from tests.utils.engines import make_engine
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +20,7 @@ TURNS = ["Name three colours.", "And three animals?", "Which of them is the larg
 
 @pytest.fixture(scope="module")
 def engines():
-    return LLMEngine(num_kv_blocks=128), LLMEngine(num_kv_blocks=128)
+    return make_engine(num_kv_blocks=128), make_engine(num_kv_blocks=128)
 
 
 def test_a_session_moves_between_managers_through_its_checkpoint(engines, tmp_path):

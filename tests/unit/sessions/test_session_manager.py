@@ -8,12 +8,13 @@ import json
 
 import pytest
 
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.kvcache.compression import KVCompression
 from kvkeeper.kvcache.validate import check_engine
 from kvkeeper.sessions import SessionManager
 from kvkeeper.sessions.disk import MANIFEST, session_dir_name
 from tests.utils.tiny_models import tiny_llama_folder
+from tests.utils.engines import make_engine
 
 P = SamplingParams(max_tokens=4, ignore_eos=True)
 
@@ -30,7 +31,7 @@ def _recompute(eng, ids, params=P):
 def test_a_malformed_saved_namespace_recomputes_and_orphans_nothing(folder, tmp_path):
     """A manifest whose namespace is not Namespace's fields (edited after start): the turn recomputes its prompt;
     no request of the turn stays queued, and the next turns go on (it raised TypeError and left an orphan)."""
-    eng = LLMEngine(str(folder), num_kv_blocks=64, block_size=4)
+    eng = make_engine(str(folder), num_kv_blocks=64, block_size=4)
     s = SessionManager(eng, data_dir=tmp_path).open(session_id="orph")
     s.send("Hello there, how are you?", P)
     s.offload("disk")
@@ -48,7 +49,7 @@ def test_a_malformed_saved_namespace_recomputes_and_orphans_nothing(folder, tmp_
 
 def test_a_turn_whose_policy_scores_every_prompt_query_gets_no_session_kv(folder):
     """h2o and snapkv observe every prompt query: as with the prefix cache, a session hands such a turn nothing."""
-    eng = LLMEngine(str(folder), num_kv_blocks=64, block_size=4)
+    eng = make_engine(str(folder), num_kv_blocks=64, block_size=4)
     s = SessionManager(eng).open()
     s.send("Hello there, how are you today?", P)
     seq = s.begin_turn(messages=s.messages + [{"role": "user", "content": "And the weather?"}], params=P,
@@ -64,7 +65,7 @@ def test_a_turn_whose_policy_scores_every_prompt_query_gets_no_session_kv(folder
 
 
 def test_an_aborted_turn_keeps_its_kv_but_records_nothing(folder):
-    eng = LLMEngine(str(folder), num_kv_blocks=64, block_size=4, max_num_batched_tokens=8)
+    eng = make_engine(str(folder), num_kv_blocks=64, block_size=4, max_num_batched_tokens=8)
     s = SessionManager(eng).open()
     first = s.send("Hello there, how are you?", P)
     before = (list(s.messages), len(s.turns))
@@ -81,7 +82,7 @@ def test_an_aborted_turn_keeps_its_kv_but_records_nothing(folder):
 
 
 def test_a_closed_session_id_can_be_reopened_while_its_last_turn_runs(folder):
-    eng = LLMEngine(str(folder), num_kv_blocks=64, block_size=4)
+    eng = make_engine(str(folder), num_kv_blocks=64, block_size=4)
     sessions = SessionManager(eng)
     old = sessions.open(session_id="dup")
     seq = old.begin_turn(messages=[{"role": "user", "content": "Hi"}], params=P)
@@ -97,7 +98,7 @@ def test_a_closed_session_id_can_be_reopened_while_its_last_turn_runs(folder):
 
 def test_a_prompt_larger_than_the_pool_is_refused_before_any_work(folder):
     """It was prefilled in chunks, preempted, and pushed every idle session to the host tier before failing."""
-    eng = LLMEngine(str(folder), num_kv_blocks=24, block_size=4, max_num_batched_tokens=16)
+    eng = make_engine(str(folder), num_kv_blocks=24, block_size=4, max_num_batched_tokens=16)
     sessions = SessionManager(eng)
     idle = sessions.open()
     idle.send("Hello there, how are you?", P)
@@ -111,7 +112,7 @@ def test_a_prompt_larger_than_the_pool_is_refused_before_any_work(folder):
 
 
 def test_pinned_blocks_counts_a_shared_prefix_once(folder):
-    eng = LLMEngine(str(folder), num_kv_blocks=64, block_size=4)
+    eng = make_engine(str(folder), num_kv_blocks=64, block_size=4)
     sessions = SessionManager(eng)
     a, b = sessions.open(system="A long shared system prompt for both."), sessions.open(system="A long shared system prompt for both.")
     a.send("Hi", P)

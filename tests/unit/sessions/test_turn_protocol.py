@@ -9,11 +9,12 @@ import httpx
 import openai
 import pytest
 
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.errors import SessionBusyError
 from kvkeeper.sessions import SessionManager
 from kvkeeper.sessions.disk import MANIFEST
 from tests.utils.serverproc import running_server
+from tests.utils.engines import make_engine
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 @pytest.fixture(scope="module")
 def eng():
     """A fresh engine: nothing of other tests in its prefix cache, as a fresh server's."""
-    return LLMEngine()
+    return make_engine()
 
 
 def _resent_history_differs(eng, s, r, next_user: str) -> bool:

@@ -6,8 +6,9 @@
   perplexity at 4k tokens within 1% of float32, top-1 agreement with float32 on the parity prompts;
 * without the C++ kernels the engine runs float32 and says so.
 
-conftest.py makes KVKEEPER_QUANTIZATION=none the default of the rest of the suite (in-process engines and the
-servers and CLI runs, which read it at their edge); these tests name their format.
+conftest.py makes KVKEEPER_QUANTIZATION=none the default of the rest of the suite (the in-process engines of
+tests/utils/engines.py's make_engine, and the servers and CLI runs, which read it at their edge); these tests name
+their format.
 """
 
 import json
@@ -18,10 +19,11 @@ import sys
 import pytest
 import torch
 
-from kvkeeper import InvalidRequestError, LLMEngine, SamplingParams
+from kvkeeper import InvalidRequestError, SamplingParams
 from kvkeeper.kernels import cpu as cpu_kernels
 from kvkeeper.layers import quantized
 from kvkeeper.weights import formats as qw
+from tests.utils.engines import make_engine
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +72,8 @@ def tiny_folder(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_round_to_nearest_formats_on_a_hf_folder(kernels, tiny_folder, fmt):
-    ref = LLMEngine(str(tiny_folder), quantization="none", num_kv_blocks=32)
-    eng = LLMEngine(str(tiny_folder), quantization=fmt, num_kv_blocks=32)
+    ref = make_engine(str(tiny_folder), quantization="none", num_kv_blocks=32)
+    eng = make_engine(str(tiny_folder), quantization=fmt, num_kv_blocks=32)
     assert eng.runner.weight_format == fmt and fmt in eng.runner.weight_description
     assert eng.runner.fused_decode is not None
     assert isinstance(eng.runner.model.model.layers[0].mlp.down_proj, quantized.QuantLinear)
@@ -89,14 +91,14 @@ def test_round_to_nearest_formats_on_a_hf_folder(kernels, tiny_folder, fmt):
     assert err < (0.05 if fmt == "int8" else 0.25), err  # random weights: int4 steps are coarse
     assert len(b.token_ids) == len(a.token_ids) == 8
     with pytest.raises(InvalidRequestError, match="needs a GGUF file"):
-        LLMEngine(str(tiny_folder), quantization="gguf", num_kv_blocks=8)
+        make_engine(str(tiny_folder), quantization="gguf", num_kv_blocks=8)
 
 
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "fp16", "int8", "fp8"])
 def test_fused_decode_is_batch_invariant_and_equals_mixed_steps(kernels, tiny_folder, kv):
     """A decode token gives the same logits whether its step is decode-only (one fused C++ call, which also writes
     the KV) or mixed with a prefill (the layer-by-layer path, PagedKV.write), and whatever else is in the batch."""
-    eng = LLMEngine(str(tiny_folder), quantization="int4", num_kv_blocks=64, kv_dtype=kv)
+    eng = make_engine(str(tiny_folder), quantization="int4", num_kv_blocks=64, kv_dtype=kv)
     assert eng.runner.fused_decode is not None
     p1, p2 = list(range(7, 40)), list(range(100, 160))
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1)
@@ -116,13 +118,13 @@ def test_fused_decode_is_batch_invariant_and_equals_mixed_steps(kernels, tiny_fo
 
 @pytest.fixture(scope="module")
 def gguf_engine(kernels):
-    return LLMEngine(quantization="gguf", kv_cache_bytes=256 << 20)
+    return make_engine(quantization="gguf", kv_cache_bytes=256 << 20)
 
 
 @pytest.mark.slow
 def test_embedded_model_defaults_to_gguf(kernels, monkeypatch):
     monkeypatch.delenv("KVKEEPER_QUANTIZATION", raising=False)
-    eng = LLMEngine(num_kv_blocks=16)
+    eng = make_engine(num_kv_blocks=16, quantization=None)  # None: the library's own default, not the suite's
     assert eng.runner.weight_format == "gguf"
     assert "Q4_1" in eng.runner.weight_description and "Q8_0" in eng.runner.weight_description
     assert eng.runner.attention_backend == "cpu" and eng.runner.fused_decode is not None
@@ -182,7 +184,7 @@ def test_gguf_audit_tolerance_sits_above_activation_rounding(kernels, mt_bench):
     from kvkeeper.diagnostics.audit import ReuseAuditor
     from kvkeeper.sessions import SessionManager
 
-    eng = LLMEngine(quantization="gguf", num_kv_blocks=200, validate_every=0)
+    eng = make_engine(quantization="gguf", num_kv_blocks=200, validate_every=0)
     eng.auditor = ReuseAuditor(1.0).attach(eng)
     sessions = SessionManager(eng)
     for q in mt_bench[:3]:

@@ -5,6 +5,7 @@ the engine (same greedy tokens as the PyTorch path), and benchmarks/gpu.py refus
 
 import os
 from tests.utils.paths import ROOT
+from tests.utils.engines import make_engine
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
@@ -16,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvkeeper import LLMEngine, SamplingParams
+from kvkeeper import SamplingParams
 from kvkeeper.errors import InvalidRequestError, ModelNotFoundError
 from kvkeeper.weights import dummy
 from kvkeeper.worker.cuda_graphs import BATCH_SIZES, pick_batch_size, sizes_up_to
@@ -67,16 +68,16 @@ def test_dummy_load_errors_name_the_choices(tmp_path):
     with pytest.raises(ModelNotFoundError, match="llama-3.1-8b"):
         dummy.resolve_config("no-such-config")
     with pytest.raises(ModelNotFoundError):
-        LLMEngine("no-such-config", load_format="dummy")
+        make_engine("no-such-config", load_format="dummy")
     with pytest.raises(InvalidRequestError, match="load format"):
-        LLMEngine("x", load_format="pt")
+        make_engine("x", load_format="pt")
 
 
 def test_cuda_device_refused_clearly_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(InvalidRequestError, match="no CUDA device"):
-        LLMEngine("llama-3-8b", load_format="dummy", device="cuda")
+        make_engine("llama-3-8b", load_format="dummy", device="cuda")
     r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "generate", "--prompt", "hi", "--device", "cuda",
                         "--load-format", "dummy", "--model", "llama-3-8b"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no CUDA device" in r.stderr
@@ -86,9 +87,9 @@ def test_cuda_device_refused_clearly_without_cuda():
 
 
 def test_dummy_weights_seeded_and_engine_runs_on_cpu(tiny_config):
-    a = LLMEngine(tiny_config, load_format="dummy", seed=1, kv_cache_bytes=1 << 20, block_size=4)
-    b = LLMEngine(tiny_config, load_format="dummy", seed=1, kv_cache_bytes=1 << 20, block_size=4)
-    c = LLMEngine(tiny_config, load_format="dummy", seed=2, kv_cache_bytes=1 << 20, block_size=4)
+    a = make_engine(tiny_config, load_format="dummy", seed=1, kv_cache_bytes=1 << 20, block_size=4)
+    b = make_engine(tiny_config, load_format="dummy", seed=1, kv_cache_bytes=1 << 20, block_size=4)
+    c = make_engine(tiny_config, load_format="dummy", seed=2, kv_cache_bytes=1 << 20, block_size=4)
     wa = dict(a.runner.model.named_parameters())
     wb, wc = dict(b.runner.model.named_parameters()), dict(c.runner.model.named_parameters())
     name = "model.layers.1.self_attn.qkv_proj.weight"
@@ -110,8 +111,8 @@ def test_triton_backend_in_engine_gives_same_greedy_tokens(tiny_config):
     prompts = [list(range(3, 3 + n)) for n in (1, 13, 22)] + [list(range(3, 25)) + [40, 41]]
     kw = dict(load_format="dummy", seed=3, kv_cache_bytes=1 << 20, block_size=4, max_num_batched_tokens=16)
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    ref = LLMEngine(tiny_config, **kw)
-    tri = LLMEngine(tiny_config, attention_backend="triton", **kw)
+    ref = make_engine(tiny_config, **kw)
+    tri = make_engine(tiny_config, attention_backend="triton", **kw)
     assert tri.runner.attention_backend == "triton"
     want = [o.token_ids for o in ref.generate(prompts, sp)]
     got = tri.generate(prompts, sp)
@@ -127,7 +128,7 @@ def _fake_seq(tokens, block_table):
 def test_decode_graph_buffers_padding_equals_unpadded_eager(tiny_config):
     from kvkeeper.worker.cuda_graphs import DecodeGraphs
 
-    eng = LLMEngine(tiny_config, load_format="dummy", seed=4, num_kv_blocks=40, block_size=4,
+    eng = make_engine(tiny_config, load_format="dummy", seed=4, num_kv_blocks=40, block_size=4,
                     attention_backend="triton", kv_dtype="int8")
     runner = eng.runner
     g = torch.Generator().manual_seed(0)
@@ -182,8 +183,8 @@ def test_runner_replays_padded_graph_batches_for_decode_steps(tiny_config):
     kw = dict(load_format="dummy", seed=5, kv_cache_bytes=1 << 20, block_size=4)
     prompts = [list(range(7, 7 + n)) for n in (3, 9, 14)]
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in LLMEngine(tiny_config, **kw).generate(prompts, sp)]
-    eng = LLMEngine(tiny_config, attention_backend="triton", **kw)
+    want = [o.token_ids for o in make_engine(tiny_config, **kw).generate(prompts, sp)]
+    eng = make_engine(tiny_config, attention_backend="triton", **kw)
     graphs = EagerReplay(eng.runner, max_model_len=eng.context_length, sizes=(1, 2, 4, 8))
     graphs.graphs = {s: None for s in graphs.sizes}  # "captured"
     graphs.sizes_used = set()
