@@ -29,7 +29,7 @@ Usage::
     .venv/bin/python benchmarks/engine_bench.py --out DIR --threads 4
     .venv/bin/python benchmarks/engine_bench.py --quantization none   # the float32 engine instead of the default
 
-Writes ``DIR/engine_bench.json`` and ``DIR/engine_bench.md`` and prints the markdown.
+Writes ``DIR/engine_bench-<config>-<date>.json`` and ``.md`` (config: the model) and prints the markdown.
 """
 
 from __future__ import annotations
@@ -1431,10 +1431,14 @@ def main(argv=None) -> int:
         del R["errors"]
 
     md = render_markdown(R)
-    (out_dir / "engine_bench.json").write_text(json.dumps(R, indent=2, default=str) + "\n")
-    (out_dir / "engine_bench.md").write_text(md)
+    from common import result_path
+
+    config = Path(args.model).stem if args.model else "smollm2-135m"
+    json_path, md_path = (result_path("engine_bench", config, suffix, out_dir) for suffix in (".json", ".md"))
+    json_path.write_text(json.dumps(R, indent=2, default=str) + "\n")
+    md_path.write_text(md)
     print(md)
-    log(f"wrote {out_dir / 'engine_bench.json'} and {out_dir / 'engine_bench.md'} in {R['total_runtime_s']:.0f} s")
+    log(f"wrote {json_path} and {md_path} in {R['total_runtime_s']:.0f} s")
     return 0
 
 
