@@ -79,8 +79,8 @@ def _render_multiturn(L: list, R: dict, key: str, title: str) -> None:
     L.append("")
 
 
-def render_markdown(R: dict) -> str:
-    L = []
+def _render_header(L: list, R: dict) -> None:
+    """The title and the table of the machine, the model and the peers; a warning when the machine was busy."""
     m = R["machine"]
     L.append(f"# kvkeeper engine benchmark{' (QUICK smoke run: numbers not meaningful)' if R['quick'] else ''}\n")
     L.append("| item | value |\n|---|---|")
@@ -103,7 +103,9 @@ def render_markdown(R: dict) -> str:
                  f"on {ncpu} CPUs). With more runnable threads than cores, multi-threaded (OpenMP) matmuls stall "
                  "on descheduled threads, so every number below is unreliable; rerun on a quiet machine.\n")
 
-    # targets
+
+def _render_targets(L: list, R: dict) -> None:
+    """Every target next to its measured ratio, one row per target of each section."""
     L.append("## Targets\n")
     L.append("| section | metric | target | measured | status |\n|---|---|---|---|---|")
     for sec, key, tkeys in (("0. weight formats", "formats", ("target_ppl", "target_agreement")),
@@ -123,7 +125,9 @@ def render_markdown(R: dict) -> str:
                 L.append(_target_row(sec, t))
     L.append("")
 
-    # formats
+
+def _render_formats(L: list, R: dict) -> None:
+    """Section 0: the weight formats' memory, speed and quality."""
     fm = R.get("formats")
     L.append("## 0. Weight formats (`--quantization`)\n")
     if fm:
@@ -155,7 +159,10 @@ def render_markdown(R: dict) -> str:
         L.append(f"failed or skipped: {(R.get('errors') or {}).get('formats')}")
     L.append("")
 
-    # roofline
+
+def _render_roofline(L: list, R: dict) -> None:
+    """Section 1: the machine's roofline, the model's costs and kvkeeper's fractions of the limits."""
+    m = R["machine"]
     roof = R.get("roofline")
     L.append("## 1. Roofline of this machine (measured in this run)\n")
     if roof:
@@ -207,10 +214,9 @@ def render_markdown(R: dict) -> str:
         L.append(f"failed: {(R.get('errors') or {}).get('roofline')}")
     L.append("")
 
-    for key, title in (("multiturn", "## 2. Multi-turn TTFT"), ("multiturn_short", "## 2b. Short turns: TTFT")):
-        _render_multiturn(L, R, key, title)
 
-    # batched
+def _render_batched(L: list, R: dict) -> None:
+    """Section 3: batched decode against generate_batch and padded generate."""
     b = R.get("batched")
     L.append("## 3. Batched decode\n")
     if b:
@@ -257,7 +263,9 @@ def render_markdown(R: dict) -> str:
         L.append(f"failed: {(R.get('errors') or {}).get('batched')}")
     L.append("")
 
-    # single
+
+def _render_single(L: list, R: dict) -> None:
+    """Section 4: single-stream decode against generate and llama.cpp."""
     s = R.get("single_stream")
     L.append("## 4. Single-stream decode\n")
     if s:
@@ -285,7 +293,9 @@ def render_markdown(R: dict) -> str:
         L.append(f"failed: {(R.get('errors') or {}).get('single_stream')}")
     L.append("")
 
-    # long context
+
+def _render_long_context(L: list, R: dict) -> None:
+    """Section 5: prefill of a long prompt and decode after it."""
     lg = R.get("long_context")
     L.append("## 5. Long context: prefill and decode after it\n")
     if lg:
@@ -310,7 +320,11 @@ def render_markdown(R: dict) -> str:
         L.append(f"failed or skipped: {(R.get('errors') or {}).get('long_context')}")
     L.append("")
 
-    # correctness
+
+def _render_checks(L: list, R: dict) -> None:
+    """The correctness cross-checks of the run, then its errors."""
+    s = R.get("single_stream")
+    b = R.get("batched")
     mt = R.get("multiturn")
     L.append("## Correctness cross-checks (same run)\n")
     L.append("| check | result |\n|---|---|")
@@ -331,4 +345,19 @@ def render_markdown(R: dict) -> str:
         L.append("\n## Errors\n")
         for k, v in R["errors"].items():
             L.append(f"- {k}: `{v[:500]}`")
+
+
+def render_markdown(R: dict) -> str:
+    """The run's results (engine_bench's JSON) as one markdown document: header, targets, then each section."""
+    L: list[str] = []
+    _render_header(L, R)
+    _render_targets(L, R)
+    _render_formats(L, R)
+    _render_roofline(L, R)
+    for key, title in (("multiturn", "## 2. Multi-turn TTFT"), ("multiturn_short", "## 2b. Short turns: TTFT")):
+        _render_multiturn(L, R, key, title)
+    _render_batched(L, R)
+    _render_single(L, R)
+    _render_long_context(L, R)
+    _render_checks(L, R)
     return "\n".join(L) + "\n"
