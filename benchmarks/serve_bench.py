@@ -41,10 +41,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # tests.utils.serverproc
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import cpu_model, result_name, write_report  # noqa: E402
-from serverproc import free_port  # noqa: E402
+from tests.utils.serverproc import free_port  # noqa: E402
 
 CONVERSATIONS = ROOT / "data" / "topical_chat" / "test_freq_conversations_first20.jsonl"
 

@@ -54,8 +54,8 @@ def measure_rss(model: str | None, fmt: str) -> dict:
 
 
 def parity_prompts(engine: LLMEngine, questions: list[dict], n: int) -> list[list[int]]:
-    """The parity test's prompts (tests/test_engine_real.py): both turns of the first MT-Bench questions (turn 2
-    after the engine's own greedy 24-token turn-1 reply) plus four raw text prompts; the first n of them."""
+    """The parity test's prompts (tests/unit/engine/test_engine_real.py): both turns of the first MT-Bench questions
+    (turn 2 after the engine's own greedy 24-token turn-1 reply) plus four raw text prompts; the first n of them."""
     firsts = [engine.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in questions[:10]]
     replies = engine.generate(firsts, SamplingParams(max_tokens=24), namespace=engine.isolated_namespace("pp"))
     prompts = []
@@ -149,7 +149,7 @@ def bench_formats(model: str | None, questions: list[dict], bc: BenchConfig, def
     d = by.get(default_format) or {}
     res = {"formats": rows, "default": default_format,
            "ppl_text": f"{BOOK.relative_to(ROOT)}, {bc.ppl_context} tokens after the first 2000, chunks of 512",
-           "agreement": f"{len(ref['prompts']) if ref else 0} parity prompts (tests/test_engine_real.py), "
+           "agreement": f"{len(ref['prompts']) if ref else 0} parity prompts (tests/unit/engine/test_engine_real.py), "
                         f"{bc.agree_tokens} greedy tokens; top-1 agreement teacher-forced on the float32 continuation"}
     if default_format != "none" and d.get("ppl_vs_none") is not None:
         res["target_ppl"] = {"metric": f"perplexity of the default format ({default_format}) / float32 - 1",

@@ -4,7 +4,7 @@ bf16 KV): ``--lora-modules``, the ``model`` field, ``/v1/models``, ``POST /v1/lo
 ``usage.prompt_tokens_details.cached_tokens``.
 
 The adapters are made with peft for SmolLM2's shapes on its first two layers (random, large enough to change the
-greedy output); exact parity with transformers + peft is in tests/test_lora.py.
+greedy output); exact parity with transformers + peft is in tests/models/test_lora.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The engine decodes a batch of greedy requests, each with one feature (and one plain request,
 which must be unchanged by its neighbours).  transformers' model then scores each output in one
 forward pass, and at every step the plain-torch reference of the feature (the same formulas as
-tests/test_sampling_processors.py) is applied to its logits: the engine's token must be the
+tests/unit/sampling/test_sampling_processors.py) is applied to its logits: the engine's token must be the
 reference's argmax (up to a 1e-3 near-tie, the two implementations' float noise).  The prompt
 logprobs of the engine (``prompt_logprobs``) equal transformers' log-softmax at every position.
 """

@@ -50,7 +50,7 @@ def test_parameter_count_of_shipped_configs_without_allocating():
     for name in dummy.known_configs():
         cfg, path = dummy.load_config(name)
         if cfg.architecture.startswith("deepseek"):
-            continue  # MLA and MoE shapes: counted in tests/test_deepseek_components.py (15.7 B, 671.0 B)
+            continue  # MLA and MoE shapes: counted in tests/models/test_deepseek_components.py (15.7 B, 671.0 B)
         h, L, kvd, V = cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads * cfg.head_dim, cfg.vocab_size
         qd = cfg.num_heads * cfg.head_dim
         per_layer = h * (qd + 2 * kvd) + qd * h + 3 * h * cfg.intermediate_size + 2 * h
