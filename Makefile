@@ -61,7 +61,7 @@ soak: setup
 
 # The cache-health detector under injected faults and overloads (benchmarks/health_eval.py)
 health-eval: setup
-	$(VPY) benchmarks/health_eval.py --soak-json benchmarks/results/soak.json
+	$(VPY) benchmarks/health_eval.py --soak-json benchmarks/results/soak-run2-2026-12-01.json
 
 # KV dtypes and compression policies, with NVIDIA kvpress as the peer in its own venv
 # (kvpress 0.5.5 pins transformers < 5.3).

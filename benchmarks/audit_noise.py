@@ -3,7 +3,7 @@
 Runs MT-Bench two-turn sessions on the default engine (gguf weights, bf16 KV) with the reuse audit on every request
 and a tolerance too loose to fire, and records, per audited request, the largest (|stored - recomputed| - 0.01) /
 max|recomputed| of any token and layer (the quantity :func:`kvkeeper.diagnostics.audit.default_tolerance`'s
-``kv_rtol`` bounds), and the largest logits difference.  Writes benchmarks/results/audit_noise.{json,md}.
+``kv_rtol`` bounds), and the largest logits difference.  Writes benchmarks/results/audit_noise-smollm2-135m-<date>.{json,md}.
 
     python benchmarks/audit_noise.py [--sessions 40] [--max-tokens 48]
 """
@@ -55,9 +55,10 @@ def main() -> int:
     out = {"weights": eng.runner.weight_description, "kv": eng.runner.kv_format.name, "audits": eng.auditor.total,
            "sessions": args.sessions, "max_tokens": args.max_tokens, "max_kv_rel": max(per_request),
            "max_logits": max(logits), "default_kv_rtol": default.kv_rtol, "default_logits_atol": default.logits_atol}
-    res = ROOT / "benchmarks" / "results" / "audit_noise"
-    res.with_suffix(".json").write_text(json.dumps(out, indent=1))
-    res.with_suffix(".md").write_text(
+    from common import result_path
+
+    result_path("audit_noise").write_text(json.dumps(out, indent=1))
+    result_path("audit_noise", suffix=".md").write_text(
         "| weights | KV | audits | max K/V relative difference | max logits difference | default kv_rtol | "
         "default logits_atol |\n|---|---|---|---|---|---|---|\n"
         f"| {out['weights']} | {out['kv']} | {out['audits']} | {out['max_kv_rel']:.4f} | {out['max_logits']:.3f} | "

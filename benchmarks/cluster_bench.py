@@ -25,7 +25,7 @@ replica cannot keep every session, so that routing decides what stays cached.  `
 that pool directly; ``--pressure-only`` skips the first run.
 
 ``--lock FILE``: hold an exclusive flock on FILE during each set-up (a shared machine).  Writes
-``OUT/cluster_bench.json`` and ``OUT/cluster_bench.md`` and prints the markdown.
+``OUT/cluster_bench-<config>-<date>.json`` and ``.md`` and prints the markdown.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model, write_report  # noqa: E402
+from common import MODEL, cpu_model, result_name, write_report  # noqa: E402
 from serve_bench import conversation, pct, stream_chat, user_turns  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,7 +250,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--lock", default=None, help="flock this file exclusively during each set-up")
     ap.add_argument("--note", default="", help="a line about the machine's state, for the report")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--name", default="cluster_bench", help="write OUT/NAME.json and OUT/NAME.md")
+    ap.add_argument("--config", default=MODEL, help="the run's config in its file name (default %(default)s)")
+    ap.add_argument("--name", default=None, help="write OUT/NAME.json and OUT/NAME.md (default: cluster_bench-CONFIG-DATE)")
     a = ap.parse_args(argv)
     if a.pressure_only and a.kv_blocks is None:
         ap.error("--pressure-only needs --kv-blocks N (the need is measured on the default-pool run)")
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         need = res["setups"].get(SETUPS[0][0], {}).get("session_kv_blocks")
         res["pressure"] = pressure_run(a, logs, need)
     a.out.mkdir(parents=True, exist_ok=True)
-    write_report(a.out, a.name, res, markdown(res))
+    write_report(a.out, a.name or result_name("cluster_bench", a.config), res, markdown(res))
     return 0
 
 

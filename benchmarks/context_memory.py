@@ -2,7 +2,7 @@
 
 Generates the conversations (``kvkeeper eval memory-data``'s generator: seed, count and length below) from
 ``data/topical_chat/test_freq_conversations.jsonl``, then replays them under each (policy, budget) in RUNS order
-and rewrites ``benchmarks/results/context_memory.json`` (figures per run, no prompts) and ``.md`` (the table)
+and rewrites ``benchmarks/results/context_memory-<config>-<date>.json`` (figures per run, no prompts) and ``.md`` (the table)
 after each run, so a cut-short run still leaves the runs it finished.  The per-question records (prompts
 included) go to ``--records DIR``.
 
@@ -55,7 +55,9 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--only", nargs="+", default=RUNS, metavar="POLICY:BUDGET")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "context_memory"))
+    from common import result_path
+
+    ap.add_argument("--out", default=str(result_path("context_memory", suffix="")), help="OUT.json and OUT.md")
     ap.add_argument("--records", default=None, metavar="DIR")
     ap.add_argument("--replay", choices=("turns", "questions"), default="turns")
     args = ap.parse_args()

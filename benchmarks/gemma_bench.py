@@ -15,7 +15,8 @@ Each part is a separate process so that each exclusive hold of the CPU lock stay
     PYTHONPATH=src flock -x /work/.cpu.lock python benchmarks/gemma_bench.py --part full
     PYTHONPATH=src flock -x /work/.cpu.lock python benchmarks/gemma_bench.py --part llamacpp
 
-Each part merges its result into ``results/gemma_bench.json`` and rewrites ``results/gemma_bench.md``.
+Each part merges its result into the latest ``results/gemma_bench-gemma3-270m-<date>.json`` and writes today's
+``.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-from common import cpu_model, write_report
+from common import cpu_model, latest_result, result_name, write_report
+
+CONFIG = "gemma3-270m"  # the config part of the result's name
 
 from kvkeeper import LLMEngine, SamplingParams
 
@@ -132,14 +135,14 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     out = Path(a.out)
-    path = out / "gemma_bench.json"
-    res = json.loads(path.read_text()) if path.exists() else {}
+    path = latest_result("gemma_bench", CONFIG, out=out)  # the parts run one at a time: merge into the last run's
+    res = json.loads(path.read_text()) if path else {}
     if a.part == "llamacpp":
         res[a.part] = run_llama_cpp(a.context, a.steps)
     else:
         res[a.part] = run_kvkeeper(a.part == "hybrid", a.context, a.steps)
     res.update(cpu=cpu_model(), threads=a.threads, load_1min_at_end=os.getloadavg()[0])
-    write_report(out, "gemma_bench", res, report(res))
+    write_report(out, result_name("gemma_bench", CONFIG), res, report(res))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ Usage::
     python benchmarks/gpu.py --sections kernels bandwidth    # a part
     python benchmarks/gpu.py --smoke-cpu --out /tmp/x        # tiny CPU run of the script's logic (interpreter)
 
-Writes ``DIR/gpu_bench.json`` and ``DIR/gpu_bench.md`` after every section (a run cut short keeps what
+Writes ``DIR/gpu_bench-<config>-<date>.json`` and ``.md`` after every section (a run cut short keeps what
 it measured).  Without a CUDA device it refuses (exit status 2) unless ``--smoke-cpu``.
 """
 
@@ -77,7 +77,7 @@ except ImportError:  # a checkout without an installed package
     sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import write_report  # noqa: E402
+from common import result_name, write_report  # noqa: E402
 
 from kvkeeper import LLMEngine, SamplingParams  # noqa: E402
 from kvkeeper.kvcache.quant import PagedKV, parse_kv_format  # noqa: E402
@@ -508,6 +508,8 @@ def main() -> int:
         args.batches = [1, 3]
         args.config = "tiny smoke-test config"
         args.prompt_len, args.new_tokens, args.dtype, args.kv_cache_gb = 8, 4, "float32", 0.01
+    # the result is named by the config: a shipped name, or a config.json file by its folder
+    name = result_name("gpu_bench", Path(args.config).parent.name if args.config.endswith(".json") else args.config)
     props = torch.cuda.get_device_properties(0) if dev.type == "cuda" else None
     res = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "config": args.config,
            "dtype": args.dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
@@ -535,7 +537,7 @@ def main() -> int:
             traceback.print_exc()
             res[name] = {"error": f"{type(e).__name__}: {e}"}
         res.setdefault("section_s", {})[name] = time.perf_counter() - t0
-        write_report(out, "gpu_bench", res, markdown(res))
+        write_report(out, name, res, markdown(res))
     ok = all("error" not in res.get(s, {}) for s in args.sections)
     k = res.get("kernels")
     if k and "error" not in k and not (k["all_ok"] and k["broken_kernel_caught"]):

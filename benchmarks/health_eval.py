@@ -22,7 +22,7 @@ other warning (before an onset, or in a control episode) a false positive.  Prec
 all warnings; recall = fault and overload episodes with a true-positive warning / such episodes.  Lead time = the
 breaker's first trip after the onset minus the first true-positive warning (positive: the warning came first),
 where the breaker tripped.  ``--soak-json`` adds the false-alarm rate of a fault-free soak
-(``benchmarks/soak.py``).  Writes ``health_eval.json`` and ``.md``.
+(``benchmarks/soak.py``).  Writes ``health_eval-<config>-<date>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model, write_report  # noqa: E402
+from common import cpu_model, result_name, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ROOT / "data" / "mt_bench" / "question.jsonl"
@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-early-signal", action="store_true", help="the breaker ignores the detector")
     ap.add_argument("--soak-json", help="a benchmarks/soak.py JSON: its fault-free false-alarm rate")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--name", default="health_eval")
+    ap.add_argument("--config", default="default", help="the run's config in its file name (default %(default)s)")
+    ap.add_argument("--name", default=None, help="write OUT/NAME.json and .md (default: health_eval-CONFIG-DATE)")
     args = ap.parse_args(argv)
     import torch
 
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     soak = json.loads(Path(args.soak_json).read_text()) if args.soak_json else None
     res = {"settings": vars(args), "cpu": cpu_model(), "elapsed_s": round(time.time() - t0, 1),
            "summary": summarize(eps, args, soak), "episodes": eps}
-    write_report(Path(args.out), args.name, res, markdown(res))
+    write_report(Path(args.out), args.name or result_name("health_eval", args.config), res, markdown(res))
     return 0
 
 

@@ -12,7 +12,7 @@ Sections (SmolLM2-135M-Instruct fp32 weights, this CPU):
 3. Memory and speed at an 8k context for each dtype and policy, each in its own process: KV bytes held
    by the request after prefill (and compression), peak RSS, prefill seconds, decode tok/s (64 tokens).
 
-Writes ``OUT/kv_bench.json``, ``OUT/kv_bench.md`` and PNG plots ``OUT/kv_bench_*.png``.
+Writes ``OUT/kv_bench-<config>-<date>.json``, ``.md`` and PNG plots ``OUT/kv_bench-<config>-<date>-*.png``.
 
     .venv/bin/python benchmarks/kv_bench.py [--quick] [--kvpress-python /path/to/venv/bin/python] [--out DIR]
 """
@@ -97,9 +97,10 @@ def section_kvpress(py: str, inputs: dict, ratios: list[float], out_dir: Path) -
         jp.write_text(json.dumps(job))
         p = subprocess.run([py, str(ROOT / "benchmarks" / "kvpress_peer.py"), str(jp), str(op)], capture_output=True,
                            text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        (out_dir / "kv_bench_kvpress.log").write_text(p.stdout + p.stderr)
+        log = result_path("kv_bench", suffix="-kvpress.log", out=out_dir)
+        log.write_text(p.stdout + p.stderr)
         if p.returncode != 0:
-            return [], f"kvpress run failed (exit {p.returncode}); see kv_bench_kvpress.log"
+            return [], f"kvpress run failed (exit {p.returncode}); see {log.name}"
         rows = json.loads(op.read_text())
     for r in rows:
         r["engine"] = "kvpress"
@@ -179,8 +180,9 @@ def plots(res: dict, out: Path) -> list[str]:
     ax.set_title("Perplexity by KV dtype")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "kv_bench_ppl_dtypes.png", dpi=110)
-    files.append("kv_bench_ppl_dtypes.png")
+    png = result_path("kv_bench", suffix="-ppl_dtypes.png", out=out)
+    fig.savefig(png, dpi=110)
+    files.append(png.name)
     plt.close(fig)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for eng_name, style in (("kvkeeper", "-o"), ("kvpress", "--s")):
@@ -202,8 +204,9 @@ def plots(res: dict, out: Path) -> list[str]:
     axes[1].set_ylabel("passkey accuracy")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "kv_bench_policies.png", dpi=110)
-    files.append("kv_bench_policies.png")
+    png = result_path("kv_bench", suffix="-policies.png", out=out)
+    fig.savefig(png, dpi=110)
+    files.append(png.name)
     plt.close(fig)
     return files
 
@@ -276,15 +279,15 @@ def main(argv=None) -> int:
     lengths, depths, trials = ([512], [0.0, 1.0], 1) if q else ([1024, 2048, 4096], [0.0, 0.5, 1.0], 2)
     pctx, pscore = (256, 64) if q else (2048, 256)
     mctx = 1024 if q else 8192
-    from common import cpu_model, write_report
+    from common import cpu_model, latest_result, result_name, write_report
 
     cpu = cpu_model()
-    prev = out / "kv_bench.json"
+    prev = latest_result("kv_bench", out=out)  # the sections not rerun come from the last run
     res = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "machine": f"{cpu}, {os.cpu_count()} CPUs",
            "dtypes": [], "policies": [], "memspeed": [], "notes": [], "policy_context": pctx, "policy_score": pscore,
            "passkey_lengths": lengths, "passkey_depths": depths, "passkey_trials": len(lengths) * len(depths) * trials,
            "memspeed_context": mctx}
-    if prev.exists() and set(args.sections) != {"dtypes", "policies", "memspeed"}:  # keep sections not rerun
+    if prev and set(args.sections) != {"dtypes", "policies", "memspeed"}:  # keep sections not rerun
         old = json.loads(prev.read_text())
         if "dtypes" not in args.sections:
             res["dtypes"] = old.get("dtypes", [])
@@ -308,7 +311,7 @@ def main(argv=None) -> int:
     if "memspeed" in args.sections:
         res["memspeed"] = section_memspeed(mctx, 16 if q else 64)
     res["plots"] = plots(res, out)
-    write_report(out, "kv_bench", res, markdown(res))
+    write_report(out, result_name("kv_bench"), res, markdown(res))
     return 0
 
 

@@ -2,7 +2,7 @@
 pool compaction, the reuse audit and the telemetry sample, with this machine's copy and disk bandwidth.
 
 Usage: python benchmarks/kvops_bench.py [--tokens 1000] [--repeats 3] [--out benchmarks/results]
-Writes kvops_bench.json and kvops_bench.md.  SmolLM2-135M-Instruct, fp32 weights and KV, CPU.
+Writes kvops_bench-<config>-<date>.json and .md.  SmolLM2-135M-Instruct, fp32 weights and KV, CPU.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model, write_report  # noqa: E402
+from common import cpu_model, result_name, write_report  # noqa: E402
 
 from kvkeeper import LLMEngine, SamplingParams, SessionManager  # noqa: E402
 from kvkeeper.diagnostics.audit import audit_sequence  # noqa: E402
@@ -190,7 +190,7 @@ def main() -> int:
            f"({a['prefill_s']:.3f} s).", ""]
     t = res["telemetry"]
     md += ["Telemetry sample (`pool_stats`): " + ", ".join(f"{k.replace('_ms', '')}: {v:.2f} ms" for k, v in t.items()), ""]
-    write_report(args.out, "kvops_bench", res, "\n".join(md) + "\n")
+    write_report(args.out, result_name("kvops_bench"), res, "\n".join(md) + "\n")
     return 0
 
 

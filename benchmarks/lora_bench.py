@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from common import cpu_model, write_report
+from common import cpu_model, result_name, write_report
 
 from kvkeeper import LLMEngine, SamplingParams
 
@@ -116,7 +116,7 @@ def main() -> None:
     load1 = os.getloadavg()[0]
     res["load_average"] = [load0, load1]
     res["settings"] = vars(args) | {"out": str(args.out)}
-    write_report(args.out, "lora_bench", res, markdown(res, (load0, load1)))
+    write_report(args.out, result_name("lora_bench"), res, markdown(res, (load0, load1)))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from common import cpu_model, write_report
+from common import cpu_model, result_name, write_report
 
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.engine.sequence import Sequence
@@ -159,7 +159,7 @@ def main() -> None:
            f"({ppl['fp32']['kv_bytes_per_token']:,} B/token), int8 latent {ppl['int8']['ppl']:.4f} "
            f"({ppl['int8']['kv_bytes_per_token']:,} B/token), delta {ppl['int8']['ppl'] - ppl['fp32']['ppl']:+.4f} "
            f"({100 * (ppl['int8']['ppl'] / ppl['fp32']['ppl'] - 1):+.3f}%).", ""]
-    write_report(Path(a.out), "mla_bench", res, "\n".join(md))
+    write_report(Path(a.out), result_name("mla_bench", f"mla-{SHAPE['hidden_size']}"), res, "\n".join(md))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ request has its first token (decode steps only), best of 3 runs per mode:
 
 Compare the ``plain`` figure across code versions to see what the processor support costs requests
 that use none (run it on each tree: ``PYTHONPATH=OLD/src python benchmarks/sampling_bench.py --modes plain``).
-Writes ``benchmarks/results/sampling_bench.{json,md}``.
+Writes ``benchmarks/results/sampling_bench-<config>-<date>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-from common import cpu_model, write_report
+from common import cpu_model, result_name, write_report
 
 from kvkeeper import LLMEngine, SamplingParams
 
@@ -68,7 +68,7 @@ def main() -> None:
           "| mode | decode tok/s | tokens decoded |\n|---|---|---|\n"
           + "".join(f"| {r['mode']} | {r['decode_tok_per_s']} | {r['decoded_tokens']} |\n" for r in rows))
     args.out.mkdir(parents=True, exist_ok=True)
-    write_report(args.out, "sampling_bench", {"cpu": cpu_model(), "setup": setup, "loadavg_1m": os.getloadavg()[0],
+    write_report(args.out, result_name("sampling_bench"), {"cpu": cpu_model(), "setup": setup, "loadavg_1m": os.getloadavg()[0],
                                               "runs": rows}, md)
 
 

@@ -20,7 +20,7 @@ one once from the embedded GGUF (``$KVKEEPER_CACHE/hf/smollm2-135m-instruct``).
     .venv/bin/python benchmarks/serve_bench.py [--concurrency 1 8 32] [--turns 3] [--max-tokens 24]
         [--no-peers] [--out benchmarks/results]
 
-Writes ``OUT/serve_bench.json`` and ``OUT/serve_bench.md`` and prints the markdown.
+Writes ``OUT/serve_bench-<config>-<date>.json`` and ``.md`` and prints the markdown.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # tests.utils.serverproc
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import cpu_model, write_report  # noqa: E402
-from serverproc import free_port  # noqa: E402
+from common import cpu_model, result_name, write_report  # noqa: E402
+from tests.utils.serverproc import free_port  # noqa: E402
 
 CONVERSATIONS = ROOT / "data" / "topical_chat" / "test_freq_conversations_first20.jsonl"
 
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"date": _dt.datetime.now().isoformat(timespec="seconds"),
            "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
            "turns": args.turns, "max_tokens": args.max_tokens, "levels": levels, "ratios": ratios, "notes": notes}
-    write_report(out, "serve_bench", res, markdown(res))
+    write_report(out, result_name("serve_bench"), res, markdown(res))
     return 0
 
 

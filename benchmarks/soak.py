@@ -644,8 +644,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-arg", action="append", default=[], help="extra argument for kvkeeper serve")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--name", default="soak")
+    ap.add_argument("--config", default="smollm2-135m", help="the run's config in its file name (default %(default)s)")
+    ap.add_argument("--name", default=None, help="write OUT/NAME.{json,md,png} (default: soak-CONFIG-DATE)")
     args = ap.parse_args(argv)
+    if args.name is None:
+        from common import result_name
+
+        args.name = result_name("soak", args.config)
     res = asyncio.run(soak(args))
     out = Path(args.out)
     res["png"] = plot(res, out / f"{args.name}.png")

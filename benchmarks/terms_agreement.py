@@ -98,7 +98,9 @@ def main() -> None:
     res = {"kvkeeper": {k: ours[k] for k in KEYS}, "kvkeeper_no_lemmas": {k: ours_no_lemmas[k] for k in KEYS},
            "kvkeeper_reference_placement": placed, "reference": REFERENCE}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "terms_agreement.json").write_text(json.dumps(res, indent=1))
+    from common import result_path
+
+    result_path("terms_agreement", out=args.out).write_text(json.dumps(res, indent=1))
     lines = ["| metric | kvkeeper | reference (published, stanza) | difference, points | reference run without "
              "stanza | difference, points |", "|---|---|---|---|---|---|"]
     for k in KEYS:
@@ -111,7 +113,7 @@ def main() -> None:
     lines.append("")
     lines.append("window overlap with the reference's placement of terms and tgt_original terms only: "
                  + ", ".join(f"{k} {v * 100:.4f}" for k, v in placed.items()))
-    (args.out / "terms_agreement.md").write_text("\n".join(lines) + "\n")
+    result_path("terms_agreement", suffix=".md", out=args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -71,7 +71,10 @@ def table(runs: Path) -> tuple[str, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=Path, default=ROOT / "benchmarks" / "results" / "terms_runs")
+    from common import result_path
+
+    ap.add_argument("--runs", type=Path, default=result_path("terms_bench", suffix="-runs"),
+                    help="one folder per run (default: results/terms_bench-<config>-<date>-runs)")
     ap.add_argument("--max-segments", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--collect", action="store_true", help="only build the table from existing runs")
@@ -80,8 +83,8 @@ def main() -> None:
     if not args.collect:
         run(args.runs, args.max_segments, args.max_tokens)
     md, data = table(args.runs)
-    (args.out / "terms_bench.md").write_text(md)
-    (args.out / "terms_bench.json").write_text(json.dumps(data, indent=1))
+    result_path("terms_bench", suffix=".md", out=args.out).write_text(md)
+    result_path("terms_bench", out=args.out).write_text(json.dumps(data, indent=1))
     print(md)
 
 

@@ -1,36 +1,18 @@
 import json
 import os
-from pathlib import Path
 
-# KV integrity validators before every engine step in every test: servers the tests start read this at
-# their edge (the CLI); in-process engines get it below unless a test sets validate_every itself.
+# The suite's two defaults, read at their edge by the servers and CLI runs the tests start, and by
+# tests/utils/engines.py's make_engine for the engines the tests build in process:
+# KV integrity validators before every engine step (a test may set validate_every itself);
 os.environ.setdefault("KVKEEPER_VALIDATE", "1")
-# float32 weights (the exact path, the parity reference) for every engine, server and CLI run that does not name a
-# --quantization (servers and the CLI read it at their edge, in-process engines below); tests of the quantized
-# formats pass theirs (tests/test_quant_engine.py)
+# float32 weights (the exact path, the parity reference) unless a test names a --quantization; the tests of the
+# quantized formats pass theirs (tests/unit/weights/test_quant_engine.py).
 os.environ.setdefault("KVKEEPER_QUANTIZATION", "none")
 
-import pytest
+import pytest  # noqa: E402
 
-from kvkeeper.engine import llm_engine as _llm_engine
-from kvkeeper.engine.config import EngineConfig
-
-_engine_init = _llm_engine.LLMEngine.__init__
-
-
-def _validating_init(self, *args, **kwargs):
-    """As the CLI does at its edge: $KVKEEPER_QUANTIZATION is the default weight format, $KVKEEPER_VALIDATE the
-    validators' period, unless the test names its own."""
-    if "quantization" not in kwargs and not (args and isinstance(args[0], EngineConfig)):
-        kwargs["quantization"] = os.environ.get("KVKEEPER_QUANTIZATION") or None
-    _engine_init(self, *args, **kwargs)
-    if "validate_every" not in kwargs:
-        self.validate_every = int(os.environ["KVKEEPER_VALIDATE"])
-
-
-_llm_engine.LLMEngine.__init__ = _validating_init
-
-DATA = Path(__file__).resolve().parent.parent / "data"
+from tests.utils.engines import make_engine  # noqa: E402
+from tests.utils.paths import DATA  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -42,10 +24,8 @@ def mt_bench():
 @pytest.fixture(scope="session")
 def engine():
     """The embedded SmolLM2-135M-Instruct, float32 weights (the exact path, the parity reference), on a 1 GiB
-    fp32 paged KV cache."""
-    from kvkeeper import LLMEngine
-
-    return LLMEngine(quantization="none")
+    fp32 paged KV cache; the validators run every $KVKEEPER_VALIDATE steps (tests/utils/engines.py)."""
+    return make_engine(quantization="none")
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from tests.utils.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 PKG = "kvkeeper"
 MAX_FUNCTION_LINES = 60
@@ -218,3 +218,27 @@ def test_the_layer_table_is_read(tmp_path):
     readme.write_text("x\n<!-- layers:begin -->\n| layer | parts |\n|---|---|\n| 1 | `api`, `cli` |\n| 2 | `engine` |\n"
                       "<!-- layers:end -->\n")
     assert read_layers(readme) == {"api": 1, "cli": 1, "engine": 2}
+
+
+def llm_engine_calls(root: Path, allowed: Path) -> list[str]:
+    """``LLMEngine(...)`` calls (by name or attribute) in the Python files under root, as 'path:line'."""
+    calls = []
+    for p in sorted(root.rglob("*.py")):
+        if p == allowed:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            f = node.func if isinstance(node, ast.Call) else None
+            if (isinstance(f, ast.Name) and f.id == "LLMEngine") or (isinstance(f, ast.Attribute) and
+                                                                     f.attr == "LLMEngine"):
+                calls.append(f"{p.relative_to(root)}:{node.lineno}")
+    return calls
+
+
+def test_tests_build_their_engines_through_make_engine(tmp_path):
+    """Every in-process engine of the suite gets its two defaults (float32 weights, validators every step) from
+    tests/utils/engines.py's make_engine; an engine built directly in a test file would silently run without them."""
+    tests = ROOT / "tests"
+    calls = llm_engine_calls(tests, tests / "utils" / "engines.py")
+    assert calls == [], f"build engines with tests.utils.engines.make_engine(...), not LLMEngine(...): {calls}"
+    (tmp_path / "test_x.py").write_text("import kvkeeper\nLLMEngine(1)\n# LLMEngine(\nkvkeeper.LLMEngine()\n")
+    assert llm_engine_calls(tmp_path, tests / "utils" / "engines.py") == ["test_x.py:2", "test_x.py:4"]

@@ -1,7 +1,7 @@
 """Write deploy/grafana/kvkeeper.json, the Grafana dashboard of kvkeeper's /metrics (run from the repo root).
 
 Plain JSON of the Grafana dashboard model (schemaVersion 39, Grafana 10/11); the Prometheus data source is
-a dashboard variable, chosen at import.  tests/test_grafana_dashboard.py checks that every metric its
+a dashboard variable, chosen at import.  tests/api/test_grafana_dashboard.py checks that every metric its
 queries name is exported by a running server.
 """
 

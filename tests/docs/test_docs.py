@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tests.utils.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MKDOCS_YML = ROOT / "mkdocs.yml"
 MAX_README_LINES = 300

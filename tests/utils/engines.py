@@ -1,0 +1,39 @@
+"""``make_engine``: an in-process ``LLMEngine`` with the suite's two defaults, as the CLI applies them at its edge.
+
+* weight format: ``$KVKEEPER_QUANTIZATION`` (the root conftest makes it ``none``: float32 weights, the exact
+  path and the parity reference) unless the test names ``quantization`` or passes an ``EngineConfig``;
+* ``validate_every``: ``$KVKEEPER_VALIDATE`` (default 1: the KV integrity validators before every engine step)
+  unless the test names its own.
+
+Every test that builds an engine in process builds it here; servers and CLI runs started by the tests read the same
+two variables at their own edge.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvkeeper import LLMEngine
+from kvkeeper.engine.config import EngineConfig
+
+
+def default_quantization() -> str | None:
+    """The weight format of the suite's engines: ``$KVKEEPER_QUANTIZATION``, ``none`` if unset (empty: auto)."""
+    return os.environ.get("KVKEEPER_QUANTIZATION", "none") or None
+
+
+def default_validate_every() -> int:
+    """Run the KV integrity validators before every N-th step: ``$KVKEEPER_VALIDATE``, 1 if unset."""
+    return int(os.environ.get("KVKEEPER_VALIDATE", "1"))
+
+
+def make_engine(*args, **settings) -> LLMEngine:
+    """``LLMEngine(*args, **settings)`` with the suite's defaults for ``quantization`` and ``validate_every``.
+
+    Arguments are ``LLMEngine``'s: a model (id, path or folder) or an ``EngineConfig`` (whose weight format is
+    kept), then settings by keyword.  Raises what ``LLMEngine`` raises (InvalidRequestError, ModelNotFoundError, ...).
+    """
+    if "quantization" not in settings and not (args and isinstance(args[0], EngineConfig)):
+        settings["quantization"] = default_quantization()
+    settings.setdefault("validate_every", default_validate_every())
+    return LLMEngine(*args, **settings)
