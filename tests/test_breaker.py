@@ -9,7 +9,7 @@ import torch
 from tiny_models import tiny_llama_folder
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.kvcache.validate import check_engine
-from kvkeeper.sessions.breaker import BreakerConfig, CircuitBreaker, OverloadedError
+from kvkeeper.engine.breaker import BreakerConfig, CircuitBreaker, OverloadedError
 from kvkeeper.sessions.budget import split_turns, trim_oldest_turns
 from sessionutil import sessions_of
 
