@@ -8,9 +8,9 @@ import torch
 
 from tiny_models import tiny_llama_folder
 from kvkeeper import LLMEngine, SamplingParams
-from kvkeeper.kvcache.validate import check_engine
 from kvkeeper.engine.breaker import BreakerConfig, CircuitBreaker, OverloadedError
-from kvkeeper.sessions.budget import split_turns, trim_oldest_turns
+from kvkeeper.kvcache.validate import check_engine
+from kvkeeper.sessions.context import split_turns, trim_oldest_turns
 from sessionutil import sessions_of
 
 transformers = pytest.importorskip("transformers")
