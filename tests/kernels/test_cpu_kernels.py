@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (csrc/kvk_cpu.cpp) against their references, in both instruction sets.
+"""The C++ CPU kernels (csrc/cpu/) against their references, in both instruction sets.
 
 * block matmul (``qmm``): 4- and 8-bit blocks, random and the embedded GGUF file's own Q4_1 / Q8_0
   tensors, against (a) float64 over the dequantized weights and the int8-rounded activations (only float32

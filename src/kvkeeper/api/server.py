@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from ..argtypes import port as port_number, positive_int, size
 from ..diagnostics.audit import AuditConfig, ReuseAuditor
 from ..diagnostics.health import HealthConfig, HealthMonitor, gates_from_breaker
+from ..engine.breaker import BreakerConfig, CircuitBreaker
 from ..options import option
-from ..sessions.breaker import BreakerConfig, CircuitBreaker
 from ..sessions.manager import SessionConfig, SessionManager
 from .access_log import configure_access_log
 from .app import DEFAULT_MAX_BODY_BYTES, create_admin_app, create_app

@@ -1,4 +1,4 @@
-"""Attention on CPU that reads the paged KV cache in place (the C++ kernels of csrc/kvk_cpu.cpp).
+"""Attention on CPU that reads the paged KV cache in place (the C++ kernels of csrc/cpu/attention.cpp).
 
 :func:`decode_attention` has the contract of :func:`kvkeeper.attention.reference.decode_attention` (the
 reference, which gathers every block of every sequence into a padded tensor each step): qd (B, H, D) ->

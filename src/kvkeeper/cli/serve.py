@@ -11,9 +11,9 @@ from ..api.server import ServerConfig
 from ..cluster.config import ClusterConfig, ReplicaSpec
 from ..diagnostics.audit import AuditConfig
 from ..diagnostics.health import HealthConfig
+from ..engine.breaker import BreakerConfig
 from ..errors import KVKeeperError
 from ..options import add_options, from_args
-from ..sessions.breaker import BreakerConfig
 from ..sessions.manager import SessionConfig
 from .common import EXIT_ERROR, EXIT_OK, CLIError, command, load_engine, stderr
 

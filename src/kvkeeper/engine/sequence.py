@@ -6,12 +6,18 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ..kvcache.namespace import Namespace
 from ..sampling.params import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: the engine sets these from lower layers
+    from ..kvcache.compression import KVCompression, PrefillObserver
+    from ..layers.lora import LoRAAdapter
+    from ..sampling.processors import RequestProcessors
+    from ..text.detokenizer import IncrementalDetokenizer
 
 _ids = itertools.count()
 
@@ -58,16 +64,16 @@ class Sequence:
     stop_string: str | None = None
     max_total_tokens: int = 0  # prompt + output may not exceed this
     generator: torch.Generator | None = None
-    detokenizer: object | None = None
+    detokenizer: IncrementalDetokenizer | None = None  # set by the output processor on its first token
     text: str = ""
-    logprobs: list = field(default_factory=list)
-    processors: object | None = None
-    prompt_logprobs: list | None = None
+    logprobs: list[dict] = field(default_factory=list)  # one entry per output token with params.logprobs
+    processors: RequestProcessors | None = None
+    prompt_logprobs: list[dict | None] | None = None
     first_logits: torch.Tensor | None = None  # (vocab,) float32, kept when the engine captures logits
     kv_keeper: Callable[["Sequence"], None] | None = None
-    lora: object | None = None  # its LoRA adapter (kvkeeper.layers.lora.LoRAAdapter; its id is namespace.adapter)
-    compression: object | None = None  # kvcache.compression.KVCompression applied at the end of prefill
-    observer: object | None = None  # its PrefillObserver while the prompt is being prefilled
+    lora: LoRAAdapter | None = None  # its LoRA adapter (its id is namespace.adapter)
+    compression: KVCompression | None = None  # applied at the end of prefill
+    observer: PrefillObserver | None = None  # while the prompt is being prefilled (compression's scores)
     kv_offset: int = 0  # prompt tokens dropped by compression: KV index = token index - kv_offset
     window_released: int = 0  # hybrid KV cache: leading blocks whose window blocks it gave back
     compressed: bool = False  # compression was applied to the current KV

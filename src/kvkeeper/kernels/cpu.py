@@ -1,9 +1,10 @@
-"""The C++ CPU kernels (``csrc/kvk_cpu.cpp``): how they are built, found and loaded.
+"""The C++ CPU kernels (``csrc/cpu/*.cpp``, one file per operation): how they are built, found and loaded.
 
-``make setup`` runs ``python -m kvkeeper.kernels.build``, which compiles the source with
-``torch.utils.cpp_extension`` (g++ and ninja, OpenMP through torch's own libgomp) into
-``src/kvkeeper/kernels/_ext/`` next to a stamp holding the source's sha256.  :func:`load` imports that
-module; when it is missing, stale (the source changed since the build), fails to import, or was
+``make setup`` runs ``python -m kvkeeper.kernels.build``, which compiles the sources (every ``csrc/cpu/*.cpp``
+but the ``*_standalone.cpp`` test modules) with ``torch.utils.cpp_extension`` (g++ and ninja, OpenMP through
+torch's own libgomp) into ``src/kvkeeper/kernels/_ext/`` next to a stamp holding one sha256 over every source
+and header of ``csrc/cpu``.  :func:`load` imports that
+module; when it is missing, stale (a file of csrc/cpu changed since the build), fails to import, or was
 :func:`disable`-d (the CLI does so for ``KVKEEPER_CPU_KERNELS=0``), :func:`load` returns None, logs one
 warning saying why and how to fix it, and the engine runs the PyTorch paths (weights dequantized to float32, the reference
 attention).  Nothing is compiled at run time.
@@ -28,7 +29,7 @@ import torch  # noqa: F401  (the extension links against libtorch: import torch 
 
 EXT_NAME = "kvk_cpu"
 EXT_DIR = Path(__file__).resolve().parent / "_ext"
-SOURCE = Path(__file__).resolve().parents[3] / "csrc" / "kvk_cpu.cpp"  # repository checkout (src layout)
+SOURCE_DIR = Path(__file__).resolve().parents[3] / "csrc" / "cpu"  # repository checkout (src layout)
 STAMP = EXT_DIR / "source.sha256"
 CFLAGS = ["-O3", "-fopenmp", "-std=c++17", "-Wno-unused-function"]
 
@@ -39,8 +40,17 @@ _disabled: str | None = None  # why the kernels must not load (disable())
 _tried = False
 
 
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def sources() -> list[Path]:
+    """The C++ files compiled into the module, sorted: ``csrc/cpu/*.cpp`` without ``*_standalone.cpp``."""
+    return sorted(p for p in SOURCE_DIR.glob("*.cpp") if not p.name.endswith("_standalone.cpp"))
+
+
+def _sha() -> str:
+    """One sha256 over the names and bytes of every ``.cpp`` and ``.h`` in :data:`SOURCE_DIR`, sorted by name."""
+    h = hashlib.sha256()
+    for p in sorted([*SOURCE_DIR.glob("*.cpp"), *SOURCE_DIR.glob("*.h")]):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def _so_path() -> Path | None:
@@ -50,21 +60,23 @@ def _so_path() -> Path | None:
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile ``csrc/kvk_cpu.cpp`` into :data:`EXT_DIR` and write the source stamp; returns the .so path.
+    """Compile :func:`sources` into :data:`EXT_DIR` and write the source stamp; returns the .so path.
 
-    Raises FileNotFoundError when the source is not there (an installed wheel, not a checkout) and
+    Raises FileNotFoundError when the sources are not there (an installed wheel, not a checkout) and
     RuntimeError (from torch.utils.cpp_extension) when the compiler fails.
     """
     from torch.utils import cpp_extension
 
-    if not SOURCE.exists():
-        raise FileNotFoundError(f"{SOURCE} not found: the kernels build from a kvkeeper checkout (make setup)")
+    srcs = sources() if SOURCE_DIR.is_dir() else []
+    if not srcs:
+        raise FileNotFoundError(f"no C++ sources in {SOURCE_DIR}: the kernels build from a kvkeeper checkout "
+                                f"(make setup)")
     EXT_DIR.mkdir(parents=True, exist_ok=True)
     # ninja comes with the venv (pip package); cpp_extension looks for it on PATH
     os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
-    cpp_extension.load(name=EXT_NAME, sources=[str(SOURCE)], build_directory=str(EXT_DIR), extra_cflags=CFLAGS,
-                       extra_ldflags=["-fopenmp"], verbose=verbose)
-    STAMP.write_text(_sha(SOURCE) + "\n")
+    cpp_extension.load(name=EXT_NAME, sources=[str(p) for p in srcs], build_directory=str(EXT_DIR),
+                       extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=verbose)
+    STAMP.write_text(_sha() + "\n")
     so = _so_path()
     if so is None:
         raise RuntimeError(f"the build finished but no {EXT_NAME}*.so is in {EXT_DIR}")
@@ -86,10 +98,10 @@ def _import() -> ModuleType:
     if so is None:
         raise ImportError(f"not built (no {EXT_NAME}*.so in {EXT_DIR}); run `make setup` "
                           f"(or python -m kvkeeper.kernels.build)")
-    if SOURCE.exists():
+    if SOURCE_DIR.is_dir():
         built = STAMP.read_text().strip() if STAMP.exists() else ""
-        if built != _sha(SOURCE):
-            raise ImportError(f"{so.name} is stale ({SOURCE.name} changed since it was built); run `make setup` "
+        if built != _sha():
+            raise ImportError(f"{so.name} is stale (csrc/cpu changed since it was built); run `make setup` "
                               f"(or python -m kvkeeper.kernels.build)")
     loader = importlib.machinery.ExtensionFileLoader(EXT_NAME, str(so))
     spec = importlib.util.spec_from_file_location(EXT_NAME, str(so), loader=loader)
@@ -124,7 +136,7 @@ def unavailable_reason() -> str | None:
 def main(argv=None) -> int:
     """Command line of :mod:`kvkeeper.kernels.build`: build (``--build``) and/or report the kernels."""
     ap = argparse.ArgumentParser(prog="python -m kvkeeper.kernels.build",
-                                 description="Build or check kvkeeper's C++ CPU kernels (csrc/kvk_cpu.cpp).")
+                                 description="Build or check kvkeeper's C++ CPU kernels (csrc/cpu/*.cpp).")
     ap.add_argument("--check", action="store_true", help="only report whether the built kernels load")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)

@@ -1,8 +1,9 @@
-"""Conversation context policies: what of a long conversation a session's prompt keeps within a token budget.
+"""Conversation context policies and turn trimming: what of a long conversation a session's prompt keeps
+within a token budget.
 
 A conversation is a head (its leading system / developer messages) and *turns* (a user message and
 the messages after it up to the next user message: the reply, tool calls and their results;
-:func:`~kvkeeper.sessions.budget.split_turns`).  A policy decides which turns a prompt renders:
+:func:`split_turns`).  A policy decides which turns a prompt renders:
 
 * ``full``: every message (no budget);
 * ``last``: the head, then as many of the latest turns as fit the budget; the latest turn (it holds
@@ -30,6 +31,11 @@ kept turns) so that retrieving for every message never invalidates the kept turn
 The state that survives between turns (:class:`ContextState`: how many turns left, a digest of them,
 the summary) is kept by the session and saved in its manifest; a client that resends a different
 history (the digest no longer matches) starts it again from the first turn.
+
+**Trimming under the circuit breaker.**  While the breaker degrades a session (its ``trim_budget``,
+:mod:`kvkeeper.engine.breaker`), :func:`trim_oldest_turns` then drops the oldest turns of the policy's
+messages until they fit that budget (:meth:`ContextPlanner.prompt` applies both).  Trimming never edits
+the caller's list: it returns a shorter copy, so it is undone by rendering the full list again.
 """
 
 from __future__ import annotations
@@ -41,12 +47,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from ..errors import InvalidRequestError
-from .budget import split_turns
 
 POLICIES = ("full", "last", "summary", "memory", "hybrid")
 SUMMARY_HEADER = "Summary of the earlier conversation:"
 MEMORY_HEADER = "Earlier in this conversation (retrieved from memory):"
 MEMORY_FOOTER = "Current message:"
+_HEAD_ROLES = ("system", "developer")
 
 
 class ContextBudgetError(InvalidRequestError):
@@ -173,6 +179,39 @@ def flat(turns: list[list[dict]]) -> list[dict]:
     return [m for t in turns for m in t]
 
 
+def split_turns(messages: list[dict]) -> tuple[list[dict], list[list[dict]]]:
+    """(head messages, turns): the leading system/developer messages, then each turn's messages."""
+    i = 0
+    while i < len(messages) and messages[i].get("role") in _HEAD_ROLES:
+        i += 1
+    head, turns = list(messages[:i]), []
+    for m in messages[i:]:
+        if m.get("role") == "user" or not turns:
+            turns.append([m])
+        else:
+            turns[-1].append(m)
+    return head, turns
+
+
+def trim_oldest_turns(messages: list[dict], count_tokens: Callable[[list[dict]], int],
+                      budget_tokens: int) -> tuple[list[dict], int]:
+    """Drop the oldest turns until ``count_tokens(messages) <= budget_tokens`` (tokens).
+
+    Returns (the kept messages, the number of turns dropped).  Keeps the head and the
+    last turn even when they alone exceed the budget (the request then runs as it is).
+    ``count_tokens`` renders and counts a message list (e.g. ``len(engine.encode_chat(m))``).
+    Raises ValueError when ``budget_tokens`` is negative.
+    """
+    if budget_tokens < 0:
+        raise ValueError(f"budget_tokens must be >= 0, got {budget_tokens}")
+    head, turns = split_turns(messages)
+    dropped = 0
+    while len(turns) > 1 and count_tokens(head + flat(turns)) > budget_tokens:
+        turns.pop(0)
+        dropped += 1
+    return head + flat(turns), dropped
+
+
 def with_summary(head: list[dict], summary: str) -> list[dict]:
     """The head with the summary right after the system message (appended to it, or a system message)."""
     if not summary:
@@ -218,6 +257,17 @@ class ContextPlanner:
             return fn(*args)
         finally:
             self.memory_s += time.perf_counter() - t0
+
+    def prompt(self, messages: list[dict], state: ContextState,
+               trim_budget: int | None = None) -> tuple[list[dict], ContextReport, int]:
+        """(the messages to render, the report, turns trimmed): :meth:`plan`, then, when ``trim_budget``
+        (tokens; the circuit breaker's) is set, :func:`trim_oldest_turns` to fit it.  Raises
+        :class:`ContextBudgetError` (the policy's budget), ValueError (a negative ``trim_budget``)."""
+        out, report = self.plan(messages, state)
+        if trim_budget is None:
+            return out, report, 0
+        kept, trimmed = trim_oldest_turns(out, self.count, trim_budget)
+        return kept, report, trimmed
 
     def plan(self, messages: list[dict], state: ContextState) -> tuple[list[dict], ContextReport]:
         """(the messages to render, the report); updates ``state``.  Raises :class:`ContextBudgetError`."""

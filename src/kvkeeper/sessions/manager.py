@@ -11,7 +11,7 @@
 The manager registers itself with the engine as a *KV holder*: the engine asks it to release
 blocks when the pool runs short (idle sessions go to the host tier, else are unpinned, least
 recently used first) and lists its sessions' blocks for the validators and the telemetry.
-A circuit breaker (:mod:`kvkeeper.sessions.breaker`) may install an ``admission`` check that
+A circuit breaker (:mod:`kvkeeper.engine.breaker`) may install an ``admission`` check that
 refuses new sessions while KV memory is short.
 """
 

@@ -6,7 +6,7 @@ with the conversation so far and get a queued :class:`~kvkeeper.engine.sequence.
 when the engine finishes it, the session's end of turn takes its blocks over.
 
 **The reuse rule** (one for both doors).  The conversation is rendered with the chat template
-(under the session's context budget, :mod:`kvkeeper.sessions.budget`).  When the rendered text
+(under the session's context budget, :mod:`kvkeeper.sessions.context`).  When the rendered text
 extends the text the session's KV covers (the previous prompt plus the model's own reply,
 special tokens included), the prompt is the session's own token ids followed by the tokens of
 the new text only: the generated tokens are reused even when the reply, resent as text, would
@@ -31,7 +31,6 @@ from ..engine.outputs import TurnResult
 from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence
 from ..errors import InvalidRequestError, KVKeeperError, SessionBusyError
-from .budget import trim_oldest_turns
 from .context import ContextPlanner, ContextReport, ContextSpec, ContextState
 
 
@@ -163,7 +162,7 @@ class Session:
     def context_messages(self, messages: list[dict], namespace=None, **chat) -> list[dict]:
         """The messages a prompt is rendered from under the session's context policy (:attr:`context`,
         :mod:`kvkeeper.sessions.context`; sets :attr:`last_context`), without the oldest turns while the
-        circuit breaker's :attr:`trim_budget` is set (:mod:`kvkeeper.sessions.budget`; sets
+        circuit breaker's :attr:`trim_budget` is set (:func:`~kvkeeper.sessions.context.trim_oldest_turns`; sets
         :attr:`trimmed_turns`).  chat: the rendering options (add_generation_prompt, tools...); namespace: the
         turn's cache namespace (summaries run in it; its tenant salt keys the memory).  Raises
         :class:`~kvkeeper.sessions.context.ContextBudgetError` when the latest turn alone exceeds the budget.
@@ -177,10 +176,7 @@ class Session:
         planner = ContextPlanner(spec, count,
                                  lambda prev, turns: self.manager.summarize(prev, turns, ns, spec.summary_tokens),
                                  self.manager.memory_of(self) if spec.remembers else None, self.manager.tenant_of(ns))
-        messages, self.last_context = planner.plan(messages, self.context_state)
-        if self.trim_budget is None:
-            return messages
-        kept, self.trimmed_turns = trim_oldest_turns(messages, count, self.trim_budget)
+        kept, self.last_context, self.trimmed_turns = planner.prompt(messages, self.context_state, self.trim_budget)
         return kept
 
     def begin_turn(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None,

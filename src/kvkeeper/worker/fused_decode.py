@@ -4,7 +4,7 @@ int8 or int4) on the "cpu" attention backend.
 Per token the PyTorch path runs some 25 small operators per layer (norms, RoPE, the KV write, splits,
 SiLU, residual adds), each a few microseconds of dispatch: at SmolLM2-135M's 30 layers that is a large
 share of a 10 ms decode step.  :class:`FusedDecode` hands the residual stream of a decode-only step to
-``DecodeModel.step`` (csrc/kvk_cpu.cpp), which applies every layer in turn with the same operations as
+``DecodeModel.step`` (csrc/cpu/fused_decode.cpp), which applies every layer in turn with the same operations as
 :class:`kvkeeper.models.llama.DecoderLayer`: RMSNorm, the packed q/k/v projection (plus bias), RoPE
 (half-split, as :func:`kvkeeper.layers.rope.apply_rope`), the new K/V written into the paged cache with
 the rounding of :meth:`kvkeeper.kvcache.quant.PagedKV.write`, decode attention read in place

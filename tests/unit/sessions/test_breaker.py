@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.utils.tiny_models import tiny_llama_folder
 from kvkeeper import SamplingParams
+from kvkeeper.engine.breaker import BreakerConfig, CircuitBreaker, OverloadedError
 from kvkeeper.kvcache.validate import check_engine
-from kvkeeper.sessions.breaker import BreakerConfig, CircuitBreaker, OverloadedError
-from kvkeeper.sessions.budget import split_turns, trim_oldest_turns
-from tests.utils.sessionutil import sessions_of
+from kvkeeper.sessions.context import split_turns, trim_oldest_turns
 from tests.utils.engines import make_engine
+from tests.utils.sessionutil import sessions_of
+from tests.utils.tiny_models import tiny_llama_folder
 
 transformers = pytest.importorskip("transformers")
 

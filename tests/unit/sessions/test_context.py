@@ -17,9 +17,8 @@ from hypothesis import strategies as st
 
 from kvkeeper import SamplingParams
 from kvkeeper.sessions import SessionManager
-from kvkeeper.sessions.budget import split_turns
 from kvkeeper.sessions.context import (MEMORY_HEADER, SUMMARY_HEADER, ContextBudgetError, ContextPlanner, ContextSpec,
-                                       ContextState, flat)
+                                       ContextState, flat, split_turns)
 from kvkeeper.sessions.session import common_prefix
 from tests.utils import paths
 

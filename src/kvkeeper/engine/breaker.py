@@ -15,7 +15,7 @@ order, giving each ``escalate_after_s`` seconds to work before the next:
 3. **degrade**: refuse new sessions (the server answers 503 with ``Retry-After``) and trim
    the oldest turns of the lowest-priority sessions: their pinned KV is released and,
    while degraded, their prompts are rendered without their oldest turns so that they
-   fit ``degrade_budget_tokens`` (:mod:`kvkeeper.sessions.budget`).
+   fit ``degrade_budget_tokens`` (:func:`kvkeeper.sessions.context.trim_oldest_turns`).
 
 Fragmentation alone (usage below its threshold) never escalates past compaction: the
 breaker compacts again every ``escalate_after_s`` instead, since offloading sessions or

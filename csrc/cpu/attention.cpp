@@ -1,0 +1,571 @@
+// 2. paged attention, reading the K/V blocks in place: decode_attention (below) and extend_attention (2b).
+//
+//    decode_attention: one query token per sequence over its paged K/V, read in place block by block
+//    (no gather), with an online softmax (Milakov & Gimelshein, 2018) and the context split into chunks
+//    of a fixed number of blocks whose partial results are combined at the end (flash-decoding, Dao et
+//    al., 2023).  K/V storage: float32, bfloat16, float16, int8 or float8 e4m3 with float16 per-token
+//    per-head scales (kvkeeper.kvcache.quant).
+#include "common.h"
+
+namespace kvk {
+
+namespace {
+struct WorkItem {
+  int64_t b, blk0, blk1;  // batch row, block range [blk0, blk1) of its table (every KV head)
+};
+
+// One work item, portable code: writes the unnormalized output (G, D), the running max (G) and sum (G).
+void attn_item_generic(const AttnArgs& a, const WorkItem& it, float* o, float* mx, float* sm) {
+  const int64_t G = a.G, D = a.D, H = a.H;
+  std::vector<float> kf(D), vf(D);
+  for (int64_t i = 0; i < H; ++i) {
+    mx[i] = -std::numeric_limits<float>::infinity();
+    sm[i] = 0.f;
+  }
+  for (int64_t i = 0; i < H * D; ++i) o[i] = 0.f;
+  const int64_t len = a.ctx[it.b];
+  for (int64_t blk = it.blk0; blk < it.blk1; ++blk) {
+    const int64_t bid = a.bt[it.b * a.W + blk];
+    const int64_t n = std::min<int64_t>(a.BS, len - blk * a.BS);
+    for (int64_t h = 0; h < a.KVH; ++h) {
+      const float* qb = a.q + (it.b * H + h * G) * D;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t row = (bid * a.BS + t) * a.KVH + h;  // token slot, KV head
+        const float kscale = a.ks ? half_to_float(a.ks[row]) : 1.f;
+        const float vscale = a.vs ? half_to_float(a.vs[row]) : 1.f;
+        for (int64_t d = 0; d < D; ++d) {
+          kf[d] = load_scalar(a.k, row * D + d, a.kind) * kscale;
+          vf[d] = load_scalar(a.v, row * D + d, a.kind) * vscale;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t hq = h * G + g;
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qb[g * D + d] * kf[d];
+          const float mnew = std::max(mx[hq], dot);
+          const float alpha = std::exp(mx[hq] - mnew);  // exp(-inf) = 0 on the first token
+          const float p = std::exp(dot - mnew);
+          sm[hq] = sm[hq] * alpha + p;
+          for (int64_t d = 0; d < D; ++d) o[hq * D + d] = o[hq * D + d] * alpha + p * vf[d];
+          mx[hq] = mnew;
+        }
+      }
+    }
+  }
+}
+
+// Sums of 16 vectors: lane i of the result = the sum of a[i]'s 16 lanes (a tree of 2-input permutes and adds,
+// 45 instructions instead of 16 horizontal reductions).
+KVK_AVX512 inline __m512 transpose_reduce16(const __m512* a) {
+  const __m512i l1 = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i h1 = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
+  const __m512i l2 = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+  const __m512i h2 = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+  const __m512i l3 = _mm512_set_epi32(29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
+  const __m512i h3 = _mm512_set_epi32(31, 30, 27, 26, 23, 22, 19, 18, 15, 14, 11, 10, 7, 6, 3, 2);
+  const __m512i l4 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i h4 = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  __m512 c[8], d[4], e[2];
+  for (int k = 0; k < 8; ++k)
+    c[k] = _mm512_add_ps(_mm512_permutex2var_ps(a[2 * k], l1, a[2 * k + 1]),
+                         _mm512_permutex2var_ps(a[2 * k], h1, a[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)
+    d[k] = _mm512_add_ps(_mm512_permutex2var_ps(c[2 * k], l2, c[2 * k + 1]),
+                         _mm512_permutex2var_ps(c[2 * k], h2, c[2 * k + 1]));
+  for (int k = 0; k < 2; ++k)
+    e[k] = _mm512_add_ps(_mm512_permutex2var_ps(d[2 * k], l3, d[2 * k + 1]),
+                         _mm512_permutex2var_ps(d[2 * k], h3, d[2 * k + 1]));
+  return _mm512_add_ps(_mm512_permutex2var_ps(e[0], l4, e[1]), _mm512_permutex2var_ps(e[0], h4, e[1]));
+}
+
+constexpr int MAXG = 16;   // query heads per KV head
+
+constexpr int MAXDV = 16;  // head_dim / 16
+constexpr int TCH = 16;    // tokens per score chunk
+
+// One block (n tokens from slot bid * BS) of one KV head h for the G query heads of its group, continuing the
+// online softmax held in (o, m, l): o (G, D) unnormalized outputs, m and l (G) running maxima and sums.
+// KIND is the storage format (a template argument: no per-element branch); quantized formats apply their per-token
+// scales to the 16 scores and to the 16 probabilities of a chunk instead of to every element.
+template <int DV, int KIND, bool QUANT>
+KVK_AVX512 void attn_block_head_avx512(const AttnArgs& a, const float* qh, int64_t h, int64_t bid, int64_t n,
+                                       float* o, float* m, float* l) {
+  const int64_t G = a.G, KVH = a.KVH, BS = a.BS;
+  constexpr int64_t D = 16 * DV;
+  alignas(64) float p[MAXG][TCH];
+  alignas(64) float ksc[TCH], vsc[TCH];
+  __m512 qv[MAXG][DV];
+  for (int64_t g = 0; g < G; ++g)
+    for (int dv = 0; dv < DV; ++dv) qv[g][dv] = _mm512_loadu_ps(qh + g * D + 16 * dv);
+  for (int64_t t0 = 0; t0 < n; t0 += TCH) {
+    const int nt = static_cast<int>(std::min<int64_t>(TCH, n - t0));
+    if (QUANT) {
+      for (int t = 0; t < TCH; ++t) {
+        const int64_t row = (bid * BS + t0 + std::min(t, nt - 1)) * KVH + h;
+        ksc[t] = half_to_float(a.ks[row]);
+        vsc[t] = half_to_float(a.vs[row]);
+      }
+    }
+    // scores: per token and head a vector of partial products, summed across lanes 16 tokens at a time
+    __m512 part[MAXG][TCH];
+    for (int t = 0; t < nt; ++t) {
+      const int64_t row = (bid * BS + t0 + t) * KVH + h;
+      __m512 kf[DV];
+      for (int dv = 0; dv < DV; ++dv) kf[dv] = load16(a.k, row * D + 16 * dv, KIND);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kf[0]);
+        for (int dv = 1; dv < DV; ++dv) acc = _mm512_fmadd_ps(qv[g][dv], kf[dv], acc);
+        part[g][t] = acc;
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1u);
+    __m512 ov[MAXG][DV];
+    for (int64_t g = 0; g < G; ++g) {
+      for (int t = nt; t < TCH; ++t) part[g][t] = _mm512_setzero_ps();
+      __m512 sv = transpose_reduce16(part[g]);
+      if (QUANT) sv = _mm512_mul_ps(sv, _mm512_load_ps(ksc));
+      sv = _mm512_maskz_mov_ps(valid, sv);
+      const float cmax = _mm512_mask_reduce_max_ps(valid, sv);
+      const float mnew = std::max(m[g], cmax);
+      const float alpha = std::exp(m[g] - mnew);  // 0 on the first token (m = -inf)
+      const __m512 pv = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
+      _mm512_store_ps(p[g], QUANT ? _mm512_mul_ps(pv, _mm512_load_ps(vsc)) : pv);
+      l[g] = l[g] * alpha + _mm512_reduce_add_ps(pv);
+      m[g] = mnew;
+      const __m512 av = _mm512_set1_ps(alpha);
+      for (int dv = 0; dv < DV; ++dv) ov[g][dv] = _mm512_mul_ps(_mm512_loadu_ps(o + g * D + 16 * dv), av);
+    }
+    for (int t = 0; t < nt; ++t) {
+      const int64_t row = (bid * BS + t0 + t) * KVH + h;
+      __m512 vf[DV];
+      for (int dv = 0; dv < DV; ++dv) vf[dv] = load16(a.v, row * D + 16 * dv, KIND);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 pt = _mm512_set1_ps(p[g][t]);
+        for (int dv = 0; dv < DV; ++dv) ov[g][dv] = _mm512_fmadd_ps(pt, vf[dv], ov[g][dv]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int dv = 0; dv < DV; ++dv) _mm512_storeu_ps(o + g * D + 16 * dv, ov[g][dv]);
+  }
+}
+
+// A work item: every KV head of row it.b over its blocks [blk0, blk1), block by block (all heads of a block
+// before the next block).  Writes o (H, D) unnormalized, mx and sm (H).
+template <int DV, int KIND>
+KVK_AVX512 void attn_item_avx512(const AttnArgs& a, const WorkItem& it, float* o, float* mx, float* sm) {
+  constexpr int64_t D = 16 * DV;
+  constexpr bool QUANT = KIND == KV_I8 || KIND == KV_FP8;
+  const int64_t H = a.H, G = a.G;
+  for (int64_t i = 0; i < H * D; ++i) o[i] = 0.f;
+  for (int64_t i = 0; i < H; ++i) {
+    mx[i] = -std::numeric_limits<float>::infinity();
+    sm[i] = 0.f;
+  }
+  const float* qb = a.q + it.b * H * D;
+  const int64_t len = a.ctx[it.b];
+  constexpr int64_t ebytes = KIND == KV_F32 ? 4 : (KIND == KV_BF16 || KIND == KV_F16) ? 2 : 1;
+  const int64_t block_bytes = a.BS * a.KVH * D * ebytes;
+  for (int64_t blk = it.blk0; blk < it.blk1; ++blk) {
+    const int64_t bid = a.bt[it.b * a.W + blk];
+    const int64_t n = std::min<int64_t>(a.BS, len - blk * a.BS);
+    // The heads of a token are interleaved in a block ((block_size, kv_heads, head_dim) rows), so the per-head
+    // passes below read it out of order; requesting the next block's K and V lines in address order meanwhile
+    // keeps the memory streams sequential (measured, 30 layers of 7,000 tokens, blocks in shuffled order: fp32
+    // 19 -> 16 ms, int8 13 -> 10 ms; copying each block to float32 buffers first gained under 7%: not kept).
+    if (blk + 1 < it.blk1) {
+      const int64_t nb = a.bt[it.b * a.W + blk + 1];
+      const char* kn = static_cast<const char*>(a.k) + nb * block_bytes;
+      const char* vn = static_cast<const char*>(a.v) + nb * block_bytes;
+      for (int64_t off = 0; off < block_bytes; off += 64) {
+        _mm_prefetch(kn + off, _MM_HINT_T0);
+        _mm_prefetch(vn + off, _MM_HINT_T0);
+      }
+    }
+    for (int64_t h = 0; h < a.KVH; ++h)
+      attn_block_head_avx512<DV, KIND, QUANT>(a, qb + h * G * D, h, bid, n, o + h * G * D, mx + h * G, sm + h * G);
+  }
+}
+
+template <int DV>
+KVK_AVX512 void attn_item_avx512_kind(const AttnArgs& a, const WorkItem& it, float* o, float* mx, float* sm) {
+  switch (a.kind) {
+    case KV_F32: attn_item_avx512<DV, KV_F32>(a, it, o, mx, sm); break;
+    case KV_BF16: attn_item_avx512<DV, KV_BF16>(a, it, o, mx, sm); break;
+    case KV_F16: attn_item_avx512<DV, KV_F16>(a, it, o, mx, sm); break;
+    case KV_I8: attn_item_avx512<DV, KV_I8>(a, it, o, mx, sm); break;
+    default: attn_item_avx512<DV, KV_FP8>(a, it, o, mx, sm); break;
+  }
+}
+
+KVK_AVX512 void attn_item_avx512_dispatch(const AttnArgs& a, const WorkItem& it, float* o, float* mx, float* sm) {
+  switch (a.D / 16) {
+    case 2: attn_item_avx512_kind<2>(a, it, o, mx, sm); break;
+    case 4: attn_item_avx512_kind<4>(a, it, o, mx, sm); break;
+    case 8: attn_item_avx512_kind<8>(a, it, o, mx, sm); break;
+    default: attn_item_avx512_kind<16>(a, it, o, mx, sm); break;  // D = 256; other sizes take the generic path
+  }
+}
+
+struct AttnScratch {
+  std::vector<WorkItem> items;
+  std::vector<int64_t> first;
+  std::vector<float> po, pm, ps;
+};
+}  // namespace
+
+// Decode attention of B sequences (a.q pre-scaled) into out (B, H, D) float32.
+void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* out) {
+  thread_local AttnScratch s;
+  const int64_t D = a.D, H = a.H, BS = a.BS;
+  s.items.clear();
+  s.first.assign(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    s.first[b] = static_cast<int64_t>(s.items.size());
+    const int64_t nblocks = (a.ctx[b] + BS - 1) / BS;
+    for (int64_t s0 = 0; s0 < nblocks; s0 += split_blocks)
+      s.items.push_back({b, s0, std::min(nblocks, s0 + split_blocks)});
+  }
+  s.first[B] = static_cast<int64_t>(s.items.size());
+  const int64_t NI = static_cast<int64_t>(s.items.size());
+  s.po.resize(NI * H * D);
+  s.pm.resize(NI * H);
+  s.ps.resize(NI * H);
+  const bool fast = use_avx512() && (D == 32 || D == 64 || D == 128 || D == 256) && a.G <= MAXG;
+  const WorkItem* items = s.items.data();
+  float *po = s.po.data(), *pm = s.pm.data(), *ps = s.ps.data();
+  at::parallel_for(0, NI, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (fast)
+        attn_item_avx512_dispatch(a, items[i], po + i * H * D, pm + i * H, ps + i * H);
+      else
+        attn_item_generic(a, items[i], po + i * H * D, pm + i * H, ps + i * H);
+    }
+  });
+  std::fill(out, out + B * H * D, 0.f);
+  // combine the splits of each query head of each row
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t hq = 0; hq < H; ++hq) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t i = s.first[b]; i < s.first[b + 1]; ++i) M = std::max(M, pm[i * H + hq]);
+      if (M == -std::numeric_limits<float>::infinity()) continue;  // empty context: zeros
+      float L = 0.f;
+      float* dst = out + (b * H + hq) * D;
+      for (int64_t i = s.first[b]; i < s.first[b + 1]; ++i) {
+        const float w = std::exp(pm[i * H + hq] - M);
+        L += ps[i * H + hq] * w;
+        const float* src = po + (i * H + hq) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] += w * src[d];
+      }
+      const float inv = 1.f / L;
+      for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
+    }
+  }
+}
+
+// q (B, H, D) float32; k, v (NB, BS, KVH, D) in the storage dtype (float8 passed as its uint8 bytes with
+// kind = 4); k_scale, v_scale (NB, BS, KVH) float16 for int8/fp8, else empty; block_tables (B, W) int64;
+// context_lens (B,) int64; split_blocks: blocks per work item.  Returns (B, H, D) float32.
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& k_scale, const torch::Tensor& v_scale,
+                               const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+                               int64_t kind, int64_t split_blocks) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "decode_attention: q must be (B, H, D) float32");
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes(),
+              "decode_attention: k and v must be contiguous (blocks, block_size, kv_heads, head_dim) tensors");
+  TORCH_CHECK(kind >= 0 && kind <= 4, "decode_attention: unknown KV kind ", kind);
+  const at::ScalarType want[] = {at::kFloat, at::kBFloat16, at::kHalf, at::kChar, at::kByte};
+  TORCH_CHECK(k.scalar_type() == want[kind] && v.scalar_type() == want[kind],
+              "decode_attention: KV dtype ", k.scalar_type(), " does not match kind ", kind);
+  const bool quant = kind == KV_I8 || kind == KV_FP8;
+  if (quant)
+    TORCH_CHECK(k_scale.defined() && k_scale.numel() == k.numel() / k.size(3) && k_scale.scalar_type() == at::kHalf &&
+                    k_scale.is_contiguous() && v_scale.is_contiguous() && v_scale.sizes() == k_scale.sizes() &&
+                    v_scale.scalar_type() == at::kHalf,
+                "decode_attention: int8/fp8 KV needs contiguous float16 scales (blocks, block_size, kv_heads)");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && context_lens.dim() == 1 &&
+                  context_lens.scalar_type() == at::kLong && block_tables.size(0) == q.size(0) &&
+                  context_lens.size(0) == q.size(0),
+              "decode_attention: block_tables (B, W) and context_lens (B,) must be int64 with B = q.size(0)");
+  TORCH_CHECK(split_blocks >= 1, "decode_attention: split_blocks must be >= 1");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), BS = k.size(1), KVH = k.size(2);
+  TORCH_CHECK(k.size(3) == D && H % KVH == 0, "decode_attention: head_dim or head counts do not match");
+  const int64_t G = H / KVH;
+  const auto qs = (q.contiguous() * scale).contiguous();
+  const auto bt = block_tables.contiguous();
+  const auto ctx = context_lens.contiguous();
+  const int64_t W = bt.size(1);
+  const int64_t* ctxp = ctx.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(ctxp[b] >= 0 && ctxp[b] <= W * BS, "decode_attention: context length ", ctxp[b], " of row ", b,
+                " exceeds its block table (", W, " blocks of ", BS, ")");
+  AttnArgs a{qs.data_ptr<float>(), k.data_ptr(), v.data_ptr(),
+             quant ? reinterpret_cast<const uint16_t*>(k_scale.data_ptr<at::Half>()) : nullptr,
+             quant ? reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>()) : nullptr,
+             bt.data_ptr<int64_t>(), ctxp, kind, H, KVH, D, BS, W, G};
+  auto out = torch::empty({B, H, D}, q.options());
+  attention_raw(a, B, split_blocks, out.data_ptr<float>());
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 2b. paged prefill ("extend") attention: several new tokens of a sequence over its cached plus new K/V, causal,
+//     read from the blocks in place.  FlashAttention-2 style tiling (Dao, 2023) laid out for AVX-512: a tile is
+//     16 consecutive query tokens of one sequence and all G query heads of one KV head; scores are kept
+//     transposed (one 16-lane vector over the tile's queries per key), so the softmax's maxima and sums are
+//     vertical operations, and every key and value element is broadcast once for the G heads.
+// ---------------------------------------------------------------------------------------------------
+namespace {
+struct ExtendItem {
+  int64_t span, h, i0;  // sequence span, KV head, first query of the tile (index within the span)
+};
+
+struct ExtendArgs {
+  const float* q;       // (T, H, D) float32, not scaled
+  float* out;           // (T, H, D) float32
+  const void* k;        // (NB, BS, KVH, D)
+  const void* v;
+  const uint16_t* ks;   // (NB, BS, KVH) float16 or null
+  const uint16_t* vs;
+  const int64_t* starts;    // (S,) first packed token of each span
+  const int64_t* qlens;     // (S,)
+  const int64_t* ctxs;      // (S,) KV length after the step
+  const int64_t* bt;        // (S, W) block tables
+  int64_t W, kind, H, KVH, D, BS, G;
+  float scale;
+};
+
+// Convert n tokens (from slot `slot0` on, within one block) of KV head h to float32 rows (n, D), scaled.
+KVK_AVX512 inline void kv_rows_to_f32(const void* base, const uint16_t* scales, int64_t kind, int64_t slot0,
+                                      int64_t n, int64_t KVH, int64_t h, int64_t D, float* dst) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t row = (slot0 + t) * KVH + h;
+    const __m512 sc = _mm512_set1_ps(scales ? half_to_float(scales[row]) : 1.f);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(dst + t * D + d, _mm512_mul_ps(load16(base, row * D + d, kind), sc));
+  }
+}
+
+template <int G_, int DV>
+KVK_AVX512 void extend_item_avx512(const ExtendArgs& a, const ExtendItem& it) {
+  constexpr int D = 16 * DV;
+  const int64_t G = G_, H = a.H, KVH = a.KVH, BS = a.BS;
+  const int64_t qlen = a.qlens[it.span], ctx = a.ctxs[it.span], start = a.starts[it.span];
+  const int64_t nq = std::min<int64_t>(16, qlen - it.i0);      // queries in this tile
+  const int64_t qpos0 = ctx - qlen + it.i0;                    // position of the tile's first query
+  const int64_t kend = qpos0 + nq;                             // keys [0, kend) are visible to some query
+  const __mmask16 qmask = static_cast<__mmask16>((1u << nq) - 1u);
+  alignas(64) float Qt[G_][D][16];   // transposed, scaled queries
+  alignas(64) float Ot[G_][D][16];   // transposed unnormalized outputs
+  alignas(64) float Kf[16][D];
+  alignas(64) float Vf[16][D];
+  alignas(64) float P[G_][16][16];   // per head, per key: probabilities over the tile's queries
+  for (int g = 0; g < G_; ++g) {
+    for (int64_t j = 0; j < 16; ++j) {
+      const float* src = a.q + ((start + it.i0 + std::min<int64_t>(j, nq - 1)) * H + it.h * G + g) * D;
+      for (int d = 0; d < D; ++d) Qt[g][d][j] = src[d] * a.scale;
+    }
+    for (int d = 0; d < D; ++d) _mm512_store_ps(Ot[g][d], _mm512_setzero_ps());
+  }
+  __m512 m[G_], l[G_];
+  for (int g = 0; g < G_; ++g) {
+    m[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    l[g] = _mm512_setzero_ps();
+  }
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i qposv = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(qpos0)), lane);
+  const int64_t* bt = a.bt + it.span * a.W;
+  for (int64_t k0 = 0; k0 < kend; k0 += 16) {
+    // 16 keys (or fewer) from one or two blocks
+    const int64_t n = std::min<int64_t>(16, kend - k0);
+    for (int64_t t = 0; t < n;) {
+      const int64_t pos = k0 + t, blk = pos / BS, off = pos % BS;
+      const int64_t take = std::min<int64_t>(n - t, BS - off);
+      const int64_t slot = bt[blk] * BS + off;
+      kv_rows_to_f32(a.k, a.ks, a.kind, slot, take, KVH, it.h, D, &Kf[t][0]);
+      kv_rows_to_f32(a.v, a.vs, a.kind, slot, take, KVH, it.h, D, &Vf[t][0]);
+      t += take;
+    }
+    // scores, transposed: S[g][t] = sum_d Qt[g][d] * K[t][d]
+    __m512 S[G_][16];
+    for (int64_t t = 0; t < n; t += 4) {
+      const int nk = static_cast<int>(std::min<int64_t>(4, n - t));
+      __m512 acc[G_][4];
+      for (int g = 0; g < G_; ++g)
+        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int d = 0; d < D; ++d) {
+        __m512 qv[G_];
+        for (int g = 0; g < G_; ++g) qv[g] = _mm512_load_ps(Qt[g][d]);
+        for (int c = 0; c < 4; ++c) {
+          if (c >= nk) break;
+          const __m512 kb = _mm512_set1_ps(Kf[t + c][d]);
+          for (int g = 0; g < G_; ++g) acc[g][c] = _mm512_fmadd_ps(qv[g], kb, acc[g][c]);
+        }
+      }
+      for (int c = 0; c < nk; ++c)
+        for (int g = 0; g < G_; ++g) S[g][t + c] = acc[g][c];
+    }
+    // causal mask (a key at position p is visible to queries at positions >= p) and padding lanes
+    const bool diag = k0 + n - 1 > qpos0;
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < n; ++t) {
+      __mmask16 vis = qmask;
+      if (diag) vis &= _mm512_cmpge_epi32_mask(qposv, _mm512_set1_epi32(static_cast<int>(k0 + t)));
+      for (int g = 0; g < G_; ++g) S[g][t] = _mm512_mask_mov_ps(ninf, vis, S[g][t]);
+    }
+    // online softmax, per query lane
+    for (int g = 0; g < G_; ++g) {
+      __m512 bm = S[g][0];
+      for (int64_t t = 1; t < n; ++t) bm = _mm512_max_ps(bm, S[g][t]);
+      const __m512 mnew = _mm512_max_ps(m[g], bm);
+      // lanes that saw no key yet keep -inf: use 0 there so that exp() gives 0 (not NaN)
+      const __mmask16 live = _mm512_cmp_ps_mask(mnew, ninf, _CMP_NEQ_OQ);
+      const __m512 msafe = _mm512_mask_mov_ps(_mm512_setzero_ps(), live, mnew);
+      const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m[g], ninf, _CMP_NEQ_OQ),
+                                               exp512(_mm512_sub_ps(m[g], msafe)));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < n; ++t) {
+        const __mmask16 vis = _mm512_cmp_ps_mask(S[g][t], ninf, _CMP_NEQ_OQ);
+        const __m512 p = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(S[g][t], msafe)));
+        _mm512_store_ps(P[g][t], p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      l[g] = _mm512_add_ps(_mm512_mul_ps(l[g], alpha), sum);
+      m[g] = mnew;
+      for (int d = 0; d < D; ++d) _mm512_store_ps(Ot[g][d], _mm512_mul_ps(_mm512_load_ps(Ot[g][d]), alpha));
+    }
+    // O[g][d] += sum_t P[g][t] * V[t][d], eight dims at a time
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      __m512 o[G_][8];
+      for (int g = 0; g < G_; ++g)
+        for (int dd = 0; dd < 8; ++dd) o[g][dd] = _mm512_load_ps(Ot[g][d0 + dd]);
+      for (int64_t t = 0; t < n; ++t) {
+        __m512 pv[G_];
+        for (int g = 0; g < G_; ++g) pv[g] = _mm512_load_ps(P[g][t]);
+        for (int dd = 0; dd < 8; ++dd) {
+          const __m512 vb = _mm512_set1_ps(Vf[t][d0 + dd]);
+          for (int g = 0; g < G_; ++g) o[g][dd] = _mm512_fmadd_ps(pv[g], vb, o[g][dd]);
+        }
+      }
+      for (int g = 0; g < G_; ++g)
+        for (int dd = 0; dd < 8; ++dd) _mm512_store_ps(Ot[g][d0 + dd], o[g][dd]);
+    }
+  }
+  // normalize and write the tile's rows back
+  for (int g = 0; g < G_; ++g) {
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
+    for (int64_t j = 0; j < nq; ++j) {
+      float* dst = a.out + ((start + it.i0 + j) * H + it.h * G + g) * D;
+      for (int d = 0; d < D; ++d) dst[d] = Ot[g][d][j] * inv[j];
+    }
+  }
+}
+
+// Portable version: one query at a time, online softmax over its visible keys.
+void extend_item_generic(const ExtendArgs& a, const ExtendItem& it) {
+  const int64_t G = a.G, D = a.D, H = a.H, BS = a.BS;
+  const int64_t qlen = a.qlens[it.span], ctx = a.ctxs[it.span], start = a.starts[it.span];
+  const int64_t nq = std::min<int64_t>(16, qlen - it.i0);
+  const int64_t* bt = a.bt + it.span * a.W;
+  std::vector<float> kf(D), vf(D), o(D);
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t qpos = ctx - qlen + it.i0 + j;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qr = a.q + ((start + it.i0 + j) * H + it.h * G + g) * D;
+      float mx = -std::numeric_limits<float>::infinity(), sm = 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t p = 0; p <= qpos; ++p) {
+        const int64_t row = (bt[p / BS] * BS + p % BS) * a.KVH + it.h;
+        const float kscale = a.ks ? half_to_float(a.ks[row]) : 1.f;
+        const float vscale = a.vs ? half_to_float(a.vs[row]) : 1.f;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * a.scale * (load_scalar(a.k, row * D + d, a.kind) * kscale);
+        const float mnew = std::max(mx, dot);
+        const float alpha = std::exp(mx - mnew), pw = std::exp(dot - mnew);
+        sm = sm * alpha + pw;
+        for (int64_t d = 0; d < D; ++d) o[d] = o[d] * alpha + pw * (load_scalar(a.v, row * D + d, a.kind) * vscale);
+        mx = mnew;
+      }
+      float* dst = a.out + ((start + it.i0 + j) * H + it.h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = o[d] / sm;
+    }
+  }
+}
+
+KVK_AVX512 void extend_item_avx512_dispatch(const ExtendArgs& a, const ExtendItem& it) {
+#define KVK_EXT_CASE(GG, DDV) if (a.G == GG && a.D == 16 * DDV) return extend_item_avx512<GG, DDV>(a, it);
+  KVK_EXT_CASE(1, 4) KVK_EXT_CASE(2, 4) KVK_EXT_CASE(3, 4) KVK_EXT_CASE(4, 4)
+  KVK_EXT_CASE(1, 8) KVK_EXT_CASE(2, 8) KVK_EXT_CASE(4, 8) KVK_EXT_CASE(8, 8)
+  KVK_EXT_CASE(1, 2) KVK_EXT_CASE(2, 2) KVK_EXT_CASE(4, 2) KVK_EXT_CASE(5, 4) KVK_EXT_CASE(6, 4)
+#undef KVK_EXT_CASE
+  extend_item_generic(a, it);
+}
+
+inline bool extend_fast(int64_t G, int64_t D) {
+  const int combos[][2] = {{1, 64}, {2, 64}, {3, 64}, {4, 64}, {1, 128}, {2, 128}, {4, 128}, {8, 128},
+                           {1, 32}, {2, 32}, {4, 32}, {5, 64}, {6, 64}};
+  for (auto& c : combos)
+    if (G == c[0] && D == c[1]) return true;
+  return false;
+}
+}  // namespace
+
+// q (T, H, D) float32 (packed tokens of every span); spans: starts, q_lens, context_lens (S,) int64 and
+// block_tables (S, W) int64; KV as in decode_attention.  Returns (T, H, D) float32 with the spans' rows filled
+// (rows outside every span are left as zeros).
+torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& k_scale, const torch::Tensor& v_scale, const torch::Tensor& starts,
+                               const torch::Tensor& q_lens, const torch::Tensor& context_lens,
+                               const torch::Tensor& block_tables, double scale, int64_t kind) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "extend_attention: q must be (T, H, D) float32");
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes(),
+              "extend_attention: k and v must be contiguous (blocks, block_size, kv_heads, head_dim) tensors");
+  TORCH_CHECK(kind >= 0 && kind <= 4, "extend_attention: unknown KV kind ", kind);
+  const at::ScalarType want[] = {at::kFloat, at::kBFloat16, at::kHalf, at::kChar, at::kByte};
+  TORCH_CHECK(k.scalar_type() == want[kind] && v.scalar_type() == want[kind], "extend_attention: KV dtype mismatch");
+  const bool quant = kind == KV_I8 || kind == KV_FP8;
+  if (quant)
+    TORCH_CHECK(k_scale.defined() && k_scale.numel() == k.numel() / k.size(3) && k_scale.scalar_type() == at::kHalf &&
+                    k_scale.is_contiguous() && v_scale.is_contiguous() && v_scale.sizes() == k_scale.sizes(),
+                "extend_attention: int8/fp8 KV needs contiguous float16 scales");
+  const int64_t S = starts.numel();
+  TORCH_CHECK(starts.scalar_type() == at::kLong && q_lens.scalar_type() == at::kLong &&
+                  context_lens.scalar_type() == at::kLong && block_tables.scalar_type() == at::kLong &&
+                  q_lens.numel() == S && context_lens.numel() == S && block_tables.dim() == 2 &&
+                  block_tables.size(0) == S,
+              "extend_attention: starts, q_lens, context_lens (S,) and block_tables (S, W) must be int64");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), BS = k.size(1), KVH = k.size(2);
+  TORCH_CHECK(k.size(3) == D && H % KVH == 0, "extend_attention: head_dim or head counts do not match");
+  const auto qc = q.contiguous();
+  const auto st = starts.contiguous(), ql = q_lens.contiguous(), cl = context_lens.contiguous();
+  const auto bt = block_tables.contiguous();
+  const int64_t W = bt.size(1);
+  const int64_t *stp = st.data_ptr<int64_t>(), *qlp = ql.data_ptr<int64_t>(), *clp = cl.data_ptr<int64_t>();
+  std::vector<ExtendItem> items;
+  for (int64_t i = 0; i < S; ++i) {
+    TORCH_CHECK(qlp[i] >= 1 && clp[i] >= qlp[i] && clp[i] <= W * BS && stp[i] >= 0 && stp[i] + qlp[i] <= T,
+                "extend_attention: span ", i, " (start ", stp[i], ", ", qlp[i], " queries, context ", clp[i],
+                ") does not fit q or its block table");
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t i0 = 0; i0 < qlp[i]; i0 += 16) items.push_back({i, h, i0});
+  }
+  auto out = torch::zeros({T, H, D}, q.options());
+  ExtendArgs a{qc.data_ptr<float>(), out.data_ptr<float>(), k.data_ptr(), v.data_ptr(),
+               quant ? reinterpret_cast<const uint16_t*>(k_scale.data_ptr<at::Half>()) : nullptr,
+               quant ? reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>()) : nullptr,
+               stp, qlp, clp, bt.data_ptr<int64_t>(), W, kind, H, KVH, D, BS, H / KVH, static_cast<float>(scale)};
+  const bool fast = use_avx512() && extend_fast(H / KVH, D);
+  // dynamic scheduling: tiles late in a causal prompt see more keys
+  std::atomic<int64_t> next{0};
+  const int64_t NI = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < NI; i = next++) {
+      if (fast)
+        extend_item_avx512_dispatch(a, items[i]);
+      else
+        extend_item_generic(a, items[i]);
+    }
+  });
+  return out;
+}
+
+}  // namespace kvk

@@ -1,0 +1,40 @@
+// The Python module of the CPU kernels (kvkeeper.kernels.cpu loads it): the kernels of namespace kvk, plus the
+// K-quant kernels of kquant.cpp when that file is part of the build (register_kquant is a weak symbol, null
+// without it, so the module builds either way).
+#include <torch/extension.h>
+
+#include "common.h"
+
+void register_kquant(pybind11::module_& m) __attribute__((weak));
+
+using namespace kvk;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvkeeper CPU kernels (see csrc/cpu/)";
+  m.def("isa", &isa, "the instruction set the kernels use now: avx512_vnni or generic");
+  m.def("set_isa", &set_isa, "force the kernels' instruction set: auto, generic or avx512_vnni (tests)");
+  m.def("cpu_has_avx512", &cpu_has_avx512, "whether this CPU has AVX-512 F/BW/VL/DQ + VNNI + F16C + FMA");
+  m.def("qmm", &qmm, "y (M, N) float32 = x (M, K) float32 @ W^T over interleaved 4-/8-bit blocks",
+        py::arg("x"), py::arg("qs"), py::arg("sc"), py::arg("bits"), py::arg("n"));
+  m.def("quantize_activations", &quantize_activations, "x (M, K) float32 -> (codes int32 (M, K), dx, sx (M, K/32))");
+  m.def("activation_bits", &activation_bits, "bits of the activation codes in qmm: 16 (default) or 8");
+  m.def("set_activation_bits", &set_activation_bits, "16 (default) or 8: llama.cpp's Q8_1 precision (measurements)");
+  m.def("extend_attention", &extend_attention, "paged causal attention of prefill spans, read in place",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_scale"), py::arg("v_scale"), py::arg("starts"),
+        py::arg("q_lens"), py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("kind"));
+  m.def("rmsnorm", &rmsnorm, "RMSNorm of x (..., N) float32 by w (N,) (the fused step's routine)");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of gate_up (M, 2I) float32 -> (M, I)");
+  m.def("rope_qk", &rope_qk, "RoPE in place on the first heads of qkv (T, ...) float32, cos/sin (T, D)");
+  m.def("decode_attention", &decode_attention, "paged decode attention read in place (see csrc/cpu/attention.cpp)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_scale"), py::arg("v_scale"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("kind"), py::arg("split_blocks"));
+  py::class_<DecodeModel>(m, "DecodeModel", "a whole decode step over packed weights (kvkeeper.worker.fused_decode)")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("hidden"),
+           py::arg("inter"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("kind"))
+      .def("add_layer", &DecodeModel::add_layer)
+      .def("step", &DecodeModel::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
+           py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("split_blocks"))
+      .def("num_layers", &DecodeModel::num_layers);
+  if (register_kquant) register_kquant(m);  // kquant.cpp, when it is part of the build
+}

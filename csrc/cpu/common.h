@@ -1,0 +1,222 @@
+// kvkeeper CPU kernels: matmul over 4-/8-bit weight blocks computed in place, paged attention, and the element-wise
+// parts of a layer.  This header holds what the kernel files share (includes, the AVX-512 target, the KV storage
+// formats, exp of 16 floats) and the declarations of every kernel, in namespace kvk.
+//
+// Built by `make setup` (kvkeeper.kernels.build) with torch.utils.cpp_extension; loaded by
+// kvkeeper.kernels.cpu.  Every kernel has a portable C++ path and an AVX-512 path (AVX512F/BW/VL +
+// VNNI + F16C) chosen at run time from the CPU's flags (`isa()`); the files are compiled for the
+// baseline x86-64 ISA, so the .so loads on any x86-64 CPU.
+//
+// One file per operation (csrc/cpu/):
+//   isa.cpp           the instruction set chosen at run time
+//   qmm.cpp           activation quantization and the block matmul (qmm)
+//   attention.cpp     paged decode attention and paged prefill ("extend") attention
+//   elementwise.cpp   RMSNorm, SiLU(gate) * up, RoPE, storing a token's K/V
+//   fused_decode.cpp  DecodeModel: a whole decode step of a Llama-family model in one call
+//   bindings.cpp      the Python module
+// Helpers used by one file only live in an unnamed namespace of that file.
+#pragma once
+
+#include <torch/types.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#define KVK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
+
+namespace kvk {
+
+// ---------------------------------------------------------------------------------------------------
+// ISA selection (isa.cpp)
+// ---------------------------------------------------------------------------------------------------
+bool cpu_has_avx512();                  // the CPU has AVX-512 F/BW/VL/DQ + VNNI + F16C + FMA
+bool use_avx512();                      // the kernels take their AVX-512 paths now
+std::string isa();                      // "avx512_vnni" or "generic"
+void set_isa(const std::string& name);  // auto, generic or avx512_vnni (raises on another name)
+
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+// exp of 16 floats (Cephes-style: range reduction by ln 2, degree-6 polynomial, scalef); relative error ~2 ulp.
+KVK_AVX512 inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, fx);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// KV storage formats (kvkeeper.kvcache.quant)
+// ---------------------------------------------------------------------------------------------------
+enum KVKind : int64_t { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_I8 = 3, KV_FP8 = 4 };
+
+inline float fp8e4m3_to_float(uint8_t b) {
+  // e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities (0x7F/0xFF are NaN)
+  if ((b & 0x7F) == 0x7F) return std::numeric_limits<float>::quiet_NaN();
+  const int e = (b >> 3) & 0xF, m = b & 7;
+  const float v = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+  return (b & 0x80) ? -v : v;
+}
+
+inline float load_scalar(const void* base, int64_t idx, int64_t kind) {
+  switch (kind) {
+    case KV_F32: return static_cast<const float*>(base)[idx];
+    case KV_BF16: return static_cast<float>(static_cast<const c10::BFloat16*>(base)[idx]);
+    case KV_F16: return half_to_float(static_cast<const uint16_t*>(base)[idx]);
+    case KV_I8: return static_cast<float>(static_cast<const int8_t*>(base)[idx]);
+    default: return fp8e4m3_to_float(static_cast<const uint8_t*>(base)[idx]);
+  }
+}
+
+// 16 elements of a K/V row as float32 (before the per-token scale).
+KVK_AVX512 inline __m512 load16(const void* base, int64_t idx, int64_t kind) {
+  switch (kind) {
+    case KV_F32: return _mm512_loadu_ps(static_cast<const float*>(base) + idx);
+    case KV_BF16: {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + idx));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    case KV_F16:
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + idx)));
+    case KV_I8:
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + idx))));
+    default: {  // fp8 e4m3fn: exponent/mantissa moved into float32 position, then scaled by 2^(127-7)
+      const __m512i b = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + idx)));
+      const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), 20);
+      __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
+      const __m512i sgn = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+      return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sgn));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 1. qmm (qmm.cpp): activation quantization and the block matmul
+// ---------------------------------------------------------------------------------------------------
+constexpr int QK = 32;  // weights (and activations) per block
+
+int activation_bits();                   // bits of the activation codes: 16 (default) or 8
+void set_activation_bits(int64_t bits);  // raises unless 8 or 16
+
+// A packed weight as the kernels see it (see kvkeeper.weights.formats).
+struct QW {
+  const uint8_t* qs;
+  const uint16_t* sc;
+  int64_t bits, n, k, groups;
+};
+
+// Checks qs (G, nb, 256|512) uint8 and sc (G, nb, 2, 16) float16 against bits and N (raises on a mismatch).
+QW make_qw(const torch::Tensor& qs, const torch::Tensor& sc, int64_t bits, int64_t N);
+// y (M, w.n) = x (M, w.k) @ W^T, both row-major float32.
+void qmm_raw(const float* x, int64_t M, const QW& w, float* y);
+// x: (M, K) float32; qs: (G, nb, 256|512) uint8; sc: (G, nb, 2, 16) float16; returns (M, N) float32.
+torch::Tensor qmm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& sc, int64_t bits, int64_t N);
+// The activation quantization alone (tests): x (M, K) float32 -> (q (M, K) int32, dx (M, K/32), sx (M, K/32)).
+std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x);
+
+// ---------------------------------------------------------------------------------------------------
+// 2. paged attention (attention.cpp)
+// ---------------------------------------------------------------------------------------------------
+struct AttnArgs {
+  const float* q;      // (B, H, D), pre-scaled by the softmax scale
+  const void* k;       // (NB, BS, KVH, D)
+  const void* v;
+  const uint16_t* ks;  // (NB, BS, KVH) float16 or null
+  const uint16_t* vs;
+  const int64_t* bt;   // (B, W)
+  const int64_t* ctx;  // (B,)
+  int64_t kind, H, KVH, D, BS, W, G;
+};
+
+// Decode attention of B sequences (a.q pre-scaled) into out (B, H, D) float32; split_blocks: blocks per work item.
+void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* out);
+// One query token per sequence; returns (B, H, D) float32 (arguments: see attention.cpp).
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& k_scale, const torch::Tensor& v_scale,
+                               const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+                               int64_t kind, int64_t split_blocks);
+// Causal attention of prefill spans; returns (T, H, D) float32 (arguments: see attention.cpp).
+torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& k_scale, const torch::Tensor& v_scale, const torch::Tensor& starts,
+                               const torch::Tensor& q_lens, const torch::Tensor& context_lens,
+                               const torch::Tensor& block_tables, double scale, int64_t kind);
+
+// ---------------------------------------------------------------------------------------------------
+// 3. element-wise parts of a layer (elementwise.cpp)
+// ---------------------------------------------------------------------------------------------------
+// RMSNorm of M rows of N floats: y = x * (1 / sqrt(mean(x^2) + eps)) * w.
+void rmsnorm_rows(const float* x, const float* w, int64_t M, int64_t N, float eps, float* y);
+// RoPE, half-split layout, in place on x (heads, D) of one token; cos/sin (D).
+void rope_heads(float* x, int64_t heads, int64_t D, const float* cs, const float* sn);
+// SiLU(gate) * up of M rows g (M, 2I) into o (M, I).
+void silu_mul_rows(const float* g, int64_t M, int64_t I, float* o);
+// Store one token's K or V (KVH, D) at a slot in the storage format `kind` (its scales too for int8/fp8).
+void store_token(const float* x, int64_t KVH, int64_t D, void* data, uint16_t* scales, int64_t slot, int64_t kind);
+// Python-facing versions (the layer-by-layer path of packed models).
+torch::Tensor rmsnorm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor silu_mul(const torch::Tensor& gu);
+void rope_qk(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads, int64_t D);
+
+// ---------------------------------------------------------------------------------------------------
+// 4. a whole decode step of a Llama-family model with packed weights, in one call (fused_decode.cpp;
+//    see kvkeeper.worker.fused_decode for the contract)
+// ---------------------------------------------------------------------------------------------------
+struct DecodeLayer {
+  torch::Tensor ln1, ln2, qkv_bias;                       // (hidden,), (hidden,), (qkv_out,) or undefined
+  torch::Tensor qkv_qs, qkv_sc, o_qs, o_sc, gu_qs, gu_sc, dn_qs, dn_sc;
+  int64_t qkv_bits, o_bits, gu_bits, dn_bits;
+  torch::Tensor k, v, ks, vs;                             // this layer's paged cache (ks, vs undefined unless quantized)
+};
+
+class DecodeModel {
+ public:
+  DecodeModel(int64_t hidden, int64_t inter, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+              int64_t kind);
+
+  void add_layer(const torch::Tensor& ln1, const torch::Tensor& ln2, const torch::Tensor& qkv_bias,
+                 const torch::Tensor& qkv_qs, const torch::Tensor& qkv_sc, int64_t qkv_bits,
+                 const torch::Tensor& o_qs, const torch::Tensor& o_sc, int64_t o_bits,
+                 const torch::Tensor& gu_qs, const torch::Tensor& gu_sc, int64_t gu_bits,
+                 const torch::Tensor& dn_qs, const torch::Tensor& dn_sc, int64_t dn_bits,
+                 const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& ks, const torch::Tensor& vs);
+
+  // x (B, hidden) float32, updated in place: every layer applied to one new token per sequence.
+  // cos, sin (B, D) float32 for the tokens' positions; slots (B,) int64; block_tables (B, W) int64;
+  // context_lens (B,) int64 (including the new token).
+  void step(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
+            const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, int64_t split_blocks);
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  int64_t hidden_, inter_, H_, KVH_, D_;
+  float eps_;
+  int64_t kind_;
+  std::vector<DecodeLayer> layers_;
+  std::vector<float> h_, qkv_, att_, qbuf_, gu_, act_, y_;
+};
+
+}  // namespace kvk
