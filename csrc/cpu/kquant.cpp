@@ -68,6 +68,9 @@ constexpr int QK8 = 32;
 constexpr int NT = 16;   // weight rows per task
 constexpr int MT = 128;  // activation rows per task
 constexpr int MR = 4;    // activation rows per micro-kernel call
+constexpr int64_t F16_MM_MIN_M = 8;     // F16 with more activation rows: torch's float32 GEMM by chunks
+constexpr int64_t F16_MM_ROWS = 1024;
+constexpr int TILE_MIN_M = 16;  // from this many activation rows in a task, K-quants go through 16-row tiles
 
 // ---------------------------------------------------------------------------------------------------
 // ISA
@@ -192,18 +195,23 @@ struct alignas(64) KU {
   float d, dmin;
 };
 
-inline void scale_min_k4(const uint8_t* s, uint8_t* sc, uint8_t* m) {
+// The 12 packed bytes as four words of four 6-bit values: scales 0-3, scales 4-7, mins 0-3, mins 4-7.
+inline void scale_min_words(const uint8_t* s, uint32_t* out) {
   uint32_t a0, a1, a2;
   std::memcpy(&a0, s, 4);
   std::memcpy(&a1, s + 4, 4);
   std::memcpy(&a2, s + 8, 4);
-  const uint32_t s_lo = a0 & 0x3f3f3f3fu, m_lo = a1 & 0x3f3f3f3fu;
-  const uint32_t s_hi = (a2 & 0x0f0f0f0fu) | ((a0 >> 2) & 0x30303030u);
-  const uint32_t m_hi = ((a2 >> 4) & 0x0f0f0f0fu) | ((a1 >> 2) & 0x30303030u);
-  std::memcpy(sc, &s_lo, 4);
-  std::memcpy(sc + 4, &s_hi, 4);
-  std::memcpy(m, &m_lo, 4);
-  std::memcpy(m + 4, &m_hi, 4);
+  out[0] = a0 & 0x3f3f3f3fu;
+  out[1] = (a2 & 0x0f0f0f0fu) | ((a0 >> 2) & 0x30303030u);
+  out[2] = a1 & 0x3f3f3f3fu;
+  out[3] = ((a2 >> 4) & 0x0f0f0f0fu) | ((a1 >> 2) & 0x30303030u);
+}
+
+inline void scale_min_k4(const uint8_t* s, uint8_t* sc, uint8_t* m) {
+  uint32_t w[4];
+  scale_min_words(s, w);
+  std::memcpy(sc, w, 8);
+  std::memcpy(m, w + 2, 8);
 }
 
 // Natural-order decode of one super-block: codes qn[256], per-16-group scale and min, d, dmin.
@@ -280,17 +288,29 @@ void ku_dot_generic(const KU* w, int64_t nsb, const Act& a, int64_t m0, int mr, 
   }
 }
 
+// 16-bit lane i of chunk c's scale vector: the scale index of positions 64 c + 2 i (v[0]: Q4_K/Q5_K order,
+// the sub-block 0..7; v[1]: Q6_K, the group 0..15).
+struct ScaleIdx {
+  alignas(64) int16_t v[2][4][32];
+};
+constexpr ScaleIdx make_scale_idx() {
+  ScaleIdx t{};
+  for (int c = 0; c < 4; ++c)
+    for (int i = 0; i < 32; ++i) {
+      const int p = 64 * c + 2 * i;
+      t.v[0][c][i] = static_cast<int16_t>(ORD[p / 32]);
+      t.v[1][c][i] = static_cast<int16_t>(p / 16);
+    }
+  return t;
+}
+constexpr ScaleIdx SCALE_IDX = make_scale_idx();
+
 KQ_AVX512 void unpack_avx512(const uint8_t* row, int64_t type, int64_t nsb, KU* out) {
   const int64_t sbb = row_bytes(type, QK_K);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   // 16-bit lane i of chunk c's scale vector: the scale index (0..7 sub-block for Q4_K/Q5_K, 0..15 group for
   // Q6_K) of positions 64 c + 2 i.
-  alignas(64) int16_t idx[4][32];
-  for (int c = 0; c < 4; ++c)
-    for (int i = 0; i < 32; ++i) {
-      const int p = 64 * c + 2 * i;
-      idx[c][i] = static_cast<int16_t>(nibble_order(type) ? ORD[p / 32] : p / 16);
-    }
+  const auto& idx = SCALE_IDX.v[nibble_order(type) ? 0 : 1];
   const __m512i ix0 = _mm512_load_si512(idx[0]), ix1 = _mm512_load_si512(idx[1]);
   const __m512i ix2 = _mm512_load_si512(idx[2]), ix3 = _mm512_load_si512(idx[3]);
   if (type == T_Q4_K || type == T_Q5_K) {
@@ -310,9 +330,10 @@ KQ_AVX512 void unpack_avx512(const uint8_t* row, int64_t type, int64_t nsb, KU* 
       KU& u = out[s];
       u.d = f16_at(b);
       u.dmin = f16_at(b + 2);
-      alignas(16) uint8_t sm[16];
-      scale_min_k4(b + 4, sm, sm + 8);
-      const __m256i v16 = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sm)));
+      uint32_t sm[4];
+      scale_min_words(b + 4, sm);  // into a register, not through memory (a store-forwarding stall)
+      const __m256i v16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(static_cast<int>(sm[0]), static_cast<int>(sm[1]),
+                                                              static_cast<int>(sm[2]), static_cast<int>(sm[3])));
       const __m512i v = _mm512_zextsi256_si512(v16);
       _mm512_store_si512(u.sc, _mm512_permutexvar_epi16(ix0, v));
       _mm512_store_si512(u.sc + 32, _mm512_permutexvar_epi16(ix1, v));
@@ -397,6 +418,115 @@ KQ_AVX512 void ku_dot_avx512(const KU* w, int64_t nsb, const Act& a, int64_t m0,
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Prefill tiles (AVX-512): 16 weight rows interleaved per 4 positions, so that one VPDPBUSD multiplies 4
+// codes of each of the 16 rows (the 16 int32 lanes are the 16 rows) by 4 activation bytes broadcast from
+// memory; the lanes sum one scale group (32 positions for Q4_K/Q5_K, 16 for Q6_K) before VPMULLD by the
+// group's scale, and the rows come out in lanes: no horizontal sums.  Built per task from the unpacked rows
+// (KU) and used against every activation row of the task (the repacked layouts of ggml-cpu follow the same
+// idea, done there once at load).
+// ---------------------------------------------------------------------------------------------------
+struct alignas(64) KT {
+  uint8_t q[64][64];    // [4-position group k4][4 * row + c]: the code of row `row` at position 4 k4 + c
+  int32_t sc[16][16];   // [scale group][row]
+  int32_t mn[8][16];    // [j][row]: the mins of natural 16-groups 2j (low int16) and 2j + 1 (high)
+  float d[16], dmin[16];
+};
+
+inline int scale_group_size(int64_t type) { return nibble_order(type) ? 32 : 16; }
+
+// rows: the tile's KU rows (rows[i] = nsb super-blocks), nrows <= 16 (the others are zero)
+void build_tile(const KU* const* rows, int nrows, int64_t nsb, int gs, KT* t) {
+  for (int64_t s = 0; s < nsb; ++s) {
+    KT& T = t[s];
+    for (int i = 0; i < 16; ++i) {
+      if (i >= nrows) {
+        for (int k4 = 0; k4 < 64; ++k4) std::memset(&T.q[k4][4 * i], 0, 4);
+        for (int g = 0; g < 16; ++g) T.sc[g][i] = 0;
+        for (int j = 0; j < 8; ++j) T.mn[j][i] = 0;
+        T.d[i] = T.dmin[i] = 0.f;
+        continue;
+      }
+      const KU& u = rows[i][s];
+      for (int k4 = 0; k4 < 64; ++k4) std::memcpy(&T.q[k4][4 * i], u.q + 4 * k4, 4);
+      for (int g = 0; g < 256 / gs; ++g) T.sc[g][i] = u.sc[g * gs / 2];
+      for (int j = 0; j < 8; ++j)
+        T.mn[j][i] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(u.mn[2 * j])) |
+                                          (static_cast<uint32_t>(static_cast<uint16_t>(u.mn[2 * j + 1])) << 16));
+      T.d[i] = u.d;
+      T.dmin[i] = u.dmin;
+    }
+  }
+}
+
+template <int R, int GS>
+KQ_AVX512 void tile_dot_avx512_t(const KT* t, int64_t nsb, const Act& a, int64_t m0, float* y, int64_t N,
+                                 int64_t n0, __mmask16 mask) {
+  const int64_t K = a.K, nb = K / QK_K;
+  __m512 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const KT& T = t[s];
+    __m512i tot[R], mins[R];
+    for (int m = 0; m < R; ++m) tot[m] = mins[m] = _mm512_setzero_si512();
+    const int8_t* xs = a.q.data() + m0 * K + s * QK_K;
+    for (int g = 0; g < 256 / GS; ++g) {
+      __m512i S[R];
+      for (int m = 0; m < R; ++m) S[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int k = 0; k < GS / 4; ++k) {
+        const int k4 = g * (GS / 4) + k;
+        const __m512i W = _mm512_load_si512(T.q[k4]);
+#pragma GCC unroll 6
+        for (int m = 0; m < R; ++m) {
+          int32_t xv;
+          std::memcpy(&xv, xs + m * K + 4 * k4, 4);
+          S[m] = _mm512_dpbusd_epi32(S[m], W, _mm512_set1_epi32(xv));
+        }
+      }
+      const __m512i SC = _mm512_load_si512(T.sc[g]);
+      for (int m = 0; m < R; ++m) tot[m] = _mm512_add_epi32(tot[m], _mm512_mullo_epi32(S[m], SC));
+    }
+    const int16_t* bs = a.bs.data() + m0 * (K / 16) + s * 16;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512i MN = _mm512_load_si512(T.mn[j]);
+      for (int m = 0; m < R; ++m) {
+        int32_t bv;
+        std::memcpy(&bv, bs + m * (K / 16) + 2 * j, 4);
+        mins[m] = _mm512_dpwssd_epi32(mins[m], MN, _mm512_set1_epi32(bv));
+      }
+    }
+    const __m512 D = _mm512_load_ps(T.d), DM = _mm512_load_ps(T.dmin);
+    for (int m = 0; m < R; ++m) {
+      __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(tot[m]), D);
+      f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[m]), DM, f);
+      acc[m] = _mm512_fmadd_ps(f, _mm512_set1_ps(a.d[(m0 + m) * nb + s]), acc[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, acc[m]);
+}
+
+template <int GS>
+KQ_AVX512 void tile_dot_avx512_gs(const KT* t, int64_t nsb, const Act& a, int64_t m0, int mr, float* y, int64_t N,
+                                  int64_t n0, __mmask16 mask) {
+  switch (mr) {
+    case 1: tile_dot_avx512_t<1, GS>(t, nsb, a, m0, y, N, n0, mask); break;
+    case 2: tile_dot_avx512_t<2, GS>(t, nsb, a, m0, y, N, n0, mask); break;
+    case 3: tile_dot_avx512_t<3, GS>(t, nsb, a, m0, y, N, n0, mask); break;
+    default: tile_dot_avx512_t<4, GS>(t, nsb, a, m0, y, N, n0, mask); break;
+  }
+}
+
+KQ_AVX512 void tile_dot_avx512(const KT* t, int64_t nsb, int gs, const Act& a, int64_t m0, int mr, float* y,
+                               int64_t N, int64_t n0, int nrows) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << nrows) - 1u);
+  if (gs == 32)
+    tile_dot_avx512_gs<32>(t, nsb, a, m0, mr, y, N, n0, mask);
+  else
+    tile_dot_avx512_gs<16>(t, nsb, a, m0, mr, y, N, n0, mask);
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Q8_0: directly on the GGUF blocks
 // ---------------------------------------------------------------------------------------------------
 void q8_dot_generic(const uint8_t* row, int64_t K, const Act& a, int64_t m0, int mr, float* out) {
@@ -455,6 +585,77 @@ KQ_AVX512 void q8_dot_avx512(const uint8_t* row, int64_t K, const Act& a, int64_
   }
 }
 
+// Q8_0 prefill tiles (AVX-512): per block of 32, the 16 rows' codes + 128 (unsigned) interleaved per 4
+// positions as in KT, and their d; the + 128 comes back out as 128 * (the block's sum of activation codes).
+struct alignas(64) QT {
+  uint8_t q[8][64];
+  float d[16];
+};
+
+void build_q8_tile(const uint8_t* w, int64_t rb, int nrows, int64_t nb, QT* t) {
+  for (int64_t b = 0; b < nb; ++b) {
+    QT& T = t[b];
+    for (int i = 0; i < 16; ++i) {
+      if (i >= nrows) {
+        for (int k4 = 0; k4 < 8; ++k4) std::memset(&T.q[k4][4 * i], 0x80, 4);
+        T.d[i] = 0.f;
+        continue;
+      }
+      const uint8_t* blk = w + i * rb + 34 * b;
+      for (int k4 = 0; k4 < 8; ++k4) {
+        uint32_t v;
+        std::memcpy(&v, blk + 2 + 4 * k4, 4);
+        v ^= 0x80808080u;
+        std::memcpy(&T.q[k4][4 * i], &v, 4);
+      }
+      T.d[i] = f16_at(blk);
+    }
+  }
+}
+
+template <int R>
+KQ_AVX512 void q8_tile_dot_avx512_t(const QT* t, int64_t nb, const Act& a, int64_t m0, float* y, int64_t N,
+                                    int64_t n0, __mmask16 mask) {
+  const int64_t K = a.K;
+  __m512 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const QT& T = t[b];
+    __m512i S[R];
+    for (int m = 0; m < R; ++m) S[m] = _mm512_setzero_si512();
+    const int8_t* xs = a.q.data() + m0 * K + b * QK8;
+#pragma GCC unroll 8
+    for (int k4 = 0; k4 < 8; ++k4) {
+      const __m512i W = _mm512_load_si512(T.q[k4]);
+#pragma GCC unroll 6
+      for (int m = 0; m < R; ++m) {
+        int32_t xv;
+        std::memcpy(&xv, xs + m * K + 4 * k4, 4);
+        S[m] = _mm512_dpbusd_epi32(S[m], W, _mm512_set1_epi32(xv));
+      }
+    }
+    const __m512 D = _mm512_load_ps(T.d);
+    for (int m = 0; m < R; ++m) {
+      const int16_t* bs = a.bs.data() + (m0 + m) * (K / 16) + 2 * b;
+      const __m512i c = _mm512_set1_epi32(128 * (static_cast<int32_t>(bs[0]) + bs[1]));
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(S[m], c));
+      acc[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(D, _mm512_set1_ps(a.d[(m0 + m) * nb + b])), acc[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, acc[m]);
+}
+
+KQ_AVX512 void q8_tile_dot_avx512(const QT* t, int64_t nb, const Act& a, int64_t m0, int mr, float* y, int64_t N,
+                                  int64_t n0, int nrows) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << nrows) - 1u);
+  switch (mr) {
+    case 1: q8_tile_dot_avx512_t<1>(t, nb, a, m0, y, N, n0, mask); break;
+    case 2: q8_tile_dot_avx512_t<2>(t, nb, a, m0, y, N, n0, mask); break;
+    case 3: q8_tile_dot_avx512_t<3>(t, nb, a, m0, y, N, n0, mask); break;
+    default: q8_tile_dot_avx512_t<4>(t, nb, a, m0, y, N, n0, mask); break;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // F16 (float fallback: no activation quantization)
 // ---------------------------------------------------------------------------------------------------
@@ -510,9 +711,12 @@ void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
   const int64_t nsb = K / QK_K;
   const int64_t ntn = (N + NT - 1) / NT, ntm = (M + MT - 1) / MT, tasks = ntn * ntm;
   const bool big = M > MT;
+  const int gs = scale_group_size(type);
 #pragma omp parallel if (tasks > 1 && N * K * std::min<int64_t>(M, 8) >= (1 << 15))
   {
     std::vector<KU> scratch(kq ? (M <= MR ? nsb : NT * nsb) : 0);
+    std::vector<KT> tiles(kq && fast && M >= TILE_MIN_M ? nsb : 0);
+    std::vector<QT> qtiles(!kq && fast && M >= TILE_MIN_M ? K / QK8 : 0);
     float out[MR];
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t t = 0; t < tasks; ++t) {
@@ -520,6 +724,14 @@ void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
       // stays in cache); decode: ntm == 1
       const int64_t tn = big ? t / ntm : t, tm = big ? t % ntm : 0;
       const int64_t n0 = tn * NT, n1 = std::min(N, n0 + NT), m0 = tm * MT, m1 = std::min(M, m0 + MT);
+      if (!kq && fast && m1 - m0 >= TILE_MIN_M) {
+        build_q8_tile(w + n0 * rb, rb, static_cast<int>(n1 - n0), K / QK8, qtiles.data());
+        for (int64_t m = m0; m < m1; m += MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+          q8_tile_dot_avx512(qtiles.data(), K / QK8, a, m, mr, y, N, n0, static_cast<int>(n1 - n0));
+        }
+        continue;
+      }
       if (!kq) {
         for (int64_t n = n0; n < n1; ++n)
           for (int64_t m = m0; m < m1; m += MR) {
@@ -552,6 +764,16 @@ void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
         else
           unpack_generic(w + n * rb, type, nsb, scratch.data() + (n - n0) * nsb);
       }
+      if (fast && m1 - m0 >= TILE_MIN_M) {
+        const KU* rows[NT];
+        for (int64_t n = n0; n < n1; ++n) rows[n - n0] = scratch.data() + (n - n0) * nsb;
+        build_tile(rows, static_cast<int>(n1 - n0), nsb, gs, tiles.data());
+        for (int64_t m = m0; m < m1; m += MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+          tile_dot_avx512(tiles.data(), nsb, gs, a, m, mr, y, N, n0, static_cast<int>(n1 - n0));
+        }
+        continue;
+      }
       for (int64_t m = m0; m < m1; m += MR) {  // MR activation rows stay in L1 against the tile's rows
         const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
         for (int64_t n = n0; n < n1; ++n) {
@@ -583,8 +805,18 @@ torch::Tensor kq_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t 
               "kq_matmul: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(x.size(1) == K, "kq_matmul: x has ", x.size(1), " columns, K=", K);
   const auto xc = x.contiguous();
-  auto y = torch::empty({xc.size(0), N}, x.options());
-  matmul_raw(xc.data_ptr<float>(), xc.size(0), K, wp, type, N, y.data_ptr<float>());
+  const int64_t M = xc.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (type == T_F16 && M > F16_MM_MIN_M) {
+    // prefill over F16: torch's float32 GEMM on chunks of rows converted to float32 (no int8 path)
+    const auto wh = torch::from_blob(const_cast<uint8_t*>(wp), {N, K}, torch::dtype(at::kHalf));
+    for (int64_t n0 = 0; n0 < N; n0 += F16_MM_ROWS) {
+      const int64_t len = std::min<int64_t>(F16_MM_ROWS, N - n0);
+      y.narrow(1, n0, len).copy_(at::mm(xc, wh.narrow(0, n0, len).to(at::kFloat).t()));
+    }
+    return y;
+  }
+  matmul_raw(xc.data_ptr<float>(), M, K, wp, type, N, y.data_ptr<float>());
   return y;
 }
 
