@@ -70,7 +70,8 @@ constexpr int MT = 128;  // activation rows per task
 constexpr int MR = 4;    // activation rows per micro-kernel call
 constexpr int64_t F16_MM_MIN_M = 8;     // F16 with more activation rows: torch's float32 GEMM by chunks
 constexpr int64_t F16_MM_ROWS = 1024;
-constexpr int TILE_MIN_M = 16;  // from this many activation rows in a task, K-quants go through 16-row tiles
+constexpr int TILE_MIN_M = 16;  // from this many activation rows in a task, K-quants and Q8_0 go through 16-row tiles
+constexpr int TILE_MR = 6;      // activation rows per tile micro-kernel call
 
 // ---------------------------------------------------------------------------------------------------
 // ISA
@@ -144,6 +145,31 @@ struct Act {
   int64_t K = 0, B = 0;
 };
 
+// One row, AVX-512: the same numbers as the portable loop below (the same float32 d and 1 / d, and
+// VCVTPS2DQ rounds half to even as nearbyint does under the default rounding mode).
+KQ_AVX512 void quantize_row_avx512(const float* xr, int64_t K, int64_t B, bool perm, int8_t* qr, float* dr,
+                                   int16_t* bsr, float* der) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / B; ++b) {
+    const float* xb = xr + b * B;
+    __m512 mx = _mm512_setzero_ps();
+    for (int i = 0; i < B; i += 16) mx = _mm512_max_ps(mx, _mm512_andnot_ps(sign, _mm512_loadu_ps(xb + i)));
+    const float d = _mm512_reduce_max_ps(mx) / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    const __m512 idv = _mm512_set1_ps(id);
+    for (int g = 0; g < B / 16; ++g) {
+      const int e = 16 * g;
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + e), idv));
+      const int pos = perm ? 32 * ORD[e / 32] + e % 32 : e;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + b * B + pos), _mm512_cvtsepi32_epi8(v));
+      bsr[b * (B / 16) + g] = static_cast<int16_t>(_mm512_reduce_add_epi32(v));
+    }
+    dr[b] = d;
+    if (der)
+      for (int i = 0; i < B / 4; ++i) der[b * (B / 4) + i] = d;
+  }
+}
+
 void quantize_act(const float* x, int64_t M, int64_t K, int64_t type, Act& a) {
   const int64_t B = type == T_Q8_0 ? QK8 : QK_K, nb = K / B;
   a.K = K;
@@ -153,6 +179,13 @@ void quantize_act(const float* x, int64_t M, int64_t K, int64_t type, Act& a) {
   a.bs.resize(M * (K / 16));
   if (type == T_Q8_0) a.de.resize(M * (K / 4));
   const bool perm = nibble_order(type);
+  if (use_avx512()) {
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 18))
+    for (int64_t r = 0; r < M; ++r)
+      quantize_row_avx512(x + r * K, K, B, perm, a.q.data() + r * K, a.d.data() + r * nb, a.bs.data() + r * (K / 16),
+                          type == T_Q8_0 ? a.de.data() + r * (K / 4) : nullptr);
+    return;
+  }
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
@@ -513,7 +546,9 @@ KQ_AVX512 void tile_dot_avx512_gs(const KT* t, int64_t nsb, const Act& a, int64_
     case 1: tile_dot_avx512_t<1, GS>(t, nsb, a, m0, y, N, n0, mask); break;
     case 2: tile_dot_avx512_t<2, GS>(t, nsb, a, m0, y, N, n0, mask); break;
     case 3: tile_dot_avx512_t<3, GS>(t, nsb, a, m0, y, N, n0, mask); break;
-    default: tile_dot_avx512_t<4, GS>(t, nsb, a, m0, y, N, n0, mask); break;
+    case 4: tile_dot_avx512_t<4, GS>(t, nsb, a, m0, y, N, n0, mask); break;
+    case 5: tile_dot_avx512_t<5, GS>(t, nsb, a, m0, y, N, n0, mask); break;
+    default: tile_dot_avx512_t<6, GS>(t, nsb, a, m0, y, N, n0, mask); break;
   }
 }
 
@@ -652,7 +687,9 @@ KQ_AVX512 void q8_tile_dot_avx512(const QT* t, int64_t nb, const Act& a, int64_t
     case 1: q8_tile_dot_avx512_t<1>(t, nb, a, m0, y, N, n0, mask); break;
     case 2: q8_tile_dot_avx512_t<2>(t, nb, a, m0, y, N, n0, mask); break;
     case 3: q8_tile_dot_avx512_t<3>(t, nb, a, m0, y, N, n0, mask); break;
-    default: q8_tile_dot_avx512_t<4>(t, nb, a, m0, y, N, n0, mask); break;
+    case 4: q8_tile_dot_avx512_t<4>(t, nb, a, m0, y, N, n0, mask); break;
+    case 5: q8_tile_dot_avx512_t<5>(t, nb, a, m0, y, N, n0, mask); break;
+    default: q8_tile_dot_avx512_t<6>(t, nb, a, m0, y, N, n0, mask); break;
   }
 }
 
@@ -726,8 +763,8 @@ void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
       const int64_t n0 = tn * NT, n1 = std::min(N, n0 + NT), m0 = tm * MT, m1 = std::min(M, m0 + MT);
       if (!kq && fast && m1 - m0 >= TILE_MIN_M) {
         build_q8_tile(w + n0 * rb, rb, static_cast<int>(n1 - n0), K / QK8, qtiles.data());
-        for (int64_t m = m0; m < m1; m += MR) {
-          const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+        for (int64_t m = m0; m < m1; m += TILE_MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(TILE_MR, m1 - m));
           q8_tile_dot_avx512(qtiles.data(), K / QK8, a, m, mr, y, N, n0, static_cast<int>(n1 - n0));
         }
         continue;
@@ -768,8 +805,8 @@ void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
         const KU* rows[NT];
         for (int64_t n = n0; n < n1; ++n) rows[n - n0] = scratch.data() + (n - n0) * nsb;
         build_tile(rows, static_cast<int>(n1 - n0), nsb, gs, tiles.data());
-        for (int64_t m = m0; m < m1; m += MR) {
-          const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+        for (int64_t m = m0; m < m1; m += TILE_MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(TILE_MR, m1 - m));
           tile_dot_avx512(tiles.data(), nsb, gs, a, m, mr, y, N, n0, static_cast<int>(n1 - n0));
         }
         continue;
