@@ -155,9 +155,10 @@ def test_big_prefill_avx512(kq, t):
 
 @pytest.mark.parametrize("t,K", [(GT.Q8_0, 96), (GT.Q8_0, 2080), (GT.F16, 100), (GT.F16, 37)],
                          ids=["q8_0-96", "q8_0-2080", "f16-100", "f16-37"])
-@pytest.mark.parametrize("M", [1, 6])
+@pytest.mark.parametrize("M", [1, 6, 20])
 def test_odd_k(kq, t, K, M):
-    """Q8_0 with an odd number of 32-blocks (the pair loop's tail), F16 with K not a multiple of 16."""
+    """Q8_0 with an odd number of 32-blocks (the decode pair loop's tail; M = 20: the prefill tiles), F16
+    with K not a multiple of 16 (M = 20: torch's GEMM on converted chunks)."""
     N = 21
     rng = np.random.default_rng(K + M)
     w = random_weight(t, N, K, rng)
@@ -180,6 +181,25 @@ def test_dequantize_rows_exact(kq, t):
     rows = torch.tensor([5, 0, 36, 5])
     sel = kq.kq_dequantize_rows(torch.from_numpy(w), int(t), N, K, rows).numpy()
     np.testing.assert_array_equal(sel, wf[[5, 0, 36, 5]])
+
+
+def test_concurrent_callers(kq):
+    """kq_matmul releases the GIL and keeps its quantized activations per calling thread: two Python threads
+    computing different products at once get what each gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(3)
+    jobs = []
+    for t, M, N, K in [(GT.Q4_K, 40, 50, 2048), (GT.Q6_K, 3, 70, 512), (GT.Q8_0, 33, 20, 1024), (GT.Q5_K, 1, 90, 768)]:
+        w = torch.from_numpy(random_weight(t, N, K, rng))
+        x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
+        jobs.append((x, w, int(t), N, K))
+    alone = [kq.kq_matmul(*j) for j in jobs]
+    with ThreadPoolExecutor(4) as ex:
+        for _ in range(3):
+            together = list(ex.map(lambda j: kq.kq_matmul(*j), jobs * 2))
+            for i, y in enumerate(together):
+                assert torch.equal(y, alone[i % len(jobs)])
 
 
 def test_zero_rows_and_activations(kq):
