@@ -53,14 +53,21 @@ def random_weight(t: int, N: int, K: int, rng: np.random.Generator) -> np.ndarra
     return raw.reshape(N, -1)
 
 
+CPU_TIMES: list[float] = []  # the median process CPU time (all threads) of the last timeit
+
+
 def timeit(fn, seconds: float) -> float:
+    """Median wall time of fn over at least `seconds` (after a warm-up call); its median process CPU time
+    goes to CPU_TIMES[-1] (on a busy machine a 1-thread run's CPU time excludes the time it was descheduled)."""
     fn()
-    times = []
+    times, cpu = [], []
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end or len(times) < 3:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    CPU_TIMES.append(float(np.median(cpu)))
     return float(np.median(times))
 
 
@@ -125,13 +132,16 @@ def main() -> int:
                         return x @ wfs[it[0] % len(wfs)].T
 
                     s = timeit(run_kq, args.seconds)
+                    cpu_s = CPU_TIMES[-1]
                     key = (M, cache)
                     if key not in fp32_done:
                         s32 = timeit(run_fp32, args.seconds)
                         fp32_done[key] = {"type": "fp32 (torch, dequantized)", "M": M, "cache": cache, "ms": s32 * 1e3,
+                                          "cpu_ms": CPU_TIMES[-1] * 1e3,
                                           "GFLOPs": 2 * M * N * K / s32 / 1e9, "weight_MB": wf.numel() * 4 / 1e6,
                                           "GBps": wf.numel() * 4 / s32 / 1e9}
-                    rows.append({"type": name, "M": M, "cache": cache, "ms": s * 1e3, "GFLOPs": 2 * M * N * K / s / 1e9,
+                    rows.append({"type": name, "M": M, "cache": cache, "ms": s * 1e3, "cpu_ms": cpu_s * 1e3,
+                                 "GFLOPs": 2 * M * N * K / s / 1e9,
                                  "weight_MB": w.numel() / 1e6, "GBps": w.numel() / s / 1e9,
                                  "x_vs_fp32": fp32_done[key]["ms"] / (s * 1e3)})
                     if not args.quiet:
@@ -145,16 +155,17 @@ def main() -> int:
               f"isa {kq.kq_isa()}, load average {load0[0]:.2f} at start)", "",
               f"Streaming: copy {bw['copy_GBps']:.1f} GB/s (read+write {bw['copy_read_plus_write_GBps']:.1f}), "
               f"read-only sum {bw['read_sum_GBps']:.1f} GB/s.", "",
-              "| type | M | weights | ms | GFLOP/s | weight MB | weight GB/s | of read bw | speed-up vs fp32 |",
-              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| type | M | weights | ms | CPU ms | GFLOP/s | weight MB | weight GB/s | of read bw | speed-up vs fp32 |",
+              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in rows:
             frac = r["GBps"] / bw["read_sum_GBps"]
             sp = f"{r['x_vs_fp32']:.2f}x" if "x_vs_fp32" in r else "1"
-            md.append(f"| {r['type']} | {r['M']} | {r['cache']} | {r['ms']:.3f} | {r['GFLOPs']:.1f} | "
+            md.append(f"| {r['type']} | {r['M']} | {r['cache']} | {r['ms']:.3f} | {r['cpu_ms']:.3f} | {r['GFLOPs']:.1f} | "
                       f"{r['weight_MB']:.2f} | {r['GBps']:.2f} | {frac:.0%} | {sp} |")
         md += ["", "hot: the same W every call (it may sit in the caches); cold: rotating over copies of W "
                f"({args.cold_mb} MB in all), so GEMV streams W from memory.  of read bw: weight GB/s over the "
-               "read-only sum's GB/s.  Times: medians."]
+               "read-only sum's GB/s.  ms: median wall time; CPU ms: median process CPU time, all threads (with "
+               "--threads 1 on a busy machine, the time it ran).  GFLOP/s, GB/s and speed-ups from wall time."]
         suffix = f"-t{args.threads}" if args.threads else ""
         write_report(out, f"kquant-{N}x{K}-{date}{suffix}", res, "\n".join(md) + "\n")
     return 0

@@ -82,6 +82,9 @@ constexpr int64_t F16_MM_MIN_M = 8;     // F16 with more activation rows: torch'
 constexpr int64_t F16_MM_ROWS = 1024;
 constexpr int TILE_MIN_M = 16;  // from this many activation rows in a task, K-quants and Q8_0 go through 16-row tiles
 constexpr int TILE_MR = 6;      // activation rows per tile micro-kernel call
+// Below this many multiply-adds (M counted up to 8) a product runs on the calling thread: a parallel region
+// costs microseconds on an idle machine and milliseconds when the workers must wait for a busy core.
+constexpr int64_t PAR_MIN_WORK = int64_t(1) << 19;
 
 // ---------------------------------------------------------------------------------------------------
 // ISA
@@ -737,7 +740,7 @@ void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
   const bool fast = use_avx512();
   const int64_t rb = row_bytes(type, K);
   if (type == T_F16) {
-#pragma omp parallel for schedule(static) if (N * K * std::min<int64_t>(M, 8) >= (1 << 16))
+#pragma omp parallel for schedule(static) if (N * K * std::min<int64_t>(M, 8) >= PAR_MIN_WORK)
     for (int64_t n = 0; n < N; ++n) {
       float out[MT];
       for (int64_t m0 = 0; m0 < M; m0 += MT) {
@@ -759,7 +762,7 @@ void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
   const int64_t ntn = (N + NT - 1) / NT, ntm = (M + MT - 1) / MT, tasks = ntn * ntm;
   const bool big = M > MT;
   const int gs = scale_group_size(type);
-#pragma omp parallel if (tasks > 1 && N * K * std::min<int64_t>(M, 8) >= (1 << 15))
+#pragma omp parallel if (tasks > 1 && N * K * std::min<int64_t>(M, 8) >= PAR_MIN_WORK)
   {
     std::vector<KU> scratch(kq ? (M <= MR ? nsb : NT * nsb) : 0);
     std::vector<KT> tiles(kq && fast && M >= TILE_MIN_M ? nsb : 0);
