@@ -1,0 +1,936 @@
+// kvkeeper CPU kernels: y = x @ W^T computed in place on the GGUF bytes of a K-quant (Q4_K, Q5_K, Q6_K),
+// Q8_0 or F16 weight, without dequantizing the weight to float32.
+//
+// Self-contained: register_kquant(m) defines the Python bindings (kq_matmul, kq_dequantize_rows, kq_set_isa,
+// kq_isa, kq_cpu_has_avx512); the main extension calls it from its PYBIND11_MODULE, the tests build it
+// alone with csrc/cpu/kquant_standalone.cpp.  The file is compiled for the baseline x86-64 ISA; the
+// AVX-512 functions carry a target attribute (KQ_AVX512) and are chosen at run time from the CPU's flags,
+// every kernel also having a portable C++ path (kq_set_isa("generic") forces it, for tests).
+//
+// GGUF block layouts (one weight row of K elements is K/256 super-blocks, or K/32 blocks for Q8_0, stored
+// back to back; a tensor is N such rows; f16 = IEEE half, little-endian):
+//   Q4_K, 144 B per 256: f16 d, f16 dmin, scales[12], qs[128].  Eight sub-blocks j = 0..7 of 32 elements,
+//        w = d * sc_j * q - dmin * m_j with q a 4-bit code: sub-block j's codes are the low (j even) or high
+//        (j odd) nibbles of qs[32 * (j / 2) .. + 32].  sc_j, m_j are 6-bit: for j < 4 the low 6 bits of
+//        scales[j] and scales[j + 4]; for j >= 4 the low (sc) or high (m) nibble of scales[j + 4] with the
+//        top two bits of scales[j - 4] (sc) or scales[j] (m) above it.
+//   Q5_K, 176 B per 256: f16 d, f16 dmin, scales[12] (as Q4_K), qh[32], qs[128] (as Q4_K); the 5th bit of
+//        element l of sub-block j is bit j of qh[l]; w = d * sc_j * q - dmin * m_j, q in 0..31.
+//   Q6_K, 210 B per 256: ql[128], qh[64], int8 scales[16], f16 d.  Element e = 128 h + i (h = 0, 1):
+//        low 4 bits = ql[64 h + i % 64] low (i < 64) or high (i >= 64) nibble, high 2 bits =
+//        (qh[32 h + i % 32] >> 2 (i / 32)) & 3; w = d * scales[e / 16] * (q - 32), q in 0..63.
+//   Q8_0, 34 B per 32: f16 d, int8 q[32]; w = d * q.
+//   F16: 2 B per element.
+//
+// Algorithm (the design of llama.cpp's ggml-cpu quantized dot products, in our own code): the activations
+// are quantized once per call, per row and super-block of 256, to int8 q_x with one float scale
+// dx = max|x| / 127 and the sums of q_x over each 16 elements ("bsums"; llama.cpp calls the format Q8_K).
+// For a K-quant weight super-block with per-16-element integer scales s_g and mins m_g:
+//     sum_e w_e x_e  ~=  dx * ( d * sum_g s_g * sum_{e in g} q_e q_x,e  -  dmin * sum_g m_g * bsum_g ),
+// so the integer dot products are exact and the min terms (Q4_K, Q5_K: m_g = m_j; Q6_K: m_g = 32 s_g for
+// the -32 offset, dmin = d) cost 16 multiply-adds per super-block instead of 256.  Each weight row is first
+// unpacked ("KU" below: codes as unsigned bytes 0..63, the scales spread to 16-bit lanes, the mins, d and
+// dmin) into a per-thread scratch in L1.  For Q4_K/Q5_K the activation bytes are stored in the order the
+// nibbles come out of a 64-byte load (sub-blocks 0,2 | 1,3 | 4,6 | 5,7), so unpacking is a mask and a shift.
+//  * decode (a task with fewer than 16 activation rows): row by row, VPMADDUBSW (u8 codes x s8 activations
+//    -> int16 pairs, no saturation since 2 * 63 * 127 < 32767) then VPDPWSSD (AVX512-VNNI: the pairs times
+//    the 16-bit scales, summed in int32), one horizontal sum per row at the end; up to 4 activation rows
+//    share each unpacked block.
+//  * prefill: the unpacked rows of a 16-row tile are interleaved per 4 positions ("KT"), so that one
+//    VPDPBUSD multiplies 4 codes of each of the 16 rows by 4 activation bytes broadcast from memory, the 16
+//    int32 lanes being the 16 output rows: a scale group (32 positions for Q4_K/Q5_K, 16 for Q6_K) sums in
+//    int32, one VPMULLD applies its scales, the mins go through VPDPWSSD on the bsums, no horizontal sums.
+//    The tile is built once per task and used against all its activation rows, 6 at a time (the repacked
+//    layouts of ggml-cpu follow the same idea, done there once at load).  This runs at about one VPDPBUSD
+//    (64 multiply-adds) per cycle, the core's limit.
+// Q8_0 uses activations quantized per 32 (one scale per weight block): decode by VPDPBUSD on |w| and x with
+// w's sign; prefill through tiles of w + 128 (unsigned) with 128 * sum(q_x) taken back out.  F16 is a float
+// fallback (prefill by chunks through torch's float32 GEMM).
+//
+// Tolerance: the result equals x_q @ W^T up to float32 rounding, x_q being x rounded to the int8 grid
+// (|x - x_q| <= dx / 2 per element); against float x, |y - x @ W^T| <= ||x - x_q|| * ||w_n|| (see
+// tests/kernels/test_kquant.py, which checks both).  Relative rms error against float x, measured on the
+// Gemma 3 270M Q4_K_M tensors with Gaussian x: 0.5-0.8%.
+//
+// Parallel: OpenMP over tasks of (16 weight rows) x (128 activation rows): decode is split over output
+// rows, prefill over both.  The two ISA paths compute the same integers; only float rounding differs.
+
+#include <torch/extension.h>
+#include <c10/util/Half.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace kquant {
+
+#define KQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c,fma")))
+
+enum GgmlType : int64_t { T_F16 = 1, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+constexpr int QK_K = 256;
+constexpr int QK8 = 32;
+constexpr int NT = 16;   // weight rows per task
+constexpr int MT = 128;  // activation rows per task
+constexpr int MR = 4;    // activation rows per micro-kernel call
+constexpr int64_t F16_MM_MIN_M = 8;     // F16 with more activation rows: torch's float32 GEMM by chunks
+constexpr int64_t F16_MM_ROWS = 1024;
+constexpr int TILE_MIN_M = 16;  // from this many activation rows in a task, K-quants and Q8_0 go through 16-row tiles
+constexpr int TILE_MR = 6;      // activation rows per tile micro-kernel call
+// Below this many multiply-adds (M counted up to 8) a product runs on the calling thread: a parallel region
+// costs microseconds on an idle machine and milliseconds when the workers must wait for a busy core.
+constexpr int64_t PAR_MIN_WORK = int64_t(1) << 19;
+
+// ---------------------------------------------------------------------------------------------------
+// ISA
+// ---------------------------------------------------------------------------------------------------
+bool cpu_has_avx512() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+  }();
+  return ok;
+}
+
+bool g_force_generic = false;
+bool use_avx512() { return !g_force_generic && cpu_has_avx512(); }
+std::string isa() { return use_avx512() ? "avx512" : "generic"; }
+
+void set_isa(const std::string& name) {
+  if (name == "auto") {
+    g_force_generic = false;
+  } else if (name == "generic") {
+    g_force_generic = true;
+  } else if (name == "avx512") {
+    TORCH_CHECK(cpu_has_avx512(), "kq_set_isa: this CPU lacks AVX-512 F/BW/VL/DQ + VNNI + F16C + FMA");
+    g_force_generic = false;
+  } else {
+    TORCH_CHECK(false, "kq_set_isa: unknown ISA '", name, "': choose auto, generic or avx512");
+  }
+}
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+int64_t row_bytes(int64_t type, int64_t K) {
+  switch (type) {
+    case T_Q4_K: return K / QK_K * 144;
+    case T_Q5_K: return K / QK_K * 176;
+    case T_Q6_K: return K / QK_K * 210;
+    case T_Q8_0: return K / QK8 * 34;
+    case T_F16: return K * 2;
+    default: TORCH_CHECK(false, "kquant: unsupported GGML type ", type, " (F16=1, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+  }
+  return 0;
+}
+
+void check_k(int64_t type, int64_t K) {
+  TORCH_CHECK(K > 0, "kquant: K must be positive");
+  if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K)
+    TORCH_CHECK(K % QK_K == 0, "kquant: K=", K, " must be a multiple of 256 for K-quants");
+  if (type == T_Q8_0) TORCH_CHECK(K % QK8 == 0, "kquant: K=", K, " must be a multiple of 32 for Q8_0");
+}
+
+// Sub-block order of the Q4_K/Q5_K activation bytes: position 32 p + l holds element 32 ORD[p] + l.  ORD is
+// its own inverse.  A 64-byte load of qs[64 h ..] gives, masked, the codes of sub-blocks ORD[4h], ORD[4h+1]
+// and, shifted, those of ORD[4h+2], ORD[4h+3].
+constexpr int ORD[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+inline bool nibble_order(int64_t type) { return type == T_Q4_K || type == T_Q5_K; }
+
+// ---------------------------------------------------------------------------------------------------
+// Activation quantization (Q8_K per 256 for K-quants, per 32 for Q8_0), plain C++ shared by both ISAs
+// ---------------------------------------------------------------------------------------------------
+struct Act {
+  std::vector<int8_t> q;     // (M, K), in the weight type's element order (see ORD)
+  std::vector<float> d;      // (M, K / B)
+  std::vector<int16_t> bs;   // (M, K / 16): sums of q over each 16 elements, natural order
+  std::vector<float> de;     // Q8_0 only: (M, K / 4): d of each 4-element group (AVX-512 lanes)
+  int64_t K = 0, B = 0;
+};
+
+// One row, AVX-512: the same numbers as the portable loop below (the same float32 d and 1 / d, and
+// VCVTPS2DQ rounds half to even as nearbyint does under the default rounding mode).
+KQ_AVX512 void quantize_row_avx512(const float* xr, int64_t K, int64_t B, bool perm, int8_t* qr, float* dr,
+                                   int16_t* bsr, float* der) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / B; ++b) {
+    const float* xb = xr + b * B;
+    __m512 mx = _mm512_setzero_ps();
+    for (int i = 0; i < B; i += 16) mx = _mm512_max_ps(mx, _mm512_andnot_ps(sign, _mm512_loadu_ps(xb + i)));
+    const float d = _mm512_reduce_max_ps(mx) / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    const __m512 idv = _mm512_set1_ps(id);
+    for (int g = 0; g < B / 16; ++g) {
+      const int e = 16 * g;
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + e), idv));
+      const int pos = perm ? 32 * ORD[e / 32] + e % 32 : e;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + b * B + pos), _mm512_cvtsepi32_epi8(v));
+      bsr[b * (B / 16) + g] = static_cast<int16_t>(_mm512_reduce_add_epi32(v));
+    }
+    dr[b] = d;
+    if (der)
+      for (int i = 0; i < B / 4; ++i) der[b * (B / 4) + i] = d;
+  }
+}
+
+void quantize_act(const float* x, int64_t M, int64_t K, int64_t type, Act& a) {
+  const int64_t B = type == T_Q8_0 ? QK8 : QK_K, nb = K / B;
+  a.K = K;
+  a.B = B;
+  a.q.resize(M * K);
+  a.d.resize(M * nb);
+  a.bs.resize(M * (K / 16));
+  if (type == T_Q8_0) a.de.resize(M * (K / 4));
+  const bool perm = nibble_order(type);
+  if (use_avx512()) {
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 18))
+    for (int64_t r = 0; r < M; ++r)
+      quantize_row_avx512(x + r * K, K, B, perm, a.q.data() + r * K, a.d.data() + r * nb, a.bs.data() + r * (K / 16),
+                          type == T_Q8_0 ? a.de.data() + r * (K / 4) : nullptr);
+    return;
+  }
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * B;
+      float amax = 0.f;
+      for (int i = 0; i < B; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      int8_t* qb = a.q.data() + r * K + b * B;
+      int16_t* bsb = a.bs.data() + r * (K / 16) + b * (B / 16);
+      for (int g = 0; g < B / 16; ++g) {
+        int sum = 0;
+        for (int l = 0; l < 16; ++l) {
+          const int e = 16 * g + l;
+          int v = static_cast<int>(std::nearbyint(xb[e] * id));  // round half to even
+          v = std::min(127, std::max(-127, v));
+          sum += v;
+          const int pos = perm ? 32 * ORD[e / 32] + e % 32 : e;
+          qb[pos] = static_cast<int8_t>(v);
+        }
+        bsb[g] = static_cast<int16_t>(sum);
+      }
+      a.d[r * nb + b] = d;
+      if (type == T_Q8_0)
+        for (int i = 0; i < B / 4; ++i) a.de[r * (K / 4) + b * (B / 4) + i] = d;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Unpacked K-quant super-block (both ISAs read and write the same layout)
+//   q[64 c + i]: the code (0..63) of the element at activation position 64 c + i;
+//   sc[32 c + i]: the 16-bit scale of positions 64 c + 2 i and 2 i + 1 (VPMADDUBSW's output lane i);
+//   mn[g]: the min of natural 16-element group g (applied to bsum_g); d, dmin.
+// ---------------------------------------------------------------------------------------------------
+struct alignas(64) KU {
+  uint8_t q[256];
+  int16_t sc[128];
+  int16_t mn[16];
+  float d, dmin;
+};
+
+// The 12 packed bytes as four words of four 6-bit values: scales 0-3, scales 4-7, mins 0-3, mins 4-7.
+inline void scale_min_words(const uint8_t* s, uint32_t* out) {
+  uint32_t a0, a1, a2;
+  std::memcpy(&a0, s, 4);
+  std::memcpy(&a1, s + 4, 4);
+  std::memcpy(&a2, s + 8, 4);
+  out[0] = a0 & 0x3f3f3f3fu;
+  out[1] = (a2 & 0x0f0f0f0fu) | ((a0 >> 2) & 0x30303030u);
+  out[2] = a1 & 0x3f3f3f3fu;
+  out[3] = ((a2 >> 4) & 0x0f0f0f0fu) | ((a1 >> 2) & 0x30303030u);
+}
+
+inline void scale_min_k4(const uint8_t* s, uint8_t* sc, uint8_t* m) {
+  uint32_t w[4];
+  scale_min_words(s, w);
+  std::memcpy(sc, w, 8);
+  std::memcpy(m, w + 2, 8);
+}
+
+// Natural-order decode of one super-block: codes qn[256], per-16-group scale and min, d, dmin.
+void decode_sb(const uint8_t* b, int64_t type, uint8_t* qn, int16_t* sg, int16_t* mg, float& d, float& dmin) {
+  if (type == T_Q4_K || type == T_Q5_K) {
+    d = f16_at(b);
+    dmin = f16_at(b + 2);
+    uint8_t sc[8], m[8];
+    scale_min_k4(b + 4, sc, m);
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = type == T_Q4_K ? b + 16 : b + 48;
+    for (int j = 0; j < 8; ++j) {
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t byte = qs[32 * (j / 2) + l];
+        int v = (j % 2) ? byte >> 4 : byte & 0x0F;
+        if (type == T_Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+        qn[32 * j + l] = static_cast<uint8_t>(v);
+      }
+      sg[2 * j] = sg[2 * j + 1] = sc[j];
+      mg[2 * j] = mg[2 * j + 1] = m[j];
+    }
+  } else {  // Q6_K
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* s = reinterpret_cast<const int8_t*>(b + 192);
+    d = dmin = f16_at(b + 208);
+    for (int e = 0; e < 256; ++e) {
+      const int h = e / 128, i = e % 128;
+      const uint8_t lo = ql[64 * h + i % 64];
+      const int v = ((i < 64) ? (lo & 0x0F) : (lo >> 4)) | (((qh[32 * h + i % 32] >> (2 * (i / 32))) & 3) << 4);
+      qn[e] = static_cast<uint8_t>(v);
+    }
+    for (int g = 0; g < 16; ++g) {
+      sg[g] = s[g];
+      mg[g] = static_cast<int16_t>(32 * s[g]);
+    }
+  }
+}
+
+void unpack_generic(const uint8_t* row, int64_t type, int64_t nsb, KU* out) {
+  const int64_t sbb = row_bytes(type, QK_K);
+  const bool perm = nibble_order(type);
+  uint8_t qn[256];
+  int16_t sg[16], mg[16];
+  for (int64_t s = 0; s < nsb; ++s) {
+    KU& u = out[s];
+    decode_sb(row + s * sbb, type, qn, sg, mg, u.d, u.dmin);
+    for (int p = 0; p < 256; ++p) {
+      const int e = perm ? 32 * ORD[p / 32] + p % 32 : p;
+      u.q[p] = qn[e];
+      if (p % 2 == 0) u.sc[p / 2] = sg[e / 16];
+    }
+    for (int g = 0; g < 16; ++g) u.mn[g] = mg[g];
+  }
+}
+
+// acc[m] += the dot products of the unpacked row w (nsb super-blocks) with activation rows m0 .. m0+mr-1.
+void ku_dot_generic(const KU* w, int64_t nsb, const Act& a, int64_t m0, int mr, float* out) {
+  const int64_t K = a.K;
+  for (int m = 0; m < mr; ++m) {
+    const int64_t r = m0 + m;
+    float acc = 0.f;
+    for (int64_t s = 0; s < nsb; ++s) {
+      const KU& u = w[s];
+      const int8_t* xq = a.q.data() + r * K + s * QK_K;
+      const int16_t* bs = a.bs.data() + r * (K / 16) + s * 16;
+      int32_t P = 0, Mi = 0;
+      for (int p = 0; p < 256; p += 2)
+        P += u.sc[p / 2] * (u.q[p] * static_cast<int32_t>(xq[p]) + u.q[p + 1] * static_cast<int32_t>(xq[p + 1]));
+      for (int g = 0; g < 16; ++g) Mi += static_cast<int32_t>(u.mn[g]) * bs[g];
+      acc += a.d[r * (K / QK_K) + s] * (u.d * static_cast<float>(P) - u.dmin * static_cast<float>(Mi));
+    }
+    out[m] = acc;
+  }
+}
+
+// 16-bit lane i of chunk c's scale vector: the scale index of positions 64 c + 2 i (v[0]: Q4_K/Q5_K order,
+// the sub-block 0..7; v[1]: Q6_K, the group 0..15).
+struct ScaleIdx {
+  alignas(64) int16_t v[2][4][32];
+};
+constexpr ScaleIdx make_scale_idx() {
+  ScaleIdx t{};
+  for (int c = 0; c < 4; ++c)
+    for (int i = 0; i < 32; ++i) {
+      const int p = 64 * c + 2 * i;
+      t.v[0][c][i] = static_cast<int16_t>(ORD[p / 32]);
+      t.v[1][c][i] = static_cast<int16_t>(p / 16);
+    }
+  return t;
+}
+constexpr ScaleIdx SCALE_IDX = make_scale_idx();
+
+KQ_AVX512 void unpack_avx512(const uint8_t* row, int64_t type, int64_t nsb, KU* out) {
+  const int64_t sbb = row_bytes(type, QK_K);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // 16-bit lane i of chunk c's scale vector: the scale index (0..7 sub-block for Q4_K/Q5_K, 0..15 group for
+  // Q6_K) of positions 64 c + 2 i.
+  const auto& idx = SCALE_IDX.v[nibble_order(type) ? 0 : 1];
+  const __m512i ix0 = _mm512_load_si512(idx[0]), ix1 = _mm512_load_si512(idx[1]);
+  const __m512i ix2 = _mm512_load_si512(idx[2]), ix3 = _mm512_load_si512(idx[3]);
+  if (type == T_Q4_K || type == T_Q5_K) {
+    // min of group g = m[g / 2], stored after the 8 scales
+    const __m256i mix = _mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+    // Q5_K: bit masks selecting the 5th bit of the sub-blocks of each chunk's two 32-byte halves
+    __m512i hb[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i lo = _mm256_set1_epi8(static_cast<char>(1 << ORD[2 * c]));
+      const __m256i hi = _mm256_set1_epi8(static_cast<char>(1 << ORD[2 * c + 1]));
+      hb[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    const int64_t qoff = type == T_Q4_K ? 16 : 48;
+    for (int64_t s = 0; s < nsb; ++s) {
+      const uint8_t* b = row + s * sbb;
+      KU& u = out[s];
+      u.d = f16_at(b);
+      u.dmin = f16_at(b + 2);
+      uint32_t sm[4];
+      scale_min_words(b + 4, sm);  // into a register, not through memory (a store-forwarding stall)
+      const __m256i v16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(static_cast<int>(sm[0]), static_cast<int>(sm[1]),
+                                                              static_cast<int>(sm[2]), static_cast<int>(sm[3])));
+      const __m512i v = _mm512_zextsi256_si512(v16);
+      _mm512_store_si512(u.sc, _mm512_permutexvar_epi16(ix0, v));
+      _mm512_store_si512(u.sc + 32, _mm512_permutexvar_epi16(ix1, v));
+      _mm512_store_si512(u.sc + 64, _mm512_permutexvar_epi16(ix2, v));
+      _mm512_store_si512(u.sc + 96, _mm512_permutexvar_epi16(ix3, v));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u.mn), _mm256_permutexvar_epi16(mix, v16));
+      const __m512i a0 = _mm512_loadu_si512(b + qoff), a1 = _mm512_loadu_si512(b + qoff + 64);
+      __m512i q[4] = {_mm512_and_si512(a0, low4), _mm512_and_si512(_mm512_srli_epi16(a0, 4), low4),
+                      _mm512_and_si512(a1, low4), _mm512_and_si512(_mm512_srli_epi16(a1, 4), low4)};
+      if (type == T_Q5_K) {
+        const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+        for (int c = 0; c < 4; ++c) q[c] = _mm512_mask_add_epi8(q[c], _mm512_test_epi8_mask(H, hb[c]), q[c], sixteen);
+      }
+      for (int c = 0; c < 4; ++c) _mm512_store_si512(u.q + 64 * c, q[c]);
+    }
+  } else {  // Q6_K, natural order
+    const __m512i three = _mm512_set1_epi8(3);
+    const __m512i sh_lo = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2), sh_hi = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
+    for (int64_t s = 0; s < nsb; ++s) {
+      const uint8_t* b = row + s * sbb;
+      KU& u = out[s];
+      u.d = u.dmin = f16_at(b + 208);
+      const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+      const __m512i v = _mm512_zextsi256_si512(s16);
+      _mm512_store_si512(u.sc, _mm512_permutexvar_epi16(ix0, v));
+      _mm512_store_si512(u.sc + 32, _mm512_permutexvar_epi16(ix1, v));
+      _mm512_store_si512(u.sc + 64, _mm512_permutexvar_epi16(ix2, v));
+      _mm512_store_si512(u.sc + 96, _mm512_permutexvar_epi16(ix3, v));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u.mn), _mm256_slli_epi16(s16, 5));
+      for (int h = 0; h < 2; ++h) {
+        const __m512i l = _mm512_loadu_si512(b + 64 * h);
+        const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
+        const __m512i hl = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(H, sh_lo), three), 4);
+        const __m512i hh = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(H, sh_hi), three), 4);
+        _mm512_store_si512(u.q + 128 * h, _mm512_or_si512(_mm512_and_si512(l, low4), hl));
+        _mm512_store_si512(u.q + 128 * h + 64, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low4), hh));
+      }
+    }
+  }
+}
+
+template <int R>
+KQ_AVX512 void ku_dot_avx512_t(const KU* w, int64_t nsb, const Act& a, int64_t m0, float* out) {
+  const int64_t K = a.K, nb = K / QK_K;
+  __m512 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  const int8_t* xq = a.q.data() + m0 * K;
+  const int16_t* bs = a.bs.data() + m0 * (K / 16);
+  const float* dx = a.d.data() + m0 * nb;
+  for (int64_t s = 0; s < nsb; ++s) {
+    const KU& u = w[s];
+    const __m512i q0 = _mm512_load_si512(u.q), q1 = _mm512_load_si512(u.q + 64);
+    const __m512i q2 = _mm512_load_si512(u.q + 128), q3 = _mm512_load_si512(u.q + 192);
+    const __m512i s0 = _mm512_load_si512(u.sc), s1 = _mm512_load_si512(u.sc + 32);
+    const __m512i s2 = _mm512_load_si512(u.sc + 64), s3 = _mm512_load_si512(u.sc + 96);
+    const __m256i mn = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.mn));
+    const __m512 D = _mm512_set1_ps(u.d), DM = _mm512_set1_ps(u.dmin);
+#pragma GCC unroll 4
+    for (int m = 0; m < R; ++m) {
+      const int8_t* x = xq + m * K + s * QK_K;
+      __m512i P = _mm512_setzero_si512();
+      P = _mm512_dpwssd_epi32(P, _mm512_maddubs_epi16(q0, _mm512_loadu_si512(x)), s0);
+      P = _mm512_dpwssd_epi32(P, _mm512_maddubs_epi16(q1, _mm512_loadu_si512(x + 64)), s1);
+      P = _mm512_dpwssd_epi32(P, _mm512_maddubs_epi16(q2, _mm512_loadu_si512(x + 128)), s2);
+      P = _mm512_dpwssd_epi32(P, _mm512_maddubs_epi16(q3, _mm512_loadu_si512(x + 192)), s3);
+      const __m256i mi = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + m * (K / 16) + s * 16)), mn);
+      __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(P), D);
+      f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(mi)), DM, f);
+      acc[m] = _mm512_fmadd_ps(f, _mm512_set1_ps(dx[m * nb + s]), acc[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+KQ_AVX512 void ku_dot_avx512(const KU* w, int64_t nsb, const Act& a, int64_t m0, int mr, float* out) {
+  switch (mr) {
+    case 1: ku_dot_avx512_t<1>(w, nsb, a, m0, out); break;
+    case 2: ku_dot_avx512_t<2>(w, nsb, a, m0, out); break;
+    case 3: ku_dot_avx512_t<3>(w, nsb, a, m0, out); break;
+    default: ku_dot_avx512_t<4>(w, nsb, a, m0, out); break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Prefill tiles (AVX-512): 16 weight rows interleaved per 4 positions, so that one VPDPBUSD multiplies 4
+// codes of each of the 16 rows (the 16 int32 lanes are the 16 rows) by 4 activation bytes broadcast from
+// memory; the lanes sum one scale group (32 positions for Q4_K/Q5_K, 16 for Q6_K) before VPMULLD by the
+// group's scale, and the rows come out in lanes: no horizontal sums.  Built per task from the unpacked rows
+// (KU) and used against every activation row of the task (the repacked layouts of ggml-cpu follow the same
+// idea, done there once at load).
+// ---------------------------------------------------------------------------------------------------
+struct alignas(64) KT {
+  uint8_t q[64][64];    // [4-position group k4][4 * row + c]: the code of row `row` at position 4 k4 + c
+  int32_t sc[16][16];   // [scale group][row]
+  int32_t mn[8][16];    // [j][row]: the mins of natural 16-groups 2j (low int16) and 2j + 1 (high)
+  float d[16], dmin[16];
+};
+
+inline int scale_group_size(int64_t type) { return nibble_order(type) ? 32 : 16; }
+
+// rows: the tile's KU rows (rows[i] = nsb super-blocks), nrows <= 16 (the others are zero)
+void build_tile(const KU* const* rows, int nrows, int64_t nsb, int gs, KT* t) {
+  for (int64_t s = 0; s < nsb; ++s) {
+    KT& T = t[s];
+    for (int i = 0; i < 16; ++i) {
+      if (i >= nrows) {
+        for (int k4 = 0; k4 < 64; ++k4) std::memset(&T.q[k4][4 * i], 0, 4);
+        for (int g = 0; g < 16; ++g) T.sc[g][i] = 0;
+        for (int j = 0; j < 8; ++j) T.mn[j][i] = 0;
+        T.d[i] = T.dmin[i] = 0.f;
+        continue;
+      }
+      const KU& u = rows[i][s];
+      for (int k4 = 0; k4 < 64; ++k4) std::memcpy(&T.q[k4][4 * i], u.q + 4 * k4, 4);
+      for (int g = 0; g < 256 / gs; ++g) T.sc[g][i] = u.sc[g * gs / 2];
+      for (int j = 0; j < 8; ++j)
+        T.mn[j][i] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(u.mn[2 * j])) |
+                                          (static_cast<uint32_t>(static_cast<uint16_t>(u.mn[2 * j + 1])) << 16));
+      T.d[i] = u.d;
+      T.dmin[i] = u.dmin;
+    }
+  }
+}
+
+template <int R, int GS>
+KQ_AVX512 void tile_dot_avx512_t(const KT* t, int64_t nsb, const Act& a, int64_t m0, float* y, int64_t N,
+                                 int64_t n0, __mmask16 mask) {
+  const int64_t K = a.K, nb = K / QK_K;
+  __m512 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const KT& T = t[s];
+    __m512i tot[R], mins[R];
+    for (int m = 0; m < R; ++m) tot[m] = mins[m] = _mm512_setzero_si512();
+    const int8_t* xs = a.q.data() + m0 * K + s * QK_K;
+    for (int g = 0; g < 256 / GS; ++g) {
+      __m512i S[R];
+      for (int m = 0; m < R; ++m) S[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int k = 0; k < GS / 4; ++k) {
+        const int k4 = g * (GS / 4) + k;
+        const __m512i W = _mm512_load_si512(T.q[k4]);
+#pragma GCC unroll 6
+        for (int m = 0; m < R; ++m) {
+          int32_t xv;
+          std::memcpy(&xv, xs + m * K + 4 * k4, 4);
+          S[m] = _mm512_dpbusd_epi32(S[m], W, _mm512_set1_epi32(xv));
+        }
+      }
+      const __m512i SC = _mm512_load_si512(T.sc[g]);
+      for (int m = 0; m < R; ++m) tot[m] = _mm512_add_epi32(tot[m], _mm512_mullo_epi32(S[m], SC));
+    }
+    const int16_t* bs = a.bs.data() + m0 * (K / 16) + s * 16;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512i MN = _mm512_load_si512(T.mn[j]);
+      for (int m = 0; m < R; ++m) {
+        int32_t bv;
+        std::memcpy(&bv, bs + m * (K / 16) + 2 * j, 4);
+        mins[m] = _mm512_dpwssd_epi32(mins[m], MN, _mm512_set1_epi32(bv));
+      }
+    }
+    const __m512 D = _mm512_load_ps(T.d), DM = _mm512_load_ps(T.dmin);
+    for (int m = 0; m < R; ++m) {
+      __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(tot[m]), D);
+      f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[m]), DM, f);
+      acc[m] = _mm512_fmadd_ps(f, _mm512_set1_ps(a.d[(m0 + m) * nb + s]), acc[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, acc[m]);
+}
+
+template <int GS>
+KQ_AVX512 void tile_dot_avx512_gs(const KT* t, int64_t nsb, const Act& a, int64_t m0, int mr, float* y, int64_t N,
+                                  int64_t n0, __mmask16 mask) {
+  switch (mr) {
+    case 1: tile_dot_avx512_t<1, GS>(t, nsb, a, m0, y, N, n0, mask); break;
+    case 2: tile_dot_avx512_t<2, GS>(t, nsb, a, m0, y, N, n0, mask); break;
+    case 3: tile_dot_avx512_t<3, GS>(t, nsb, a, m0, y, N, n0, mask); break;
+    case 4: tile_dot_avx512_t<4, GS>(t, nsb, a, m0, y, N, n0, mask); break;
+    case 5: tile_dot_avx512_t<5, GS>(t, nsb, a, m0, y, N, n0, mask); break;
+    default: tile_dot_avx512_t<6, GS>(t, nsb, a, m0, y, N, n0, mask); break;
+  }
+}
+
+KQ_AVX512 void tile_dot_avx512(const KT* t, int64_t nsb, int gs, const Act& a, int64_t m0, int mr, float* y,
+                               int64_t N, int64_t n0, int nrows) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << nrows) - 1u);
+  if (gs == 32)
+    tile_dot_avx512_gs<32>(t, nsb, a, m0, mr, y, N, n0, mask);
+  else
+    tile_dot_avx512_gs<16>(t, nsb, a, m0, mr, y, N, n0, mask);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Q8_0: directly on the GGUF blocks
+// ---------------------------------------------------------------------------------------------------
+void q8_dot_generic(const uint8_t* row, int64_t K, const Act& a, int64_t m0, int mr, float* out) {
+  const int64_t nb = K / QK8;
+  for (int m = 0; m < mr; ++m) {
+    const int64_t r = m0 + m;
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + 34 * b;
+      const int8_t* wq = reinterpret_cast<const int8_t*>(blk + 2);
+      const int8_t* xq = a.q.data() + r * K + b * QK8;
+      int32_t s = 0;
+      for (int i = 0; i < QK8; ++i) s += static_cast<int32_t>(wq[i]) * xq[i];
+      acc += f16_at(blk) * a.d[r * nb + b] * static_cast<float>(s);
+    }
+    out[m] = acc;
+  }
+}
+
+template <int R>
+KQ_AVX512 void q8_dot_avx512_t(const uint8_t* row, int64_t K, const Act& a, int64_t m0, float* out) {
+  const int64_t nb = K / QK8;
+  __m512 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  const int8_t* xq = a.q.data() + m0 * K;
+  const float* de = a.de.data() + m0 * (K / 4);
+  for (int64_t b = 0; b < nb; b += 2) {
+    const bool two = b + 1 < nb;
+    const uint8_t* b0 = row + 34 * b;
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
+    const __m256i w1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 36)) : _mm256_setzero_si256();
+    const __m512i W = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+    const __m512i A = _mm512_abs_epi8(W);
+    const __mmask64 neg = _mm512_movepi8_mask(W);
+    const float d0 = f16_at(b0), d1 = two ? f16_at(b0 + 34) : 0.f;
+    const __m512 DW = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+    const __mmask16 lanes = two ? 0xFFFF : 0x00FF;
+#pragma GCC unroll 4
+    for (int m = 0; m < R; ++m) {
+      const __m512i X = _mm512_maskz_loadu_epi32(lanes, xq + m * K + b * QK8);
+      const __m512i Xs = _mm512_mask_sub_epi8(X, neg, _mm512_setzero_si512(), X);
+      const __m512i P = _mm512_dpbusd_epi32(_mm512_setzero_si512(), A, Xs);
+      const __m512 DX = _mm512_maskz_loadu_ps(lanes, de + m * (K / 4) + b * (QK8 / 4));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), _mm512_mul_ps(DW, DX), acc[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+KQ_AVX512 void q8_dot_avx512(const uint8_t* row, int64_t K, const Act& a, int64_t m0, int mr, float* out) {
+  switch (mr) {
+    case 1: q8_dot_avx512_t<1>(row, K, a, m0, out); break;
+    case 2: q8_dot_avx512_t<2>(row, K, a, m0, out); break;
+    case 3: q8_dot_avx512_t<3>(row, K, a, m0, out); break;
+    default: q8_dot_avx512_t<4>(row, K, a, m0, out); break;
+  }
+}
+
+// Q8_0 prefill tiles (AVX-512): per block of 32, the 16 rows' codes + 128 (unsigned) interleaved per 4
+// positions as in KT, and their d; the + 128 comes back out as 128 * (the block's sum of activation codes).
+struct alignas(64) QT {
+  uint8_t q[8][64];
+  float d[16];
+};
+
+void build_q8_tile(const uint8_t* w, int64_t rb, int nrows, int64_t nb, QT* t) {
+  for (int64_t b = 0; b < nb; ++b) {
+    QT& T = t[b];
+    for (int i = 0; i < 16; ++i) {
+      if (i >= nrows) {
+        for (int k4 = 0; k4 < 8; ++k4) std::memset(&T.q[k4][4 * i], 0x80, 4);
+        T.d[i] = 0.f;
+        continue;
+      }
+      const uint8_t* blk = w + i * rb + 34 * b;
+      for (int k4 = 0; k4 < 8; ++k4) {
+        uint32_t v;
+        std::memcpy(&v, blk + 2 + 4 * k4, 4);
+        v ^= 0x80808080u;
+        std::memcpy(&T.q[k4][4 * i], &v, 4);
+      }
+      T.d[i] = f16_at(blk);
+    }
+  }
+}
+
+template <int R>
+KQ_AVX512 void q8_tile_dot_avx512_t(const QT* t, int64_t nb, const Act& a, int64_t m0, float* y, int64_t N,
+                                    int64_t n0, __mmask16 mask) {
+  const int64_t K = a.K;
+  __m512 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const QT& T = t[b];
+    __m512i S[R];
+    for (int m = 0; m < R; ++m) S[m] = _mm512_setzero_si512();
+    const int8_t* xs = a.q.data() + m0 * K + b * QK8;
+#pragma GCC unroll 8
+    for (int k4 = 0; k4 < 8; ++k4) {
+      const __m512i W = _mm512_load_si512(T.q[k4]);
+#pragma GCC unroll 6
+      for (int m = 0; m < R; ++m) {
+        int32_t xv;
+        std::memcpy(&xv, xs + m * K + 4 * k4, 4);
+        S[m] = _mm512_dpbusd_epi32(S[m], W, _mm512_set1_epi32(xv));
+      }
+    }
+    const __m512 D = _mm512_load_ps(T.d);
+    for (int m = 0; m < R; ++m) {
+      const int16_t* bs = a.bs.data() + (m0 + m) * (K / 16) + 2 * b;
+      const __m512i c = _mm512_set1_epi32(128 * (static_cast<int32_t>(bs[0]) + bs[1]));
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(S[m], c));
+      acc[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(D, _mm512_set1_ps(a.d[(m0 + m) * nb + b])), acc[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, acc[m]);
+}
+
+KQ_AVX512 void q8_tile_dot_avx512(const QT* t, int64_t nb, const Act& a, int64_t m0, int mr, float* y, int64_t N,
+                                  int64_t n0, int nrows) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << nrows) - 1u);
+  switch (mr) {
+    case 1: q8_tile_dot_avx512_t<1>(t, nb, a, m0, y, N, n0, mask); break;
+    case 2: q8_tile_dot_avx512_t<2>(t, nb, a, m0, y, N, n0, mask); break;
+    case 3: q8_tile_dot_avx512_t<3>(t, nb, a, m0, y, N, n0, mask); break;
+    case 4: q8_tile_dot_avx512_t<4>(t, nb, a, m0, y, N, n0, mask); break;
+    case 5: q8_tile_dot_avx512_t<5>(t, nb, a, m0, y, N, n0, mask); break;
+    default: q8_tile_dot_avx512_t<6>(t, nb, a, m0, y, N, n0, mask); break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// F16 (float fallback: no activation quantization)
+// ---------------------------------------------------------------------------------------------------
+void f16_dot_generic(const uint8_t* row, int64_t K, const float* x, int mr, float* out) {
+  for (int m = 0; m < mr; ++m) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k) acc += f16_at(row + 2 * k) * x[m * K + k];
+    out[m] = acc;
+  }
+}
+
+KQ_AVX512 void f16_dot_avx512(const uint8_t* row, int64_t K, const float* x, int mr, float* out) {
+  for (int m0 = 0; m0 < mr; m0 += MR) {
+    const int R = std::min(MR, mr - m0);
+    __m512 acc[MR] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mk = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1u);
+      const __m512 w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, row + 2 * k));
+      for (int m = 0; m < R; ++m)
+        acc[m] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(mk, x + (m0 + m) * K + k), acc[m]);
+    }
+    for (int m = 0; m < R; ++m) out[m0 + m] = _mm512_reduce_add_ps(acc[m]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Driver
+// ---------------------------------------------------------------------------------------------------
+// y (M, N) row-major = x (M, K) @ W^T, W = N rows of GGUF bytes (row stride rb).
+void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t type, int64_t N, float* y) {
+  if (M == 0 || N == 0) return;
+  const bool fast = use_avx512();
+  const int64_t rb = row_bytes(type, K);
+  if (type == T_F16) {
+#pragma omp parallel for schedule(static) if (N * K * std::min<int64_t>(M, 8) >= PAR_MIN_WORK)
+    for (int64_t n = 0; n < N; ++n) {
+      float out[MT];
+      for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int mr = static_cast<int>(std::min<int64_t>(MT, M - m0));
+        if (fast)
+          f16_dot_avx512(w + n * rb, K, x + m0 * K, mr, out);
+        else
+          f16_dot_generic(w + n * rb, K, x + m0 * K, mr, out);
+        for (int m = 0; m < mr; ++m) y[(m0 + m) * N + n] = out[m];
+      }
+    }
+    return;
+  }
+  static thread_local Act act;  // the calling thread's, reused across calls
+  quantize_act(x, M, K, type, act);
+  const Act& a = act;
+  const bool kq = type != T_Q8_0;
+  const int64_t nsb = K / QK_K;
+  const int64_t ntn = (N + NT - 1) / NT, ntm = (M + MT - 1) / MT, tasks = ntn * ntm;
+  const bool big = M > MT;
+  const int gs = scale_group_size(type);
+#pragma omp parallel if (tasks > 1 && N * K * std::min<int64_t>(M, 8) >= PAR_MIN_WORK)
+  {
+    std::vector<KU> scratch(kq ? (M <= MR ? nsb : NT * nsb) : 0);
+    std::vector<KT> tiles(kq && fast && M >= TILE_MIN_M ? nsb : 0);
+    std::vector<QT> qtiles(!kq && fast && M >= TILE_MIN_M ? K / QK8 : 0);
+    float out[MR];
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t t = 0; t < tasks; ++t) {
+      // prefill: tasks of one weight tile over every activation tile run on one thread in a row (the tile
+      // stays in cache); decode: ntm == 1
+      const int64_t tn = big ? t / ntm : t, tm = big ? t % ntm : 0;
+      const int64_t n0 = tn * NT, n1 = std::min(N, n0 + NT), m0 = tm * MT, m1 = std::min(M, m0 + MT);
+      if (!kq && fast && m1 - m0 >= TILE_MIN_M) {
+        build_q8_tile(w + n0 * rb, rb, static_cast<int>(n1 - n0), K / QK8, qtiles.data());
+        for (int64_t m = m0; m < m1; m += TILE_MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(TILE_MR, m1 - m));
+          q8_tile_dot_avx512(qtiles.data(), K / QK8, a, m, mr, y, N, n0, static_cast<int>(n1 - n0));
+        }
+        continue;
+      }
+      if (!kq) {
+        for (int64_t n = n0; n < n1; ++n)
+          for (int64_t m = m0; m < m1; m += MR) {
+            const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+            if (fast)
+              q8_dot_avx512(w + n * rb, K, a, m, mr, out);
+            else
+              q8_dot_generic(w + n * rb, K, a, m, mr, out);
+            for (int i = 0; i < mr; ++i) y[(m + i) * N + n] = out[i];
+          }
+        continue;
+      }
+      if (m1 - m0 <= MR) {  // decode: unpack a row, use it, next row (the scratch stays in L1)
+        const int mr = static_cast<int>(m1 - m0);
+        for (int64_t n = n0; n < n1; ++n) {
+          if (fast) {
+            unpack_avx512(w + n * rb, type, nsb, scratch.data());
+            ku_dot_avx512(scratch.data(), nsb, a, m0, mr, out);
+          } else {
+            unpack_generic(w + n * rb, type, nsb, scratch.data());
+            ku_dot_generic(scratch.data(), nsb, a, m0, mr, out);
+          }
+          for (int i = 0; i < mr; ++i) y[(m0 + i) * N + n] = out[i];
+        }
+        continue;
+      }
+      for (int64_t n = n0; n < n1; ++n) {
+        if (fast)
+          unpack_avx512(w + n * rb, type, nsb, scratch.data() + (n - n0) * nsb);
+        else
+          unpack_generic(w + n * rb, type, nsb, scratch.data() + (n - n0) * nsb);
+      }
+      if (fast && m1 - m0 >= TILE_MIN_M) {
+        const KU* rows[NT];
+        for (int64_t n = n0; n < n1; ++n) rows[n - n0] = scratch.data() + (n - n0) * nsb;
+        build_tile(rows, static_cast<int>(n1 - n0), nsb, gs, tiles.data());
+        for (int64_t m = m0; m < m1; m += TILE_MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(TILE_MR, m1 - m));
+          tile_dot_avx512(tiles.data(), nsb, gs, a, m, mr, y, N, n0, static_cast<int>(n1 - n0));
+        }
+        continue;
+      }
+      for (int64_t m = m0; m < m1; m += MR) {  // MR activation rows stay in L1 against the tile's rows
+        const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+        for (int64_t n = n0; n < n1; ++n) {
+          const KU* u = scratch.data() + (n - n0) * nsb;
+          if (fast)
+            ku_dot_avx512(u, nsb, a, m, mr, out);
+          else
+            ku_dot_generic(u, nsb, a, m, mr, out);
+          for (int i = 0; i < mr; ++i) y[(m + i) * N + n] = out[i];
+        }
+      }
+    }
+  }
+}
+
+const uint8_t* weight_ptr(const torch::Tensor& w, int64_t type, int64_t N, int64_t K) {
+  check_k(type, K);
+  TORCH_CHECK(w.scalar_type() == at::kByte, "kquant: w must be a uint8 tensor of GGUF bytes, got ", w.scalar_type());
+  TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "kquant: w must be a contiguous CPU tensor");
+  const int64_t rb = row_bytes(type, K);
+  TORCH_CHECK(w.numel() == N * rb, "kquant: w has ", w.numel(), " bytes, expected N*row_bytes = ", N, "*", rb);
+  return w.data_ptr<uint8_t>();
+}
+
+// x (M, K) float32, w (N, row_bytes) uint8 GGUF bytes -> (M, N) float32
+torch::Tensor kq_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t type, int64_t N, int64_t K) {
+  const uint8_t* wp = weight_ptr(w, type, N, K);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "kq_matmul: x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(x.size(1) == K, "kq_matmul: x has ", x.size(1), " columns, K=", K);
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (type == T_F16 && M > F16_MM_MIN_M) {
+    // prefill over F16: torch's float32 GEMM on chunks of rows converted to float32 (no int8 path)
+    const auto wh = torch::from_blob(const_cast<uint8_t*>(wp), {N, K}, torch::dtype(at::kHalf));
+    for (int64_t n0 = 0; n0 < N; n0 += F16_MM_ROWS) {
+      const int64_t len = std::min<int64_t>(F16_MM_ROWS, N - n0);
+      y.narrow(1, n0, len).copy_(at::mm(xc, wh.narrow(0, n0, len).to(at::kFloat).t()));
+    }
+    return y;
+  }
+  matmul_raw(xc.data_ptr<float>(), M, K, wp, type, N, y.data_ptr<float>());
+  return y;
+}
+
+void dequantize_row(const uint8_t* row, int64_t type, int64_t K, float* out) {
+  if (type == T_F16) {
+    for (int64_t k = 0; k < K; ++k) out[k] = f16_at(row + 2 * k);
+  } else if (type == T_Q8_0) {
+    for (int64_t b = 0; b < K / QK8; ++b) {
+      const float d = f16_at(row + 34 * b);
+      const int8_t* q = reinterpret_cast<const int8_t*>(row + 34 * b + 2);
+      for (int i = 0; i < QK8; ++i) out[b * QK8 + i] = d * q[i];
+    }
+  } else {
+    const int64_t sbb = row_bytes(type, QK_K);
+    uint8_t qn[256];
+    int16_t sg[16], mg[16];
+    float d, dmin;
+    for (int64_t s = 0; s < K / QK_K; ++s) {
+      decode_sb(row + s * sbb, type, qn, sg, mg, d, dmin);
+      for (int e = 0; e < 256; ++e) {
+        const int g = e / 16;
+        out[s * QK_K + e] = type == T_Q6_K ? d * static_cast<float>(sg[g]) * static_cast<float>(qn[e] - 32)
+                                           : d * static_cast<float>(sg[g]) * qn[e] - dmin * static_cast<float>(mg[g]);
+      }
+    }
+  }
+}
+
+// w (N, row_bytes) GGUF bytes -> float32 (R, K) of the rows `rows` (int64 (R,); None: every row)
+torch::Tensor kq_dequantize_rows(const torch::Tensor& w, int64_t type, int64_t N, int64_t K,
+                                 const c10::optional<torch::Tensor>& rows) {
+  const uint8_t* wp = weight_ptr(w, type, N, K);
+  const int64_t rb = row_bytes(type, K);
+  torch::Tensor idx;
+  if (rows.has_value()) {
+    idx = rows->to(at::kLong).contiguous().view({-1});
+  } else {
+    idx = torch::arange(N, torch::dtype(at::kLong));
+  }
+  const int64_t R = idx.numel();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "kq_dequantize_rows: row ", ip[i], " out of [0, ", N, ")");
+  auto out = torch::empty({R, K}, torch::dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (R * K >= (1 << 16))
+  for (int64_t i = 0; i < R; ++i) dequantize_row(wp + ip[i] * rb, type, K, op + i * K);
+  return out;
+}
+
+}  // namespace kquant
+
+void register_kquant(pybind11::module_& m) {
+  m.def("kq_matmul", &kquant::kq_matmul,
+        "y (M, N) float32 = x (M, K) float32 @ W^T, W the GGUF bytes (N, row_bytes) uint8 of a Q4_K (12), Q5_K (13), "
+        "Q6_K (14), Q8_0 (8) or F16 (1) tensor, computed in place (see csrc/cpu/kquant.cpp)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("ggml_type"), pybind11::arg("N"), pybind11::arg("K"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("kq_dequantize_rows", &kquant::kq_dequantize_rows,
+        "float32 (R, K) of rows `rows` (int64; None: all N) of GGUF bytes w (N, row_bytes) uint8",
+        pybind11::arg("w"), pybind11::arg("ggml_type"), pybind11::arg("N"), pybind11::arg("K"),
+        pybind11::arg("rows") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("kq_row_bytes", &kquant::row_bytes, "bytes of one GGUF row of K elements of a GGML type",
+        pybind11::arg("ggml_type"), pybind11::arg("K"));
+  m.def("kq_set_isa", &kquant::set_isa, "force the kquant kernels' ISA: auto, generic or avx512 (tests)");
+  m.def("kq_isa", &kquant::isa, "the ISA the kquant kernels use now: avx512 or generic");
+  m.def("kq_cpu_has_avx512", &kquant::cpu_has_avx512, "whether this CPU has AVX-512 F/BW/VL/DQ + VNNI + F16C + FMA");
+}
