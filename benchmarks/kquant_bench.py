@@ -27,10 +27,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 
 from common import cpu_model, write_report  # noqa: E402
-from kquant_build import load_kquant  # noqa: E402
+from kvkeeper.kernels import cpu as cpu_kernels  # noqa: E402
 
 TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "F16": 1}
 BLOCK = {12: (256, 144), 13: (256, 176), 14: (256, 210), 8: (32, 34), 1: (1, 2)}
@@ -96,7 +95,9 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)  # the one OpenMP runtime torch and the extension share
 
-    kq = load_kquant()
+    kq = cpu_kernels.load()
+    if kq is None:
+        raise SystemExit(f"the C++ kernels are unavailable: {cpu_kernels.unavailable_reason()} (make setup)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")

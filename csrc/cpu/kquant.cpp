@@ -2,8 +2,7 @@
 // Q8_0 or F16 weight, without dequantizing the weight to float32.
 //
 // Self-contained: register_kquant(m) defines the Python bindings (kq_matmul, kq_dequantize_rows, kq_set_isa,
-// kq_isa, kq_cpu_has_avx512); the main extension calls it from its PYBIND11_MODULE, the tests build it
-// alone with csrc/cpu/kquant_standalone.cpp.  The file is compiled for the baseline x86-64 ISA; the
+// kq_isa, kq_cpu_has_avx512); the main extension (bindings.cpp) calls it from its PYBIND11_MODULE.  The file is compiled for the baseline x86-64 ISA; the
 // AVX-512 functions carry a target attribute (KQ_AVX512) and are chosen at run time from the CPU's flags,
 // every kernel also having a portable C++ path (kq_set_isa("generic") forces it, for tests).
 //

@@ -1,7 +1,6 @@
 """The C++ CPU kernels (``csrc/cpu/*.cpp``, one file per operation): how they are built, found and loaded.
 
-``make setup`` runs ``python -m kvkeeper.kernels.build``, which compiles the sources (every ``csrc/cpu/*.cpp``
-but the ``*_standalone.cpp`` test modules) with ``torch.utils.cpp_extension`` (g++ and ninja, OpenMP through
+``make setup`` runs ``python -m kvkeeper.kernels.build``, which compiles the sources (every ``csrc/cpu/*.cpp``) with ``torch.utils.cpp_extension`` (g++ and ninja, OpenMP through
 torch's own libgomp) into ``src/kvkeeper/kernels/_ext/`` next to a stamp holding one sha256 over every source
 and header of ``csrc/cpu``.  :func:`load` imports that
 module; when it is missing, stale (a file of csrc/cpu changed since the build), fails to import, or was
@@ -41,8 +40,8 @@ _tried = False
 
 
 def sources() -> list[Path]:
-    """The C++ files compiled into the module, sorted: ``csrc/cpu/*.cpp`` without ``*_standalone.cpp``."""
-    return sorted(p for p in SOURCE_DIR.glob("*.cpp") if not p.name.endswith("_standalone.cpp"))
+    """The C++ files compiled into the module, sorted: every ``csrc/cpu/*.cpp``."""
+    return sorted(SOURCE_DIR.glob("*.cpp"))
 
 
 def _sha() -> str:
