@@ -1,11 +1,10 @@
 // The Python module of the CPU kernels (kvkeeper.kernels.cpu loads it): the kernels of namespace kvk, plus the
-// K-quant kernels of kquant.cpp when that file is part of the build (register_kquant is a weak symbol, null
-// without it, so the module builds either way).
+// K-quant kernels of kquant.cpp (register_kquant adds their bindings).
 #include <torch/extension.h>
 
 #include "common.h"
 
-void register_kquant(pybind11::module_& m) __attribute__((weak));
+void register_kquant(pybind11::module_& m);  // kquant.cpp
 
 using namespace kvk;
 
@@ -36,5 +35,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("step", &DecodeModel::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
            py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("split_blocks"))
       .def("num_layers", &DecodeModel::num_layers);
-  if (register_kquant) register_kquant(m);  // kquant.cpp, when it is part of the build
+  register_kquant(m);
 }
