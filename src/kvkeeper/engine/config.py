@@ -1,4 +1,5 @@
-"""EngineConfig: every setting of an :class:`~kvkeeper.engine.llm_engine.LLMEngine`, with its one default.
+"""EngineConfig: every setting of an :class:`~kvkeeper.engine.llm_engine.LLMEngine`, with its one default;
+what the settings resolve to for a model (formats, KV sizing) and for a machine (:func:`resolve_device`).
 
 The command line builds its engine options from these fields (:mod:`kvkeeper.options`), so a
 default is written here and nowhere else.  The engine reads no environment variable; the CLI
@@ -9,10 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ..argtypes import positive_int, size, validate_every_arg
 from ..errors import InvalidRequestError
-from ..kvcache.quant import KV_DTYPE_CHOICES
-from ..weights.formats import QUANTIZATION_CHOICES
+from ..kvcache.quant import KV_DTYPE_CHOICES, KVFormat, parse_kv_format
+from ..kvcache.sizing import KVSizing
+from ..model_config import ModelConfig
+from ..models.registry import family_options
+from ..weights.formats import QUANTIZATION_CHOICES, weight_format_for
 from ..weights.sources import DEFAULT_MODEL
 from ..options import option
 
@@ -119,3 +125,44 @@ class EngineConfig:
     @property
     def kv_budget_bytes(self) -> int:
         return self.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+
+    def kv_sizing(self) -> KVSizing:
+        """What the KV pool is sized for (see :mod:`kvkeeper.kvcache.sizing`)."""
+        return KVSizing(self.kv_budget_bytes, self.block_size, self.num_kv_blocks, self.max_num_seqs,
+                        self.max_num_batched_tokens)
+
+    def formats(self, mcfg: ModelConfig, state, device: torch.device,
+                dtype: torch.dtype) -> tuple[str, str, KVFormat]:
+        """(attention backend, weight format, KV format) these settings give for a model: the weight format
+        the file runs (:func:`kvkeeper.weights.formats.weight_format_for`), both checked against the model's
+        family (:func:`kvkeeper.models.registry.family_options`), and the KV format (default: bf16 with
+        quantized weights, the fast path, as llama.cpp keeps f16; else the model dtype).  Raises
+        :class:`InvalidRequestError` for a format or backend the file or family cannot run, or an unknown KV dtype.
+        """
+        try:
+            weights = weight_format_for(state, self.quantization, device, dtype)
+            attention, weights = family_options(mcfg, self.attention_backend, weights)
+            kv = parse_kv_format(self.kv_dtype if self.kv_dtype is not None else
+                                 ("bf16" if weights != "none" else dtype))
+        except ValueError as e:  # QuantizationError, InvalidRequestError, an unknown KV dtype
+            raise InvalidRequestError(str(e)) from None
+        return attention, weights, kv
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N" -> a torch.device.
+
+    Raises :class:`InvalidRequestError` for CUDA on a machine without a usable CUDA device.
+    """
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidRequestError(f"unknown device {device!r}: {e}; choose auto, cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {device!r} requested but torch sees no CUDA device "
+                                  f"(torch {torch.__version__}); use --device cpu or a CUDA build of torch")
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"device {device!r} is not supported; choose auto, cpu or cuda")
+    return dev
