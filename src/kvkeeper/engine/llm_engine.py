@@ -1,25 +1,19 @@
-"""The engine: requests in, model runner, paged KV cache, scheduler, sampler and output processing, in one process.
+"""The engine: requests in, one model step at a time over the paged KV cache, tokens out.
 
-Typical use::
-
-    from kvkeeper import LLMEngine, SamplingParams, SessionManager
     eng = LLMEngine()                      # embedded SmolLM2-135M-Instruct, fp32, CPU
     out = eng.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0]
-    s = SessionManager(eng).open()         # multi-turn with KV reuse across turns (kvkeeper.sessions)
-    r = s.send("Hi!")                      # r.cached_tokens, r.ttft_s, r.decode_tok_per_s
 
-Requests are rendered and checked by ``engine.inputs`` (:mod:`kvkeeper.engine.input_processor`), LoRA
-adapters live in ``engine.adapters`` (:mod:`kvkeeper.engine.adapters`), the pool is sized by
-:mod:`kvkeeper.kvcache.sizing`.  The engine knows nothing of sessions, audits or servers: what holds KV
-outside its requests registers as a *KV holder* (:mod:`kvkeeper.engine.kv_holders`); hooks run before each
-step (``step_hooks``, e.g. a circuit breaker) and at each request's first token (``first_token_hooks``).
+Its parts: ``inputs`` (:mod:`kvkeeper.engine.input_processor`: rendering and checks), ``adapters``
+(:mod:`kvkeeper.engine.adapters`: LoRA), ``runner`` (:mod:`kvkeeper.worker.runner`), ``pool`` / ``kv`` (sized by
+:mod:`kvkeeper.kvcache.sizing`), ``scheduler``, ``processor`` (:mod:`kvkeeper.engine.output_processor`).  It knows
+nothing of sessions, audits or servers: what holds KV between requests registers as a *KV holder*
+(:mod:`kvkeeper.engine.kv_holders`); ``step_hooks`` run before each step (a circuit breaker),
+``first_token_hooks`` at each request's first token (the reuse audit).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import logging
 import time
 import uuid
 from typing import Callable, Iterator
@@ -31,14 +25,12 @@ from ..kvcache.block_pool import BlockPool
 from ..kvcache.compression import KVCompression, PrefillObserver
 from ..kvcache.manager import KVCacheManager
 from ..kvcache.namespace import Namespace
-from ..kvcache.sizing import kv_blocks
 from ..kvcache.surgery import compact, compress_prompt
 from ..kvcache.telemetry import pool_stats
 from ..kvcache.validate import assert_engine_ok
-from ..models.registry import capabilities
 from ..weights.loader import load_model
 from ..worker.runner import ModelRunner, parse_dtype
-from ..sampling.sampler import NO_TOKEN, prompt_logprob_entries, sample
+from ..sampling.sampler import prompt_logprob_entries, sample
 from .adapters import AdapterRegistry
 from .config import EngineConfig, resolve_device
 from .input_processor import InputProcessor
@@ -49,29 +41,21 @@ from ..sampling.params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 
-log = logging.getLogger(__name__)
-
 __all__ = ["LLMEngine", "EngineConfig", "KVHolder", "RequestOutput", "resolve_device"]
 
 
 class LLMEngine:
-    """Paged-KV inference engine on one device.
+    """Paged-KV inference engine on one device: ``LLMEngine(model=None, **settings)`` or
+    ``LLMEngine(EngineConfig(...), **overrides)`` (the fields of :class:`~kvkeeper.engine.config.EngineConfig`).
 
-    ``LLMEngine(model=None, **settings)`` or ``LLMEngine(EngineConfig(...), **overrides)``; the settings
-    are the fields of :class:`~kvkeeper.engine.config.EngineConfig`.  Attributes: ``config`` (that
-    EngineConfig), ``model_config`` (the model's shapes), ``tokenizer``, ``runner``, ``pool``, ``kv``,
-    ``scheduler``, ``inputs`` (the input processor), ``adapters`` (the LoRA registry; ``loras``: its
-    name -> adapter dict), ``namespace`` (the default cache namespace), ``context_length`` (tokens).
+    Attributes: ``config``, ``model_config`` (the model's shapes), ``tokenizer``, the parts above, ``loras``
+    (name -> loaded adapter), ``namespace`` (the default cache namespace), ``context_length`` (tokens).
     Raises ModelNotFoundError / ModelFormatError / UnsupportedArchitectureError while loading and
     InvalidRequestError for bad settings.
     """
 
     def __init__(self, model: str | EngineConfig | None = None, **settings):
-        if isinstance(model, EngineConfig):
-            cfg = dataclasses.replace(model, **settings)
-        else:
-            cfg = EngineConfig(**({"model": model} if model is not None else {}), **settings)
-        self.config = cfg
+        cfg = self.config = EngineConfig.of(model, **settings)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         device = resolve_device(cfg.device)
@@ -80,8 +64,12 @@ class LLMEngine:
         mcfg, state, self.tokenizer, self.model_path = load_model(cfg.model, cfg.load_format, cfg.cache_dir,
                                                                   torch_dtype, device, cfg.seed)
         self.model_config = mcfg
-        self.runner = self._make_runner(cfg, mcfg, state, torch_dtype, device)
+        try:
+            self.runner = ModelRunner(mcfg, state, **cfg.runner_args(mcfg, state, device, torch_dtype))
+        except ValueError as e:  # a format or attention backend the model cannot run
+            raise InvalidRequestError(str(e)) from None
         del state
+        self.block_size = cfg.block_size
         self._make_parts(cfg, mcfg)
         self._req_ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
@@ -93,20 +81,6 @@ class LLMEngine:
         self.validate_every = cfg.validate_every  # KV integrity validators every N steps (0: never)
         if cfg.cuda_graphs:  # decode-step CUDA graphs (a no-op on CPU; see kvkeeper.worker.cuda_graphs)
             self.runner.capture_cuda_graphs(cfg.max_num_seqs, self.context_length)
-
-    def _make_runner(self, cfg: EngineConfig, mcfg, state, dtype: torch.dtype, device: torch.device) -> ModelRunner:
-        """The model runner in the formats the settings give (:meth:`EngineConfig.formats`), its KV pool sized
-        by :func:`kvkeeper.kvcache.sizing.kv_blocks` (window blocks for a family of ``kv_layout`` "hybrid")."""
-        attention, weights, kv_format = cfg.formats(mcfg, state, device, dtype)
-        hybrid = cfg.hybrid_kv_cache and capabilities(mcfg).kv_layout == "hybrid"
-        num_blocks, window_blocks = kv_blocks(kv_format, mcfg, cfg.kv_sizing(), hybrid)
-        self.block_size = cfg.block_size
-        try:
-            return ModelRunner(mcfg, state, num_blocks, cfg.block_size, dtype=dtype, device=device,
-                               kv_dtype=kv_format, attention_backend=attention, quantization=weights,
-                               fused_decode=cfg.fused_decode, cache_dir=cfg.cache_dir, window_blocks=window_blocks)
-        except ValueError as e:  # unknown or unavailable attention backend
-            raise InvalidRequestError(str(e)) from None
 
     def _make_parts(self, cfg: EngineConfig, mcfg) -> None:
         """Block pool, KV manager, scheduler, namespace, input and output processors, LoRA registry."""
@@ -138,13 +112,11 @@ class LLMEngine:
 
     # ---- prompts and requests ------------------------------------------------
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **chat) -> list[int]:
-        """Token ids of a conversation as the model's chat template renders it (see
-        :meth:`~kvkeeper.engine.input_processor.InputProcessor.encode_chat`)."""
+        """Token ids of a conversation as the chat template renders it (:meth:`InputProcessor.encode_chat`)."""
         return self.inputs.encode_chat(messages, add_generation_prompt, **chat)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **chat) -> str:
-        """The chat template's text of ``messages``; ``chat``: ``continue_final_message``, ``tools`` (see
-        :meth:`~kvkeeper.engine.input_processor.InputProcessor.render_chat`).  Raises InvalidRequestError."""
+        """The chat template's text of ``messages`` (:meth:`InputProcessor.render_chat`)."""
         return self.inputs.render_chat(messages, add_generation_prompt, **chat)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -275,19 +247,10 @@ class LLMEngine:
                     seq.first_logits = logits[row].cpu().clone()
                 for hook in self.first_token_hooks:
                     hook(seq, logits[row])
-        blocked = [s for s, t in zip(seqs, ids) if t == NO_TOKEN]
-        for seq in blocked:  # its constraints exclude every token: it ends with an error, the batch goes on
-            seq.finish_reason = "error"
-            seq.error = ("no token is allowed at this point: the output constraint (grammar), bad_words and "
-                         "logit_bias together exclude every token; relax one of them")
-            self._finish(seq)
-        if blocked:
-            kept = [(s, t, lp) for s, t, lp in zip(seqs, ids, logps) if t != NO_TOKEN]
-            seqs, ids, logps = [k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept]
-        done = self.processor.process(seqs, ids, logps)
+        done = self.processor.process(seqs, ids, logps)  # (a sequence left no token ends with an error)
         for seq in done:
             self._finish(seq)
-        return blocked + done
+        return done
 
     def run_until_done(self, seqs: list[Sequence]) -> None:
         while any(not s.finished for s in seqs):
@@ -297,10 +260,8 @@ class LLMEngine:
                  namespace: Namespace | None = None, compression: KVCompression | None = None,
                  lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Run prompts to completion (batched together); returns one :class:`RequestOutput` each, in order.
-
         compression: applied to every prompt's KV at the end of its prefill (None: keep everything).
-        lora: a loaded adapter's name for every prompt, or one name (or None: the base model) per prompt.
-        """
+        lora: a loaded adapter's name for every prompt, or one name (or None: the base model) per prompt."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         llist = lora if isinstance(lora, list) else [lora] * len(prompts)
         if len(llist) != len(prompts):

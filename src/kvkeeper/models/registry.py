@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..errors import InvalidRequestError, UnsupportedArchitectureError
 from ..model_config import ModelConfig, unsupported_architecture
-from .capabilities import Capabilities
+from .capabilities import WEIGHT_FORMATS, Capabilities
 from .deepseek import DeepseekForCausalLM
 from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM, Qwen2ForCausalLM
@@ -46,9 +46,10 @@ def capabilities(cfg: ModelConfig) -> Capabilities:
 
 
 def family_options(cfg: ModelConfig, attention_backend: str, quantization: str | None) -> tuple[str, str | None]:
-    """(attention backend, weight format) the family runs for the requested ones: "auto" becomes the
-    family's only backend / format when it has one.  Raises :class:`InvalidRequestError` for a backend or
-    a weight format the family has no path for."""
+    """(attention backend, weight format) the family runs for the requested ones: "auto" (or None) becomes
+    the family's only backend / format when it has one; other names pass unchanged.  Raises
+    :class:`InvalidRequestError` for a backend or a weight format (none, int8, int4, gguf) the family has
+    no path for."""
     caps = capabilities(cfg)
     backends = caps.attention_backends
     if backends is not None:
@@ -56,12 +57,10 @@ def family_options(cfg: ModelConfig, attention_backend: str, quantization: str |
             raise InvalidRequestError(f"attention backend {attention_backend!r} has no "
                                       f"{caps.refusal('attention_backends')}: use auto or {' or '.join(backends)}")
         attention_backend = attention_backend if attention_backend != "auto" or len(backends) > 1 else backends[0]
-    formats = caps.weight_formats
-    if quantization is not None and str(quantization).lower() in (*formats, "auto"):
-        quantization = str(quantization).lower()
-    if quantization not in (None, "auto", *formats):
+    formats, name = caps.weight_formats, None if quantization is None else str(quantization).lower()
+    if name in WEIGHT_FORMATS and name not in formats:  # (other names: aliases or errors of resolve_quantization)
         raise InvalidRequestError(f"weight quantization {quantization!r} does not run "
                                   f"{caps.refusal('weight_formats')}; use --quantization {' or '.join(formats)}")
-    if quantization in (None, "auto") and len(formats) == 1:
+    if name in (None, "auto") and len(formats) == 1:
         quantization = formats[0]
     return attention_backend, quantization
