@@ -95,7 +95,7 @@ class LLMEngine:
         self.adapters = AdapterRegistry(self.model_name, self.runner)
         self.loras = self.adapters.loaded  # name -> kvkeeper.layers.lora.LoRAAdapter (load_lora / unload_lora)
         self.inputs = InputProcessor(self.tokenizer, mcfg, self.context_length, self.adapters)
-        self.eos_token_ids = self.inputs.eos_token_ids
+        self.eos_token_ids, self.grammars = self.inputs.eos_token_ids, self.inputs.grammars  # (structured outputs)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
 
     def require_uniform_kv(self, what: str) -> None:
