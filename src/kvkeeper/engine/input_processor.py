@@ -117,8 +117,14 @@ class InputProcessor:
                  compression: KVCompression | None = None, lora: str | None = None,
                  max_new_tokens: int | None = None) -> Sequence:
         """A new :class:`Sequence` of checked prompt ids (:meth:`prompt_ids`) with its adapter, output cap,
-        generator and logits processors.  Raises :class:`InvalidRequestError` for KV compression on a family
-        without it, an adapter that is not loaded, and the errors of :meth:`processors`."""
+        generator and logits processors.
+
+        compression: drop prompt tokens from the KV at the end of prefill (:mod:`kvkeeper.kvcache.compression`;
+        None keeps everything).  lora: a loaded adapter's name (a namespace whose ``adapter`` is a loaded
+        adapter's id selects it too).  max_new_tokens: an operator's cap on generated tokens (the context
+        window caps them too).  Raises :class:`InvalidRequestError` for KV compression on a family without it
+        (``capabilities.kv_compression``), an adapter that is not loaded, and the errors of :meth:`processors`.
+        """
         caps = self.capabilities
         if compression is not None and not caps.kv_compression:
             raise InvalidRequestError(f"KV compression is not supported for {caps.refusal('kv_compression')}; "

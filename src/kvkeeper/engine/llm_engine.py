@@ -1,4 +1,4 @@
-"""The engine: requests in, one model step at a time over the paged KV cache, tokens out.
+"""The engine: requests in, one model step at a time over the paged KV cache, tokens out::
 
     eng = LLMEngine()                      # embedded SmolLM2-135M-Instruct, fp32, CPU
     out = eng.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0]
@@ -123,14 +123,11 @@ class LLMEngine:
                     namespace: Namespace | None = None, compression: KVCompression | None = None, *,
                     strict_max_tokens: bool = False, max_new_tokens: int | None = None,
                     lora: str | None = None) -> Sequence:
-        """Queue a request; returns its :class:`Sequence` (until the next :meth:`step` a caller may give it
-        KV it holds, as a session's turn does).  compression: drop prompt tokens from the KV at the end of
-        prefill (:mod:`kvkeeper.kvcache.compression`).  lora: a loaded adapter's name (a namespace whose
-        ``adapter`` is a loaded adapter's id selects it too).  ``max_tokens`` beyond the context window is
-        cut to fit, unless ``strict_max_tokens`` (the server's rule: refuse); max_new_tokens: an operator's
-        cap.  Raises InvalidRequestError for a request id in use and what the input processor refuses
-        (:class:`~kvkeeper.engine.input_processor.InputProcessor`), ContextLengthError for a prompt too long.
-        """
+        """Queue a request; returns its :class:`Sequence` (until the next :meth:`step` a caller may give it KV
+        it holds, as a session's turn does).  ``max_tokens`` beyond the context window is cut to fit, unless
+        ``strict_max_tokens`` (the server's rule: refuse); the other arguments and the errors: ``inputs``'
+        :meth:`~InputProcessor.prompt_ids` and :meth:`~InputProcessor.sequence`, plus InvalidRequestError
+        for a request id in use."""
         params = params or SamplingParams()
         ids = self.inputs.prompt_ids(prompt, params, strict_max_tokens)
         request_id = request_id or f"req-{next(self._req_ids)}"
