@@ -42,7 +42,7 @@ class Capabilities:
     cuda_graphs: bool = True
     lora: bool = True
     gguf_permuted_qk: bool = False
-    why_not: dict[str, str] = field(default_factory=dict)
+    why_not: dict[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         if self.kv_layout not in KV_LAYOUTS:
