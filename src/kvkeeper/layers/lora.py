@@ -198,7 +198,8 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, device: torch.de
 
     Returns a :class:`LoRAAdapter` with its weights in ``dtype`` on ``device`` and the scaling folded into
     B.  Whether the model's family takes adapters at all is its ``capabilities.lora``
-    (:mod:`kvkeeper.models.capabilities`), checked by the caller (:mod:`kvkeeper.engine.adapters`).  Raises :class:`InvalidRequestError` naming what is wrong: an empty name, a missing directory or
+    (:mod:`kvkeeper.models.capabilities`), checked by the caller (:mod:`kvkeeper.engine.adapters`).
+    Raises :class:`InvalidRequestError` naming what is wrong: an empty name, a missing directory or
     file, an unsupported option (DoRA, bias, modules_to_save, rank/alpha patterns), a tensor outside the
     q/k/v/o/gate/up/down projections, or shapes of another base model.
     """
