@@ -25,6 +25,18 @@ _HF_ARCH_NAMES = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def unsupported_architecture(name: str) -> str:
+    """The message for an architecture kvkeeper does not implement: ``name``, the nearest supported
+    architecture (by spelling) and every supported one."""
+    import difflib
+
+    names = {**{a: a for a in SUPPORTED_ARCHITECTURES}, **{k.lower(): v for k, v in _HF_ARCH_NAMES.items()}}
+    near = difflib.get_close_matches(str(name).lower(), list(names), n=1, cutoff=0.0)
+    hint = f" (nearest supported: {names[near[0]]!r})" if near else ""
+    return (f"architecture {name!r} is not supported{hint}; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
+            "(Llama 2/3, SmolLM2, Qwen2/2.5, Mistral, DeepSeek V2/V3, Gemma 3)")
+
+
 @dataclass
 class ModelConfig:
     """Hyper-parameters of a decoder: Llama family (Llama 2/3, SmolLM2, Qwen2/2.5, Mistral) or DeepSeek V2/V3.
@@ -115,12 +127,11 @@ class ModelConfig:
 
     @staticmethod
     def check_architecture(name: str) -> str:
+        """The architecture of a ``model_type`` / HF class / GGUF name; raises UnsupportedArchitectureError
+        naming it, the nearest supported one and the list."""
         arch = _HF_ARCH_NAMES.get(name, name).lower()
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedArchitectureError(
-                f"architecture {name!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
-                "(Llama 2/3, SmolLM2, Qwen2/2.5, Mistral)"
-            )
+            raise UnsupportedArchitectureError(unsupported_architecture(name))
         return arch
 
     @classmethod

@@ -1,4 +1,5 @@
-"""EngineConfig: every setting of an :class:`~kvkeeper.engine.llm_engine.LLMEngine`, with its one default.
+"""EngineConfig: every setting of an :class:`~kvkeeper.engine.llm_engine.LLMEngine`, with its one default;
+what the settings resolve to for a model (formats, KV sizing) and for a machine (:func:`resolve_device`).
 
 The command line builds its engine options from these fields (:mod:`kvkeeper.options`), so a
 default is written here and nowhere else.  The engine reads no environment variable; the CLI
@@ -7,12 +8,18 @@ default is written here and nowhere else.  The engine reads no environment varia
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+import torch
 
 from ..argtypes import positive_int, size, validate_every_arg
 from ..errors import InvalidRequestError
-from ..kvcache.quant import KV_DTYPE_CHOICES
-from ..weights.formats import QUANTIZATION_CHOICES
+from ..kvcache.quant import KV_DTYPE_CHOICES, KVFormat, parse_kv_format
+from ..kvcache.sizing import KVSizing, kv_blocks
+from ..model_config import ModelConfig
+from ..models.registry import capabilities, family_options
+from ..weights.formats import QUANTIZATION_CHOICES, weight_format_for
 from ..weights.sources import DEFAULT_MODEL
 from ..options import option
 
@@ -116,6 +123,67 @@ class EngineConfig:
         if self.validate_every < 0:
             raise InvalidRequestError(f"validate_every must be >= 0 (0 = never), got {self.validate_every}")
 
+    @classmethod
+    def of(cls, model: "str | EngineConfig | None" = None, **settings) -> "EngineConfig":
+        """The settings of ``LLMEngine(model, **settings)``: an EngineConfig with ``settings`` replacing its
+        fields, or a model id / path (None: the default model) with ``settings``."""
+        if isinstance(model, EngineConfig):
+            return dataclasses.replace(model, **settings)
+        return cls(**({"model": model} if model is not None else {}), **settings)
+
     @property
     def kv_budget_bytes(self) -> int:
         return self.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+
+    def kv_sizing(self) -> KVSizing:
+        """What the KV pool is sized for (see :mod:`kvkeeper.kvcache.sizing`)."""
+        return KVSizing(self.kv_budget_bytes, self.block_size, self.num_kv_blocks, self.max_num_seqs,
+                        self.max_num_batched_tokens)
+
+    def formats(self, mcfg: ModelConfig, state, device: torch.device,
+                dtype: torch.dtype) -> tuple[str, str, KVFormat]:
+        """(attention backend, weight format, KV format) these settings give for a model: both checked against
+        the model's family (:func:`kvkeeper.models.registry.family_options`: "auto" becomes a family's only
+        format), the weight format then resolved for the file (:func:`kvkeeper.weights.formats.weight_format_for`),
+        and the KV format (default: bf16 with
+        quantized weights, the fast path, as llama.cpp keeps f16; else the model dtype).  Raises
+        :class:`InvalidRequestError` for a format or backend the file or family cannot run, or an unknown KV dtype.
+        """
+        try:
+            attention, weights = family_options(mcfg, self.attention_backend, self.quantization)
+            weights = weight_format_for(state, weights, device, dtype)  # (the runner checks it again)
+            kv = parse_kv_format(self.kv_dtype if self.kv_dtype is not None else
+                                 ("bf16" if weights != "none" else dtype))
+        except ValueError as e:  # QuantizationError, InvalidRequestError, an unknown KV dtype
+            raise InvalidRequestError(str(e)) from None
+        return attention, weights, kv
+
+    def runner_args(self, mcfg: ModelConfig, state, device: torch.device, dtype: torch.dtype) -> dict:
+        """The :class:`~kvkeeper.worker.runner.ModelRunner` keyword arguments these settings give for a model:
+        :meth:`formats`, and the pool's blocks (:func:`kvkeeper.kvcache.sizing.kv_blocks`; window blocks for a
+        family whose ``kv_layout`` is "hybrid", unless ``hybrid_kv_cache`` is off).  Raises InvalidRequestError."""
+        attention, weights, kv = self.formats(mcfg, state, device, dtype)
+        hybrid = self.hybrid_kv_cache and capabilities(mcfg).kv_layout == "hybrid"
+        num_blocks, window_blocks = kv_blocks(kv, mcfg, self.kv_sizing(), hybrid)
+        return dict(num_blocks=num_blocks, block_size=self.block_size, dtype=dtype, device=device, kv_dtype=kv,
+                    attention_backend=attention, quantization=weights, fused_decode=self.fused_decode,
+                    cache_dir=self.cache_dir, window_blocks=window_blocks)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N" -> a torch.device.
+
+    Raises :class:`InvalidRequestError` for CUDA on a machine without a usable CUDA device.
+    """
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidRequestError(f"unknown device {device!r}: {e}; choose auto, cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {device!r} requested but torch sees no CUDA device "
+                                  f"(torch {torch.__version__}); use --device cpu or a CUDA build of torch")
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"device {device!r} is not supported; choose auto, cpu or cuda")
+    return dev

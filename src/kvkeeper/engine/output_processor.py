@@ -3,7 +3,8 @@
 One object beside the scheduler, as nano-vllm's ``Scheduler.postprocess`` and vLLM v1's
 ``update_from_output``: the engine's step only schedules, runs the model and samples.
 A request finishes on a stop string (the text stops before it), an EOS or stop token id
-(unless ``ignore_eos``), or when it reaches ``max_total_tokens``.
+(unless ``ignore_eos``), when it reaches ``max_total_tokens``, or with an error when its
+constraints left no token to sample (the sampler's ``NO_TOKEN``).
 """
 
 from __future__ import annotations
@@ -12,8 +13,13 @@ import time
 
 import torch
 
+from ..sampling.sampler import NO_TOKEN
 from ..text.detokenizer import IncrementalDetokenizer
 from .sequence import Sequence
+
+
+NO_TOKEN_ERROR = ("no token is allowed at this point: the output constraint (grammar), bad_words and "
+                  "logit_bias together exclude every token; relax one of them")
 
 
 class OutputProcessor:
@@ -35,12 +41,17 @@ class OutputProcessor:
     def process(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[torch.Tensor | None]) -> list[Sequence]:
         """Append one sampled token to each sequence; returns those that finished (``finish_reason`` set).
 
-        token_ids: one id per sequence; logprobs: per sequence a (vocab,) float32 log-softmax, or None
-        when the request asked for none.
+        token_ids: one id per sequence (``NO_TOKEN``: nothing was allowed, the sequence finishes with an
+        error and the batch goes on); logprobs: per sequence a (vocab,) float32 log-softmax, or None when
+        the request asked for none.
         """
         now = time.perf_counter()
         finished = []
         for seq, tok, lp in zip(seqs, token_ids, logprobs):
+            if tok == NO_TOKEN:
+                seq.finish_reason, seq.error = "error", NO_TOKEN_ERROR
+                finished.append(seq)
+                continue
             seq.token_ids.append(tok)
             if seq.processors is not None:
                 seq.processors.accept(tok)  # penalties count it, a grammar advances

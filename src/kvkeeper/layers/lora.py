@@ -197,7 +197,9 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, device: torch.de
     """Read and check a PEFT LoRA adapter directory against the model's shapes.
 
     Returns a :class:`LoRAAdapter` with its weights in ``dtype`` on ``device`` and the scaling folded into
-    B.  Raises :class:`InvalidRequestError` naming what is wrong: an empty name, a missing directory or
+    B.  Whether the model's family takes adapters at all is its ``capabilities.lora``
+    (:mod:`kvkeeper.models.capabilities`), checked by the caller (:mod:`kvkeeper.engine.adapters`).
+    Raises :class:`InvalidRequestError` naming what is wrong: an empty name, a missing directory or
     file, an unsupported option (DoRA, bias, modules_to_save, rank/alpha patterns), a tensor outside the
     q/k/v/o/gate/up/down projections, or shapes of another base model.
     """
@@ -206,9 +208,6 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, device: torch.de
     path = Path(path)
     if not path.is_dir():
         raise InvalidRequestError(f"LoRA adapter {name!r}: {path} is not a directory")
-    if cfg.is_mla or cfg.n_routed_experts:
-        raise InvalidRequestError("LoRA adapters apply to Llama-family models; this model's attention (MLA) or "
-                                  "experts (MoE) have no LoRA path")
     conf, conf_bytes = _read_config(path)
     tensors, raw = _read_tensors(path)
     sha = hashlib.sha256(conf_bytes + b"\0" + raw).hexdigest()

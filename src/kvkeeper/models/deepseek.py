@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..model_config import ModelConfig
+from .capabilities import Capabilities
 from ..layers.mlp import MLP
 from .llama import DecoderLayer, LlamaForCausalLM, take_parameters
 from ..layers.norm import RMSNorm
@@ -63,6 +64,17 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     """DeepSeek V2/V3 over packed tokens: the interface of :class:`LlamaForCausalLM`, with ``kv_caches`` one latent
     :class:`~kvkeeper.kvcache.quant.PagedKV` per layer (rows (num_blocks, block_size, 1, kv_lora_rank +
     qk_rope_head_dim)).  The RoPE tables are built for ``qk_rope_head_dim`` (``cfg.head_dim``)."""
+
+    capabilities = Capabilities(
+        "DeepSeek", kv_layout="latent", weight_formats=("none",), attention_backends=("torch",),
+        kv_compression=False, fused_decode=False, cuda_graphs=False, lora=False,
+        why_not={"weight_formats": "DeepSeek (MLA/MoE) models yet",
+                 "attention_backends": "Multi-head Latent Attention kernel; DeepSeek models run attention in PyTorch",
+                 "kv_compression": "Multi-head Latent Attention (DeepSeek) models: their cache holds one shared "
+                                   "latent row per token, not per-head keys",
+                 "fused_decode": "DeepSeek (MLA/MoE) layers (the fused C++ decode step is written for Llama's)",
+                 "cuda_graphs": "DeepSeek models: their attention runs in PyTorch",
+                 "lora": "this model's attention (MLA) or experts (MoE) have no LoRA path"})
 
     @staticmethod
     def make_layer(cfg: ModelConfig, i: int) -> nn.Module:

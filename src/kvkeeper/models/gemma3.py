@@ -25,7 +25,8 @@ from ..attention.selector import paged_attention
 from ..attention.metadata import AttentionMetadata
 from ..model_config import ModelConfig
 from ..layers.linear import Linear
-from .llama import LlamaForCausalLM
+from .capabilities import Capabilities
+from .llama import GGUF_LAYER_NAMES, LlamaForCausalLM
 from ..layers.rope import RotaryEmbedding, apply_rope
 
 
@@ -109,6 +110,24 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3 over packed tokens; same interface as :class:`LlamaForCausalLM` (``forward(input_ids (T,),
     positions (T,), kv_caches, meta)`` -> hidden (T, hidden_size); ``compute_logits`` -> float32 (N, vocab))."""
 
+    capabilities = Capabilities(
+        "Gemma 3", kv_layout="hybrid", weight_formats=("none",), kv_compression=False, fused_decode=False,
+        cuda_graphs=False,
+        why_not={"weight_formats": "Gemma 3 yet (its K-quant blocks are dequantized at load)",
+                 "kv_compression": "sliding-window models (Gemma 3): their layers keep different token ranges",
+                 "fused_decode": "Gemma 3 (the fused C++ decode step is written for Llama layers)",
+                 "cuda_graphs": "sliding-window models (Gemma 3): their windowed layers run the PyTorch path"})
+    # four norms a layer plus q/k norms; llama.cpp's converter stores every norm as 1 + weight
+    gguf_layer_names = {
+        **GGUF_LAYER_NAMES,
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+    gguf_norm_offset = -1.0
+
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -118,6 +137,34 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def make_layer(cfg: ModelConfig, i: int) -> nn.Module:
         return GemmaDecoderLayer(cfg, i)
+
+    @staticmethod
+    def gguf_config(cfg: ModelConfig, field, prefix: str, reader) -> None:
+        """Gemma 3 hyper-parameters that GGUF metadata carries or llama.cpp fixes for the architecture: the
+        window (``{prefix}.attention.sliding_window``), every 6th layer global, local RoPE base 10,000, query
+        scale ``key_length**-0.5`` (Gemma 3 270M/1B/4B/12B), soft-capping when the file names one, and token
+        106 ``<end_of_turn>`` as an end of sequence.  Raises UnsupportedArchitectureError for attention
+        logit soft-capping (Gemma 2)."""
+        from ..errors import UnsupportedArchitectureError
+        from ..model_config import gemma3_layer_types
+
+        p = prefix
+        cfg.sliding_window = int(field(f"{p}.attention.sliding_window", 4096))
+        cfg.layer_types = gemma3_layer_types(cfg.num_layers)
+        cfg.rope_local_theta = 10000.0
+        cfg.query_pre_attn_scalar = float(cfg.head_dim)
+        cap = field(f"{p}.final_logit_softcapping")
+        cfg.final_logit_softcapping = float(cap) if cap else None
+        if field(f"{p}.attn_logit_softcapping"):
+            raise UnsupportedArchitectureError("attention logit soft-capping (Gemma 2) is not supported")
+        toks = reader.fields.get("tokenizer.ggml.tokens")
+        if toks is not None and len(toks.data) > 106 and toks.contents(106) == "<end_of_turn>":
+            cfg.eos_token_ids.append(106)  # a chat turn ends there
+
+    def build_rope(self, device: torch.device) -> None:
+        """The full layers' RoPE tables and the sliding layers' (base ``rope_local_theta``) on ``device``."""
+        super().build_rope(device)
+        self.rope_local = type(self.rope)(self.local_rope_config(self.config)).to(device)
 
     @staticmethod
     def local_rope_config(cfg: ModelConfig) -> ModelConfig:

@@ -22,6 +22,20 @@ from ..layers.norm import RMSNorm
 from ..layers.quantized import PackedWeight, QuantEmbedding, QuantLinear, qmm
 from ..layers.rope import RotaryEmbedding, apply_rope
 from ..model_config import ModelConfig
+from .capabilities import Capabilities
+
+# llama.cpp's GGUF names of a layer's tensors -> transformers' (``blk.{i}.<key>.weight``)
+GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
 
 
 class Attention(nn.Module):
@@ -115,7 +129,15 @@ class LlamaForCausalLM(nn.Module):
     returns hidden states (T, hidden_size); ``compute_logits(h (N, hidden))``
     returns float32 logits (N, vocab_size).  ``kv_caches`` is one
     ``PagedKV`` per layer (K and V, each (num_blocks, block_size, KVH, D), plus scales when quantized).
+
+    Class attributes read by the loaders and the runner (see :mod:`kvkeeper.models.capabilities`):
+    ``capabilities``; ``gguf_layer_names`` (GGUF tensor key -> transformers' module name),
+    ``gguf_norm_offset`` (added to every GGUF norm weight) and :meth:`gguf_config`.
     """
+
+    capabilities = Capabilities("Llama", gguf_permuted_qk=True)
+    gguf_layer_names: dict[str, str] = GGUF_LAYER_NAMES
+    gguf_norm_offset = 0.0
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -129,6 +151,16 @@ class LlamaForCausalLM(nn.Module):
     def make_layer(cfg: ModelConfig, i: int) -> nn.Module:
         """Decoder layer ``i`` (subclasses build other layer types)."""
         return DecoderLayer(cfg)
+
+    @staticmethod
+    def gguf_config(cfg: ModelConfig, field, prefix: str, reader) -> None:
+        """Complete ``cfg`` read from GGUF metadata with what the family fixes (``field(key, default)``
+        reads a metadata value, ``prefix`` is the file's ``general.architecture``, ``reader`` the
+        ``gguf.GGUFReader``); nothing for Llama."""
+
+    def build_rope(self, device: torch.device) -> None:
+        """(Re)compute the RoPE tables on ``device`` (a model built on the meta device has none)."""
+        self.rope = type(self.rope)(self.config).to(device)
 
     def load_weights(self, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32) -> None:
         """Copy a HF-named state dict in (q/k/v and gate/up are fused here).
@@ -212,3 +244,10 @@ class LlamaForCausalLM(nn.Module):
         if self._lm_t is not None and hidden.shape[0] <= 2:
             return torch.mm(hidden, self._lm_t).float()
         return F.linear(hidden, self.lm_weight).float()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: the Llama decoder with q/k/v biases (``cfg.attention_bias``); llama.cpp's converter
+    keeps their q/k rows in transformers' order."""
+
+    capabilities = LlamaForCausalLM.capabilities.replace(family="Qwen2", gguf_permuted_qk=False)

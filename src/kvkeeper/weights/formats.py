@@ -32,6 +32,7 @@ import torch
 
 from ..kernels import cpu as cpu_kernels
 from ..layers.quantized import QK, PackedWeight, pack_numpy
+from ..models.registry import capabilities
 from ..progress import track
 
 QUANTIZATION_CHOICES = ("none", "gguf", "int8", "int4")
@@ -225,12 +226,13 @@ def _gguf_packed(path, cfg) -> tuple[dict[str, PackedWeight], list[str]]:
             u, d, m = (_unpermute_rope(a, perm_heads) for a in (u, d, m))
         return u, d, m, bits, t.tensor_type.name
 
+    permuted = capabilities(cfg).gguf_permuted_qk  # llama.cpp permuted q/k rows
     for i in track(range(cfg.num_layers), "pack GGUF weight blocks (layers)"):
         for fused, parts in _FUSED:
             got = []
             for part in parts:
                 heads = None
-                if cfg.architecture == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+                if permuted and part in ("self_attn.q_proj", "self_attn.k_proj"):
                     heads = cfg.num_heads if part == "self_attn.q_proj" else cfg.num_kv_heads
                 got.append(blocks(f"blk.{i}.{_GGUF_PARTS[part]}.weight", heads))
             if any(g is None for g in got):

@@ -19,27 +19,11 @@ import torch
 from ..errors import ModelFormatError, ModelNotFoundError
 from ..progress import track
 from ..model_config import ModelConfig
+from ..models.registry import model_class
+from ..text.tokenizer import load_tokenizer
+from . import dummy
+from .sources import resolve_model_path
 
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-# Gemma 3: four norms a layer plus q/k norms; llama.cpp's converter stores every norm as 1 + weight
-_GGUF_GEMMA3_NAMES = {
-    **_GGUF_LAYER_NAMES,
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -137,12 +121,9 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         eos_token_ids=[] if eos is None else [int(eos)],
         revision=_file_revision(path),
     )
-    if arch == "gemma3":
-        _gemma3_gguf_fields(cfg, field, p)
-        toks = reader.fields.get("tokenizer.ggml.tokens")
-        if toks is not None and len(toks.data) > 106 and toks.contents(106) == "<end_of_turn>":
-            cfg.eos_token_ids.append(106)  # a chat turn ends there
-    layer_names = _GGUF_GEMMA3_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+    family = model_class(arch)  # its GGUF names and conventions (kvkeeper.models)
+    family.gguf_config(cfg, field, p, reader)
+    layer_names, permuted = family.gguf_layer_names, family.capabilities.gguf_permuted_qk
     state = ModelWeights({}, "gguf", path, {name: t.tensor_type.name for name, t in tensors.items()})
     try:
         for name, t in track(tensors.items(), f"dequantise {path.name}", total=len(tensors)):
@@ -157,32 +138,14 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
                 if parts[0] != "blk" or parts[2] not in layer_names:
                     continue
                 hf = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
-                if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
+                if permuted and parts[2] in ("attn_q", "attn_k"):
                     arr = _unpermute_rope(arr, n_heads if parts[2] == "attn_q" else n_kv)
-            if arch == "gemma3" and name.endswith("norm.weight"):
-                arr = arr - 1.0  # back to transformers' Gemma3RMSNorm weight (it scales by 1 + weight)
+            if family.gguf_norm_offset and name.endswith("norm.weight"):
+                arr = arr + family.gguf_norm_offset  # e.g. Gemma 3's 1 + weight back to transformers' weight
             state[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
     except Exception as e:
         raise ModelFormatError(f"{path}: could not read tensor data ({type(e).__name__}: {e}); the file may be truncated") from e
     return cfg, state
-
-
-def _gemma3_gguf_fields(cfg: ModelConfig, field, p: str) -> None:
-    """Gemma 3 hyper-parameters that GGUF metadata carries or llama.cpp fixes for the architecture: the window
-    (``{p}.attention.sliding_window``), every 6th layer global, local RoPE base 10,000, query scale
-    ``key_length**-0.5`` (Gemma 3 270M/1B/4B/12B), soft-capping when the file names one."""
-    from ..model_config import gemma3_layer_types
-
-    cfg.sliding_window = int(field(f"{p}.attention.sliding_window", 4096))
-    cfg.layer_types = gemma3_layer_types(cfg.num_layers)
-    cfg.rope_local_theta = 10000.0
-    cfg.query_pre_attn_scalar = float(cfg.head_dim)
-    cap = field(f"{p}.final_logit_softcapping")
-    cfg.final_logit_softcapping = float(cap) if cap else None
-    if field(f"{p}.attn_logit_softcapping"):
-        from ..errors import UnsupportedArchitectureError
-
-        raise UnsupportedArchitectureError("attention logit soft-capping (Gemma 2) is not supported")
 
 
 def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -300,3 +263,20 @@ def load_weights(path: Path, cache=None) -> tuple[ModelConfig, dict[str, torch.T
     if magic != b"GGUF":
         raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf file or a Hugging Face folder")
     return _cached_gguf(path, cache)
+
+
+def load_model(model: str, load_format: str = "auto", cache=None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", seed: int = 0):
+    """(model config, state dict, tokenizer, model path) of a known model id or a path.
+
+    load_format "dummy": random weights of a shipped config's shapes (:mod:`kvkeeper.weights.dummy`), made
+    on ``device`` in ``dtype`` from ``seed``; "auto": the model's files (:func:`load_weights`, tokenizer from
+    :func:`kvkeeper.text.tokenizer.load_tokenizer`).  Raises ModelNotFoundError, ModelFormatError and
+    UnsupportedArchitectureError.
+    """
+    if load_format == "dummy":
+        cfg, path = dummy.load_config(model)
+        return cfg, dummy.dummy_state(cfg, dtype, device, seed=seed), dummy.load_dummy_tokenizer(path, cfg.vocab_size), path
+    path = resolve_model_path(model, cache)
+    cfg, state = load_weights(path, cache)
+    return cfg, state, load_tokenizer(path, cache), path

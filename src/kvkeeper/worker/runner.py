@@ -20,7 +20,7 @@ from ..attention.metadata import AttentionMetadata, PrefillSpan
 from ..model_config import ModelConfig
 from .cuda_graphs import DecodeGraphs
 from .fused_decode import FusedDecode
-from ..models.registry import causal_lm_class
+from ..models.registry import capabilities, causal_lm_class, family_options
 from ..models.llama import skip_init
 from ..layers.lora import LoRAHooks
 from ..weights.formats import prepare_weights
@@ -36,22 +36,6 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return DTYPES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
-
-
-def _mla_options(attention_backend: str, quantization: str | None) -> tuple[str, str]:
-    """An MLA (DeepSeek) model's attention runs in PyTorch (:mod:`kvkeeper.layers.mla`) on float weights.
-
-    Returns ("torch", "none"); raises InvalidRequestError for the C++ / Triton attention backends or a
-    quantized weight format, which have no MLA path."""
-    from ..errors import InvalidRequestError
-
-    if attention_backend not in ("auto", "torch"):
-        raise InvalidRequestError(f"attention backend {attention_backend!r} has no Multi-head Latent Attention "
-                                  "kernel; DeepSeek models run attention in PyTorch: use auto or torch")
-    if quantization not in (None, "auto", "none"):
-        raise InvalidRequestError(f"weight quantization {quantization!r} does not run DeepSeek (MLA/MoE) models "
-                                  "yet; use --quantization none")
-    return "torch", "none"
 
 
 class ModelRunner:
@@ -88,20 +72,13 @@ class ModelRunner:
         self.kv_dtype = self.kv_format.storage
         self.block_size = block_size
         self.num_blocks = num_blocks
-        if cfg.is_mla:
-            attention_backend, quantization = _mla_options(attention_backend, quantization)
-        if cfg.architecture == "gemma3" and quantization not in (None, "auto", "none"):
-            from ..errors import InvalidRequestError
-
-            raise InvalidRequestError(f"weight quantization {quantization!r} does not run Gemma 3 yet (its K-quant "
-                                      "blocks are dequantized at load); use --quantization none")
+        self.capabilities = capabilities(cfg)  # what the model's family supports (kvkeeper.models.capabilities)
+        attention_backend, quantization = family_options(cfg, attention_backend, quantization)
         self.window_blocks = window_blocks if cfg.is_hybrid else None
         self.window_of = None  # block id -> window block id (hybrid KV cache), set by the engine
         with skip_init(), torch.device("meta"):
             model = causal_lm_class(cfg)(cfg)
-        model.rope = type(model.rope)(cfg).to(self.device)  # buffers computed, not loaded
-        if hasattr(model, "rope_local"):  # Gemma 3: the sliding layers' RoPE base
-            model.rope_local = type(model.rope)(model.local_rope_config(cfg)).to(self.device)
+        model.build_rope(self.device)  # buffers computed, not loaded
         prepared = prepare_weights(state, cfg, quantization, self.device, dtype, cache=cache_dir)
         self.weight_format = prepared.format  # "none", "gguf", "int8" or "int4"
         self.weight_description = prepared.description
@@ -131,7 +108,7 @@ class ModelRunner:
         # layer-by-layer path then uses the same C++ element-wise routines
         self.fused_decode = (FusedDecode.build(self.model, self.kv_caches) if fused_decode and
                              self.attention_backend == "cpu" and self.weight_format != "none"
-                             and cfg.architecture != "gemma3" else None)
+                             and self.capabilities.fused_decode else None)
         if self.fused_decode is not None:
             self.model.use_cpu_kernels(self.fused_decode.kernels)
         self.lora: LoRAHooks | None = None  # installed by enable_lora() (kvkeeper.layers.lora)
@@ -310,10 +287,10 @@ class ModelRunner:
         """Capture decode-step CUDA graphs for batches up to ``max_num_seqs`` (see kvkeeper.worker.cuda_graphs).
 
         Returns False (and keeps the eager path) on a CPU device, with the PyTorch attention backend or for a
-        sliding-window model (Gemma 3).
+        family without ``capabilities.cuda_graphs`` (sliding-window models: their windowed layers run the PyTorch path).
         """
-        if self.device.type != "cuda" or self.attention_backend != "triton" or self.cfg.layer_types:
-            return False  # (sliding-window models: their windowed layers run the PyTorch path, not captured)
+        if self.device.type != "cuda" or self.attention_backend != "triton" or not self.capabilities.cuda_graphs:
+            return False
         graphs = DecodeGraphs(self, max_model_len)
         graphs.capture(max_num_seqs)
         self.graphs = graphs if graphs.graphs else None

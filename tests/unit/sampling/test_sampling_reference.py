@@ -23,7 +23,7 @@ N = 16
 
 
 def _cases(engine, first: int):
-    word = engine._word_ids("banana")
+    word = engine.inputs.word_ids("banana")
     return {
         "plain": (SamplingParams(max_tokens=N), lambda l, o, p: l),
         "logit_bias -100": (SamplingParams(max_tokens=N, logit_bias={first: -100.0}),
@@ -56,7 +56,7 @@ def test_each_feature_decodes_as_its_reference_on_transformers_logits(engine, hf
             assert adj[tok] >= adj.max() - 1e-3, f"{name}: step {t} picked {tok}, the reference {int(adj.argmax())}"
     assert outs["logit_bias +100"].token_ids == [28] * N  # +100 forces the token
     assert first not in outs["logit_bias -100"].token_ids[:1]  # -100 removes it
-    for w in engine._word_ids("banana"):
+    for w in engine.inputs.word_ids("banana"):
         ids = outs["bad_words"].token_ids
         assert not any(ids[i:i + len(w)] == w for i in range(len(ids))), "a banned word was generated"
 

@@ -1,0 +1,169 @@
+"""Input processing: from a request's prompt and parameters to a checked :class:`Sequence`.
+
+As vLLM's input processor: render a conversation with the model's chat template, tokenize a prompt, check
+it once (non-empty, token ids inside the vocabulary, room left in the context window), check the sampling
+parameters against the model (token ids of ``logit_bias`` / ``stop_token_ids``, KV compression for the
+model's family) and build the request's logits processors (bad words, logit bias, grammar).  Every check
+raises :class:`~kvkeeper.errors.InvalidRequestError` naming the field (or
+:class:`~kvkeeper.errors.ContextLengthError`), which the server turns into a 400.
+"""
+
+from __future__ import annotations
+
+from ..errors import ContextLengthError, InvalidRequestError
+from ..kvcache.compression import KVCompression
+from ..kvcache.namespace import Namespace
+from ..model_config import ModelConfig
+from ..models.registry import capabilities
+from ..sampling.params import SamplingParams
+from ..sampling.processors import build_processors
+from ..sampling.sampler import make_generator
+from ..sampling.structured import GrammarCompiler, GrammarMask
+from ..text.tool_format import prepare_messages, template_has_tools, template_reads_names
+from .adapters import AdapterRegistry
+from .sequence import Sequence
+
+
+class InputProcessor:
+    """Renders, tokenizes and checks requests for one model.
+
+    tokenizer: the model's (a transformers tokenizer); model_config: its shapes; context_length: tokens a
+    sequence may hold (prompt plus output); adapters: the engine's LoRA registry.  ``eos_token_ids``: the
+    model's end-of-sequence token ids (its config's and its tokenizer's); ``grammars``: the structured
+    output compiler.
+    """
+
+    def __init__(self, tokenizer, model_config: ModelConfig, context_length: int, adapters: AdapterRegistry):
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.context_length = context_length
+        self.adapters = adapters
+        self.capabilities = capabilities(model_config)
+        eos, tok_eos = set(model_config.eos_token_ids), tokenizer.eos_token_id
+        if tok_eos is not None:
+            eos.add(int(tok_eos))
+        self.eos_token_ids = eos
+        eos_id = tok_eos if tok_eos is not None else min(eos, default=None)
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, None if eos_id is None else int(eos_id))
+
+    # ---- chat rendering ---------------------------------------------------------
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **chat) -> list[int]:
+        """Token ids of a conversation, exactly as the model's chat template renders it (``chat``: the
+        other keyword arguments of :meth:`render_chat`)."""
+        if not messages:
+            raise InvalidRequestError("the conversation is empty: give at least one message")
+        text = self.render_chat(messages, add_generation_prompt, **chat)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
+        """The chat template's text of ``messages`` (dicts with ``role`` and ``content``; an assistant's
+        may carry OpenAI ``tool_calls``, a ``tool`` message answers them).
+
+        continue_final_message: end the text inside the last message (no end-of-turn marker after it),
+        for the model to continue it (transformers' and vLLM's option; not with add_generation_prompt).
+        tools: OpenAI tool definitions, rendered as the template does or, when it has no tool syntax,
+        in the documented system-prompt format (:mod:`kvkeeper.text.tool_format`).
+        Raises :class:`InvalidRequestError` for a malformed message or one the template rejects.
+        """
+        template = self.tokenizer.chat_template
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+            if m.get("name") is not None and not template_reads_names(template):
+                raise InvalidRequestError(f"messages[{i}].name: the model's chat template has no participant "
+                                          "names; put the name in the content", param=f"messages.{i}.name")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message continues the last message: it needs "
+                                      "add_generation_prompt=false", param="continue_final_message")
+        msgs, extra = prepare_messages(messages, tools, template_has_tools(template))
+        if continue_final_message:
+            extra["continue_final_message"] = True
+        try:
+            return self.tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **extra)
+        except Exception as e:  # jinja2.TemplateError: the template rejects this conversation (raise_exception)
+            if type(e).__module__.startswith("jinja2"):
+                raise InvalidRequestError(f"the model's chat template rejected the conversation: {e}") from e
+            if continue_final_message and isinstance(e, ValueError):  # no final message text to continue
+                raise InvalidRequestError(f"continue_final_message: {e}", param="continue_final_message") from e
+            raise
+
+    # ---- prompts ----------------------------------------------------------------
+    def prompt_ids(self, prompt: str | list[int], params: SamplingParams, strict_max_tokens: bool = False) -> list[int]:
+        """The checked token ids of a text or token-id prompt.  Raises :class:`InvalidRequestError` for an
+        empty prompt or a token id outside the vocabulary, :class:`ContextLengthError` when the prompt
+        leaves no room for a token (or, with ``strict_max_tokens``, for ``params.max_tokens``)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty: give at least one token of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        ctx = self.context_length
+        if len(ids) >= ctx:
+            raise ContextLengthError(len(ids), ctx)
+        if strict_max_tokens and params.max_tokens is not None and len(ids) + params.max_tokens > ctx:
+            raise ContextLengthError(len(ids), ctx, params.max_tokens)
+        return ids
+
+    def sequence(self, request_id: str, ids: list[int], params: SamplingParams, namespace: Namespace,
+                 compression: KVCompression | None = None, lora: str | None = None,
+                 max_new_tokens: int | None = None) -> Sequence:
+        """A new :class:`Sequence` of checked prompt ids (:meth:`prompt_ids`) with its adapter, output cap,
+        generator and logits processors.
+
+        compression: drop prompt tokens from the KV at the end of prefill (:mod:`kvkeeper.kvcache.compression`;
+        None keeps everything).  lora: a loaded adapter's name (a namespace whose ``adapter`` is a loaded
+        adapter's id selects it too).  max_new_tokens: an operator's cap on generated tokens (the context
+        window caps them too).  Raises :class:`InvalidRequestError` for KV compression on a family without it
+        (``capabilities.kv_compression``), an adapter that is not loaded, and the errors of :meth:`processors`.
+        """
+        caps = self.capabilities
+        if compression is not None and not caps.kv_compression:
+            raise InvalidRequestError(f"KV compression is not supported for {caps.refusal('kv_compression')}; "
+                                      "send the request without compression")
+        namespace, adapter = self.adapters.resolve(namespace, lora)
+        seq = Sequence(request_id, ids, params, namespace)
+        seq.lora = adapter
+        seq.compression = compression
+        new = min(x for x in (self.context_length - len(ids), params.max_tokens, max_new_tokens) if x is not None)
+        seq.max_total_tokens = len(ids) + new
+        seq.generator = make_generator(params)
+        seq.processors = self.processors(params, ids)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * len(ids)
+        return seq
+
+    # ---- logits processors ------------------------------------------------------
+    def processors(self, params: SamplingParams, prompt_ids: list[int]):
+        """The request's logits processors (None without any); checks token ids against the vocabulary.
+
+        Raises :class:`InvalidRequestError` naming the field for a token id outside the vocabulary and
+        for a grammar that cannot be compiled.
+        """
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"{name}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                                          param=name)
+        words = [self.word_ids(w) for w in params.bad_words]
+        grammar = None
+        if params.structured is not None:
+            matcher = self.grammars.matcher(params.structured)  # compiled now: errors reach the caller
+            grammar = lambda: GrammarMask(matcher, self.grammars.eos_token_id)  # noqa: E731
+        return build_processors(params, prompt_ids, vocab, [w for ws in words for w in ws], grammar)
+
+    def word_ids(self, word: str) -> list[list[int]]:
+        """vLLM's spellings of a bad word: its tokens alone and after a space (when they differ)."""
+        tok = self.tokenizer
+        alone = tok.encode(word.strip(), add_special_tokens=False)
+        spaced = tok.encode(" " + word.strip(), add_special_tokens=False)
+        return [alone] if spaced == alone else [alone, spaced]
