@@ -18,7 +18,8 @@ import torch
 
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.errors import InvalidRequestError
-from kvkeeper.kvcache.quant import FORMATS, PagedKV
+from kvkeeper.kvcache.quant import FORMATS
+from kvkeeper.kvcache.store import PagedKV
 from kvkeeper.kvcache.validate import check_engine
 from kvkeeper.sessions import SessionManager
 from kvkeeper.sessions.disk import MANIFEST, session_dir_name
@@ -62,7 +63,7 @@ def _scribble(eng) -> None:
     """Empty the prefix cache and overwrite every free block's KV, so only the tier can give it back."""
     eng.pool.reset_prefix_cache()
     free = torch.tensor([b.block_id for b in eng.pool.blocks if b.ref_count == 0], dtype=torch.int64)
-    for c in eng.runner.kv_caches:
+    for c in eng.kv_store:
         for t in c._parts().values():
             c._raw(t).index_fill_(0, free, 7)
 
@@ -169,13 +170,13 @@ def test_int8_kv_round_trip_bit_exact(tmp_path):
     e.pool.reset_prefix_cache()
     s, out = _two_turns(e, sessions)
     nb = -(-s.kv.num_computed // e.block_size)
-    before = [c.read_blocks(s.kv.block_table[:nb]) for c in e.runner.kv_caches]
+    before = [c.read_blocks(s.kv.block_table[:nb]) for c in e.kv_store]
     s.offload("host")
     s.offload("disk")  # host -> disk
     assert s.tier == "disk"
     _scribble(e)
     assert sessions.store.restore(s)
-    after = [c.read_blocks(s.kv.block_table) for c in e.runner.kv_caches]
+    after = [c.read_blocks(s.kv.block_table) for c in e.kv_store]
     for x, y in zip(before, after):
         assert set(x) == {"k", "v", "k_scale", "v_scale"}
         assert all(_raw_equal(x[k], y[k]) for k in x)
