@@ -60,11 +60,11 @@ def time_decode(eng: LLMEngine, seq: Sequence, L: int, steps: int, mode: str) ->
     view.block_table = seq.block_table[: -(-L // eng.block_size)]
     view.num_computed = L - 1
     ids, pos, meta, _, _ = runner.build_batch([(view, 1)])
-    runner.model(ids, pos, runner.kv_caches, meta)  # warm-up
+    runner.model(ids, pos, runner.kv_store, meta)  # warm-up
     t = time.perf_counter()
     for _ in range(steps):
         ids, pos, meta, _, _ = runner.build_batch([(view, 1)])
-        runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta)).argmax(-1)
+        runner.model.compute_logits(runner.model(ids, pos, runner.kv_store, meta)).argmax(-1)
     runner.model.set_decode_mode("absorbed")
     return steps / (time.perf_counter() - t)
 
@@ -123,7 +123,7 @@ def main() -> None:
         assert eng.kv.allocate(seq, n)
         with torch.inference_mode():
             i, p, meta, _, _ = eng.runner.build_batch([(seq, n)])
-            eng.runner.model(i, p, eng.runner.kv_caches, meta)
+            eng.runner.model(i, p, eng.kv_store, meta)
         seq.num_computed += n
     prefill_s = time.perf_counter() - t
     _log(f"prefilled {len(ids) - 1} tokens in {prefill_s:.1f} s")

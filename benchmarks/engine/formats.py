@@ -79,7 +79,7 @@ def argmax_all_positions(engine: LLMEngine, ids: list[int]) -> list[int]:
     try:
         r = engine.runner
         input_ids, positions, meta, _, _ = r.build_batch([(seq, len(ids))])
-        hidden = r.model(input_ids, positions, r.kv_caches, meta)
+        hidden = r.model(input_ids, positions, r.kv_store, meta)
         return r.model.compute_logits(hidden).argmax(-1).tolist()
     finally:
         engine.kv.free(seq)

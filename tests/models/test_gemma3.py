@@ -75,7 +75,7 @@ def test_config_layers_and_bases(tiny):
     assert cfg.final_logit_softcapping == 30.0
     assert cfg.context_length == 512  # the window does not cap the context (it does for Mistral)
     # hybrid: the sliding layers' caches hold the (smaller) window-block set
-    sizes = [c.k.shape[0] for c in eng.runner.kv_caches]
+    sizes = [c.k.shape[0] for c in eng.kv_store]
     assert [s < 64 for s in sizes] == [t == "sliding_attention" for t in LAYERS], sizes
 
 

@@ -63,9 +63,7 @@ def kk_logits_chunked(eng, prompts: list[list[int]], schedule: list[list[int]], 
             scheduled = [(s, n) for s, n in zip(seqs, step) if n]
             for s, n in scheduled:
                 assert eng.kv.allocate(s, n)
-            ids, pos, meta, _, _ = eng.runner.build_batch(scheduled)
-            hidden = eng.runner.model(ids, pos, eng.runner.kv_caches, meta)
-            logits = eng.runner.model.compute_logits(hidden)
+            logits = eng.runner.forward(eng.runner.build_batch(scheduled), "prompt")  # every packed token
             start = 0
             for (s, n) in scheduled:
                 rows[seqs.index(s)].append(logits[start:start + n].cpu())

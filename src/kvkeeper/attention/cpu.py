@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kvcache.quant import PagedKV
+from ..kvcache.store import PagedKV
 from ..kernels import cpu as cpu_kernels
 from .metadata import AttentionMetadata
 

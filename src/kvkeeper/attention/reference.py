@@ -1,6 +1,6 @@
 """Paged attention in plain PyTorch (the reference path; device-agnostic).
 
-The KV cache of one layer is a :class:`~kvkeeper.kvcache.quant.PagedKV`: K and V
+The KV cache of one layer is a :class:`~kvkeeper.kvcache.store.PagedKV`: K and V
 tensors ``(num_blocks, block_size, num_kv_heads, head_dim)`` (plus scales when
 quantized).  A token's *slot* is ``block_id * block_size +
 offset``.  Each step the model runner builds one :class:`AttentionMetadata`
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..kvcache.quant import PagedKV
+from ..kvcache.store import PagedKV
 from .metadata import AttentionMetadata, PrefillSpan
 
 __all__ = ["AttentionMetadata", "PrefillSpan", "paged_attention"]

@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kvcache.quant import PagedKV, quantize
+from ..kvcache.quant import quantize
+from ..kvcache.store import PagedKV
 
 
 def _dot_f32(dtype: torch.dtype) -> bool:

@@ -5,7 +5,7 @@ When a sampled request has produced its first token its prompt KV is complete
 the prefix cache or handed over by a session.  The audit then
 
 1. recomputes the prompt from scratch through the same model code, in a
-   *private* paged cache sized for the prompt (one :class:`PagedKV` per layer in
+   *private* :class:`~kvkeeper.kvcache.store.KVStore` sized for the prompt (in
    the engine's KV format, so int8/fp8 KV is compared with a recompute quantized
    the same way); the shared block pool is never touched;
 2. compares the first generated token's logits (float32, ``(vocab,)``) with the
@@ -46,8 +46,9 @@ from types import SimpleNamespace
 import torch
 
 from ..argtypes import fraction as fraction_arg
-from ..kvcache.quant import PagedKV
+from ..kvcache.store import KVStore
 from ..attention.metadata import AttentionMetadata, PrefillSpan
+from ..worker.runner import StepBatch
 from ..options import option
 
 log = logging.getLogger(__name__)
@@ -136,33 +137,31 @@ class AuditReport:
 
 
 @torch.inference_mode()
-def recompute_prompt(runner, token_ids: list[int], chunk: int = 512, lora=None) -> tuple[torch.Tensor, list[PagedKV]]:
+def recompute_prompt(runner, token_ids: list[int], chunk: int = 512, lora=None) -> tuple[torch.Tensor, KVStore]:
     """Prefill ``token_ids`` from scratch into a private cache (the shared pool is untouched).
 
     runner: the engine's :class:`~kvkeeper.worker.runner.ModelRunner` (its weights and KV format).
     chunk: prefill chunk in tokens (bounds activation memory, as the scheduler's token budget does).
     lora: the sequence's LoRA adapter (:class:`kvkeeper.layers.lora.LoRAAdapter`), None for the base model.
-    Returns (float32 logits of the last token (vocab,), one PagedKV per layer whose blocks
-    ``0 .. ceil(P / block_size) - 1`` hold positions ``0 .. P-1`` in order).
+    Returns (float32 logits of the last token (vocab,), a private KVStore whose blocks
+    ``0 .. ceil(P / block_size) - 1`` hold positions ``0 .. P-1`` in order; MLA: one latent row per token).
     """
     P = len(token_ids)
     bs = runner.block_size
     nb = -(-P // bs)
-    cfg = runner.cfg
-    parts, heads, dim = cfg.kv_layout  # MLA: one latent row per token (compared as "k")
-    caches = [PagedKV(nb, bs, heads, dim, runner.kv_format, runner.device, layer_idx=i, values=parts == 2)
-              for i in range(cfg.num_layers)]
+    store = KVStore.allocate(runner.cfg, nb, bs, runner.kv_format, runner.device)
     table = torch.arange(nb, dtype=torch.int64, device=runner.device)
     ids = torch.tensor(token_ids, dtype=torch.int64, device=runner.device)
-    hidden = None
+    logits = None
     for c in range(0, P, chunk):
         n = min(chunk, P - c)
         pos = torch.arange(c, c + n, dtype=torch.int64, device=runner.device)
         meta = AttentionMetadata(slot_mapping=pos.clone(), prefills=[PrefillSpan(0, n, c + n, table)])
-        with runner.lora_scope([(SimpleNamespace(lora=lora), n)]):
-            hidden = runner.model(ids[c : c + n], pos, caches, meta)
-    logits = runner.model.compute_logits(hidden[-1:]).float().cpu()[0]
-    return logits, caches
+        last = c + n == P  # only the final chunk's last row needs logits
+        batch = StepBatch(ids[c : c + n], pos, meta, [n - 1] if last else [], [])
+        with runner.lora_scope([(SimpleNamespace(lora=lora), n)]) as adapted:
+            logits = runner.forward(batch, "last" if last else "none", store=store, adapted=adapted)
+    return logits.float().cpu()[0], store
 
 
 def _first_divergence(stored: torch.Tensor, ref: torch.Tensor,
@@ -187,7 +186,7 @@ def audit_sequence(engine, seq, logits: torch.Tensor | None = None, tolerance: A
     """
     t0 = time.perf_counter()
     runner = engine.runner
-    if getattr(runner, "window_blocks", None):
+    if not engine.kv_store.uniform:
         raise ValueError(f"{seq.request_id}: the KV audit reads every layer by block id; a hybrid (sliding-window) "
                          "KV cache cannot be audited: start the engine with --no-hybrid-kv-cache")
     if seq.kv_offset:
@@ -197,15 +196,15 @@ def audit_sequence(engine, seq, logits: torch.Tensor | None = None, tolerance: A
         raise ValueError(f"{seq.request_id}: {P} tokens to audit, {seq.num_computed} have KV")
     tol = tolerance or default_tolerance(runner.dtype, runner.kv_format, getattr(runner, "weight_format", "none"))
     chunk = getattr(getattr(engine, "scheduler", None), "max_num_batched_tokens", 512)
-    ref_logits, ref_caches = recompute_prompt(runner, list(seq.token_ids[:P]), chunk, getattr(seq, "lora", None))
+    ref_logits, ref_store = recompute_prompt(runner, list(seq.token_ids[:P]), chunk, getattr(seq, "lora", None))
     bs = runner.block_size
     table = torch.tensor(seq.block_table[: -(-P // bs)], dtype=torch.int64, device=runner.device)
     ref_table = torch.arange(len(table), dtype=torch.int64, device=runner.device)
     layer = token = tensor = None
     per_layer, rel = [], 0.0
-    for i, (cache, ref) in enumerate(zip(runner.kv_caches, ref_caches)):
-        sk, sv = cache.gather(table, P, torch.float32)
-        rk, rv = ref.gather(ref_table, P, torch.float32)
+    for i in range(ref_store.num_layers):
+        sk, sv = engine.kv_store.gather(i, table, P, torch.float32)
+        rk, rv = ref_store.gather(i, ref_table, P, torch.float32)
         tk, dk, mk = _first_divergence(sk, rk, tol)
         tv, dv, mv = _first_divergence(sv, rv, tol) if sv is not None else (None, 0.0, 0.0)
         per_layer.append(max(dk, dv))

@@ -83,9 +83,9 @@ def dump_sequence(engine, seq, layers=None, start: int | None = None, end: int |
     as described in the module docstring.  Raises :class:`InvalidRequestError` for a bad layer
     list or a range outside the positions that have KV.
     """
-    runner = engine.runner
-    cfg = runner.cfg
-    if getattr(runner, "window_blocks", None):
+    store = engine.kv_store
+    cfg = engine.model_config
+    if not store.uniform:
         engine.require_uniform_kv("dumping KV tensors")
     layer_ids = parse_layers(layers, cfg.num_layers)
     n = seq.num_computed
@@ -100,31 +100,23 @@ def dump_sequence(engine, seq, layers=None, start: int | None = None, end: int |
         why = f" (positions below {lo} were compressed, kv_offset {off})" if off else ""
         raise InvalidRequestError(f"token range {start}..{end} is outside the KV of {source}: give "
                                   f"{lo} <= start < end <= {n}{why}", param="start")
-    bs = runner.block_size
+    bs = store.block_size
     slots = torch.arange(start - off, end - off, dtype=torch.int64)
     table = torch.tensor(seq.block_table, dtype=torch.int64)
     idx = table[slots // bs] * bs + slots % bs  # global slot ids
-    dt = _tensor_dtype(runner.kv_format)
+    dt = _tensor_dtype(store.format)
     tensors = {}
-    for i in layer_ids:
-        cache = runner.kv_caches[i]
-        nb, _, kvh, d = cache.k.shape
-        for name, data, scales in (("k", cache.k, cache.k_scale), ("v", cache.v, cache.v_scale)):
-            if data is None:  # an MLA latent cache: "k" holds the latent rows, there is no "v"
-                continue
-            x = data.view(torch.uint8).view(nb * bs, kvh, d)[idx].view(data.dtype) if data.dtype.itemsize == 1 \
-                and data.dtype != torch.int8 else data.view(nb * bs, kvh, d)[idx]
-            if scales is not None:
-                x = x.to(torch.float32) * scales.view(nb * bs, kvh)[idx].to(torch.float32).unsqueeze(-1)
-            tensors[f"layers.{i}.{name}"] = x.to(dt).contiguous().cpu()
+    for i in layer_ids:  # an MLA latent cache: "k" holds the latent rows, there is no "v"
+        for name, x in store.read_slots(i, idx).items():
+            tensors[f"layers.{i}.{name}"] = x.to(dt).contiguous()
     ns = seq.namespace
     meta = {
         "format": FORMAT, "source": source, "layers": ",".join(map(str, layer_ids)),
         "token_start": str(start), "token_end": str(end), "kv_offset": str(off),
-        "kv_dtype": runner.kv_format.name, "tensor_dtype": str(dt).removeprefix("torch."),
+        "kv_dtype": store.format.name, "tensor_dtype": str(dt).removeprefix("torch."),
         "bytes_per_token": str(engine.kv_bytes_per_token), "model": str(engine.model_name),
         "model_revision": ns.model_revision, "namespace": ns.key, "num_layers": str(cfg.num_layers),
-        "num_kv_heads": str(runner.kv_caches[0].k.shape[2]), "head_dim": str(runner.kv_caches[0].k.shape[3]),
+        "num_kv_heads": str(store.num_kv_heads), "head_dim": str(store.head_dim),
         "block_size": str(bs), "kv_layout": "mla_latent" if cfg.is_mla else "kv",
         "cached_tokens": str((seq.num_cached_tokens or 0) if cached_tokens is None else cached_tokens),
         "token_ids": json.dumps(list(seq.token_ids[start:end])),
@@ -177,7 +169,7 @@ def dump_prompt(engine, prompt_ids: list[int], layers=None, start: int | None = 
             raise InvalidRequestError(seq.error or "the prompt could not be computed")
         return dump_sequence(engine, seq, layers, start, end, source="prompt")
     finally:
-        engine.kv.free(seq)
+        engine.free_kv(seq)
 
 
 def to_bytes(tensors: dict, meta: dict) -> bytes:

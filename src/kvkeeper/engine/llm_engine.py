@@ -205,34 +205,36 @@ class LLMEngine:
         for seq, _ in out.scheduled:
             obs = seq.observer
             if obs is not None and not seq.finished and seq.num_computed - seq.kv_offset >= obs.length:
-                compress_prompt(seq, self.pool, self.runner.kv_caches, self.reclaim)
+                compress_prompt(seq, self.pool, self.kv_store, self.reclaim)
         return finished
 
     def _execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Run the model on a step's batch: (logits of the sequences that need a token, those sequences).
 
         When a sequence asked for prompt logprobs and this step computes some of its prompt, the
-        logits of every such prompt position are computed as well and recorded (its prompt is computed
-        whole: see ``Sequence.computes_whole_prompt``); otherwise this is ``runner.execute``.
+        logits of every packed token are computed in the same forward pass (``runner.forward(batch, "prompt")``)
+        and those of such prompt positions recorded (its prompt is computed whole: see
+        ``Sequence.computes_whole_prompt``); otherwise this is ``runner.execute``.
         """
         if not any(s.prompt_logprobs is not None and s.num_computed < s.num_prompt_tokens - 1 for s, _ in scheduled):
             return self.runner.execute(scheduled)
         r = self.runner
-        with torch.inference_mode(), r.lora_scope(scheduled):
-            input_ids, positions, meta, rows, seqs = r.build_batch(scheduled)
-            hidden = r.model(input_ids, positions, r.kv_caches, meta)
+        with torch.inference_mode(), r.lora_scope(scheduled) as adapted:
+            batch = r.build_batch(scheduled)
+            logits = r.forward(batch, "prompt", adapted=adapted)  # (T, vocab): every packed token
             start = 0
             for seq, n in scheduled:
                 c = seq.num_computed
                 end = min(c + n, seq.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
                 if seq.prompt_logprobs is not None and c < end:
-                    logits = r.model.compute_logits(hidden[start: start + end - c])
-                    entries = prompt_logprob_entries(logits, seq.token_ids[c + 1: end + 1], seq.params.prompt_logprobs)
+                    entries = prompt_logprob_entries(logits[start: start + end - c], seq.token_ids[c + 1: end + 1],
+                                                     seq.params.prompt_logprobs)
                     seq.prompt_logprobs[c + 1: end + 1] = entries
                 start += n
+            _, _, _, rows, seqs = batch
             if not rows:
                 return None, []
-            return r.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device))), seqs
+            return logits.index_select(0, torch.tensor(rows, device=logits.device)), seqs
 
     def _take_samples(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sequence]:
         """Sample one token per sequence, run the first-token hooks, post-process; returns the finished ones."""
@@ -301,8 +303,37 @@ class LLMEngine:
         Returns ``{"evicted": cached blocks dropped, "moved": blocks whose id changed}``.
         """
         self.require_uniform_kv("defragmenting the KV pool (compact)")
-        return compact(self.pool, (seq.block_table for _, seq in self.kv_owners()), self.runner.kv_caches,
-                       self.runner.device, evict_cache)
+        return compact(self.pool, (seq.block_table for _, seq in self.kv_owners()), self.kv_store, evict_cache)
+
+    # ---- the KV handle of holders (sessions) -----------------------------------------------------
+    @property
+    def kv_store(self):
+        """The :class:`~kvkeeper.kvcache.store.KVStore` holding every layer's KV tensors (read and write blocks
+        through it; allocate and free blocks through the methods below)."""
+        return self.runner.kv_store
+
+    def free_kv(self, seq: Sequence) -> None:
+        """Release a sequence's blocks (its full blocks stay in the prefix cache as cached-free)."""
+        self.kv.free(seq)
+
+    def truncate_kv(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the KV of a sequence's first ``num_tokens`` tokens only (freeing the blocks past them)."""
+        self.kv.truncate(seq, num_tokens)
+
+    def commit_kv(self, seq: Sequence) -> None:
+        """Register a sequence's full blocks in the prefix cache under their chained hashes."""
+        self.kv.commit(seq)
+
+    def allocate_kv_blocks(self, n: int) -> list[int] | None:
+        """``n`` fresh pool blocks, asking the KV holders to reclaim room first when the pool has too few free;
+        None when there is still no room (nothing allocated)."""
+        if n > self.pool.num_free:
+            self.reclaim(n - self.pool.num_free)
+        return self.pool.allocate(n) if n <= self.pool.num_free else None
+
+    def free_kv_blocks(self, block_ids: list[int]) -> None:
+        """Give back blocks from :meth:`allocate_kv_blocks` that no sequence took."""
+        self.pool.free_all(block_ids)
 
     def pool_stats(self):
         """Block states and fragmentation figures now (a :class:`kvkeeper.kvcache.telemetry.PoolStats`)."""

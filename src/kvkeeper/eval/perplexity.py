@@ -59,16 +59,14 @@ def _run_chunks(engine, seq, upto: int, chunk: int, targets: torch.Tensor, score
             raise InvalidRequestError(f"{n} more tokens do not fit the {engine.pool.num_free} free KV blocks; "
                                       "raise --kv-cache-bytes")
         start = seq.num_computed
-        input_ids, positions, meta, _, _ = runner.build_batch([(seq, m)])
-        hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
+        a = max(start, score_from)
+        b = min(start + m, len(targets))
+        logits = runner.forward(runner.build_batch([(seq, m)]), "prompt" if b > a else "none")  # (m, vocab)
         seq.num_computed += m
         if hybrid:
             engine.kv.release_out_of_window(seq)
-        a = max(start, score_from)
-        b = min(start + m, len(targets))
         if b > a:
-            logits = runner.model.compute_logits(hidden[a - start: b - start]).float().cpu()
-            lp = torch.log_softmax(logits, dim=-1)
+            lp = torch.log_softmax(logits[a - start: b - start].float().cpu(), dim=-1)
             nll -= float(lp.gather(1, targets[a:b, None]).sum().double())
             scored += b - a
     return nll, scored
@@ -115,7 +113,7 @@ def perplexity(engine, token_ids: list[int], chunk: int = 512, compression=None,
                 seq.observer = PrefillObserver(compression, ctx, mc.num_layers, mc.num_kv_heads)
             nll, scored = _run_chunks(engine, seq, ctx, chunk, targets, ctx - 1)
             if compression is not None:
-                compress_prompt(seq, engine.pool, engine.runner.kv_caches, engine.reclaim)
+                compress_prompt(seq, engine.pool, engine.kv_store, engine.reclaim)
             kv_tokens = ctx - seq.kv_offset
             more, k = _run_chunks(engine, seq, n - 1, chunk, targets, ctx)  # the last token predicts nothing
             nll, scored = nll + more, scored + k
@@ -123,6 +121,6 @@ def perplexity(engine, token_ids: list[int], chunk: int = 512, compression=None,
         engine.kv.free(seq)
     mean = nll / scored
     return {"ppl": math.exp(mean), "nll_mean": mean, "tokens": n, "scored_tokens": scored, "kv_tokens": kv_tokens,
-            "kv_bytes_per_token": engine.kv_bytes_per_token, "kv_dtype": engine.runner.kv_format.name,
+            "kv_bytes_per_token": engine.kv_bytes_per_token, "kv_dtype": engine.kv_store.format.name,
             "policy": compression.policy if compression is not None else None,
             "ratio": compression.ratio if compression is not None else 0.0, "seconds": time.perf_counter() - t0}

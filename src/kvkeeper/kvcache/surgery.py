@@ -1,7 +1,7 @@
 """KV surgery on the paged store: compressing a prompt's KV and compacting the pool.
 
-Both move raw K/V between blocks of every layer's :class:`~kvkeeper.kvcache.quant.PagedKV`
-and rewrite block tables; neither changes a value (quantized blocks move with their scales).
+Both move raw K/V between blocks through the :class:`~kvkeeper.kvcache.store.KVStore`
+(every layer) and rewrite block tables; neither changes a value (quantized blocks move with their scales).
 Call them between engine steps only.
 """
 
@@ -14,12 +14,13 @@ import torch
 
 from .block_pool import BlockPool
 from .compression import select
+from .store import KVStore
 
 log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def compress_prompt(seq, pool: BlockPool, caches: list, reclaim: Callable[[int], int] | None = None) -> bool:
+def compress_prompt(seq, pool: BlockPool, store: KVStore, reclaim: Callable[[int], int] | None = None) -> bool:
     """Keep the tokens ``seq.compression`` selects from its just-prefilled prompt; returns True when applied.
 
     seq: a sequence whose ``observer`` (a :class:`~kvkeeper.kvcache.compression.PrefillObserver`) saw its
@@ -46,10 +47,10 @@ def compress_prompt(seq, pool: BlockPool, caches: list, reclaim: Callable[[int],
     old = torch.tensor(seq.block_table[: -(-L // bs)], dtype=torch.int64)
     j = torch.arange(k)
     dst = torch.tensor(new, dtype=torch.int64)[j // bs] * bs + j % bs
-    for layer, cache in enumerate(caches):
-        keys = cache.gather_keys(old, L, torch.float32)
+    for layer in range(store.num_layers):
+        keys = store.gather_keys(layer, old, L, torch.float32)
         idx = select(comp, obs, layer, keys)  # (KVH, k)
-        cache.copy_tokens(old[idx // bs] * bs + idx % bs, dst)
+        store.copy_tokens(layer, old[idx // bs] * bs + idx % bs, dst)
     pool.free_all(seq.block_table)
     seq.block_table, seq.block_hashes = new, []
     seq.kv_offset = L - k
@@ -58,13 +59,12 @@ def compress_prompt(seq, pool: BlockPool, caches: list, reclaim: Callable[[int],
 
 
 @torch.inference_mode()
-def compact(pool: BlockPool, tables: Iterable[list[int]], caches: list, device: torch.device,
-            evict_cache: bool = False) -> dict:
+def compact(pool: BlockPool, tables: Iterable[list[int]], store: KVStore, evict_cache: bool = False) -> dict:
     """Renumber owned blocks to ids ``0..k-1``, then the prefix cache's unreferenced blocks (LRU order).
 
     tables: every block table holding blocks (each owner's, in order; the same list object
     may appear more than once).  Each owner's blocks become contiguous in table order; their K/V
-    move with them (raw copy, every layer of ``caches``) and the tables are rewritten in place.
+    move with them (raw copy, every layer of ``store``) and the tables are rewritten in place.
     The cached blocks keep their KV and prefix-cache entries (moved as well): they are allocatable
     already, so evicting them would reclaim no memory and only lose prefix hits.  ``evict_cache``:
     drop them first instead (as ``BlockPool.reset_prefix_cache``; fewer bytes moved).
@@ -88,10 +88,9 @@ def compact(pool: BlockPool, tables: Iterable[list[int]], caches: list, device: 
     mapping = pool.defragment(order)
     moved = [(o, n) for o, n in mapping.items() if o != n and n < keep]
     if moved:
-        src = torch.tensor([o for o, _ in moved], dtype=torch.int64, device=device)
-        dst = torch.tensor([n for _, n in moved], dtype=torch.int64, device=device)
-        for cache in caches:
-            cache.move_blocks(src, dst)
+        src = torch.tensor([o for o, _ in moved], dtype=torch.int64, device=store.device)
+        dst = torch.tensor([n for _, n in moved], dtype=torch.int64, device=store.device)
+        store.move_blocks(src, dst)
     for t in unique:
         t[:] = [mapping[b] for b in t]
     return {"evicted": evicted, "moved": len(moved)}

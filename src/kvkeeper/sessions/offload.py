@@ -2,7 +2,7 @@
 
 An idle session (no turn in flight, uncompressed KV) pins blocks in the KV pool.
 :meth:`SessionStore.offload` copies those blocks' raw storage out of the pool
-(``PagedKV.read_blocks``: values plus scales when quantized, so the round trip is
+(``engine.kv_store.read_blocks``: values plus scales when quantized, so the round trip is
 bit-exact for every KV dtype), frees them, and keeps the copy in a tier:
 
 * **host**: CPU tensors in a dict, within a byte budget (``host_offload_bytes``).
@@ -159,38 +159,29 @@ class SessionStore:
             return 0
         if st.kv_offset:
             raise InvalidRequestError(f"session {session.id} holds compressed KV, which is never offloaded")
-        if getattr(self.engine.runner, "window_blocks", None):
-            self.engine.require_uniform_kv("offloading a session's KV")
+        self.engine.require_uniform_kv("offloading a session's KV")
         if not session.idle:
             return 0
         eng = self.engine
         nc = st.num_computed
         nb = -(-nc // eng.block_size)
-        tensors = self._read(st.block_table[:nb])
+        tensors = eng.kv_store.read_blocks(st.block_table[:nb])
         nbytes = sum(t.nbytes for t in tensors.values())
         rec = OffloadRecord(session.id, tier, nb, nc, nbytes, session.last_used, session=session)
         if tier == "disk":
             rec.path = self.disk.write(tensors, session_manifest(session, st, nc, nb, nbytes))  # raises first
         else:
-            if eng.runner.device.type == "cuda":
+            if eng.kv_store.device.type == "cuda":
                 tensors = {k: t.pin_memory() for k, t in tensors.items()}
             rec.tensors = tensors
         freed = len(st.block_table)
-        eng.kv.free(st)  # full blocks stay in the prefix cache as cached-free; token ids stay
+        eng.free_kv(st)  # full blocks stay in the prefix cache as cached-free; token ids stay
         self.records[session.id] = rec
         self.counters.offloads[tier] += 1
         self.counters.offload_bytes[tier] += nbytes
         if tier == "host":
             self._enforce_host_budget()
         return freed
-
-    def _read(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
-        idx = torch.tensor(block_ids, dtype=torch.int64)
-        out = {}
-        for i, cache in enumerate(self.engine.runner.kv_caches):
-            for name, t in cache.read_blocks(idx).items():
-                out[f"{i}.{name}"] = t
-        return out
 
     def _enforce_host_budget(self) -> None:
         while self.bytes_in("host") > self.host_budget:
@@ -254,7 +245,7 @@ class SessionStore:
         if self.checkpointed.get(session.id) == sig:
             return False
         nc, nb = st.num_computed, -(-st.num_computed // self.engine.block_size)
-        tensors = self._read(st.block_table[:nb])
+        tensors = self.engine.kv_store.read_blocks(st.block_table[:nb])
         nbytes = sum(t.nbytes for t in tensors.values())
         self.disk.write(tensors, session_manifest(session, st, nc, nb, nbytes))
         self.checkpointed[session.id] = sig
@@ -294,7 +285,7 @@ class SessionStore:
             self.discard(session.id)
             return False
         st.block_table, st.block_hashes, st.num_computed, st.kv_offset = bids, [], rec.num_computed, 0
-        self.engine.kv.commit(st)  # re-register the full blocks under their chained hashes
+        self.engine.commit_kv(st)  # re-register the full blocks under their chained hashes
         self.counters.restores[rec.tier] += 1
         self.counters.restore_bytes[rec.tier] += rec.nbytes
         self.records.pop(session.id, None)
@@ -309,22 +300,17 @@ class SessionStore:
             raise OffloadError(f"session {session.id} has no token state to restore into")
         tensors = rec.tensors if rec.tier == "host" else self.disk.load(
             rec.path, session.id, st.namespace, rec.num_computed, rec.num_blocks, st.token_ids)
-        if getattr(eng.runner, "window_blocks", None):
+        if not eng.kv_store.uniform:
             raise OffloadError(f"session {session.id}: saved KV cannot be restored into a hybrid (sliding-window) KV "
                                "cache; its next prompt is recomputed")
-        need = rec.num_blocks
-        if need > eng.pool.num_free:
-            eng.reclaim(need - eng.pool.num_free)
-        if need > eng.pool.num_free:
-            raise OffloadError(f"no room in the KV pool for session {session.id}'s {need} blocks "
-                               f"({eng.pool.num_free} free)")
-        bids = eng.pool.allocate(need)
+        bids = eng.allocate_kv_blocks(rec.num_blocks)
+        if bids is None:
+            raise OffloadError(f"no room in the KV pool for session {session.id}'s {rec.num_blocks} blocks, even after "
+                               "reclaiming other idle sessions' blocks")
         try:
-            for i, cache in enumerate(eng.runner.kv_caches):
-                prefix = f"{i}."
-                cache.write_blocks(bids, {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)})
+            eng.kv_store.write_blocks(bids, tensors)
         except (ValueError, RuntimeError) as e:
-            eng.pool.free_all(bids)
+            eng.free_kv_blocks(bids)
             raise OffloadError(f"session {session.id}: its saved KV does not fit this cache: {e}") from None
         return bids
 

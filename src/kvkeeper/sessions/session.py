@@ -148,7 +148,7 @@ class Session:
         if self.kv is None or not self.kv.block_table:
             return 0
         n = len(self.kv.block_table)
-        self.engine.kv.free(self.kv)
+        self.engine.free_kv(self.kv)
         return n
 
     def close(self) -> None:
@@ -258,10 +258,10 @@ class Session:
         if st is None or not st.block_table:
             return 0
         if not self.reuse or st.namespace != seq.namespace or st.kv_offset or seq.computes_whole_prompt:
-            self.engine.kv.free(st)
+            self.engine.free_kv(st)
             return 0
         ids = seq.token_ids
-        self.engine.kv.truncate(st, min(common_prefix(st.token_ids[: st.num_computed], ids), len(ids) - 1))
+        self.engine.truncate_kv(st, min(common_prefix(st.token_ids[: st.num_computed], ids), len(ids) - 1))
         seq.block_table, seq.block_hashes, seq.num_computed = st.block_table, st.block_hashes, st.num_computed
         st.block_table, st.block_hashes, st.num_computed = [], [], 0
         return seq.num_computed
@@ -276,16 +276,16 @@ class Session:
         turn, self.turn = self.turn, None
         eng = self.engine
         if self.closed or turn is None or turn.seq is not seq or seq.finish_reason == "error":
-            eng.kv.free(seq)
+            eng.free_kv(seq)
             return
         if self.kv is not None and self.kv.block_table:
-            eng.kv.free(self.kv)
+            eng.free_kv(self.kv)
         self.kv = seq
         self.text = "" if turn.prompt_text is None else (
             turn.prompt_text + eng.tokenizer.decode(seq.output_token_ids, skip_special_tokens=False))
         self.last_used = time.monotonic()
         if not self.reuse:
-            eng.kv.free(seq)
+            eng.free_kv(seq)
         if seq.finish_reason == "abort":
             return
         if turn.messages is not None:

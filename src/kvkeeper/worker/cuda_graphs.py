@@ -102,7 +102,7 @@ class DecodeGraphs:
             backend="triton", decode_num_splits=self.num_splits(size),
         )
         model = self.runner.model
-        hidden = model(self.input_ids[:size], self.positions[:size], self.runner.kv_caches, meta)
+        hidden = model(self.input_ids[:size], self.positions[:size], self.runner.kv_store, meta)
         return model.compute_logits(hidden)
 
     @torch.inference_mode()

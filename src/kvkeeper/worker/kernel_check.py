@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kvcache.quant import PagedKV, parse_kv_format
+from ..kvcache.quant import parse_kv_format
+from ..kvcache.store import PagedKV
 from ..attention import reference as attention, selector as attention_backend
 from ..kernels import cpu as cpu_kernels
 from ..layers import quantized

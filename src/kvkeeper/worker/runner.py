@@ -1,19 +1,22 @@
-"""Model runner: owns the weights and the paged KV tensors, turns a scheduled batch into logits.
+"""Model runner: owns the weights and the KV store, turns a scheduled batch into logits.
 
-Each step it packs the scheduled tokens of all sequences along one axis,
-computes their positions and slots, builds one :class:`AttentionMetadata`,
-runs the model and returns the logits of the last token of every sequence
-that needs a new token.
+Each step it packs the scheduled tokens of all sequences along one axis
+(:meth:`ModelRunner.build_batch`: positions, slots, one :class:`AttentionMetadata`), then
+:meth:`ModelRunner.forward` runs the model, the one place in the package it runs, and returns the
+logits asked for: the last token of every sequence that needs a new one, every packed token (prompt
+scoring), or none.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from typing import NamedTuple
 
 import torch
 
-from ..kvcache.quant import KVFormat, PagedKV, parse_kv_format
+from ..kvcache.quant import KVFormat, parse_kv_format
+from ..kvcache.store import KVStore
 from . import kernel_check
 from ..attention.selector import resolve_attention_backend, triton_available  # noqa: F401  (re-exported)
 from ..attention.metadata import AttentionMetadata, PrefillSpan
@@ -41,10 +44,11 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 class ModelRunner:
     """Weights plus KV cache on one device.
 
-    kv_caches: one :class:`PagedKV` per layer: K and V (num_blocks, block_size, num_kv_heads, head_dim)
-    in the KV format's storage dtype, plus per-token per-head scales when quantized.  An MLA (DeepSeek) model has one latent
-    row per token instead: K only, (num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim), one scale per row
-    (``ModelConfig.kv_layout``).
+    kv_store: the :class:`~kvkeeper.kvcache.store.KVStore`, one ``PagedKV`` per layer: K and V (num_blocks,
+    block_size, num_kv_heads, head_dim) in the KV format's storage dtype, plus per-token per-head scales when
+    quantized.  An MLA (DeepSeek) model has one latent row per token instead: K only, (num_blocks, block_size, 1,
+    kv_lora_rank + qk_rope_head_dim), one scale per row (``ModelConfig.kv_layout``).
+    model: the ``nn.Module``; only :meth:`forward` runs it.
     """
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], num_blocks: int, block_size: int,
@@ -100,13 +104,10 @@ class ModelRunner:
         if self.attention_backend == "cpu":
             self._check_cpu_kernels()
         self.graphs = None  # a cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
-        parts, heads, dim = cfg.kv_layout  # MLA: one latent row per token and layer (no V part)
-        self.kv_caches = [PagedKV(self.window_blocks if self.window_blocks and cfg.is_sliding_layer(i) else num_blocks,
-                                  block_size, heads, dim, self.kv_format, self.device, layer_idx=i,
-                                  values=parts == 2) for i in range(cfg.num_layers)]
+        self.kv_store = KVStore.allocate(cfg, num_blocks, block_size, self.kv_format, self.device, self.window_blocks)
         # one C++ call per decode step when the weights are packed (kvkeeper.worker.fused_decode); the
         # layer-by-layer path then uses the same C++ element-wise routines
-        self.fused_decode = (FusedDecode.build(self.model, self.kv_caches) if fused_decode and
+        self.fused_decode = (FusedDecode.build(self.model, self.kv_store) if fused_decode and
                              self.attention_backend == "cpu" and self.weight_format != "none"
                              and self.capabilities.fused_decode else None)
         if self.fused_decode is not None:
@@ -161,25 +162,21 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV (values plus scales) per token across all layers (a hybrid cache: what a token costs
         while inside the window; past it, only the full layers' share, :attr:`kv_bytes_per_token_full_layers`)."""
-        parts, heads, dim = self.cfg.kv_layout
-        return self.kv_format.bytes_per_token(self.cfg.num_layers, heads, dim, parts)
+        return self.kv_store.bytes_per_token
 
     @property
     def kv_bytes_per_token_full_layers(self) -> int:
         """Bytes of KV per token in the full-attention layers only (all layers without a hybrid cache)."""
-        parts, heads, dim = self.cfg.kv_layout
-        n = sum(not self.cfg.is_sliding_layer(i) for i in range(self.cfg.num_layers)) if self.window_blocks else \
-            self.cfg.num_layers
-        return self.kv_format.bytes_per_token(n, heads, dim, parts)
+        return self.kv_store.bytes_per_token_full_layers
 
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes the KV tensors of all layers hold (values plus scales)."""
-        return sum(t.numel() * t.element_size() for c in self.kv_caches
-                   for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None)
+        return self.kv_store.nbytes
 
-    def build_batch(self, scheduled):
-        """scheduled: list of (seq, num_new_tokens).  Returns (input_ids, positions, meta, logits_rows, sample_seqs)."""
+    def build_batch(self, scheduled) -> "StepBatch":
+        """scheduled: list of (seq, num_new_tokens).  Returns a :class:`StepBatch` (a tuple: input_ids,
+        positions, meta, logit_rows, seqs)."""
         bs = self.block_size
         ids, pos, slots = [], [], []
         prefills = []
@@ -221,7 +218,7 @@ class ModelRunner:
             meta.sliding = self._sliding_meta(scheduled, meta)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.cat(pos).to(dev)
-        return input_ids, positions, meta, logit_rows, sample_seqs
+        return StepBatch(input_ids, positions, meta, logit_rows, sample_seqs)
 
     def _sliding_meta(self, scheduled, meta: AttentionMetadata) -> AttentionMetadata:
         """The sliding layers' metadata in a hybrid cache: slots and tables of window blocks, each table from
@@ -258,30 +255,46 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled) -> tuple[torch.Tensor | None, list]:
-        """Run one step; returns (float32 logits (N, vocab) on the model's device for sequences that need a
-        token, those sequences)."""
+        """Run one step of ``scheduled`` (list of (seq, num_new_tokens)); returns (float32 logits (N, vocab) on
+        the model's device for the N sequences that need a token, those sequences; (None, []) when none does)."""
         with self.lora_scope(scheduled) as adapted:
-            return self._execute(scheduled, adapted)
+            batch = self.build_batch(scheduled)
+            return self.forward(batch, "last", adapted=adapted), batch[4]
 
-    def _execute(self, scheduled, adapted: bool) -> tuple[torch.Tensor | None, list]:
-        """execute()'s body; ``adapted``: some sequence runs a LoRA adapter (then the step runs layer by
-        layer in PyTorch modules, never as a CUDA graph or the fused C++ decode step, which know no adapters)."""
-        input_ids, positions, meta, rows, seqs = self.build_batch(scheduled)
-        if self.graphs is not None and not adapted and not meta.prefills and meta.decode_indices is not None:
-            size = self.graphs.can_replay(len(seqs), meta.decode_block_tables.shape[1])
+    @torch.inference_mode()
+    def forward(self, batch: "StepBatch", logits: str = "last", store: KVStore | None = None,
+                adapted: bool = False) -> torch.Tensor | None:
+        """Run the model on a packed batch (:meth:`build_batch`, or a StepBatch built by hand) and write its K/V.
+
+        logits: "last": float32 logits (N, vocab) of the rows ``batch.logit_rows`` (the last token of each
+        sequence that needs one; None when there is none); "prompt": logits (T, vocab) of every packed token,
+        in batch order (prompt logprobs, perplexity; activation memory T x vocab x 4 bytes); "none": no logits,
+        only the K/V written (returns None).  Logits stay on the model's device.
+        store: the KV store to read and write (default: the runner's; a private one for a recompute such as
+        the reuse audit).  adapted: some sequence runs a LoRA adapter (the caller holds :meth:`lora_scope`);
+        the step then runs layer by layer in PyTorch modules, never as a CUDA graph or the fused C++ decode
+        step, which know no adapters.  Raises ValueError for another ``logits``.
+        """
+        if logits not in ("last", "prompt", "none"):
+            raise ValueError(f"logits must be 'last', 'prompt' or 'none', got {logits!r}")
+        input_ids, positions, meta, rows, _ = batch
+        own = store is None or store is self.kv_store
+        fast = own and not adapted and logits == "last"
+        if fast and self.graphs is not None and not meta.prefills and meta.decode_indices is not None:
+            size = self.graphs.can_replay(len(rows), meta.decode_block_tables.shape[1])
             if size is not None and len(rows) == input_ids.numel():  # decode-only: row i is sequence i
-                logits = self.graphs.replay(size, input_ids, positions, meta.slot_mapping,
-                                            meta.decode_block_tables, meta.decode_context_lens)
-                return logits, seqs
+                return self.graphs.replay(size, input_ids, positions, meta.slot_mapping,
+                                          meta.decode_block_tables, meta.decode_context_lens)
             self.graphs.eager_steps += 1
-        if self.fused_decode is not None and meta.backend == "cpu" and meta.decode_only and not adapted:
+        if fast and self.fused_decode is not None and meta.backend == "cpu" and meta.decode_only:
             hidden = self.fused_decode(input_ids, positions, meta)
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not rows:
-            return None, []
-        h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device))
-        return self.model.compute_logits(h), seqs  # on the model's device: the sampler moves what it needs
+            hidden = self.model(input_ids, positions, self.kv_store if own else store, meta)
+        if logits == "none" or (logits == "last" and not rows):
+            return None
+        if logits == "last":
+            hidden = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=hidden.device))
+        return self.model.compute_logits(hidden)  # on the model's device: the sampler moves what it needs
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
         """Capture decode-step CUDA graphs for batches up to ``max_num_seqs`` (see kvkeeper.worker.cuda_graphs).
@@ -296,3 +309,18 @@ class ModelRunner:
         self.graphs = graphs if graphs.graphs else None
         return self.graphs is not None
 
+
+class StepBatch(NamedTuple):
+    """One step's packed batch (:meth:`ModelRunner.build_batch`).
+
+    input_ids, positions: (T,) int64 on the device, the scheduled tokens of all sequences one after another;
+    meta: their :class:`AttentionMetadata` (slots, prefill spans, decode tables); logit_rows: the packed rows
+    (token indices) whose logits sample a token, one per sequence in ``seqs`` (those that reach their last
+    token in this step).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: list[int]
+    seqs: list

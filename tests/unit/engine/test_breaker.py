@@ -27,7 +27,7 @@ def folder(tmp_path_factory):
 def _session_kv(eng, s):
     st = s.kv
     bt = torch.tensor(st.block_table, dtype=torch.int64)
-    return [c.gather(bt, st.num_computed, torch.float32) for c in eng.runner.kv_caches]
+    return [c.gather(bt, st.num_computed, torch.float32) for c in eng.kv_store]
 
 
 def _fragmented(folder, kv_dtype=None):

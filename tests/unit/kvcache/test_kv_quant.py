@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 from kvkeeper import LLMEngine
 from kvkeeper.sampling.params import SamplingParams
 from kvkeeper.engine.sequence import Sequence
-from kvkeeper.kvcache.quant import FORMATS, PagedKV, dequantize, parse_kv_format, quantize
-from tests.utils.paths import DATA
+from kvkeeper.kvcache.quant import FORMATS, dequantize, parse_kv_format, quantize
+from kvkeeper.kvcache.store import PagedKV
 from tests.utils.engines import make_engine
+from tests.utils.paths import DATA
 
 BOOK = DATA / "gutenberg_pride_and_prejudice" / "1342-0.txt"
 
@@ -126,10 +127,7 @@ def _prompt_logits(eng: LLMEngine, ids: list[int], chunk: int) -> torch.Tensor:
     try:
         while seq.num_computed < len(ids):
             m = min(chunk, len(ids) - seq.num_computed)
-            ii, pos, meta, _, _ = eng.runner.build_batch([(seq, m)])
-            with torch.inference_mode():
-                h = eng.runner.model(ii, pos, eng.runner.kv_caches, meta)
-                out.append(eng.runner.model.compute_logits(h))
+            out.append(eng.runner.forward(eng.runner.build_batch([(seq, m)]), "prompt"))
             seq.num_computed += m
     finally:
         eng.kv.free(seq)

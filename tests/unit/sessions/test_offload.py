@@ -18,7 +18,8 @@ import torch
 
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.errors import InvalidRequestError
-from kvkeeper.kvcache.quant import FORMATS, PagedKV
+from kvkeeper.kvcache.quant import FORMATS
+from kvkeeper.kvcache.store import KVStore, PagedKV
 from kvkeeper.kvcache.validate import check_engine
 from kvkeeper.sessions import SessionManager
 from kvkeeper.sessions.disk import MANIFEST, session_dir_name
@@ -63,7 +64,7 @@ def _scribble(eng) -> None:
     """Empty the prefix cache and overwrite every free block's KV, so only the tier can give it back."""
     eng.pool.reset_prefix_cache()
     free = torch.tensor([b.block_id for b in eng.pool.blocks if b.ref_count == 0], dtype=torch.int64)
-    for c in eng.runner.kv_caches:
+    for c in eng.kv_store:
         for t in c._parts().values():
             c._raw(t).index_fill_(0, free, 7)
 
@@ -100,6 +101,50 @@ def test_paged_kv_blocks_round_trip_bit_exact_every_format():
         got["k"] = got["k"][:1]
         with pytest.raises(ValueError, match="needs"):
             b.write_blocks([0, 5], got)
+
+
+def _store(fmt, layers: int = 3, windowed=None) -> KVStore:
+    g = torch.Generator().manual_seed(1)
+    caches = [PagedKV(6, 4, 3, 8, fmt, layer_idx=i) for i in range(layers)]
+    for c in caches:
+        x = torch.randn(24, 3, 8, generator=g) * 3
+        c.write(x, x.flip(0), torch.arange(24))
+    return KVStore(caches, windowed)
+
+
+def test_kv_store_blocks_round_trip_move_and_refuse_foreign_payloads():
+    for fmt in FORMATS.values():
+        a, b = _store(fmt), _store(FORMATS["float32"] if fmt.quantized else FORMATS["int8"])
+        got = a.read_blocks([4, 1])
+        assert len(got) == 3 * (4 if fmt.quantized else 2) and all(k.split(".")[0] in "012" for k in got)
+        assert sum(t.nbytes for t in got.values()) == 2 * a.bytes_per_block
+        assert a.nbytes == 6 * a.bytes_per_block == 6 * 4 * fmt.bytes_per_token(3, 3, 8)
+        c = _store(fmt)
+        c.write_blocks([0, 5], got)
+        assert all(_raw_equal(got[k], t) for k, t in c.read_blocks([0, 5]).items()), fmt.name
+        before = b.read_blocks(range(6))
+        with pytest.raises(ValueError):  # another format: nothing of it is written, in any layer
+            b.write_blocks([0, 5], got)
+        assert all(_raw_equal(before[k], t) for k, t in b.read_blocks(range(6)).items())
+        partial = {k: t for k, t in got.items() if not k.startswith("2.")}
+        kept = c.read_blocks([2, 3])
+        with pytest.raises(ValueError, match="layer 2"):  # a layer missing: layers 0 and 1 are not written either
+            c.write_blocks([2, 3], partial)
+        assert all(_raw_equal(kept[k], t) for k, t in c.read_blocks([2, 3]).items())
+        with pytest.raises(ValueError, match="names no layer"):
+            c.write_blocks([0, 5], {**got, "7.k": got["0.k"]})
+        perm = c.read_blocks([1, 2, 0])
+        c.move_blocks(torch.tensor([1, 2, 0]), torch.tensor([0, 1, 2]))  # overlapping: sources read first
+        assert all(_raw_equal(perm[k], t) for k, t in c.read_blocks([0, 1, 2]).items())
+        slots = torch.tensor([3, 17])
+        k, v = c.gather(1, torch.tensor([0, 1, 2, 3, 4, 5]), 24, torch.float32)
+        read = c.read_slots(1, slots)
+        assert torch.equal(read["k"].float(), k[slots]) and torch.equal(read["v"].float(), v[slots])
+    hybrid = _store(FORMATS["float32"], windowed=[False, True, False])
+    assert not hybrid.uniform and _store(FORMATS["float32"]).uniform
+    for op in (lambda: hybrid.read_blocks([0]), lambda: hybrid.move_blocks(torch.tensor([0]), torch.tensor([1]))):
+        with pytest.raises(ValueError, match="hybrid"):
+            op()
 
 
 def test_host_offload_then_next_turn_is_exact(eng, sessions, reference):
@@ -170,13 +215,13 @@ def test_int8_kv_round_trip_bit_exact(tmp_path):
     e.pool.reset_prefix_cache()
     s, out = _two_turns(e, sessions)
     nb = -(-s.kv.num_computed // e.block_size)
-    before = [c.read_blocks(s.kv.block_table[:nb]) for c in e.runner.kv_caches]
+    before = [c.read_blocks(s.kv.block_table[:nb]) for c in e.kv_store]
     s.offload("host")
     s.offload("disk")  # host -> disk
     assert s.tier == "disk"
     _scribble(e)
     assert sessions.store.restore(s)
-    after = [c.read_blocks(s.kv.block_table) for c in e.runner.kv_caches]
+    after = [c.read_blocks(s.kv.block_table) for c in e.kv_store]
     for x, y in zip(before, after):
         assert set(x) == {"k", "v", "k_scale", "v_scale"}
         assert all(_raw_equal(x[k], y[k]) for k in x)

@@ -149,12 +149,12 @@ def test_fused_step_equals_layer_by_layer(gguf_engine):
             x = m.model.embed_tokens(ids).float()
             cs = m.rope.cos_sin(pos, x.dtype)
             want = x.clone()
-            for layer, kv in zip(m.model.layers[:n], r.kv_caches[:n]):
+            for layer, kv in zip(m.model.layers[:n], r.kv_store[:n]):
                 want = layer(want, cs, kv, meta)
             sub = SimpleNamespace(config=m.config, rope=m.rope,
                                   model=SimpleNamespace(layers=m.model.layers[:n], embed_tokens=m.model.embed_tokens,
                                                         norm=m.model.norm))
-            fd = FusedDecode(sub, r.kv_caches[:n], cpu_kernels.load())
+            fd = FusedDecode(sub, r.kv_store[:n], cpu_kernels.load())
             got = x.clone().contiguous()
             fd.dm.step(got, m.rope.cos[pos].contiguous(), m.rope.sin[pos].contiguous(), meta.slot_mapping,
                        meta.decode_block_tables.contiguous(), meta.decode_context_lens, fd.scale, 16)

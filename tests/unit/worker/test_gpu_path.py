@@ -132,14 +132,14 @@ def test_decode_graph_buffers_padding_equals_unpadded_eager(tiny_config):
                     attention_backend="triton", kv_dtype="int8")
     runner = eng.runner
     g = torch.Generator().manual_seed(0)
-    for cache in runner.kv_caches:  # random history in every block
+    for cache in runner.kv_store:  # random history in every block
         n = cache.k.shape[0] * cache.block_size
         cache.write(torch.randn(n, 1, 16, generator=g), torch.randn(n, 1, 16, generator=g), torch.arange(n))
     seqs = [_fake_seq(range(10, 10 + L), bt) for L, bt in ((9, [7, 3, 11]), (1, [20]), (14, [1, 2, 30, 31]))]
     ids, pos, meta, rows, _ = runner.build_batch([(s, 1) for s in seqs])
     with torch.inference_mode():
-        want = runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta))
-    after_eager = [c.k.clone() for c in runner.kv_caches]
+        want = runner.model.compute_logits(runner.model(ids, pos, runner.kv_store, meta))
+    after_eager = [c.k.clone() for c in runner.kv_store]
     graphs = DecodeGraphs(runner, max_model_len=64, sizes=(1, 2, 4, 8))
     size = graphs.can_replay(3, meta.decode_block_tables.shape[1])
     assert size is None  # nothing captured on CPU: the runner runs this step eagerly
@@ -149,7 +149,7 @@ def test_decode_graph_buffers_padding_equals_unpadded_eager(tiny_config):
         got = graphs.forward_static(4)
     assert got.shape == (4, 300) and torch.isfinite(got).all()
     assert torch.allclose(got[:3], want, atol=1e-4, rtol=1e-4)
-    assert all(torch.equal(a, c.k) for a, c in zip(after_eager, runner.kv_caches))  # padding wrote nothing
+    assert all(torch.equal(a, c.k) for a, c in zip(after_eager, runner.kv_store))  # padding wrote nothing
     with pytest.raises(ValueError, match="does not fit"):
         graphs.fill(2, ids, pos, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
 

@@ -1,0 +1,379 @@
+"""The KV store: the one owner of the paged KV tensors of every layer.
+
+:class:`PagedKV` is one layer's cache (K and V per block, plus scales when quantized; formats in
+:mod:`kvkeeper.kvcache.quant`); :class:`KVStore` holds one per layer and is the only way the rest of the
+package reads or writes them: whole blocks (session offload, compaction), single tokens (KV compression,
+dumps), a sequence's K/V (audits), sizes in bytes.  The model's forward pass gets the store itself
+(``store[i]`` / iteration give each layer's :class:`PagedKV`, which the attention kernels read in place).
+
+Block ids index every layer alike, except in a *hybrid* store (a sliding-window model's windowed layers
+hold fewer, separately numbered window blocks; ``uniform`` False): block-level copies then raise ValueError.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from .quant import SCALE_DTYPE, KVFormat, dequantize, quantize
+
+__all__ = ["KVStore", "PagedKV"]
+
+
+class PagedKV:
+    """One layer's paged K/V storage (shapes and formats: :mod:`kvkeeper.kvcache.quant`).
+
+    ``k``, ``v``: (num_blocks, block_size, num_kv_heads, head_dim) in ``fmt.storage``; ``k_scale``, ``v_scale``:
+    (num_blocks, block_size, num_kv_heads) float16 when quantized, else None.  Only the attention kernels and
+    the model layers read these tensors; everything else goes through :class:`KVStore`.
+
+    values=False: K only (an MLA latent row per token; ``v`` and ``v_scale`` are None).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 fmt: KVFormat, device: torch.device | str = "cpu", layer_idx: int = 0, values: bool = True):
+        self.fmt = fmt
+        self.layer_idx = layer_idx
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=fmt.storage, device=device)
+        self.v = torch.zeros(shape, dtype=fmt.storage, device=device) if values else None
+        if fmt.quantized:
+            self.k_scale = torch.ones(shape[:3], dtype=SCALE_DTYPE, device=device)
+            self.v_scale = torch.ones(shape[:3], dtype=SCALE_DTYPE, device=device) if values else None
+        else:
+            self.k_scale = self.v_scale = None
+
+    @property
+    def latent(self) -> bool:
+        """True for an MLA latent cache (K rows only)."""
+        return self.v is None
+
+    def write_latent(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store MLA latent rows (T, kv_lora_rank + qk_rope_head_dim) into their slots (T,) int64 (one scale
+        per row when quantized)."""
+        nb, bs, _, d = self.k.shape
+        if not self.fmt.quantized:
+            self.k.view(nb * bs, d).index_copy_(0, slots, rows.to(self.k.dtype))
+            return
+        q, s = quantize(rows, self.fmt)
+        data = self.k.view(torch.uint8) if q.dtype.itemsize == 1 and q.dtype != torch.int8 else self.k
+        data.view(nb * bs, d).index_copy_(0, slots, q.view(data.dtype))
+        self.k_scale.view(nb * bs).index_copy_(0, slots, s)
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store new keys/values k, v (T, KVH, D) into their slots (T,) int64."""
+        nb, bs, kvh, d = self.k.shape
+        if not self.fmt.quantized:
+            self.k.view(nb * bs, kvh, d).index_copy_(0, slots, k.to(self.k.dtype))
+            self.v.view(nb * bs, kvh, d).index_copy_(0, slots, v.to(self.v.dtype))
+            return
+        for data, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, s = quantize(x, self.fmt)
+            if q.dtype.itemsize == 1 and q.dtype != torch.int8:  # float8: copy the bytes (no float8 index_copy on CPU)
+                data, q = data.view(torch.uint8), q.view(torch.uint8)
+            data.view(nb * bs, kvh, d).index_copy_(0, slots, q)
+            scales.view(nb * bs, kvh).index_copy_(0, slots, s)
+
+    @staticmethod
+    def _gather_one(data, scales, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+        kvh, d = data.shape[2], data.shape[3]
+        x = data.index_select(0, block_table).reshape(-1, kvh, d)[:length]
+        if scales is not None:
+            x = dequantize(x, scales.index_select(0, block_table).reshape(-1, kvh)[:length], dtype)
+        return x.to(dtype)
+
+    def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one sequence: each (length, KVH, D) in ``dtype``, from its blocks (nb,) int64 (V None for
+        an MLA latent cache)."""
+        k = self._gather_one(self.k, self.k_scale, block_table, length, dtype)
+        return k, (None if self.v is None else self._gather_one(self.v, self.v_scale, block_table, length, dtype))
+
+    def gather_keys(self, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """K only: (length, KVH, D) in ``dtype`` (what compression policies score)."""
+        return self._gather_one(self.k, self.k_scale, block_table, length, dtype)
+
+    def gather_padded(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of a batch: block_tables (B, nb) int64 -> each (B, KVH, nb * block_size, D) in ``dtype``."""
+        return (self._gather_padded_one(self.k, self.k_scale, block_tables, dtype),
+                self._gather_padded_one(self.v, self.v_scale, block_tables, dtype))
+
+    def gather_keys_padded(self, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """K only (an MLA cache's latent rows) of a batch: block_tables (B, nb) -> (B, KVH, nb * block_size, D)."""
+        return self._gather_padded_one(self.k, self.k_scale, block_tables, dtype)
+
+    @staticmethod
+    def _gather_padded_one(data, scales, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        B, nb = block_tables.shape
+        flat = block_tables.reshape(-1)
+        bs, kvh, d = data.shape[1], data.shape[2], data.shape[3]
+        x = data.index_select(0, flat).view(B, nb * bs, kvh, d)
+        if scales is not None:
+            x = dequantize(x, scales.index_select(0, flat).view(B, nb * bs, kvh), dtype)
+        return x.transpose(1, 2).to(dtype)
+
+    def copy_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per KV head, copy the token in slot ``src[h, j]`` to slot ``dst[j]``: src (KVH, n), dst (n,) int64.
+
+        Raw values and scales are copied (no re-quantization).  Used by KV compression,
+        where each head keeps its own tokens.
+        """
+        if self.latent:
+            raise ValueError("per-head token copies need K and V heads; an MLA latent cache has one row per token")
+        nb, bs, kvh, d = self.k.shape
+        heads = torch.arange(kvh)
+        for data, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            raw = data.view(torch.uint8) if data.dtype.itemsize == 1 and data.dtype != torch.int8 else data
+            flat = raw.view(nb * bs, kvh, d)
+            flat[dst] = flat[src.t(), heads]  # (n, KVH, D)
+            if scales is not None:
+                fs = scales.view(nb * bs, kvh)
+                fs[dst] = fs[src.t(), heads]
+
+    def move_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks ``src[i]`` to ``dst[i]`` (values and scales, raw): src, dst (n,) int64.
+
+        The sources are read before any destination is written, so ``src`` and ``dst``
+        may overlap (a permutation, as in pool defragmentation).
+        """
+        for data, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            if data is None:  # an MLA latent cache has no V
+                continue
+            raw = data.view(torch.uint8) if data.dtype.itemsize == 1 and data.dtype != torch.int8 else data
+            raw[dst] = raw[src]
+            if scales is not None:
+                scales[dst] = scales[src]
+
+    def read_slots(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """K and V of single token slots (global slot ids ``block * block_size + offset``, (n,) int64) as CPU
+        tensors (n, KVH, D): the storage dtype, bit for bit, or float32 (``q * scale``) when quantized.
+        Returns ``{"k", "v"}`` (``{"k"}`` for an MLA latent cache)."""
+        nb, bs, kvh, d = self.k.shape
+        idx = slots.to(self.k.device)
+        out = {}
+        for name, data, scales in (("k", self.k, self.k_scale), ("v", self.v, self.v_scale)):
+            if data is None:
+                continue
+            x = self._raw(data).view(nb * bs, kvh, d)[idx].view(data.dtype)
+            if scales is not None:
+                x = dequantize(x, scales.view(nb * bs, kvh)[idx], torch.float32)
+            out[name] = x.contiguous().cpu()
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes this layer's tensors hold (values plus scales)."""
+        return sum(t.nbytes for t in self._parts().values())
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token slot takes in this layer (values plus scales)."""
+        return self.nbytes() // (self.k.shape[0] * self.k.shape[1])
+
+    # ---- whole-block raw access (session offload) ------------------------------------------
+    def _parts(self) -> dict[str, torch.Tensor]:
+        parts = {"k": self.k, "v": self.v, "k_scale": self.k_scale, "v_scale": self.v_scale}
+        return {name: t for name, t in parts.items() if t is not None}
+
+    @staticmethod
+    def _raw(t: torch.Tensor) -> torch.Tensor:
+        # float8 has no index_select / index_copy on CPU: move its bytes as uint8 instead
+        return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype != torch.int8 else t
+
+    def read_blocks(self, block_ids) -> dict[str, torch.Tensor]:
+        """Raw storage of whole blocks, copied to CPU tensors (no dequantization: a bit-exact copy).
+
+        block_ids: (n,) int64 tensor or list of block ids.  Returns ``{"k", "v"}`` of shape
+        ``(n, block_size, num_kv_heads, head_dim)`` in the storage dtype and, when quantized,
+        ``{"k_scale", "v_scale"}`` of shape ``(n, block_size, num_kv_heads)`` float16.
+        """
+        idx = torch.as_tensor(block_ids, dtype=torch.int64, device=self.k.device)
+        return {name: self._raw(t).index_select(0, idx).view(t.dtype).cpu()  # index_select copies
+                for name, t in self._parts().items()}
+
+    def write_blocks(self, block_ids, tensors: dict[str, torch.Tensor]) -> None:
+        """Write blocks read by :meth:`read_blocks` (any cache of the same format and shape) into ``block_ids``.
+
+        Raises ValueError when a part is missing or its dtype or shape differs from this cache's
+        (e.g. KV saved in another format or for another model), so foreign KV is never written.
+        """
+        self.check_blocks(len(block_ids), tensors)
+        idx = torch.as_tensor(block_ids, dtype=torch.int64, device=self.k.device)
+        for name, dst in self._parts().items():
+            self._raw(dst).index_copy_(0, idx, self._raw(tensors[name].to(dst.device)))
+
+    def check_blocks(self, n: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Raise ValueError unless ``tensors`` are ``n`` blocks of this cache's parts, dtypes and shapes."""
+        parts = self._parts()
+        if set(tensors) != set(parts):
+            raise ValueError(f"layer {self.layer_idx}: KV parts {sorted(tensors)} do not match this cache's "
+                             f"{sorted(parts)} (another KV dtype?)")
+        for name, dst in parts.items():
+            src = tensors[name]
+            want = (n, *dst.shape[1:])
+            if src.dtype != dst.dtype or tuple(src.shape) != want:
+                raise ValueError(f"layer {self.layer_idx} {name}: got {src.dtype} {tuple(src.shape)}, this cache "
+                                 f"needs {dst.dtype} {want}")
+
+
+class KVStore:
+    """The paged KV tensors of all layers: one :class:`PagedKV` per layer, and the operations on them.
+
+    layers: the per-layer caches, all of one format and block size.  windowed: per layer, whether it is a
+    sliding layer of a hybrid cache (its block ids are window block ids; default: none is).
+    Payloads (:meth:`read_blocks`, :meth:`write_blocks`) are dicts ``"<layer>.<part>"`` -> CPU tensor, part
+    ``k`` / ``v`` of shape (n, block_size, num_kv_heads, head_dim) in the storage dtype and, when quantized,
+    ``k_scale`` / ``v_scale`` (n, block_size, num_kv_heads) float16; an MLA latent cache has ``k`` (and
+    ``k_scale``) only.
+    """
+
+    def __init__(self, layers: list[PagedKV], windowed: list[bool] | None = None):
+        if not layers:
+            raise ValueError("a KV store needs at least one layer")
+        self._layers = list(layers)
+        self._windowed = list(windowed) if windowed is not None else [False] * len(self._layers)
+        self.format: KVFormat = self._layers[0].fmt
+        self.block_size: int = self._layers[0].block_size
+
+    @classmethod
+    def allocate(cls, cfg, num_blocks: int, block_size: int, fmt: KVFormat, device: torch.device | str = "cpu",
+                 window_blocks: int | None = None) -> "KVStore":
+        """Zeroed caches for a model: cfg a :class:`~kvkeeper.model_config.ModelConfig` (``num_layers``,
+        ``kv_layout``: K and V heads, or one MLA latent row), ``num_blocks`` blocks of ``block_size`` tokens
+        per layer; with ``window_blocks`` the sliding layers (``cfg.is_sliding_layer``) get that many window
+        blocks instead.  Raises ValueError for a non-positive block count or size."""
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV store needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        parts, heads, dim = cfg.kv_layout
+        windowed = [bool(window_blocks) and cfg.is_sliding_layer(i) for i in range(cfg.num_layers)]
+        layers = [PagedKV(window_blocks if w else num_blocks, block_size, heads, dim, fmt, device, layer_idx=i,
+                          values=parts == 2) for i, w in enumerate(windowed)]
+        return cls(layers, windowed)
+
+    # ---- the model's view: one PagedKV per layer ---------------------------------------------
+    def layer(self, i: int) -> PagedKV:
+        """Layer ``i``'s cache (for the attention of that layer); raises IndexError outside 0..num_layers-1."""
+        return self._layers[i]
+
+    def __getitem__(self, i: int) -> PagedKV:
+        return self._layers[i]
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def __iter__(self) -> Iterator[PagedKV]:
+        return iter(self._layers)
+
+    # ---- shapes and sizes --------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per full-attention layer (the block pool's size)."""
+        return next(c.k.shape[0] for c, w in zip(self._layers, self._windowed) if not w)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads per layer (1 for an MLA latent cache)."""
+        return self._layers[0].k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        """Elements per head and token (an MLA cache: kv_lora_rank + qk_rope_head_dim)."""
+        return self._layers[0].k.shape[3]
+
+    @property
+    def latent(self) -> bool:
+        """True for an MLA latent cache (K rows only)."""
+        return self._layers[0].latent
+
+    @property
+    def device(self) -> torch.device:
+        return self._layers[0].k.device
+
+    @property
+    def uniform(self) -> bool:
+        """Whether one block id addresses the same tokens in every layer (False: a hybrid cache)."""
+        return not any(self._windowed)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the KV tensors of all layers hold (values plus scales)."""
+        return sum(c.nbytes() for c in self._layers)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes across all layers (values plus scales; a hybrid cache: while inside the window)."""
+        return sum(c.bytes_per_token() for c in self._layers)
+
+    @property
+    def bytes_per_token_full_layers(self) -> int:
+        """Bytes one token takes in the full-attention layers (all layers in a uniform store)."""
+        return sum(c.bytes_per_token() for c, w in zip(self._layers, self._windowed) if not w)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers (``bytes_per_token * block_size``)."""
+        return self.bytes_per_token * self.block_size
+
+    # ---- whole blocks (offload, compaction) ----------------------------------------------------
+    def _require_uniform(self, what: str) -> None:
+        if not self.uniform:
+            raise ValueError(f"{what} by block id is not possible in a hybrid KV cache (its sliding layers "
+                             "number their window blocks apart)")
+
+    def read_blocks(self, block_ids) -> dict[str, torch.Tensor]:
+        """Raw copies of whole blocks of every layer (no dequantization: bit-exact), as a payload (see the class
+        docstring).  block_ids: (n,) int64 tensor or list.  Raises ValueError in a hybrid store."""
+        self._require_uniform("reading blocks")
+        idx = torch.as_tensor(block_ids, dtype=torch.int64, device=self.device)
+        return {f"{i}.{name}": t for i, c in enumerate(self._layers) for name, t in c.read_blocks(idx).items()}
+
+    def write_blocks(self, block_ids, payload: dict[str, torch.Tensor]) -> None:
+        """Write a payload read by :meth:`read_blocks` (any store of the same format and shapes) into
+        ``block_ids``.  Every layer is checked before any is written: raises ValueError naming the layer and
+        part when one is missing, extra, or of another dtype or shape (KV of another format or model)."""
+        self._require_uniform("writing blocks")
+        per_layer: list[dict[str, torch.Tensor]] = [{} for _ in self._layers]
+        for key, t in payload.items():
+            layer, _, part = key.partition(".")
+            if not layer.isdigit() or int(layer) >= len(per_layer):
+                raise ValueError(f"KV part {key!r} names no layer of this cache (0..{len(per_layer) - 1})")
+            per_layer[int(layer)][part] = t
+        for c, parts in zip(self._layers, per_layer):
+            c.check_blocks(len(block_ids), parts)
+        for c, parts in zip(self._layers, per_layer):
+            c.write_blocks(block_ids, parts)
+
+    def move_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks ``src[i]`` to ``dst[i]`` in every layer (raw, with scales): src, dst (n,) int64 on
+        the store's device.  All sources are read before any destination is written, so they may overlap (a
+        permutation, as in compaction).  Raises ValueError in a hybrid store."""
+        self._require_uniform("moving blocks")
+        for c in self._layers:
+            c.move_blocks(src, dst)
+
+    # ---- tokens of one layer (compression, audits, dumps) ----------------------------------------
+    def gather(self, layer: int, block_table: torch.Tensor, length: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer ``layer``'s K and V of one sequence: each (length, KVH, D) in ``dtype`` (dequantized), from its
+        block table (nb,) int64; V None for an MLA latent cache."""
+        return self._layers[layer].gather(block_table, length, dtype)
+
+    def gather_keys(self, layer: int, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """Layer ``layer``'s K only: (length, KVH, D) in ``dtype`` (what compression policies score)."""
+        return self._layers[layer].gather_keys(block_table, length, dtype)
+
+    def copy_tokens(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """In layer ``layer``, per KV head ``h`` copy the token in slot ``src[h, j]`` to slot ``dst[j]``: src
+        (KVH, n), dst (n,) int64 global slot ids (raw, no re-quantization).  Raises ValueError for an MLA cache."""
+        self._layers[layer].copy_tokens(src, dst)
+
+    def read_slots(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s K and V at global slot ids (n,) int64: ``{"k", "v"}`` CPU tensors (n, KVH, D) in the
+        storage dtype, or float32 when quantized (``{"k"}`` only for an MLA latent cache)."""
+        return self._layers[layer].read_slots(slots)

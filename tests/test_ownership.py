@@ -1,0 +1,154 @@
+"""Who may run the model and who may touch the KV tensors, read with ``ast`` from every module.
+
+* The model runs in one place: :meth:`kvkeeper.worker.runner.ModelRunner.forward` (plus the runner's own
+  execution paths, the fused C++ decode step and the CUDA graphs, and the model / layer classes calling
+  their submodules).  Elsewhere, calling ``*.model(...)``, ``*.model.forward(...)``, ``*.compute_logits(...)``
+  or even reading ``*.runner.model`` is a violation.
+* The per-layer KV tensors belong to :class:`kvkeeper.kvcache.store.KVStore`.  Outside ``kvcache/`` (and the
+  code that must read one layer's cache inside the forward pass: attention kernels, layers, models, the
+  worker, the C++ kernels' loader) no module reads ``.kv_caches``, a cache's ``.k_scale`` / ``.v_scale``, a
+  cache object's ``.k`` / ``.v`` (an expression naming a cache, a KV or a layer of the store), or builds a
+  ``PagedKV`` itself.
+* sessions/ reaches the engine through its methods and ``engine.kv_store``, never ``engine.runner``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG_DIR = ROOT / "src" / "kvkeeper"
+
+# where the model's forward may be called: the runner, its own execution paths, the model / layer classes
+MODEL_CALL_ALLOWED = ("worker/runner.py", "worker/fused_decode.py", "worker/cuda_graphs.py", "models/", "layers/")
+# where a layer's KV tensors may be touched: their owner and the code that reads a layer's cache in the forward
+KV_TENSOR_ALLOWED = ("kvcache/", "attention/", "layers/", "models/", "worker/", "kernels/")
+# parts where the engine's runner is off limits (they go through engine methods and engine.kv_store)
+NO_RUNNER_PARTS = ("sessions/",)
+
+_SCALE_ATTRS = {"k_scale", "v_scale"}
+_CACHE_LIKE = re.compile(r"cache|kv|layer\(", re.I)
+
+
+def _allowed(rel: str, allow: tuple[str, ...]) -> bool:
+    return any(rel == a or (a.endswith("/") and rel.startswith(a)) for a in allow)
+
+
+def _chain_has(node: ast.AST, name: str) -> bool:
+    """Whether an attribute chain (``a.b.c``) names ``name`` anywhere in it."""
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        if isinstance(node, ast.Attribute) and node.attr == name:
+            return True
+        node = node.value if not isinstance(node, ast.Call) else node.func
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def model_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) for every model forward call or runner.model access in a module's tree."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if f.attr == "model":
+                out.append((node.lineno, f"{ast.unparse(f)}(...)"))
+            elif f.attr == "forward" and _chain_has(f.value, "model"):
+                out.append((node.lineno, f"{ast.unparse(f)}(...)"))
+            elif f.attr == "compute_logits":
+                out.append((node.lineno, f"{ast.unparse(f)}(...)"))
+        if isinstance(node, ast.Attribute) and node.attr == "model" and _chain_has(node.value, "runner"):
+            out.append((node.lineno, ast.unparse(node)))
+    return sorted(set(out))
+
+
+def kv_tensor_accesses(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) for every direct access of the KV tensors in a module's tree."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            base = ast.unparse(node.value)
+            if node.attr == "kv_caches" or node.attr in _SCALE_ATTRS:
+                out.append((node.lineno, ast.unparse(node)))
+            elif node.attr in ("k", "v") and _CACHE_LIKE.search(base):
+                out.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name == "PagedKV":
+                out.append((node.lineno, "PagedKV(...)"))
+    return sorted(set(out))
+
+
+def runner_reach_ins(tree: ast.AST) -> list[tuple[int, str]]:
+    return sorted({(n.lineno, ast.unparse(n)) for n in ast.walk(tree)
+                   if isinstance(n, ast.Attribute) and n.attr == "runner"})
+
+
+def violations(pkg_dir: Path) -> list[str]:
+    """Every breach of the three rules in the package under ``pkg_dir``, as 'path:line: what (rule)'."""
+    bad = []
+    for path in sorted(pkg_dir.rglob("*.py")):
+        rel = path.relative_to(pkg_dir).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if not _allowed(rel, MODEL_CALL_ALLOWED):
+            bad += [f"{rel}:{line}: {what} (the model runs only in ModelRunner.forward)"
+                    for line, what in model_calls(tree)]
+        if not _allowed(rel, KV_TENSOR_ALLOWED):
+            bad += [f"{rel}:{line}: {what} (KV tensors belong to kvcache.store.KVStore)"
+                    for line, what in kv_tensor_accesses(tree)]
+        if _allowed(rel, NO_RUNNER_PARTS):
+            bad += [f"{rel}:{line}: {what} (sessions reach the engine through its methods and engine.kv_store)"
+                    for line, what in runner_reach_ins(tree)]
+    return bad
+
+
+def test_the_model_runs_only_in_the_runner_and_only_kvcache_owns_the_kv_tensors():
+    assert violations(PKG_DIR) == []
+
+
+# ---- the checks themselves can fail -----------------------------------------------------------
+
+
+def _fake_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = tmp_path / "fake" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return tmp_path / "fake"
+
+
+def test_a_model_call_outside_the_runner_is_caught(tmp_path):
+    pkg = _fake_package(tmp_path, {
+        "__init__.py": "",
+        "eval/ppl.py": "def f(runner, ids, pos, meta):\n"
+                       "    h = runner.model(ids, pos, None, meta)\n"
+                       "    return runner.model.compute_logits(h)\n",
+        "engine/core.py": "def g(self, x):\n    m = self.runner.model\n    return m.forward(x)\n",
+        "worker/runner.py": "class R:\n    def forward(self, x):\n        return self.model.compute_logits(self.model(x))\n",
+    })
+    bad = violations(pkg)
+    assert any(b.startswith("eval/ppl.py:2: runner.model(...)") for b in bad), bad
+    assert any(b.startswith("eval/ppl.py:3: runner.model.compute_logits(...)") for b in bad), bad
+    assert any(b.startswith("engine/core.py:2: self.runner.model") for b in bad), bad
+    assert not any(b.startswith("worker/") for b in bad), bad  # the allow-list holds
+
+
+def test_a_kv_tensor_access_outside_kvcache_is_caught(tmp_path):
+    pkg = _fake_package(tmp_path, {
+        "__init__.py": "",
+        "sessions/offload.py": "def f(engine, i):\n"
+                               "    for cache in engine.runner.kv_caches:\n"
+                               "        yield cache.k, cache.v_scale\n"
+                               "    yield engine.kv_store.layer(i).v\n",
+        "diagnostics/audit.py": "from ..kvcache.store import PagedKV\n"
+                                "def g(args):\n    return PagedKV(1, 2, 3, 4, None), args.k\n",
+        "kvcache/store.py": "class PagedKV:\n    def nbytes(self):\n        return self.k.nbytes + self.k_scale.nbytes\n",
+    })
+    bad = violations(pkg)
+    for want in ("sessions/offload.py:2: engine.runner.kv_caches", "sessions/offload.py:3: cache.k ",
+                 "sessions/offload.py:3: cache.v_scale", "sessions/offload.py:4: engine.kv_store.layer(i).v",
+                 "sessions/offload.py:2: engine.runner (sessions", "diagnostics/audit.py:3: PagedKV(...)"):
+        assert any(b.startswith(want) for b in bad), (want, bad)
+    assert not any("args.k" in b for b in bad), bad  # .k of something that is no cache is no KV access
+    assert not any(b.startswith("kvcache/") for b in bad), bad
