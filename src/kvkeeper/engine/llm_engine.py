@@ -147,7 +147,7 @@ class LLMEngine:
             self.tokenizer = dummy.load_dummy_tokenizer(self.model_path, mcfg.vocab_size)
             return mcfg, dummy.dummy_state(mcfg, dtype, device, seed=cfg.seed)
         self.model_path = resolve_model_path(cfg.model, cfg.cache_dir)
-        mcfg, state = load_weights(self.model_path, cfg.cache_dir)
+        mcfg, state = load_weights(self.model_path, cfg.cache_dir, in_place=True)  # GGUF matrices mapped
         self.tokenizer = load_tokenizer(self.model_path, cfg.cache_dir)
         return mcfg, state
 

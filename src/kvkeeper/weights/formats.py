@@ -5,8 +5,9 @@ Formats (named as vLLM's ``--quantization`` option names its methods where one e
 * ``none``: every weight dequantized to the model dtype at load (float32 on CPU): the exact path and the
   parity reference of the tests.
 * ``gguf``: a GGUF file's own Q4_0, Q4_1 and Q8_0 blocks are computed in place by the C++ kernel
-  (:mod:`kvkeeper.kernels.cpu`, ``qmm``); any other tensor type (F16, K-quants, ...) is
-  dequantized as with ``none``.  The blocks are repacked at load into an interleaved layout (16 output
+  (:mod:`kvkeeper.kernels.cpu`, ``qmm``); every other matrix (K-quants, F16, ...) of a Llama-family file
+  stays in the file's memory map and runs as :class:`~kvkeeper.layers.gguf_linear.GGUFLinear` (the kernels'
+  ``kq_matmul`` where they have it, else its exact PyTorch reference): no float32 copy, on disk or in memory.  The blocks are repacked at load into an interleaved layout (16 output
   rows per group, :func:`pack_blocks`) without changing a single weight: every block keeps its codes
   and its float16 scale and minimum.  Activations are rounded to int8 per row and block of 32
   (llama.cpp's Q8_1) inside the kernel: that is the only change against ``none``.
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from ..kernels import cpu as cpu_kernels
+from ..layers.gguf_linear import GGUFWeight, is_gguf_entry, kernel_ops
 from ..layers.quantized import QK, PackedWeight, pack_numpy
 from ..progress import track
 
@@ -63,7 +65,8 @@ def resolve_quantization(requested: str | None, *, source: str, gguf_types: set[
     dev = torch.device(device)
     supported = supported_formats(source)
     if requested is None or str(requested).lower() == "auto":
-        if (source == "gguf" and gguf_types and set(gguf_types) <= set(GGUF_IN_PLACE) and dev.type == "cpu"
+        runs = set(GGUF_IN_PLACE) | {t for t in (gguf_types or ()) if kernel_ops(t)[2]}  # + the kq_matmul types
+        if (source == "gguf" and gguf_types and set(gguf_types) <= runs and dev.type == "cpu"
                 and dtype == torch.float32 and cpu_kernels.available()):
             return "gguf"
         return "none"
@@ -343,17 +346,26 @@ def prepare_weights(state, cfg, quantization: str | None, device="cpu", dtype=to
     """
     path = getattr(state, "path", None)
     fmt = weight_format_for(state, quantization, device, dtype)
+    if fmt != "gguf" and any(is_gguf_entry(v) for v in state.values()):  # mapped GGUF matrices: float32 load
+        from .loader import _cached_gguf
+
+        state = _cached_gguf(path, cache)[1]
     if fmt == "none":
         return PreparedWeights(state, "none", f"{str(dtype).removeprefix('torch.')} weights")
     packed_path = _cache_path(cfg, fmt, cache) if cfg.revision else None
     got = _load_packed(packed_path) if packed_path is not None else None
+    types = getattr(state, "gguf_types", None)
+    if got is None and fmt == "gguf" and types is not None and not _projection_types(types) & set(GGUF_IN_PLACE):
+        got = ({}, [])  # nothing to repack (a K-quant file): do not parse the file again
     if got is None:
         got = _gguf_packed(path, cfg) if fmt == "gguf" else _rtn_packed(state, cfg, fmt)
-        if packed_path is not None:
+        if packed_path is not None and got[0]:
             _save_packed(packed_path, *got)
     packed, replaced = got
     out = {k: v for k, v in state.items() if k not in set(replaced)}
     out.update(packed)
+    if fmt == "gguf" and any(is_gguf_entry(v) for v in out.values()):
+        return PreparedWeights(out, fmt, _group_mapped(out, cfg, packed))
     kinds: dict[str, int] = {}
     for pw in packed.values():
         kinds[pw.kind] = kinds.get(pw.kind, 0) + 1
@@ -362,3 +374,26 @@ def prepare_weights(state, cfg, quantization: str | None, device="cpu", dtype=to
     desc = (f"{fmt}: {', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))} matrices in place "
             f"({nbytes / 1e6:.1f} MB)" + (f", {len(left)} dequantized" if left else ""))
     return PreparedWeights(out, fmt, desc)
+
+
+def _group_mapped(out: dict, cfg, packed: dict[str, PackedWeight]) -> str:
+    """Fuse a llama model's mapped GGUF matrices (:class:`GGUFWeight`) in ``out`` as the model fuses them (a list
+    of parts under the fused name), dequantize any other mapped matrix to float32; returns the load summary
+    (bytes mapped in place, repacked and dequantized to float32)."""
+    for i in range(cfg.num_layers):
+        for fused, parts in _FUSED:
+            names = [f"model.layers.{i}.{p}.weight" for p in parts]
+            if all(isinstance(out.get(n), GGUFWeight) for n in names):
+                out[f"model.layers.{i}.{fused}.weight"] = [out.pop(n) for n in names]
+    top = ("model.embed_tokens.weight", "lm_head.weight")
+    for name in [n for n, v in out.items() if isinstance(v, GGUFWeight) and n not in top]:
+        out[name] = out[name].dequantize()
+    mapped: dict[str, int] = {}
+    for v in out.values():
+        for w in ([v] if isinstance(v, GGUFWeight) else v if is_gguf_entry(v) else ()):
+            mapped[w.type_name] = mapped.get(w.type_name, 0) + w.nbytes
+    deq = sum(v.numel() * v.element_size() for v in out.values() if isinstance(v, torch.Tensor))
+    rep = sum(pw.nbytes for pw in packed.values())
+    kinds = ", ".join(f"{t} {b / 1e6:.2f}" for t, b in sorted(mapped.items()))
+    return (f"gguf: {sum(mapped.values()) / 1e6:.2f} MB mapped in place ({kinds}), {rep / 1e6:.2f} MB repacked"
+            f" ({len(packed)} matrices), {deq / 1e6:.2f} MB dequantized to float32 (norms, biases, F32 tensors)")

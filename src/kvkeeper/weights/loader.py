@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelFormatError, ModelNotFoundError
+from ..layers.gguf_linear import GGUFWeight, rope_out_perm
 from ..progress import track
 from ..model_config import ModelConfig
 
@@ -80,9 +81,12 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a GGUF file with the ``gguf`` package and dequantise every tensor to float32.
 
+    in_place: keep every matrix that is not F32 (projections, embedding, LM head) of a Llama-family file as a
+    :class:`~kvkeeper.layers.gguf_linear.GGUFWeight` over the file's memory map instead (no copy; q/k get the
+    RoPE permutation as an output-column index); only norms, biases and F32 tensors are read into memory.
     Raises :class:`ModelFormatError` for an unreadable or truncated file and
     :class:`UnsupportedArchitectureError` for an architecture we do not implement.
     """
@@ -144,8 +148,14 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             cfg.eos_token_ids.append(106)  # a chat turn ends there
     layer_names = _GGUF_GEMMA3_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
     state = ModelWeights({}, "gguf", path, {name: t.tensor_type.name for name, t in tensors.items()})
+    in_place = in_place and arch in _IN_PLACE_ARCHS
     try:
         for name, t in track(tensors.items(), f"dequantise {path.name}", total=len(tensors)):
+            if in_place and len(t.shape) == 2 and t.tensor_type.name != "F32":
+                hf = _in_place_name(name, layer_names)
+                if hf is not None:
+                    state[hf] = _mapped(t, name, n_heads, n_kv, arch)
+                    continue
             arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             if name in _GGUF_TOP_NAMES:
                 hf = _GGUF_TOP_NAMES[name]
@@ -165,6 +175,28 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     except Exception as e:
         raise ModelFormatError(f"{path}: could not read tensor data ({type(e).__name__}: {e}); the file may be truncated") from e
     return cfg, state
+
+
+_IN_PLACE_ARCHS = ("llama", "mistral", "qwen2")  # the families LlamaForCausalLM runs (GGUF matrices in place)
+
+
+def _in_place_name(name: str, layer_names: dict[str, str]) -> str | None:
+    """The HF name of a GGUF matrix the model multiplies by (projection, embedding, LM head), else None."""
+    if name in ("token_embd.weight", "output.weight"):
+        return _GGUF_TOP_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.weight"
+    return None
+
+
+def _mapped(t, name: str, n_heads: int, n_kv: int, arch: str):
+    """A GGUF reader tensor as a GGUFWeight over the memmap (llama q/k: undo the RoPE permutation on the output)."""
+    perm = None
+    kind = name.split(".")[2] if name.startswith("blk.") else ""
+    if arch == "llama" and kind in ("attn_q", "attn_k"):
+        perm = rope_out_perm(int(t.shape[1]), n_heads if kind == "attn_q" else n_kv)
+    return GGUFWeight.from_reader_tensor(t, perm)
 
 
 def _gemma3_gguf_fields(cfg: ModelConfig, field, p: str) -> None:
@@ -285,11 +317,13 @@ def _write_json(path: Path, obj) -> None:
         pass
 
 
-def load_weights(path: Path, cache=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_weights(path: Path, cache=None, in_place: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Dispatch on the path: a folder is a Hugging Face checkpoint, a file must be GGUF.
 
     GGUF weights are dequantised once and cached under ``cache`` (a folder; default
-    :func:`kvkeeper.text.tokenizer.cache_dir`; see :func:`_cached_gguf`).
+    :func:`kvkeeper.text.tokenizer.cache_dir`; see :func:`_cached_gguf`); with ``in_place`` their matrices
+    stay mapped instead (:func:`load_gguf`; nothing is cached; :func:`kvkeeper.weights.formats.prepare_weights`
+    dequantizes them when the format needs float weights).
     """
     if not path.exists():
         raise ModelNotFoundError(f"no model file or folder at {path}")
@@ -299,4 +333,4 @@ def load_weights(path: Path, cache=None) -> tuple[ModelConfig, dict[str, torch.T
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf file or a Hugging Face folder")
-    return _cached_gguf(path, cache)
+    return load_gguf(path, in_place=True) if in_place else _cached_gguf(path, cache)
