@@ -36,7 +36,7 @@ from ..kvcache.surgery import compact, compress_prompt
 from ..kvcache.telemetry import pool_stats
 from ..kvcache.validate import assert_engine_ok
 from ..weights.loader import load_weights
-from ..weights.formats import weight_format_for
+from ..weights.formats import may_map_gguf, weight_format_for
 from ..weights.sources import resolve_model_path
 from ..worker.runner import ModelRunner, parse_dtype
 from ..sampling.processors import build_processors
@@ -147,7 +147,7 @@ class LLMEngine:
             self.tokenizer = dummy.load_dummy_tokenizer(self.model_path, mcfg.vocab_size)
             return mcfg, dummy.dummy_state(mcfg, dtype, device, seed=cfg.seed)
         self.model_path = resolve_model_path(cfg.model, cfg.cache_dir)
-        mcfg, state = load_weights(self.model_path, cfg.cache_dir, in_place=True)  # GGUF matrices mapped
+        mcfg, state = load_weights(self.model_path, cfg.cache_dir, in_place=may_map_gguf(cfg.quantization))
         self.tokenizer = load_tokenizer(self.model_path, cfg.cache_dir)
         return mcfg, state
 

@@ -92,6 +92,12 @@ def resolve_quantization(requested: str | None, *, source: str, gguf_types: set[
     return name
 
 
+def may_map_gguf(requested: str | None) -> bool:
+    """Whether a ``--quantization`` value can resolve to ``gguf`` (None, auto, gguf): the loader then keeps a GGUF
+    file's matrices mapped (:func:`kvkeeper.weights.loader.load_weights` ``in_place``) instead of dequantizing."""
+    return requested is None or str(requested).lower() in ("auto", "gguf")
+
+
 def supported_formats(source: str) -> tuple[str, ...]:
     """The --quantization values a model file of this kind accepts (source: gguf, hf or dummy)."""
     return QUANTIZATION_CHOICES if source == "gguf" else ("none", "int8", "int4")
