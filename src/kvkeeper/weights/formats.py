@@ -55,7 +55,8 @@ def resolve_quantization(requested: str | None, *, source: str, gguf_types: set[
 
     source: "gguf" (a GGUF file; gguf_types: the tensor types of its projection matrices), "hf" (a Hugging
     Face folder) or "dummy" (random weights).  Default (``requested`` None or "auto"): "gguf" for a GGUF
-    file whose projection matrices are all Q4_0/Q4_1/Q8_0, on CPU in float32, when the kernels load;
+    file whose projection matrices are all Q4_0/Q4_1/Q8_0 (or types the kernels' ``kq_matmul`` runs, once they have
+    it: :func:`kvkeeper.layers.gguf_linear.kernel_ops`), on CPU in float32, when the kernels load;
     otherwise "none".  An explicit quantized format whose kernels do not load falls back to "none" with a
     logged warning (the model still runs, at float32 speed).
 
