@@ -81,12 +81,14 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
     """Read a GGUF file with the ``gguf`` package and dequantise every tensor to float32.
 
     in_place: keep every matrix that is not F32 (projections, embedding, LM head) of a Llama-family file as a
     :class:`~kvkeeper.layers.gguf_linear.GGUFWeight` over the file's memory map instead (no copy; q/k get the
-    RoPE permutation as an output-column index); only norms, biases and F32 tensors are read into memory.
+    RoPE permutation as an output-column index); only norms, biases and F32 tensors are read into memory.  With
+    in_place, a file of another family (Gemma 3, DeepSeek) returns None before any tensor is read (the caller
+    loads it dequantized, :func:`load_weights`).
     Raises :class:`ModelFormatError` for an unreadable or truncated file and
     :class:`UnsupportedArchitectureError` for an architecture we do not implement.
     """
@@ -148,7 +150,8 @@ def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str
             cfg.eos_token_ids.append(106)  # a chat turn ends there
     layer_names = _GGUF_GEMMA3_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
     state = ModelWeights({}, "gguf", path, {name: t.tensor_type.name for name, t in tensors.items()})
-    in_place = in_place and arch in _IN_PLACE_ARCHS
+    if in_place and arch not in _IN_PLACE_ARCHS:
+        return None
     try:
         for name, t in track(tensors.items(), f"dequantise {path.name}", total=len(tensors)):
             if in_place and len(t.shape) == 2 and t.tensor_type.name != "F32":
@@ -333,4 +336,5 @@ def load_weights(path: Path, cache=None, in_place: bool = False) -> tuple[ModelC
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf file or a Hugging Face folder")
-    return load_gguf(path, in_place=True) if in_place else _cached_gguf(path, cache)
+    got = load_gguf(path, in_place=True) if in_place else None
+    return got if got is not None else _cached_gguf(path, cache)
