@@ -200,3 +200,32 @@ def test_tiny_q4_k_m_logits_equal_the_float32_path(tiny_gguf, tmp_path):
         assert bool(lg.isfinite().all()) and lg.abs().max() > 1.0  # random weights still give peaked logits
         assert (lg - lf).abs().max() < 1e-4
         assert tg == tf
+
+
+def test_kernels_with_kq_matmul_are_used_and_make_k_quants_the_default(synth, monkeypatch):
+    """Once the C++ module has kq_matmul / kq_dequantize_rows (branch kquant), the layers call them and the default
+    format of a mapped K-quant file becomes gguf (here a stand-in module that records its calls)."""
+    from types import SimpleNamespace
+
+    from kvkeeper.layers import gguf_linear
+    from kvkeeper.weights import formats
+
+    calls = []
+
+    def mm(x, w, t, n, k):
+        calls.append(("mm", n))
+        return gguf_linear.reference_kq_matmul(x, w, t, n, k)
+
+    r = formats.resolve_quantization
+    assert r(None, source="gguf", gguf_types={"Q4_K", "Q6_K"}) == "none"  # today: no kq_matmul
+    fake = SimpleNamespace(kq_matmul=mm, kq_dequantize_rows=gguf_linear.reference_kq_dequantize_rows)
+    monkeypatch.setattr(gguf_linear.cpu_kernels, "load", lambda: fake)
+    monkeypatch.setattr(formats.cpu_kernels, "available", lambda: True)
+    assert r(None, source="gguf", gguf_types={"Q4_K", "Q6_K"}) == "gguf"
+    assert r(None, source="gguf", gguf_types={"Q4_K", "Q6_K"}, mapped=False) == "none"  # e.g. Gemma 3: not mapped
+    assert r(None, source="gguf", gguf_types={"Q4_K", "IQ2_XS"}) == "none"  # a type kq_matmul does not run
+    w, ref = _weight(synth, "Q4_K", 17, 256)
+    layer = GGUFLinear(w.data, w.ggml_type, 17, 256)
+    x = torch.randn(3, 256)
+    assert (layer(x) - x @ ref.T).abs().max() < 1e-4 and calls == [("mm", 17)]
+    assert "(kernel)" in layer.extra_repr()

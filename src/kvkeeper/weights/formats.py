@@ -50,7 +50,8 @@ class QuantizationError(ValueError):
 # choosing the format
 # ---------------------------------------------------------------------------------------------------
 def resolve_quantization(requested: str | None, *, source: str, gguf_types: set[str] | None = None,
-                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> str:
+                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                         mapped: bool = True) -> str:
     """The weight format to run: ``requested`` checked against the model file, or the default.
 
     source: "gguf" (a GGUF file; gguf_types: the tensor types of its projection matrices), "hf" (a Hugging
@@ -66,7 +67,8 @@ def resolve_quantization(requested: str | None, *, source: str, gguf_types: set[
     dev = torch.device(device)
     supported = supported_formats(source)
     if requested is None or str(requested).lower() == "auto":
-        runs = set(GGUF_IN_PLACE) | {t for t in (gguf_types or ()) if kernel_ops(t)[2]}  # + the kq_matmul types
+        runs = set(GGUF_IN_PLACE)  # + the kq_matmul types when the loader mapped the file's matrices (``mapped``)
+        runs |= {t for t in (gguf_types or ()) if mapped and kernel_ops(t)[2]}
         if (source == "gguf" and gguf_types and set(gguf_types) <= runs and dev.type == "cpu"
                 and dtype == torch.float32 and cpu_kernels.available()):
             return "gguf"
@@ -338,7 +340,9 @@ def weight_format_for(state, quantization: str | None, device="cpu", dtype=torch
         if gguf_types is None and path is not None:
             gguf_types = gguf_tensor_types(path)
         gguf_types = _projection_types(gguf_types or {})
-    return resolve_quantization(quantization, source=source, gguf_types=gguf_types, device=device, dtype=dtype)
+    mapped = any(is_gguf_entry(v) for v in state.values())  # a Llama-family GGUF loaded in place
+    return resolve_quantization(quantization, source=source, gguf_types=gguf_types, device=device, dtype=dtype,
+                                mapped=mapped)
 
 
 def prepare_weights(state, cfg, quantization: str | None, device="cpu", dtype=torch.float32,
