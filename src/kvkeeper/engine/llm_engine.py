@@ -28,6 +28,7 @@ from ..kvcache.namespace import Namespace
 from ..kvcache.surgery import compact, compress_prompt
 from ..kvcache.telemetry import pool_stats
 from ..kvcache.validate import assert_engine_ok
+from ..weights.formats import may_map_gguf
 from ..weights.loader import load_model
 from ..worker.runner import ModelRunner, parse_dtype
 from ..sampling.sampler import prompt_logprob_entries, sample
@@ -62,7 +63,8 @@ class LLMEngine:
         torch_dtype = parse_dtype(cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
         self.model_name = cfg.model
         mcfg, state, self.tokenizer, self.model_path = load_model(cfg.model, cfg.load_format, cfg.cache_dir,
-                                                                  torch_dtype, device, cfg.seed)
+                                                                  torch_dtype, device, cfg.seed,
+                                                                  in_place=may_map_gguf(cfg.quantization))
         self.model_config = mcfg
         try:
             self.runner = ModelRunner(mcfg, state, **cfg.runner_args(mcfg, state, device, torch_dtype))

@@ -15,6 +15,8 @@ naming an architecture:
 ``cuda_graphs``             decode steps may be captured as CUDA graphs (:mod:`kvkeeper.worker.cuda_graphs`)
 ``lora``                    LoRA adapters (:mod:`kvkeeper.layers.lora`) apply to its projections
 ``gguf_permuted_qk``        llama.cpp's converter permuted its q/k rows (undone when reading a GGUF file)
+``gguf_in_place``           a GGUF file's matrices run in place over the file's memory map
+                            (:mod:`kvkeeper.layers.gguf_linear`) instead of dequantized at load
 ==========================  =========================================================================
 
 ``why_not`` explains, per capability name, why a family lacks it; refusals quote it (:meth:`Capabilities.refusal`).
@@ -42,6 +44,7 @@ class Capabilities:
     cuda_graphs: bool = True
     lora: bool = True
     gguf_permuted_qk: bool = False
+    gguf_in_place: bool = False
     why_not: dict[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..attention.metadata import AttentionMetadata
 from ..attention.selector import paged_attention
+from ..layers.gguf_linear import gguf_module, is_gguf_entry
 from ..layers.linear import Linear
 from ..layers.mlp import MLP
 from ..layers.norm import RMSNorm
@@ -135,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
     ``gguf_norm_offset`` (added to every GGUF norm weight) and :meth:`gguf_config`.
     """
 
-    capabilities = Capabilities("Llama", gguf_permuted_qk=True)
+    capabilities = Capabilities("Llama", gguf_permuted_qk=True, gguf_in_place=True)
     gguf_layer_names: dict[str, str] = GGUF_LAYER_NAMES
     gguf_norm_offset = 0.0
 
@@ -167,27 +168,31 @@ class LlamaForCausalLM(nn.Module):
 
         A :class:`~kvkeeper.layers.quantized.PackedWeight` under a fused projection's name (e.g.
         ``model.layers.0.self_attn.qkv_proj.weight``) or the embedding's / LM head's name replaces that
-        module by a :class:`QuantLinear` / :class:`QuantEmbedding` (see kvkeeper.weights.formats).
+        module by a :class:`QuantLinear` / :class:`QuantEmbedding` (see kvkeeper.weights.formats); a GGUF
+        matrix in place (a ``GGUFWeight``, or a list of them under a fused name) by a ``GGUFLinear`` /
+        ``GGUFEmbedding`` (kvkeeper.layers.gguf_linear).
         Raises :class:`ModelFormatError` naming missing or misshaped tensors.
         """
         from ..errors import ModelFormatError
 
         state = dict(state)
-        for name in [n for n, t in state.items() if isinstance(t, PackedWeight)]:
+        for name in [n for n, t in state.items() if isinstance(t, PackedWeight) or is_gguf_entry(t)]:
             pw = state.pop(name)
             mod_name = name.removesuffix(".weight")
             old = self.get_submodule(mod_name)
-            if (pw.n, pw.k) != tuple(old.weight.shape):
-                raise ModelFormatError(f"tensor {name} has shape {(pw.n, pw.k)}, config expects {tuple(old.weight.shape)}")
+            parts = pw if isinstance(pw, list) else [pw]
+            nk = (sum(p.n for p in parts), parts[0].k)
+            if nk != tuple(old.weight.shape):
+                raise ModelFormatError(f"tensor {name} has shape {nk}, config expects {tuple(old.weight.shape)}")
             if isinstance(old, nn.Embedding):
-                new = QuantEmbedding(pw)
+                new = QuantEmbedding(pw) if isinstance(pw, PackedWeight) else gguf_module(pw, embedding=True)
             else:
                 parts = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj")}.get(mod_name.split(".", 3)[-1], ())
                 names = [f"{mod_name.rpartition('.')[0]}.{p}.bias" for p in parts]
                 bias = state.pop(f"{mod_name}.bias", None)
                 if bias is None and names and all(n in state for n in names):
                     bias = torch.cat([state.pop(n) for n in names], dim=0)
-                new = QuantLinear(pw, bias)
+                new = QuantLinear(pw, bias) if isinstance(pw, PackedWeight) else gguf_module(pw, False, bias)
             parent, _, child = mod_name.rpartition(".")
             setattr(self.get_submodule(parent), child, new)
         for i in range(self.config.num_layers):
@@ -241,6 +246,9 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_packed
         if head is not None:
             return qmm(hidden, head)
+        in_place = getattr(self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head, "gguf_logits", None)
+        if in_place is not None:  # GGUF blocks in place (kvkeeper.layers.gguf_linear)
+            return in_place(hidden)
         if self._lm_t is not None and hidden.shape[0] <= 2:
             return torch.mm(hidden, self._lm_t).float()
         return F.linear(hidden, self.lm_weight).float()

@@ -5,8 +5,9 @@ Formats (named as vLLM's ``--quantization`` option names its methods where one e
 * ``none``: every weight dequantized to the model dtype at load (float32 on CPU): the exact path and the
   parity reference of the tests.
 * ``gguf``: a GGUF file's own Q4_0, Q4_1 and Q8_0 blocks are computed in place by the C++ kernel
-  (:mod:`kvkeeper.kernels.cpu`, ``qmm``); any other tensor type (F16, K-quants, ...) is
-  dequantized as with ``none``.  The blocks are repacked at load into an interleaved layout (16 output
+  (:mod:`kvkeeper.kernels.cpu`, ``qmm``); every other matrix (K-quants, F16, ...) of a Llama-family file
+  stays in the file's memory map and runs as :class:`~kvkeeper.layers.gguf_linear.GGUFLinear` (the kernels'
+  ``kq_matmul`` where they have it, else its exact PyTorch reference): no float32 copy, on disk or in memory.  The blocks are repacked at load into an interleaved layout (16 output
   rows per group, :func:`pack_blocks`) without changing a single weight: every block keeps its codes
   and its float16 scale and minimum.  Activations are rounded to int8 per row and block of 32
   (llama.cpp's Q8_1) inside the kernel: that is the only change against ``none``.
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from ..kernels import cpu as cpu_kernels
+from ..layers.gguf_linear import GGUFWeight, is_gguf_entry, kernel_ops
 from ..layers.quantized import QK, PackedWeight, pack_numpy
 from ..models.registry import capabilities
 from ..progress import track
@@ -49,12 +51,14 @@ class QuantizationError(ValueError):
 # choosing the format
 # ---------------------------------------------------------------------------------------------------
 def resolve_quantization(requested: str | None, *, source: str, gguf_types: set[str] | None = None,
-                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> str:
+                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                         mapped: bool = True) -> str:
     """The weight format to run: ``requested`` checked against the model file, or the default.
 
     source: "gguf" (a GGUF file; gguf_types: the tensor types of its projection matrices), "hf" (a Hugging
     Face folder) or "dummy" (random weights).  Default (``requested`` None or "auto"): "gguf" for a GGUF
-    file whose projection matrices are all Q4_0/Q4_1/Q8_0, on CPU in float32, when the kernels load;
+    file whose projection matrices are all Q4_0/Q4_1/Q8_0 (or types the kernels' ``kq_matmul`` runs, once they have
+    it: :func:`kvkeeper.layers.gguf_linear.kernel_ops`), on CPU in float32, when the kernels load;
     otherwise "none".  An explicit quantized format whose kernels do not load falls back to "none" with a
     logged warning (the model still runs, at float32 speed).
 
@@ -64,7 +68,9 @@ def resolve_quantization(requested: str | None, *, source: str, gguf_types: set[
     dev = torch.device(device)
     supported = supported_formats(source)
     if requested is None or str(requested).lower() == "auto":
-        if (source == "gguf" and gguf_types and set(gguf_types) <= set(GGUF_IN_PLACE) and dev.type == "cpu"
+        runs = set(GGUF_IN_PLACE)  # + the kq_matmul types when the loader mapped the file's matrices (``mapped``)
+        runs |= {t for t in (gguf_types or ()) if mapped and kernel_ops(t)[2]}
+        if (source == "gguf" and gguf_types and set(gguf_types) <= runs and dev.type == "cpu"
                 and dtype == torch.float32 and cpu_kernels.available()):
             return "gguf"
         return "none"
@@ -88,6 +94,12 @@ def resolve_quantization(requested: str | None, *, source: str, gguf_types: set[
                          name, cpu_kernels.unavailable_reason())
             return "none"
     return name
+
+
+def may_map_gguf(requested: str | None) -> bool:
+    """Whether a ``--quantization`` value can resolve to ``gguf`` (None, auto, gguf): the loader then keeps a GGUF
+    file's matrices mapped (:func:`kvkeeper.weights.loader.load_weights` ``in_place``) instead of dequantizing."""
+    return requested is None or str(requested).lower() in ("auto", "gguf")
 
 
 def supported_formats(source: str) -> tuple[str, ...]:
@@ -330,7 +342,9 @@ def weight_format_for(state, quantization: str | None, device="cpu", dtype=torch
         if gguf_types is None and path is not None:
             gguf_types = gguf_tensor_types(path)
         gguf_types = _projection_types(gguf_types or {})
-    return resolve_quantization(quantization, source=source, gguf_types=gguf_types, device=device, dtype=dtype)
+    mapped = any(is_gguf_entry(v) for v in state.values())  # a Llama-family GGUF loaded in place
+    return resolve_quantization(quantization, source=source, gguf_types=gguf_types, device=device, dtype=dtype,
+                                mapped=mapped)
 
 
 def prepare_weights(state, cfg, quantization: str | None, device="cpu", dtype=torch.float32,
@@ -345,17 +359,26 @@ def prepare_weights(state, cfg, quantization: str | None, device="cpu", dtype=to
     """
     path = getattr(state, "path", None)
     fmt = weight_format_for(state, quantization, device, dtype)
+    if fmt != "gguf" and any(is_gguf_entry(v) for v in state.values()):  # mapped GGUF matrices: float32 load
+        from .loader import _cached_gguf
+
+        state = _cached_gguf(path, cache)[1]
     if fmt == "none":
         return PreparedWeights(state, "none", f"{str(dtype).removeprefix('torch.')} weights")
     packed_path = _cache_path(cfg, fmt, cache) if cfg.revision else None
     got = _load_packed(packed_path) if packed_path is not None else None
+    types = getattr(state, "gguf_types", None)
+    if got is None and fmt == "gguf" and types is not None and not _projection_types(types) & set(GGUF_IN_PLACE):
+        got = ({}, [])  # nothing to repack (a K-quant file): do not parse the file again
     if got is None:
         got = _gguf_packed(path, cfg) if fmt == "gguf" else _rtn_packed(state, cfg, fmt)
-        if packed_path is not None:
+        if packed_path is not None and got[0]:
             _save_packed(packed_path, *got)
     packed, replaced = got
     out = {k: v for k, v in state.items() if k not in set(replaced)}
     out.update(packed)
+    if fmt == "gguf" and any(is_gguf_entry(v) for v in out.values()):
+        return PreparedWeights(out, fmt, _group_mapped(out, cfg, packed))
     kinds: dict[str, int] = {}
     for pw in packed.values():
         kinds[pw.kind] = kinds.get(pw.kind, 0) + 1
@@ -364,3 +387,26 @@ def prepare_weights(state, cfg, quantization: str | None, device="cpu", dtype=to
     desc = (f"{fmt}: {', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))} matrices in place "
             f"({nbytes / 1e6:.1f} MB)" + (f", {len(left)} dequantized" if left else ""))
     return PreparedWeights(out, fmt, desc)
+
+
+def _group_mapped(out: dict, cfg, packed: dict[str, PackedWeight]) -> str:
+    """Fuse a llama model's mapped GGUF matrices (:class:`GGUFWeight`) in ``out`` as the model fuses them (a list
+    of parts under the fused name), dequantize any other mapped matrix to float32; returns the load summary
+    (bytes mapped in place, repacked and dequantized to float32)."""
+    for i in range(cfg.num_layers):
+        for fused, parts in _FUSED:
+            names = [f"model.layers.{i}.{p}.weight" for p in parts]
+            if all(isinstance(out.get(n), GGUFWeight) for n in names):
+                out[f"model.layers.{i}.{fused}.weight"] = [out.pop(n) for n in names]
+    top = ("model.embed_tokens.weight", "lm_head.weight")
+    for name in [n for n, v in out.items() if isinstance(v, GGUFWeight) and n not in top]:
+        out[name] = out[name].dequantize()
+    mapped: dict[str, int] = {}
+    for v in out.values():
+        for w in ([v] if isinstance(v, GGUFWeight) else v if is_gguf_entry(v) else ()):
+            mapped[w.type_name] = mapped.get(w.type_name, 0) + w.nbytes
+    deq = sum(v.numel() * v.element_size() for v in out.values() if isinstance(v, torch.Tensor))
+    rep = sum(pw.nbytes for pw in packed.values())
+    kinds = ", ".join(f"{t} {b / 1e6:.2f}" for t, b in sorted(mapped.items()))
+    return (f"gguf: {sum(mapped.values()) / 1e6:.2f} MB mapped in place ({kinds}), {rep / 1e6:.2f} MB repacked"
+            f" ({len(packed)} matrices), {deq / 1e6:.2f} MB dequantized to float32 (norms, biases, F32 tensors)")

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelFormatError, ModelNotFoundError
+from ..layers.gguf_linear import GGUFWeight, rope_out_perm
 from ..progress import track
 from ..model_config import ModelConfig
 from ..models.registry import model_class
@@ -64,9 +65,14 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
     """Read a GGUF file with the ``gguf`` package and dequantise every tensor to float32.
 
+    in_place: keep every matrix that is not F32 (projections, embedding, LM head) of a Llama-family file as a
+    :class:`~kvkeeper.layers.gguf_linear.GGUFWeight` over the file's memory map instead (no copy; q/k get the
+    RoPE permutation as an output-column index); only norms, biases and F32 tensors are read into memory.  With
+    in_place, a file of another family (Gemma 3, DeepSeek) returns None before any tensor is read (the caller
+    loads it dequantized, :func:`load_weights`).
     Raises :class:`ModelFormatError` for an unreadable or truncated file and
     :class:`UnsupportedArchitectureError` for an architecture we do not implement.
     """
@@ -125,8 +131,15 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     family.gguf_config(cfg, field, p, reader)
     layer_names, permuted = family.gguf_layer_names, family.capabilities.gguf_permuted_qk
     state = ModelWeights({}, "gguf", path, {name: t.tensor_type.name for name, t in tensors.items()})
+    if in_place and not family.capabilities.gguf_in_place:
+        return None
     try:
         for name, t in track(tensors.items(), f"dequantise {path.name}", total=len(tensors)):
+            if in_place and len(t.shape) == 2 and t.tensor_type.name != "F32":
+                hf = _in_place_name(name, layer_names)
+                if hf is not None:
+                    state[hf] = _mapped(t, name, n_heads, n_kv, permuted)
+                    continue
             arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             if name in _GGUF_TOP_NAMES:
                 hf = _GGUF_TOP_NAMES[name]
@@ -146,6 +159,26 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     except Exception as e:
         raise ModelFormatError(f"{path}: could not read tensor data ({type(e).__name__}: {e}); the file may be truncated") from e
     return cfg, state
+
+
+def _in_place_name(name: str, layer_names: dict[str, str]) -> str | None:
+    """The HF name of a GGUF matrix the model multiplies by (projection, embedding, LM head), else None."""
+    if name in ("token_embd.weight", "output.weight"):
+        return _GGUF_TOP_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.weight"
+    return None
+
+
+def _mapped(t, name: str, n_heads: int, n_kv: int, permuted: bool):
+    """A GGUF reader tensor as a GGUFWeight over the memmap (permuted q/k: the RoPE permutation undone on the
+    output columns)."""
+    perm = None
+    kind = name.split(".")[2] if name.startswith("blk.") else ""
+    if permuted and kind in ("attn_q", "attn_k"):
+        perm = rope_out_perm(int(t.shape[1]), n_heads if kind == "attn_q" else n_kv)
+    return GGUFWeight.from_reader_tensor(t, perm)
 
 
 def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -248,11 +281,13 @@ def _write_json(path: Path, obj) -> None:
         pass
 
 
-def load_weights(path: Path, cache=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_weights(path: Path, cache=None, in_place: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Dispatch on the path: a folder is a Hugging Face checkpoint, a file must be GGUF.
 
     GGUF weights are dequantised once and cached under ``cache`` (a folder; default
-    :func:`kvkeeper.text.tokenizer.cache_dir`; see :func:`_cached_gguf`).
+    :func:`kvkeeper.text.tokenizer.cache_dir`; see :func:`_cached_gguf`); with ``in_place`` their matrices
+    stay mapped instead (:func:`load_gguf`; nothing is cached; :func:`kvkeeper.weights.formats.prepare_weights`
+    dequantizes them when the format needs float weights).
     """
     if not path.exists():
         raise ModelNotFoundError(f"no model file or folder at {path}")
@@ -262,21 +297,22 @@ def load_weights(path: Path, cache=None) -> tuple[ModelConfig, dict[str, torch.T
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf file or a Hugging Face folder")
-    return _cached_gguf(path, cache)
+    got = load_gguf(path, in_place=True) if in_place else None
+    return got if got is not None else _cached_gguf(path, cache)
 
 
 def load_model(model: str, load_format: str = "auto", cache=None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", seed: int = 0):
+               device: torch.device | str = "cpu", seed: int = 0, in_place: bool = False):
     """(model config, state dict, tokenizer, model path) of a known model id or a path.
 
     load_format "dummy": random weights of a shipped config's shapes (:mod:`kvkeeper.weights.dummy`), made
     on ``device`` in ``dtype`` from ``seed``; "auto": the model's files (:func:`load_weights`, tokenizer from
     :func:`kvkeeper.text.tokenizer.load_tokenizer`).  Raises ModelNotFoundError, ModelFormatError and
-    UnsupportedArchitectureError.
+    UnsupportedArchitectureError.  in_place: GGUF matrices stay mapped (:func:`load_weights`).
     """
     if load_format == "dummy":
         cfg, path = dummy.load_config(model)
         return cfg, dummy.dummy_state(cfg, dtype, device, seed=seed), dummy.load_dummy_tokenizer(path, cfg.vocab_size), path
     path = resolve_model_path(model, cache)
-    cfg, state = load_weights(path, cache)
+    cfg, state = load_weights(path, cache, in_place)
     return cfg, state, load_tokenizer(path, cache), path
