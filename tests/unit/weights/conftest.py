@@ -5,8 +5,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.utils.paths import ROOT
 
-_SYNTH = Path(__file__).resolve().parents[2] / "benchmarks" / "synth_gguf.py"
+_SYNTH = ROOT / "benchmarks" / "synth_gguf.py"
 
 
 def load_synth():
