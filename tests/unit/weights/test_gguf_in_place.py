@@ -173,7 +173,8 @@ def test_tiny_q4_k_m_loads_mapped_without_a_float32_copy(tiny_gguf, tmp_path):
 
 
 def test_tiny_q4_k_m_logits_equal_the_float32_path(tiny_gguf, tmp_path):
-    from kvkeeper import LLMEngine, SamplingParams
+    from kvkeeper import SamplingParams
+    from tests.utils.engines import make_engine
 
     if any(kernel_ops(t)[2] for t in ("Q4_K", "Q6_K")):
         pytest.skip("the C++ kq_matmul rounds activations: parity with float32 is a perplexity test")
@@ -181,7 +182,7 @@ def test_tiny_q4_k_m_logits_equal_the_float32_path(tiny_gguf, tmp_path):
     greedy = SamplingParams(max_tokens=6, temperature=0)
     out = {}
     for q in ("gguf", "none"):
-        eng = LLMEngine(str(tiny_gguf), quantization=q, num_kv_blocks=32, cache_dir=str(tmp_path / "cache"),
+        eng = make_engine(str(tiny_gguf), quantization=q, num_kv_blocks=32, cache_dir=str(tmp_path / "cache"),
                         kv_dtype="float32")
         assert eng.runner.weight_format == q
         norms = []
