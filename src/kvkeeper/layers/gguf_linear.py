@@ -41,13 +41,14 @@ def _as_numpy(w: torch.Tensor) -> np.ndarray:
     return w.numpy() if w.device.type == "cpu" else w.cpu().numpy()
 
 
-def reference_kq_dequantize_rows(w: torch.Tensor, row_ids: torch.Tensor, ggml_type: int, n: int, k: int) -> torch.Tensor:
-    """Rows ``row_ids`` (T,) int64 of a GGUF matrix ``w`` ((N, row bytes) uint8; F16/F32: (N, K)) as float32
-    (T, K), with ``gguf.quants.dequantize`` (the PyTorch/numpy reference of the kernels' ``kq_dequantize_rows``).
-    Raises IndexError for a row id outside [0, N)."""
+def reference_kq_dequantize_rows(w: torch.Tensor, ggml_type: int, n: int, k: int,
+                                  row_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``row_ids`` (T,) int64 (None: all N) of a GGUF matrix ``w`` ((N, row bytes) uint8; F16/F32: (N, K)) as
+    float32 (T, K), with ``gguf.quants.dequantize`` (the PyTorch/numpy reference of the kernels'
+    ``kq_dequantize_rows``, same arguments).  Raises IndexError for a row id outside [0, N)."""
     import gguf
 
-    ids = row_ids.reshape(-1).to(torch.int64)
+    ids = torch.arange(n) if row_ids is None else row_ids.reshape(-1).to(torch.int64)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
         raise IndexError(f"row ids must lie in [0, {n}), got {int(ids.min())}..{int(ids.max())}")
     raw = _as_numpy(w)[ids.numpy()]
@@ -120,7 +121,7 @@ class GGUFWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The matrix as float32 (N, K) in output order (out_perm applied to the rows): tests and fallbacks."""
-        w = reference_kq_dequantize_rows(self.data, torch.arange(self.n), self.ggml_type, self.n, self.k)
+        w = reference_kq_dequantize_rows(self.data, self.ggml_type, self.n, self.k)
         return w if self.out_perm is None else w[self.out_perm]
 
 
@@ -191,7 +192,9 @@ class GGUFEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight_gguf
         flat = ids.reshape(-1).to(torch.int64).contiguous()
-        return self._rows(w.data, flat, w.ggml_type, w.n, w.k).view(*ids.shape, w.k)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.n):
+            raise IndexError(f"token ids must lie in [0, {w.n}), got {int(flat.min())}..{int(flat.max())}")
+        return self._rows(w.data, w.ggml_type, w.n, w.k, flat).view(*ids.shape, w.k)
 
     def gguf_logits(self, h: torch.Tensor) -> torch.Tensor:
         w = self.weight_gguf

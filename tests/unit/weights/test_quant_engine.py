@@ -45,7 +45,8 @@ def test_resolution_and_errors(kernels, monkeypatch):
     r = qw.resolve_quantization
     assert r(None, source="gguf", gguf_types={"Q4_1", "Q8_0"}) == "gguf"
     assert r("auto", source="gguf", gguf_types={"Q4_0"}) == "gguf"
-    assert r(None, source="gguf", gguf_types={"Q4_1", "Q6_K"}) == "none"  # a type the kernel does not run
+    assert r(None, source="gguf", gguf_types={"Q4_1", "Q5_0"}) == "none"  # a type no kernel runs
+    assert r(None, source="gguf", gguf_types={"Q4_1", "Q6_K"}, mapped=False) == "none"  # K-quants: only mapped
     assert r(None, source="gguf", gguf_types={"Q4_1"}, dtype=torch.bfloat16) == "none"
     assert r(None, source="hf") == "none"
     assert r("int4", source="hf") == "int4" and r("FP32", source="hf") == "none"
