@@ -10,7 +10,7 @@ Tolerances: the PyTorch reference dequantizes the same blocks with the same func
 as the float32 path, so the only difference is float32 summation order (separate q/k/v products against one fused
 one, another BLAS layout): 1e-5 relative on a product, 1e-4 absolute on logits of size ~5.  With the C++
 ``kq_matmul`` (activations rounded to 8 bits per block inside the kernel, as llama.cpp's vec_dot does) products
-differ by the activation rounding: :func:`_tol` bounds it then, and the logits test skips (parity against the
+differ by the activation rounding: :func:`_tol` bounds it then, and the logits test allows 5% of the largest logit (parity against the
 float32 path then belongs to a perplexity test).
 """
 
@@ -185,8 +185,9 @@ def test_tiny_q4_k_m_logits_equal_the_float32_path(tiny_gguf, tmp_path):
     from kvkeeper import SamplingParams
     from tests.utils.engines import make_engine
 
-    if any(kernel_ops(t)[2] for t in ("Q4_K", "Q6_K")):
-        pytest.skip("the C++ kq_matmul rounds activations: parity with float32 is a perplexity test")
+    # the C++ kq_matmul rounds activations to int8 per block: measured up to 1.8% of the largest logit on this
+    # file (2 prompts); bound 5%, and the first token kept wherever the float32 top-2 margin exceeds twice that
+    kernel = any(kernel_ops(t)[2] for t in ("Q4_K", "Q6_K"))
     prompts = [list(range(1, 40)), [1, 9038, 2409, 314, 253, 1115, 30]]
     greedy = SamplingParams(max_tokens=6, temperature=0)
     out = {}
@@ -208,8 +209,15 @@ def test_tiny_q4_k_m_logits_equal_the_float32_path(tiny_gguf, tmp_path):
             assert "mapped in place" in eng.runner.weight_description
     for (lg, tg), (lf, tf) in zip(out["gguf"], out["none"]):
         assert bool(lg.isfinite().all()) and lg.abs().max() > 1.0  # random weights still give peaked logits
-        assert (lg - lf).abs().max() < 1e-4
-        assert tg == tf
+        if not kernel:
+            assert (lg - lf).abs().max() < 1e-4
+            assert tg == tf
+            continue
+        diff = float((lg - lf).abs().max())
+        assert diff <= 0.05 * float(lf.abs().max()), diff
+        top2 = lf.topk(2).values
+        if float(top2[0] - top2[1]) > 2 * diff:
+            assert tg[0] == tf[0]
 
 
 def test_kernels_with_kq_matmul_are_used_and_make_k_quants_the_default(synth, monkeypatch):
