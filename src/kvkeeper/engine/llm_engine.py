@@ -7,8 +7,8 @@ Its parts: ``inputs`` (:mod:`kvkeeper.engine.input_processor`: rendering and che
 (:mod:`kvkeeper.engine.adapters`: LoRA), ``runner`` (:mod:`kvkeeper.worker.runner`), ``pool`` / ``kv`` (sized by
 :mod:`kvkeeper.kvcache.sizing`), ``scheduler``, ``processor`` (:mod:`kvkeeper.engine.output_processor`).  It knows
 nothing of sessions, audits or servers: what holds KV between requests registers as a *KV holder*
-(:mod:`kvkeeper.engine.kv_holders`); ``step_hooks`` run before each step (a circuit breaker),
-``first_token_hooks`` at each request's first token (the reuse audit).
+(:mod:`kvkeeper.engine.kv_holders`; the methods it calls are :mod:`kvkeeper.engine.kv_access`'s); ``step_hooks``
+run before each step (a circuit breaker), ``first_token_hooks`` at each request's first token (the reuse audit).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -25,8 +25,7 @@ from ..kvcache.block_pool import BlockPool
 from ..kvcache.compression import KVCompression, PrefillObserver
 from ..kvcache.manager import KVCacheManager
 from ..kvcache.namespace import Namespace
-from ..kvcache.surgery import compact, compress_prompt
-from ..kvcache.telemetry import pool_stats
+from ..kvcache.surgery import compress_prompt
 from ..kvcache.validate import assert_engine_ok
 from ..weights.formats import may_map_gguf
 from ..weights.loader import load_model
@@ -35,6 +34,7 @@ from ..sampling.sampler import prompt_logprob_entries, sample
 from .adapters import AdapterRegistry
 from .config import EngineConfig, resolve_device
 from .input_processor import InputProcessor
+from .kv_access import EngineKV
 from .kv_holders import KVHolder, KVHolders
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -45,7 +45,7 @@ from .sequence import Sequence
 __all__ = ["LLMEngine", "EngineConfig", "KVHolder", "RequestOutput", "resolve_device"]
 
 
-class LLMEngine:
+class LLMEngine(EngineKV):
     """Paged-KV inference engine on one device: ``LLMEngine(model=None, **settings)`` or
     ``LLMEngine(EngineConfig(...), **overrides)`` (the fields of :class:`~kvkeeper.engine.config.EngineConfig`).
 
@@ -99,18 +99,6 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, mcfg, self.context_length, self.adapters)
         self.eos_token_ids, self.grammars = self.inputs.eos_token_ids, self.inputs.grammars  # (structured outputs)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
-
-    def require_uniform_kv(self, what: str) -> None:
-        """Raise InvalidRequestError when ``what`` (an operation that reads or moves every layer's KV by block
-        id) meets a hybrid KV cache, whose sliding layers keep their KV in window blocks."""
-        if self.runner.window_blocks:
-            raise InvalidRequestError(f"{what} is not supported with the hybrid KV cache of a sliding-window model "
-                                      "(its sliding layers keep KV per window); start the engine with "
-                                      "--no-hybrid-kv-cache (hybrid_kv_cache=False) to use it")
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.runner.kv_bytes_per_token
 
     # ---- prompts and requests ------------------------------------------------
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **chat) -> list[int]:
@@ -277,69 +265,6 @@ class LLMEngine:
         keeps ``base``'s adapter (None: no adapter)."""
         return Namespace(self.namespace.model_revision, adapter=base.adapter if base is not None else "",
                          tenant_salt=f"isolated-{tag}-{uuid.uuid4().hex}", kv_dtype=self.namespace.kv_dtype)
-
-    # ---- KV held outside requests (kvkeeper.engine.kv_holders) --------------------
-    def add_kv_holder(self, holder: KVHolder) -> None:
-        """Register something that holds KV between requests (a session manager)."""
-        self.holders.append(holder)
-
-    def reclaim(self, n_blocks: int) -> int:
-        """Ask the KV holders to release about ``n_blocks`` pool blocks; returns how many they released."""
-        return self.holders.reclaim(n_blocks)
-
-    def kv_owners(self) -> Iterator[tuple[str, Sequence]]:
-        """Yield (owner name, sequence) for everything that holds KV blocks: running and waiting
-        requests (by request id), then each holder's (``session:<id>``)."""
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            yield seq.request_id, seq
-        yield from self.holders.kv_owners()
-
-    def offloaded_blocks(self) -> int:
-        """Blocks' worth of KV the holders keep outside the pool (host memory and disk tiers)."""
-        return self.holders.offloaded_blocks()
-
-    def compact(self, evict_cache: bool = False) -> dict:
-        """Defragment the pool, keeping the prefix cache (see :func:`kvkeeper.kvcache.surgery.compact`).
-
-        evict_cache: drop the unreferenced cached blocks first.  Call between steps only.
-        Returns ``{"evicted": cached blocks dropped, "moved": blocks whose id changed}``.
-        """
-        self.require_uniform_kv("defragmenting the KV pool (compact)")
-        return compact(self.pool, (seq.block_table for _, seq in self.kv_owners()), self.kv_store, evict_cache)
-
-    # ---- the KV handle of holders (sessions) -----------------------------------------------------
-    @property
-    def kv_store(self):
-        """The :class:`~kvkeeper.kvcache.store.KVStore` holding every layer's KV tensors (read and write blocks
-        through it; allocate and free blocks through the methods below)."""
-        return self.runner.kv_store
-
-    def free_kv(self, seq: Sequence) -> None:
-        """Release a sequence's blocks (its full blocks stay in the prefix cache as cached-free)."""
-        self.kv.free(seq)
-
-    def truncate_kv(self, seq: Sequence, num_tokens: int) -> None:
-        """Keep the KV of a sequence's first ``num_tokens`` tokens only (freeing the blocks past them)."""
-        self.kv.truncate(seq, num_tokens)
-
-    def commit_kv(self, seq: Sequence) -> None:
-        """Register a sequence's full blocks in the prefix cache under their chained hashes."""
-        self.kv.commit(seq)
-
-    def allocate_kv_blocks(self, n: int) -> list[int] | None:
-        """``n`` fresh pool blocks, asking the KV holders to reclaim room first when the pool has too few free;
-        None when there is still no room (nothing allocated)."""
-        if n > self.pool.num_free:
-            self.reclaim(n - self.pool.num_free)
-        return self.pool.allocate(n) if n <= self.pool.num_free else None
-
-    def free_kv_blocks(self, block_ids: list[int]) -> None:
-        """Give back blocks from :meth:`allocate_kv_blocks` that no sequence took."""
-        self.pool.free_all(block_ids)
-
-    def pool_stats(self):
-        """Block states and fragmentation figures now (a :class:`kvkeeper.kvcache.telemetry.PoolStats`)."""
-        return pool_stats(self.pool, self.kv_owners(), self.offloaded_blocks())
 
     def stats(self) -> dict:
         """Pool, prefix-cache and scheduler counters now (blocks, tokens, bytes)."""

@@ -1,0 +1,96 @@
+"""The engine's KV-facing methods: what sessions, diagnostics and the server call to hold, move and measure KV.
+
+A mixin of :class:`kvkeeper.engine.llm_engine.LLMEngine` (one concept: the engine's handle on its paged KV,
+kept apart from the step loop).  It reads the engine's ``pool`` (:class:`kvkeeper.kvcache.block_pool.BlockPool`),
+``kv`` (:class:`kvkeeper.kvcache.manager.KVCacheManager`), ``runner`` (its :class:`kvkeeper.kvcache.store.KVStore`),
+``scheduler`` and ``holders`` (:mod:`kvkeeper.engine.kv_holders`).  Sizes in blocks and bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from ..errors import InvalidRequestError
+from ..kvcache.surgery import compact
+from ..kvcache.telemetry import pool_stats
+from .kv_holders import KVHolder
+from .sequence import Sequence
+
+
+class EngineKV:
+    """KV holders, the KV store handle, block allocation for holders, compaction and pool figures."""
+
+    def require_uniform_kv(self, what: str) -> None:
+        """Raise InvalidRequestError when ``what`` (an operation that reads or moves every layer's KV by block
+        id) meets a hybrid KV cache, whose sliding layers keep their KV in window blocks."""
+        if self.runner.window_blocks:
+            raise InvalidRequestError(f"{what} is not supported with the hybrid KV cache of a sliding-window model "
+                                      "(its sliding layers keep KV per window); start the engine with "
+                                      "--no-hybrid-kv-cache (hybrid_kv_cache=False) to use it")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.runner.kv_bytes_per_token
+
+    # ---- KV held outside requests (kvkeeper.engine.kv_holders) --------------------
+    def add_kv_holder(self, holder: KVHolder) -> None:
+        """Register something that holds KV between requests (a session manager)."""
+        self.holders.append(holder)
+
+    def reclaim(self, n_blocks: int) -> int:
+        """Ask the KV holders to release about ``n_blocks`` pool blocks; returns how many they released."""
+        return self.holders.reclaim(n_blocks)
+
+    def kv_owners(self) -> Iterator[tuple[str, Sequence]]:
+        """Yield (owner name, sequence) for everything that holds KV blocks: running and waiting
+        requests (by request id), then each holder's (``session:<id>``)."""
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            yield seq.request_id, seq
+        yield from self.holders.kv_owners()
+
+    def offloaded_blocks(self) -> int:
+        """Blocks' worth of KV the holders keep outside the pool (host memory and disk tiers)."""
+        return self.holders.offloaded_blocks()
+
+    def compact(self, evict_cache: bool = False) -> dict:
+        """Defragment the pool, keeping the prefix cache (see :func:`kvkeeper.kvcache.surgery.compact`).
+
+        evict_cache: drop the unreferenced cached blocks first.  Call between steps only.
+        Returns ``{"evicted": cached blocks dropped, "moved": blocks whose id changed}``.
+        """
+        self.require_uniform_kv("defragmenting the KV pool (compact)")
+        return compact(self.pool, (seq.block_table for _, seq in self.kv_owners()), self.kv_store, evict_cache)
+
+    # ---- the KV handle of holders (sessions) -----------------------------------------------------
+    @property
+    def kv_store(self):
+        """The :class:`~kvkeeper.kvcache.store.KVStore` holding every layer's KV tensors (read and write blocks
+        through it; allocate and free blocks through the methods below)."""
+        return self.runner.kv_store
+
+    def free_kv(self, seq: Sequence) -> None:
+        """Release a sequence's blocks (its full blocks stay in the prefix cache as cached-free)."""
+        self.kv.free(seq)
+
+    def truncate_kv(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the KV of a sequence's first ``num_tokens`` tokens only (freeing the blocks past them)."""
+        self.kv.truncate(seq, num_tokens)
+
+    def commit_kv(self, seq: Sequence) -> None:
+        """Register a sequence's full blocks in the prefix cache under their chained hashes."""
+        self.kv.commit(seq)
+
+    def allocate_kv_blocks(self, n: int) -> list[int] | None:
+        """``n`` fresh pool blocks, asking the KV holders to reclaim room first when the pool has too few free;
+        None when there is still no room (nothing allocated)."""
+        if n > self.pool.num_free:
+            self.reclaim(n - self.pool.num_free)
+        return self.pool.allocate(n) if n <= self.pool.num_free else None
+
+    def free_kv_blocks(self, block_ids: list[int]) -> None:
+        """Give back blocks from :meth:`allocate_kv_blocks` that no sequence took."""
+        self.pool.free_all(block_ids)
+
+    def pool_stats(self):
+        """Block states and fragmentation figures now (a :class:`kvkeeper.kvcache.telemetry.PoolStats`)."""
+        return pool_stats(self.pool, self.kv_owners(), self.offloaded_blocks())
