@@ -8,6 +8,10 @@ os.environ.setdefault("KVKEEPER_VALIDATE", "1")
 # float32 weights (the exact path, the parity reference) unless a test names a --quantization; the tests of the
 # quantized formats pass theirs (tests/unit/weights/test_quant_engine.py).
 os.environ.setdefault("KVKEEPER_QUANTIZATION", "none")
+# Triton's interpreter for the Triton kernels' CPU tests (tests/kernels/test_triton_kernels.py,
+# tests/unit/worker/test_gpu_path.py): it must be set before anything imports triton, whichever test file pytest
+# collects first (the NVIDIA compile test, tests/kernels/test_triton_compile.py, removes it for its subprocess).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 

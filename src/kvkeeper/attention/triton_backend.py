@@ -157,17 +157,17 @@ def _weighted_values(p, v, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(sc, v, m_i, l_i, acc, cdt, DOT_F32: tl.constexpr):
+def _softmax_update(sc, m_i, l_i):
     """One key tile of the online softmax (Milakov & Gimelshein, 2018): scores sc (R, N) float32 (-inf where
-    masked), values v (N, D); running max m_i and sum l_i (R,), unnormalized output acc (R, D), all float32.
-    A row that has seen no visible key yet keeps m = -inf and adds nothing.  Returns (acc, m_i, l_i)."""
+    masked), running max m_i and sum l_i (R,) float32.  A row that has seen no visible key yet keeps m = -inf and
+    adds nothing.  Returns (p (R, N) the tile's weights, alpha (R,) the rescale of the running output, m, l);
+    the caller adds p @ v to its output scaled by alpha (kept out of here: the interpreter runs a jit helper
+    called from a kernel, not one called from a helper)."""
     m_new = tl.maximum(m_i, tl.max(sc, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(sc - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _weighted_values(p.to(cdt), v, DOT_F32)
-    return acc, m_new, l_i
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -202,7 +202,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_ptr, len_pt
                         KVH, D, BS, HAS_SCALES, BT_FAULT)
         sc = _scores(q, k, scale, DOT_F32)  # (G, N)
         sc = tl.where(mt[None, :], sc, float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(sc, v, m_i, l_i, acc, cdt, DOT_F32)
+        p, alpha, m_i, l_i = _softmax_update(sc, m_i, l_i)
+        acc = acc * alpha[:, None] + _weighted_values(p.to(cdt), v, DOT_F32)
     # partial results: acc (B, H, S, D) and (m, l) (B, H, S, 2), float32
     row = (b * H + heads) * num_splits + s
     tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=mg[:, None] & md[None, :])
@@ -314,7 +315,8 @@ def _extend_kernel(q_ptr, o_ptr, kc_ptr, vc_ptr, ksc_ptr, vsc_ptr, bt_ptr, qstar
         sc = _scores(q, k, scale, DOT_F32)  # (M, N)
         visible = (toks[None, :] <= qpos[:, None]) & mt[None, :]
         sc = tl.where(visible, sc, float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(sc, v, m_i, l_i, acc, cdt, DOT_F32)
+        p, alpha, m_i, l_i = _softmax_update(sc, m_i, l_i)
+        acc = acc * alpha[:, None] + _weighted_values(p.to(cdt), v, DOT_F32)
     l_i = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_i[:, None]
     tl.store(o_ptr + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
