@@ -236,7 +236,7 @@ def test_bad_arguments(kq):
 # ---------------------------------------------------------------------------------------------------
 def find_kquant_gguf() -> Path | None:
     try:
-        from kvkeeper.model.registry import resolve_model_path
+        from kvkeeper.weights.sources import resolve_model_path
 
         p = Path(resolve_model_path("gemma-3-270m"))
         if p.is_file():
