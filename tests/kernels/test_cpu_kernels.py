@@ -134,13 +134,16 @@ def test_qmm_random_blocks(kernels, isa, act_bits, bits, n, k, m):
 
 def test_activation_codes_split_exactly(kernels):
     """16-bit codes stay within +-32639 and reproduce x within half a step; 8-bit within +-127."""
-    x = torch.randn(7, 96) * torch.logspace(-3, 3, 96)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 96)
+    xb = x.view(7, -1, 32)
     for bits, qmax in ((16, 32639), (8, 127)):
         kernels.set_activation_bits(bits)
         q, dx, _ = kernels.quantize_activations(x)
         assert q.abs().max().item() <= qmax
-        err = (q.view(7, -1, 32).float() * dx[..., None] - x.view(7, -1, 32)).abs()
-        assert (err <= dx[..., None] * 0.5001).all()
+        err = (q.view(7, -1, 32).float() * dx[..., None] - xb).abs()
+        # half a step, plus the float32 rounding of q * dx - x itself (a few ulps of |x|: about 5% of random inputs
+        # exceeded a bare 0.5001 step in the 16-bit mode, the old and the split build alike)
+        assert (err <= dx[..., None] * 0.5 + xb.abs() * 2.5e-7).all()
     kernels.set_activation_bits(16)
 
 
