@@ -162,7 +162,7 @@ def dump_prompt(engine, prompt_ids: list[int], layers=None, start: int | None = 
     if warm_prefix:
         engine.generate([ids[:warm_prefix]], greedy, namespace=namespace)
     seq = engine.add_request(ids, greedy, namespace=namespace)
-    seq.kv_keeper = lambda s: None  # keep the finished request's blocks for the dump (freed below)
+    seq.kv_holder = lambda s: None  # keep the finished request's blocks for the dump (freed below)
     try:
         engine.run_until_done([seq])
         if seq.finish_reason == "error":

@@ -41,12 +41,12 @@ class EngineKV:
         """Ask the KV holders to release about ``n_blocks`` pool blocks; returns how many they released."""
         return self.holders.reclaim(n_blocks)
 
-    def kv_owners(self) -> Iterator[tuple[str, Sequence]]:
+    def kv_holdings(self) -> Iterator[tuple[str, Sequence]]:
         """Yield (owner name, sequence) for everything that holds KV blocks: running and waiting
         requests (by request id), then each holder's (``session:<id>``)."""
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             yield seq.request_id, seq
-        yield from self.holders.kv_owners()
+        yield from self.holders.kv_holdings()
 
     def offloaded_blocks(self) -> int:
         """Blocks' worth of KV the holders keep outside the pool (host memory and disk tiers)."""
@@ -59,7 +59,7 @@ class EngineKV:
         Returns ``{"evicted": cached blocks dropped, "moved": blocks whose id changed}``.
         """
         self.require_uniform_kv("defragmenting the KV pool (compact)")
-        return compact(self.pool, (seq.block_table for _, seq in self.kv_owners()), self.kv_store, evict_cache)
+        return compact(self.pool, (seq.block_table for _, seq in self.kv_holdings()), self.kv_store, evict_cache)
 
     # ---- the KV handle of holders (sessions) -----------------------------------------------------
     @property
@@ -93,4 +93,4 @@ class EngineKV:
 
     def pool_stats(self):
         """Block states and fragmentation figures now (a :class:`kvkeeper.kvcache.telemetry.PoolStats`)."""
-        return pool_stats(self.pool, self.kv_owners(), self.offloaded_blocks())
+        return pool_stats(self.pool, self.kv_holdings(), self.offloaded_blocks())

@@ -14,7 +14,7 @@ from .sequence import Sequence
 class KVHolder(Protocol):
     """Something that holds KV blocks between requests (``kvkeeper.sessions.SessionManager``)."""
 
-    def kv_owners(self) -> Iterable[tuple[str, Sequence]]:
+    def kv_holdings(self) -> Iterable[tuple[str, Sequence]]:
         """(owner name, sequence) for every block table it holds."""
 
     def reclaim(self, n_blocks: int) -> int:
@@ -36,10 +36,10 @@ class KVHolders(list):
             freed += h.reclaim(n_blocks - freed)
         return freed
 
-    def kv_owners(self) -> Iterator[tuple[str, Sequence]]:
+    def kv_holdings(self) -> Iterator[tuple[str, Sequence]]:
         """(owner name, sequence) of every holder's block tables (``session:<id>``)."""
         for h in self:
-            yield from h.kv_owners()
+            yield from h.kv_holdings()
 
     def offloaded_blocks(self) -> int:
         """Blocks' worth of KV the holders keep outside the pool (host memory and disk tiers)."""

@@ -158,8 +158,8 @@ class LLMEngine(EngineKV):
         seq.t_finished = time.perf_counter()
         self.scheduler.finish(seq)
         self._seqs.pop(seq.request_id, None)
-        if seq.kv_keeper is not None:
-            seq.kv_keeper(seq)  # a session takes the blocks over
+        if seq.kv_holder is not None:
+            seq.kv_holder(seq)  # a session takes the blocks over
         else:
             self.kv.free(seq)
 

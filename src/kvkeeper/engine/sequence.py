@@ -39,7 +39,7 @@ class Sequence:
     num_handed_over: tokens of KV a session gave the request before it was scheduled (its turn's reuse).
     num_cached_tokens: tokens whose KV the request held when first admitted (prefix-cache hits or a
         session's hand-over); None until then.
-    kv_keeper: called with the sequence when it finishes, to take its blocks over (a session's end of
+    kv_holder: called with the sequence when it finishes, to take its blocks over (a session's end of
         turn); None: the engine frees them.
     processors: its logits processors (:class:`kvkeeper.sampling.processors.RequestProcessors`), None
         when its sampling needs none; advanced with each token appended.
@@ -70,7 +70,7 @@ class Sequence:
     processors: RequestProcessors | None = None
     prompt_logprobs: list[dict | None] | None = None
     first_logits: torch.Tensor | None = None  # (vocab,) float32, kept when the engine captures logits
-    kv_keeper: Callable[["Sequence"], None] | None = None
+    kv_holder: Callable[["Sequence"], None] | None = None
     lora: LoRAAdapter | None = None  # its LoRA adapter (its id is namespace.adapter)
     compression: KVCompression | None = None  # applied at the end of prefill
     observer: PrefillObserver | None = None  # while the prompt is being prefilled (compression's scores)

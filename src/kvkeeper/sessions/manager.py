@@ -346,7 +346,7 @@ class SessionManager:
                 freed += s.unpin()  # what the host tier could not take (compressed or failed)
         return freed
 
-    def kv_owners(self) -> Iterator[tuple[str, Sequence]]:
+    def kv_holdings(self) -> Iterator[tuple[str, Sequence]]:
         """(``session:<id>``, pinned state) for every session pinning blocks between turns."""
         for sid, s in self.sessions.items():
             if s.turn is None and s.kv is not None and s.kv.block_table:

@@ -218,7 +218,7 @@ class Session:
         except BaseException:
             self.engine.abort(seq.request_id)  # nothing of the turn stays queued (it frees what it was given)
             raise
-        seq.kv_keeper = self._end_turn
+        seq.kv_holder = self._end_turn
         self.turn = Turn(seq, text, None if messages is None else list(messages), continue_final_message,
                          self.last_context if messages is not None else None)
         return seq
@@ -267,7 +267,7 @@ class Session:
         return seq.num_computed
 
     def _end_turn(self, seq: Sequence) -> None:
-        """The engine finished the turn's sequence (the ``kv_keeper`` callback): pin its KV and, when it ran to
+        """The engine finished the turn's sequence (the ``kv_holder`` callback): pin its KV and, when it ran to
         its end (stop or length), record the turn and the reply in the conversation.
 
         A failed turn changes nothing but the KV it was given (recomputed next turn); an aborted one (a

@@ -134,7 +134,7 @@ def test_sampling_is_seeded_and_compressed_kv_is_skipped(eng):
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         ReuseAuditor(1.5)
     seq = eng.add_request(TEXT_A, SamplingParams(max_tokens=3), compression=KVCompression("knorm", 0.5))
-    seq.kv_keeper = lambda s: None  # keep its blocks after it finishes (freed below)
+    seq.kv_holder = lambda s: None  # keep its blocks after it finishes (freed below)
     eng.run_until_done([seq])
     try:
         assert _report(eng, seq.request_id).ok  # audited at its first token, before compression
