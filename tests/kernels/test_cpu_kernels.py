@@ -11,15 +11,14 @@
 The kernels are built by ``make setup``.  Without them these tests skip locally and fail under CI (CI=true).
 """
 
-import os
 
 import numpy as np
 import pytest
 import torch
 
+from tests.utils.kernels import kernels_or_skip  # noqa: E402
 from kvkeeper.attention import reference as ref
 from kvkeeper.attention import cpu as cpu_attention
-from kvkeeper.kernels import cpu as cpu_kernels
 from kvkeeper.worker import kernel_check
 from kvkeeper.layers import quantized
 from kvkeeper.weights import formats as qw
@@ -29,12 +28,7 @@ ISAS = ["generic", "avx512_vnni"]
 
 @pytest.fixture(scope="module")
 def kernels():
-    mod = cpu_kernels.load()
-    if mod is None:
-        msg = f"C++ CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"
-        if os.environ.get("CI"):
-            pytest.fail(msg + " (CI must build them: make setup)")
-        pytest.skip(msg)
+    mod = kernels_or_skip()
     yield mod
     mod.set_isa("auto")
 

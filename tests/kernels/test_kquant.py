@@ -29,7 +29,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 
-from kvkeeper.kernels import cpu as cpu_kernels  # noqa: E402
+from tests.utils.kernels import kernels_or_skip  # noqa: E402
 
 TYPES = [GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.Q8_0, GT.F16]
 TOL_EXACT = 2e-6  # relative to ||x|| * ||w||: float32 rounding of the scaling (observed <= ~1e-7)
@@ -38,12 +38,7 @@ TOL_EXACT = 2e-6  # relative to ||x|| * ||w||: float32 rounding of the scaling (
 @pytest.fixture(scope="module")
 def kq():
     """The K-quant kernels, part of the C++ kernels module that ``make setup`` builds (csrc/cpu/kquant.cpp)."""
-    mod = cpu_kernels.load()
-    if mod is None:
-        msg = f"C++ CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"
-        if os.environ.get("CI"):
-            pytest.fail(msg + " (CI must build them: make setup)")
-        pytest.skip(msg)
+    mod = kernels_or_skip()
     yield mod
     mod.kq_set_isa("auto")
 

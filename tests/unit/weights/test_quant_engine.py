@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 
+from tests.utils.kernels import kernels_or_skip  # noqa: E402
 from kvkeeper import InvalidRequestError, SamplingParams
 from kvkeeper.kernels import cpu as cpu_kernels
 from kvkeeper.layers import quantized
@@ -28,12 +29,7 @@ from tests.utils.engines import make_engine
 
 @pytest.fixture(scope="module")
 def kernels():
-    mod = cpu_kernels.load()
-    if mod is None:
-        msg = f"C++ CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"
-        if os.environ.get("CI"):
-            pytest.fail(msg + " (CI must build them: make setup)")
-        pytest.skip(msg)
+    mod = kernels_or_skip()
     return mod
 
 
