@@ -27,11 +27,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention read in place (see csrc/cpu/attention.cpp)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_scale"), py::arg("v_scale"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("kind"), py::arg("split_blocks"));
-  py::class_<DecodeModel>(m, "DecodeModel", "a whole decode step over packed weights (kvkeeper.worker.fused_decode)")
+  py::class_<DecodeModel>(m, "DecodeModel", "a whole decode step over packed or GGUF weights (kvkeeper.worker.fused_decode)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("hidden"),
            py::arg("inter"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("kind"))
       .def("add_layer", &DecodeModel::add_layer)
+      .def("add_layer_gguf", &DecodeModel::add_layer_gguf, "a layer over GGUF matrices in place: each projection a "
+           "list of (bytes uint8, ggml type, N, K, perm int64 or empty)")
       .def("step", &DecodeModel::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
            py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("split_blocks"))
       .def("num_layers", &DecodeModel::num_layers);

@@ -36,6 +36,12 @@
 
 #define KVK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
 
+// y (M, N) = x (M, K) @ W^T on GGUF bytes w (N rows of row_bytes) of a K-quant, Q8_0 or F16 type (kquant.cpp).
+namespace kquant {
+void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t type, int64_t N, float* y);
+const uint8_t* weight_ptr(const torch::Tensor& w, int64_t type, int64_t N, int64_t K);  // checks, raises
+}  // namespace kquant
+
 namespace kvk {
 
 // ---------------------------------------------------------------------------------------------------
@@ -181,13 +187,33 @@ torch::Tensor silu_mul(const torch::Tensor& gu);
 void rope_qk(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads, int64_t D);
 
 // ---------------------------------------------------------------------------------------------------
-// 4. a whole decode step of a Llama-family model with packed weights, in one call (fused_decode.cpp;
+// 4. a whole decode step of a Llama-family model with packed or GGUF weights, in one call (fused_decode.cpp;
 //    see kvkeeper.worker.fused_decode for the contract)
 // ---------------------------------------------------------------------------------------------------
+// One matrix in GGUF's own bytes (a K-quant, Q8_0 or F16; kquant.cpp) and an optional output permutation:
+// y[:, r] = (x @ W^T)[:, perm[r]] (llama.cpp's q/k row order undone).
+struct GGUFPart {
+  const uint8_t* w;
+  int64_t type, n, k;
+  const int64_t* perm;  // (n,) or null
+};
+
+// One projection of a decode layer: a packed weight (parts empty), or GGUF matrices whose outputs sit side by
+// side (a fused q/k/v or gate/up kept as the file's separate tensors).  n: output columns in all.
+struct Proj {
+  QW qw{};
+  std::vector<GGUFPart> parts;
+  int64_t n = 0;
+};
+
+// y (M, p.n) = x (M, K) @ W^T through qmm_raw or kquant::matmul_raw (the routines of the layer-by-layer path);
+// tmp: scratch for the parts of a GGUF projection.
+void proj_raw(const float* x, int64_t M, const Proj& p, float* y, std::vector<float>& tmp);
+
 struct DecodeLayer {
   torch::Tensor ln1, ln2, qkv_bias;                       // (hidden,), (hidden,), (qkv_out,) or undefined
-  torch::Tensor qkv_qs, qkv_sc, o_qs, o_sc, gu_qs, gu_sc, dn_qs, dn_sc;
-  int64_t qkv_bits, o_bits, gu_bits, dn_bits;
+  Proj qkv, o, gu, dn;
+  std::vector<torch::Tensor> keep;                        // the tensors the projections point into
   torch::Tensor k, v, ks, vs;                             // this layer's paged cache (ks, vs undefined unless quantized)
 };
 
@@ -203,6 +229,13 @@ class DecodeModel {
                  const torch::Tensor& dn_qs, const torch::Tensor& dn_sc, int64_t dn_bits,
                  const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& ks, const torch::Tensor& vs);
 
+  // A layer over GGUF matrices in place: each projection a list of (bytes (N, row bytes) uint8, ggml type, N, K,
+  // perm (N,) int64 or empty), their outputs side by side (q, k, v; gate, up).
+  using Parts = std::vector<std::tuple<torch::Tensor, int64_t, int64_t, int64_t, torch::Tensor>>;
+  void add_layer_gguf(const torch::Tensor& ln1, const torch::Tensor& ln2, const torch::Tensor& qkv_bias,
+                      const Parts& qkv, const Parts& o, const Parts& gu, const Parts& dn, const torch::Tensor& k,
+                      const torch::Tensor& v, const torch::Tensor& ks, const torch::Tensor& vs);
+
   // x (B, hidden) float32, updated in place: every layer applied to one new token per sequence.
   // cos, sin (B, D) float32 for the tokens' positions; slots (B,) int64; block_tables (B, W) int64;
   // context_lens (B,) int64 (including the new token).
@@ -216,7 +249,9 @@ class DecodeModel {
   float eps_;
   int64_t kind_;
   std::vector<DecodeLayer> layers_;
-  std::vector<float> h_, qkv_, att_, qbuf_, gu_, act_, y_;
+  std::vector<float> h_, qkv_, att_, qbuf_, gu_, act_, y_, tmp_;
+
+  void push_layer(DecodeLayer L);  // the checks shared by both add_layer forms
 };
 
 }  // namespace kvk

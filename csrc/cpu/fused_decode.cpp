@@ -1,4 +1,5 @@
-// 4. a whole decode step of a Llama-family model with packed weights, in one call: x <- layer(x) for every layer
+// 4. a whole decode step of a Llama-family model with packed weights (qmm.cpp) or GGUF matrices in place
+//    (kquant.cpp), in one call: x <- layer(x) for every layer
 //    (see kvkeeper.worker.fused_decode for the contract).  It calls the routines of the layer-by-layer path
 //    (elementwise.cpp, qmm.cpp, attention.cpp), so a decode token gets bit-identical results whichever path its
 //    step takes.
@@ -13,6 +14,66 @@ DecodeModel::DecodeModel(int64_t hidden, int64_t inter, int64_t heads, int64_t k
   TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0 && kind >= 0 && kind <= 4, "DecodeModel: bad shapes");
 }
 
+void proj_raw(const float* x, int64_t M, const Proj& p, float* y, std::vector<float>& tmp) {
+  if (p.parts.empty()) {
+    qmm_raw(x, M, p.qw, y);
+    return;
+  }
+  if (p.parts.size() == 1 && p.parts[0].perm == nullptr) {
+    const GGUFPart& g = p.parts[0];
+    kquant::matmul_raw(x, M, g.k, g.w, g.type, g.n, y);
+    return;
+  }
+  int64_t off = 0;
+  for (const GGUFPart& g : p.parts) {  // each part's product, then its columns (permuted) into place
+    tmp.resize(M * g.n);
+    kquant::matmul_raw(x, M, g.k, g.w, g.type, g.n, tmp.data());
+    for (int64_t m = 0; m < M; ++m) {
+      const float* src = tmp.data() + m * g.n;
+      float* dst = y + m * p.n + off;
+      if (g.perm != nullptr)
+        for (int64_t r = 0; r < g.n; ++r) dst[r] = src[g.perm[r]];
+      else
+        std::memcpy(dst, src, g.n * sizeof(float));
+    }
+    off += g.n;
+  }
+}
+
+namespace {
+
+Proj packed_proj(const torch::Tensor& qs, const torch::Tensor& sc, int64_t bits, int64_t n, int64_t k) {
+  Proj p;
+  p.qw = make_qw(qs, sc, bits, n);
+  TORCH_CHECK(qs.size(1) * QK == k, "DecodeModel: a packed weight has K=", qs.size(1) * QK, ", the model needs ", k);
+  p.n = n;
+  return p;
+}
+
+Proj gguf_proj(const DecodeModel::Parts& parts, int64_t n, int64_t k, std::vector<torch::Tensor>& keep) {
+  Proj p;
+  for (const auto& [w, type, pn, pk, perm] : parts) {
+    TORCH_CHECK(pk == k, "DecodeModel: a GGUF part has K=", pk, ", the model needs ", k);
+    TORCH_CHECK(type != 1, "DecodeModel: F16 parts run layer by layer (their prefill takes torch's GEMM)");
+    const uint8_t* wp = kquant::weight_ptr(w, type, pn, pk);
+    const bool has_perm = perm.defined() && perm.numel() > 0;
+    TORCH_CHECK(!has_perm || (perm.scalar_type() == at::kLong && perm.numel() == pn && perm.is_contiguous()),
+                "DecodeModel: perm must be contiguous int64 (N,)");
+    if (has_perm) {
+      const int64_t* pp = perm.data_ptr<int64_t>();
+      for (int64_t r = 0; r < pn; ++r) TORCH_CHECK(pp[r] >= 0 && pp[r] < pn, "DecodeModel: perm out of range");
+    }
+    p.parts.push_back({wp, type, pn, pk, has_perm ? perm.data_ptr<int64_t>() : nullptr});
+    keep.push_back(w);
+    if (has_perm) keep.push_back(perm);
+    p.n += pn;
+  }
+  TORCH_CHECK(!p.parts.empty() && p.n == n, "DecodeModel: GGUF parts give ", p.n, " outputs, the model needs ", n);
+  return p;
+}
+
+}  // namespace
+
 void DecodeModel::add_layer(const torch::Tensor& ln1, const torch::Tensor& ln2, const torch::Tensor& qkv_bias,
                             const torch::Tensor& qkv_qs, const torch::Tensor& qkv_sc, int64_t qkv_bits,
                             const torch::Tensor& o_qs, const torch::Tensor& o_sc, int64_t o_bits,
@@ -20,14 +81,33 @@ void DecodeModel::add_layer(const torch::Tensor& ln1, const torch::Tensor& ln2, 
                             const torch::Tensor& dn_qs, const torch::Tensor& dn_sc, int64_t dn_bits,
                             const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& ks,
                             const torch::Tensor& vs) {
-  const int64_t qkv_n = (H_ + 2 * KVH_) * D_;
   // shape checks happen here, once, so that step() can use raw pointers
-  make_qw(qkv_qs, qkv_sc, qkv_bits, qkv_n);
-  make_qw(o_qs, o_sc, o_bits, hidden_);
-  make_qw(gu_qs, gu_sc, gu_bits, 2 * inter_);
-  make_qw(dn_qs, dn_sc, dn_bits, hidden_);
-  TORCH_CHECK(qkv_qs.size(1) * QK == hidden_ && o_qs.size(1) * QK == H_ * D_ && gu_qs.size(1) * QK == hidden_ &&
-                  dn_qs.size(1) * QK == inter_, "DecodeModel: weight input sizes do not match the model");
+  DecodeLayer L{ln1, ln2, qkv_bias};
+  L.qkv = packed_proj(qkv_qs, qkv_sc, qkv_bits, (H_ + 2 * KVH_) * D_, hidden_);
+  L.o = packed_proj(o_qs, o_sc, o_bits, hidden_, H_ * D_);
+  L.gu = packed_proj(gu_qs, gu_sc, gu_bits, 2 * inter_, hidden_);
+  L.dn = packed_proj(dn_qs, dn_sc, dn_bits, hidden_, inter_);
+  L.keep = {qkv_qs, qkv_sc, o_qs, o_sc, gu_qs, gu_sc, dn_qs, dn_sc};
+  L.k = k, L.v = v, L.ks = ks, L.vs = vs;
+  push_layer(std::move(L));
+}
+
+void DecodeModel::add_layer_gguf(const torch::Tensor& ln1, const torch::Tensor& ln2, const torch::Tensor& qkv_bias,
+                                 const Parts& qkv, const Parts& o, const Parts& gu, const Parts& dn,
+                                 const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& ks,
+                                 const torch::Tensor& vs) {
+  DecodeLayer L{ln1, ln2, qkv_bias};
+  L.qkv = gguf_proj(qkv, (H_ + 2 * KVH_) * D_, hidden_, L.keep);
+  L.o = gguf_proj(o, hidden_, H_ * D_, L.keep);
+  L.gu = gguf_proj(gu, 2 * inter_, hidden_, L.keep);
+  L.dn = gguf_proj(dn, hidden_, inter_, L.keep);
+  L.k = k, L.v = v, L.ks = ks, L.vs = vs;
+  push_layer(std::move(L));
+}
+
+void DecodeModel::push_layer(DecodeLayer L) {
+  const int64_t qkv_n = (H_ + 2 * KVH_) * D_;
+  const torch::Tensor &ln1 = L.ln1, &ln2 = L.ln2, &qkv_bias = L.qkv_bias, &k = L.k, &v = L.v, &ks = L.ks, &vs = L.vs;
   TORCH_CHECK(ln1.scalar_type() == at::kFloat && ln1.numel() == hidden_ && ln1.is_contiguous() &&
                   ln2.scalar_type() == at::kFloat && ln2.numel() == hidden_ && ln2.is_contiguous(),
               "DecodeModel: norms must be contiguous float32 (hidden,)");
@@ -42,8 +122,8 @@ void DecodeModel::add_layer(const torch::Tensor& ln1, const torch::Tensor& ln2, 
     TORCH_CHECK(ks.defined() && ks.scalar_type() == at::kHalf && ks.is_contiguous() && vs.is_contiguous() &&
                     ks.numel() == k.numel() / D_ && vs.sizes() == ks.sizes(),
                 "DecodeModel: quantized KV needs float16 scales (blocks, block_size, kv_heads)");
-  layers_.push_back({ln1, ln2, qkv_bias.defined() && qkv_bias.numel() ? qkv_bias : torch::Tensor(), qkv_qs, qkv_sc,
-                     o_qs, o_sc, gu_qs, gu_sc, dn_qs, dn_sc, qkv_bits, o_bits, gu_bits, dn_bits, k, v, ks, vs});
+  if (qkv_bias.defined() && qkv_bias.numel() == 0) L.qkv_bias = torch::Tensor();
+  layers_.push_back(std::move(L));
 }
 
 void DecodeModel::step(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -82,7 +162,7 @@ void DecodeModel::step(const torch::Tensor& x, const torch::Tensor& cos, const t
   const float fscale = static_cast<float>(scale);
   for (const DecodeLayer& L : layers_) {
     rmsnorm_rows(xp, L.ln1.data_ptr<float>(), B, hidden_, eps_, h_.data());
-    qmm_raw(h_.data(), B, make_qw(L.qkv_qs, L.qkv_sc, L.qkv_bits, qkv_n), qkv_.data());
+    proj_raw(h_.data(), B, L.qkv, qkv_.data(), tmp_);
     const bool quant = kind_ == KV_I8 || kind_ == KV_FP8;
     for (int64_t b = 0; b < B; ++b) {
       float* row = qkv_.data() + b * qkv_n;
@@ -105,12 +185,12 @@ void DecodeModel::step(const torch::Tensor& x, const torch::Tensor& cos, const t
                quant ? reinterpret_cast<const uint16_t*>(L.vs.data_ptr<at::Half>()) : nullptr,
                block_tables.data_ptr<int64_t>(), ctx, kind_, H_, KVH_, D_, BS, W, H_ / KVH_};
     attention_raw(a, B, split_blocks, att_.data());
-    qmm_raw(att_.data(), B, make_qw(L.o_qs, L.o_sc, L.o_bits, hidden_), y_.data());
+    proj_raw(att_.data(), B, L.o, y_.data(), tmp_);
     for (int64_t i = 0; i < B * hidden_; ++i) xp[i] += y_[i];
     rmsnorm_rows(xp, L.ln2.data_ptr<float>(), B, hidden_, eps_, h_.data());
-    qmm_raw(h_.data(), B, make_qw(L.gu_qs, L.gu_sc, L.gu_bits, 2 * inter_), gu_.data());
+    proj_raw(h_.data(), B, L.gu, gu_.data(), tmp_);
     silu_mul_rows(gu_.data(), B, inter_, act_.data());  // SiLU(gate) * up
-    qmm_raw(act_.data(), B, make_qw(L.dn_qs, L.dn_sc, L.dn_bits, hidden_), y_.data());
+    proj_raw(act_.data(), B, L.dn, y_.data(), tmp_);
     for (int64_t i = 0; i < B * hidden_; ++i) xp[i] += y_[i];
   }
 }

@@ -33,7 +33,8 @@
 // nibbles come out of a 64-byte load (sub-blocks 0,2 | 1,3 | 4,6 | 5,7), so unpacking is a mask and a shift.
 //  * decode (a task with fewer than 16 activation rows): row by row, VPMADDUBSW (u8 codes x s8 activations
 //    -> int16 pairs, no saturation since 2 * 63 * 127 < 32767) then VPDPWSSD (AVX512-VNNI: the pairs times
-//    the 16-bit scales, summed in int32), one horizontal sum per row at the end; up to 4 activation rows
+//    the 16-bit scales, summed in int32), one integer horizontal sum per super-block, whose float step
+//    (d, dmin, the activation scale) is the one the prefill tiles take in their lanes; up to 4 activation rows
 //    share each unpacked block.
 //  * prefill: the unpacked rows of a 16-row tile are interleaved per 4 positions ("KT"), so that one
 //    VPDPBUSD multiplies 4 codes of each of the 16 rows by 4 activation bytes broadcast from memory, the 16
@@ -53,6 +54,10 @@
 //
 // Parallel: OpenMP over tasks of (16 weight rows) x (128 activation rows): decode is split over output
 // rows, prefill over both.  The two ISA paths compute the same integers; only float rounding differs.
+// Batch invariance: on the AVX-512 path every route (decode rows, unpacked rows against a few activation rows,
+// prefill tiles) computes a row's exact integer sums per super-block (per block for Q8_0) and applies the same
+// float operations to them in the same order, so an output does not depend on M or on the row's place in the
+// batch: a token's logits are the same bit for bit whether its step was a decode or part of a prefill.
 
 #include <torch/extension.h>
 #include <c10/util/Half.h>
@@ -153,14 +158,13 @@ struct Act {
   std::vector<int8_t> q;     // (M, K), in the weight type's element order (see ORD)
   std::vector<float> d;      // (M, K / B)
   std::vector<int16_t> bs;   // (M, K / 16): sums of q over each 16 elements, natural order
-  std::vector<float> de;     // Q8_0 only: (M, K / 4): d of each 4-element group (AVX-512 lanes)
   int64_t K = 0, B = 0;
 };
 
 // One row, AVX-512: the same numbers as the portable loop below (the same float32 d and 1 / d, and
 // VCVTPS2DQ rounds half to even as nearbyint does under the default rounding mode).
 KQ_AVX512 void quantize_row_avx512(const float* xr, int64_t K, int64_t B, bool perm, int8_t* qr, float* dr,
-                                   int16_t* bsr, float* der) {
+                                   int16_t* bsr) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t b = 0; b < K / B; ++b) {
     const float* xb = xr + b * B;
@@ -177,8 +181,6 @@ KQ_AVX512 void quantize_row_avx512(const float* xr, int64_t K, int64_t B, bool p
       bsr[b * (B / 16) + g] = static_cast<int16_t>(_mm512_reduce_add_epi32(v));
     }
     dr[b] = d;
-    if (der)
-      for (int i = 0; i < B / 4; ++i) der[b * (B / 4) + i] = d;
   }
 }
 
@@ -189,13 +191,11 @@ void quantize_act(const float* x, int64_t M, int64_t K, int64_t type, Act& a) {
   a.q.resize(M * K);
   a.d.resize(M * nb);
   a.bs.resize(M * (K / 16));
-  if (type == T_Q8_0) a.de.resize(M * (K / 4));
   const bool perm = nibble_order(type);
   if (use_avx512()) {
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 18))
     for (int64_t r = 0; r < M; ++r)
-      quantize_row_avx512(x + r * K, K, B, perm, a.q.data() + r * K, a.d.data() + r * nb, a.bs.data() + r * (K / 16),
-                          type == T_Q8_0 ? a.de.data() + r * (K / 4) : nullptr);
+      quantize_row_avx512(x + r * K, K, B, perm, a.q.data() + r * K, a.d.data() + r * nb, a.bs.data() + r * (K / 16));
     return;
   }
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
@@ -221,8 +221,6 @@ void quantize_act(const float* x, int64_t M, int64_t K, int64_t type, Act& a) {
         bsb[g] = static_cast<int16_t>(sum);
       }
       a.d[r * nb + b] = d;
-      if (type == T_Q8_0)
-        for (int i = 0; i < B / 4; ++i) a.de[r * (K / 4) + b * (B / 4) + i] = d;
     }
   }
 }
@@ -420,11 +418,20 @@ KQ_AVX512 void unpack_avx512(const uint8_t* row, int64_t type, int64_t nsb, KU* 
   }
 }
 
+// One super-block's float step, as the prefill tiles take it in their lanes (so that a row's result does not
+// depend on which path, decode or prefill, computed it): acc = fma(tot * d - mins * dmin, dx, acc), each
+// operation rounded as _mm512_mul_ps / _mm512_fnmadd_ps / _mm512_fmadd_ps round it.
+KQ_AVX512 inline __m128 sb_step(__m128 acc, int32_t tot, int32_t mins, float d, float dmin, float dx) {
+  __m128 f = _mm_mul_ss(_mm_cvtsi32_ss(_mm_setzero_ps(), tot), _mm_set_ss(d));
+  f = _mm_fnmadd_ss(_mm_cvtsi32_ss(_mm_setzero_ps(), mins), _mm_set_ss(dmin), f);
+  return _mm_fmadd_ss(f, _mm_set_ss(dx), acc);
+}
+
 template <int R>
 KQ_AVX512 void ku_dot_avx512_t(const KU* w, int64_t nsb, const Act& a, int64_t m0, float* out) {
   const int64_t K = a.K, nb = K / QK_K;
-  __m512 acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  __m128 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm_setzero_ps();
   const int8_t* xq = a.q.data() + m0 * K;
   const int16_t* bs = a.bs.data() + m0 * (K / 16);
   const float* dx = a.d.data() + m0 * nb;
@@ -435,7 +442,6 @@ KQ_AVX512 void ku_dot_avx512_t(const KU* w, int64_t nsb, const Act& a, int64_t m
     const __m512i s0 = _mm512_load_si512(u.sc), s1 = _mm512_load_si512(u.sc + 32);
     const __m512i s2 = _mm512_load_si512(u.sc + 64), s3 = _mm512_load_si512(u.sc + 96);
     const __m256i mn = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.mn));
-    const __m512 D = _mm512_set1_ps(u.d), DM = _mm512_set1_ps(u.dmin);
 #pragma GCC unroll 4
     for (int m = 0; m < R; ++m) {
       const int8_t* x = xq + m * K + s * QK_K;
@@ -445,12 +451,12 @@ KQ_AVX512 void ku_dot_avx512_t(const KU* w, int64_t nsb, const Act& a, int64_t m
       P = _mm512_dpwssd_epi32(P, _mm512_maddubs_epi16(q2, _mm512_loadu_si512(x + 128)), s2);
       P = _mm512_dpwssd_epi32(P, _mm512_maddubs_epi16(q3, _mm512_loadu_si512(x + 192)), s3);
       const __m256i mi = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + m * (K / 16) + s * 16)), mn);
-      __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(P), D);
-      f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(mi)), DM, f);
-      acc[m] = _mm512_fmadd_ps(f, _mm512_set1_ps(dx[m * nb + s]), acc[m]);
+      // the super-block's integer sums (exact), then its float step as the tiles take it
+      acc[m] = sb_step(acc[m], _mm512_reduce_add_epi32(P), _mm512_reduce_add_epi32(_mm512_zextsi256_si512(mi)),
+                       u.d, u.dmin, dx[m * nb + s]);
     }
   }
-  for (int m = 0; m < R; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+  for (int m = 0; m < R; ++m) out[m] = _mm_cvtss_f32(acc[m]);
 }
 
 KQ_AVX512 void ku_dot_avx512(const KU* w, int64_t nsb, const Act& a, int64_t m0, int mr, float* out) {
@@ -596,10 +602,9 @@ void q8_dot_generic(const uint8_t* row, int64_t K, const Act& a, int64_t m0, int
 template <int R>
 KQ_AVX512 void q8_dot_avx512_t(const uint8_t* row, int64_t K, const Act& a, int64_t m0, float* out) {
   const int64_t nb = K / QK8;
-  __m512 acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  __m128 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm_setzero_ps();
   const int8_t* xq = a.q.data() + m0 * K;
-  const float* de = a.de.data() + m0 * (K / 4);
   for (int64_t b = 0; b < nb; b += 2) {
     const bool two = b + 1 < nb;
     const uint8_t* b0 = row + 34 * b;
@@ -609,18 +614,22 @@ KQ_AVX512 void q8_dot_avx512_t(const uint8_t* row, int64_t K, const Act& a, int6
     const __m512i A = _mm512_abs_epi8(W);
     const __mmask64 neg = _mm512_movepi8_mask(W);
     const float d0 = f16_at(b0), d1 = two ? f16_at(b0 + 34) : 0.f;
-    const __m512 DW = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
     const __mmask16 lanes = two ? 0xFFFF : 0x00FF;
 #pragma GCC unroll 4
     for (int m = 0; m < R; ++m) {
       const __m512i X = _mm512_maskz_loadu_epi32(lanes, xq + m * K + b * QK8);
       const __m512i Xs = _mm512_mask_sub_epi8(X, neg, _mm512_setzero_si512(), X);
       const __m512i P = _mm512_dpbusd_epi32(_mm512_setzero_si512(), A, Xs);
-      const __m512 DX = _mm512_maskz_loadu_ps(lanes, de + m * (K / 4) + b * (QK8 / 4));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), _mm512_mul_ps(DW, DX), acc[m]);
+      // each block's integer sum (exact), then acc = fma(sum, d_w * d_x, acc) in block order, as the tiles do
+      const float* dx = a.d.data() + (m0 + m) * nb + b;
+      acc[m] = _mm_fmadd_ss(_mm_cvtsi32_ss(_mm_setzero_ps(), _mm512_mask_reduce_add_epi32(0x00FF, P)),
+                            _mm_mul_ss(_mm_set_ss(d0), _mm_set_ss(dx[0])), acc[m]);
+      if (two)
+        acc[m] = _mm_fmadd_ss(_mm_cvtsi32_ss(_mm_setzero_ps(), _mm512_mask_reduce_add_epi32(0xFF00, P)),
+                              _mm_mul_ss(_mm_set_ss(d1), _mm_set_ss(dx[1])), acc[m]);
     }
   }
-  for (int m = 0; m < R; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+  for (int m = 0; m < R; ++m) out[m] = _mm_cvtss_f32(acc[m]);
 }
 
 KQ_AVX512 void q8_dot_avx512(const uint8_t* row, int64_t K, const Act& a, int64_t m0, int mr, float* out) {

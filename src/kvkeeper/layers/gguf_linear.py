@@ -170,6 +170,11 @@ class GGUFLinear(nn.Module):
     gguf_logits = forward  # as an (untied) LM head
 
     @property
+    def on_kernels(self) -> bool:
+        """Whether every part is computed by the C++ kernels (not the PyTorch reference)."""
+        return all(from_kernels for _mm, _rows, from_kernels in self._ops)
+
+    @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
