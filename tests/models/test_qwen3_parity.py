@@ -8,9 +8,10 @@ express are also written as a GGUF (``qwen3`` / ``qwen3moe``, float32 tensors un
 the tokenizer fields copied from the embedded GGUF).  On the exact path (``--quantization none``, float32) the
 engine's logits at every position (one-shot, chunked over cached blocks, decode, packed sequences) are within 1e-4
 of transformers', and its greedy tokens equal transformers' for a prompt, the same prompt again (a prefix-cache hit)
-and a second turn (first prompt + answer + a new user message, which reuses the first turn's KV).  A GGUF of
-float16 matrices runs in place (``--quantization gguf``; Qwen3-MoE's experts dequantized at load) with the logits
-of the dequantized path.
+and a second turn (first prompt + answer + a new user message, which reuses the first turn's KV).  GGUFs of F16 and
+Q8_0 matrices run ``--quantization gguf`` (F16 in place, Q8_0 repacked; Qwen3-MoE's experts dequantized at load)
+with the logits of the dequantized path, and a Q4_K_M-mix file runs in place over the K-quant kernels; int8 / int4
+run on a Qwen3 folder.
 """
 
 from __future__ import annotations
