@@ -434,3 +434,18 @@ def test_configs_refused_with_a_reason():
     cfg = ModelConfig.from_hf_dict({**{k: v for k, v in _moe_dict().items() if k not in ("num_experts", "model_type")},
                                     "num_local_experts": 4, "architectures": ["Qwen3MoeForCausalLM"]})
     assert (cfg.architecture, cfg.n_routed_experts) == ("qwen3_moe", 4)
+
+
+def test_moe_refusals_say_why():
+    """int8 / int4 and LoRA are refused for Qwen3-MoE with the reason; the dense Qwen3 takes every format."""
+    from kvkeeper.errors import InvalidRequestError
+    from kvkeeper.models.registry import capabilities, family_options
+
+    moe = ModelConfig.from_hf_dict(_moe_dict())
+    with pytest.raises(InvalidRequestError, match=r"'int8' does not run Qwen3-MoE models \(int8 / int4 have no "
+                                                  r"packed path for the experts\); use --quantization none or gguf"):
+        family_options(moe, "auto", "int8")
+    assert family_options(moe, "auto", "gguf") == ("auto", "gguf")
+    assert "experts (MoE) have no LoRA path" in capabilities(moe).refusal("lora")
+    dense = ModelConfig.from_hf_dict({**_moe_dict(), "model_type": "qwen3"})
+    assert family_options(dense, "auto", "int4") == ("auto", "int4") and not dense.is_moe_layer(0)
