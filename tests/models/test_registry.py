@@ -10,6 +10,7 @@ from kvkeeper.models.capabilities import Capabilities
 from kvkeeper.models.deepseek import DeepseekForCausalLM
 from kvkeeper.models.gemma3 import Gemma3ForCausalLM
 from kvkeeper.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from kvkeeper.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from kvkeeper.models.registry import ARCHITECTURES, capabilities, causal_lm_class, family_options, model_class
 
 
@@ -22,10 +23,11 @@ def test_every_supported_architecture_has_a_family():
     assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)
     assert {a: causal_lm_class(_cfg(a)) for a in ARCHITECTURES} == {
         "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
+        "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
         "deepseek_v2": DeepseekForCausalLM, "deepseek_v3": DeepseekForCausalLM, "gemma3": Gemma3ForCausalLM}
 
 
-@pytest.mark.parametrize("name, nearest", [("qwen3", "qwen2"), ("gemma2", "gemma3"), ("llama4", "llama"),
+@pytest.mark.parametrize("name, nearest", [("qwen2_moe", "qwen3_moe"), ("gemma2", "gemma3"), ("llama4", "llama"),
                                            ("deepseek_v4", "deepseek_v3")])
 def test_unsupported_architecture_names_the_nearest(name, nearest):
     for raise_it in (lambda: model_class(name), lambda: ModelConfig.check_architecture(name)):
@@ -50,6 +52,14 @@ def test_each_family_declares_its_capabilities():
     assert llama.gguf_permuted_qk and not qwen.gguf_permuted_qk
     assert qwen.replace(gguf_permuted_qk=True, family="Llama") == llama
     assert isinstance(capabilities(_cfg("mistral")), Capabilities)
+    # Qwen3: Llama's projections and GGUF conventions (unpermuted like Qwen2) plus per-head q/k norms, which the
+    # fused C++ decode step lacks; Qwen3-MoE: experts float (none, or gguf with them dequantized), no LoRA, no graphs
+    qwen3, moe = capabilities(_cfg("qwen3")), capabilities(_cfg("qwen3_moe"))
+    assert qwen3.weight_formats == llama.weight_formats and qwen3.gguf_in_place and not qwen3.gguf_permuted_qk
+    assert not qwen3.fused_decode and qwen3.cuda_graphs and qwen3.lora and qwen3.kv_compression
+    assert moe.weight_formats == ("none", "gguf") and moe.gguf_in_place and not moe.gguf_permuted_qk
+    assert not (moe.fused_decode or moe.cuda_graphs or moe.lora) and moe.kv_layout == "standard"
+    assert "fused C++ decode step" in qwen3.refusal("fused_decode")
 
 
 def test_capabilities_are_checked_when_declared():

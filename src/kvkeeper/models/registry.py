@@ -14,11 +14,14 @@ from .capabilities import WEIGHT_FORMATS, Capabilities
 from .deepseek import DeepseekForCausalLM
 from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM, Qwen2ForCausalLM
+from .qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,
     "gemma3": Gemma3ForCausalLM,

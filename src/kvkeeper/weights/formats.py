@@ -408,5 +408,7 @@ def _group_mapped(out: dict, cfg, packed: dict[str, PackedWeight]) -> str:
     deq = sum(v.numel() * v.element_size() for v in out.values() if isinstance(v, torch.Tensor))
     rep = sum(pw.nbytes for pw in packed.values())
     kinds = ", ".join(f"{t} {b / 1e6:.2f}" for t, b in sorted(mapped.items()))
+    experts = ", MoE router and experts" if any(".mlp.experts." in n for n in out) else ""
     return (f"gguf: {sum(mapped.values()) / 1e6:.2f} MB mapped in place ({kinds}), {rep / 1e6:.2f} MB repacked"
-            f" ({len(packed)} matrices), {deq / 1e6:.2f} MB dequantized to float32 (norms, biases, F32 tensors)")
+            f" ({len(packed)} matrices), {deq / 1e6:.2f} MB dequantized to float32 (norms, biases, F32 tensors"
+            f"{experts})")

@@ -68,11 +68,12 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
     """Read a GGUF file with the ``gguf`` package and dequantise every tensor to float32.
 
-    in_place: keep every matrix that is not F32 (projections, embedding, LM head) of a Llama-family file as a
+    in_place: keep every 2-D matrix that is not F32 (projections, embedding, LM head) of a file whose family has
+    ``capabilities.gguf_in_place`` (Llama, Qwen2, Qwen3, Qwen3-MoE) as a
     :class:`~kvkeeper.layers.gguf_linear.GGUFWeight` over the file's memory map instead (no copy; q/k get the
-    RoPE permutation as an output-column index); only norms, biases and F32 tensors are read into memory.  With
-    in_place, a file of another family (Gemma 3, DeepSeek) returns None before any tensor is read (the caller
-    loads it dequantized, :func:`load_weights`).
+    RoPE permutation as an output-column index); only norms, biases, F32 tensors and 3-D tensors (Qwen3-MoE's
+    stacked experts) are read into memory.  With in_place, a file of another family (Gemma 3, DeepSeek) returns
+    None before any tensor is read (the caller loads it dequantized, :func:`load_weights`).
     Raises :class:`ModelFormatError` for an unreadable or truncated file and
     :class:`UnsupportedArchitectureError` for an architecture we do not implement.
     """
@@ -112,7 +113,7 @@ def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(field(f"{p}.feed_forward_length")),
+        intermediate_size=int(field(f"{p}.feed_forward_length", 0)),  # (a missing one: a shape error later)
         num_layers=int(field(f"{p}.block_count")),
         num_heads=n_heads,
         num_kv_heads=n_kv,
