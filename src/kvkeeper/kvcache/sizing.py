@@ -4,7 +4,8 @@ A block holds ``block_size`` tokens of every layer's KV (values plus scales, :me
 A hybrid cache (a model with sliding-window layers, see :mod:`kvkeeper.kvcache.block_pool`) gives the
 sliding layers their own, smaller set of *window blocks*: enough for every running sequence's window plus a
 prefill chunk, but at most half the byte budget (and no more than there are blocks); the full layers get
-the rest.
+the rest.  A model whose every layer slides (Mistral) keeps all its KV in window blocks (the whole budget, or
+``num_blocks`` of them); its blocks are then bookkeeping without KV storage.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def kv_blocks(kv_format: KVFormat, mcfg: ModelConfig, sizing: KVSizing, hybrid: 
     n_slide = sum(mcfg.is_sliding_layer(i) for i in range(mcfg.num_layers))
     if not (hybrid and n_slide and mcfg.sliding_window):
         return sizing.num_blocks or blocks_for_budget(kv_format, mcfg, sizing.budget_bytes, bs), None
+    if n_slide == mcfg.num_layers:
+        return _all_sliding_blocks(kv_format, mcfg, sizing)
     want = sizing.max_num_seqs * (-(-(mcfg.sliding_window + sizing.max_num_batched_tokens) // bs) + 1)
     if sizing.num_blocks:
         return sizing.num_blocks, max(1, min(want, sizing.num_blocks))
@@ -64,3 +67,15 @@ def kv_blocks(kv_format: KVFormat, mcfg: ModelConfig, sizing: KVSizing, hybrid: 
         raise InvalidRequestError(f"kv_cache_bytes={budget} is too small for a hybrid KV cache "
                                   f"({window_blocks} window blocks leave no room for one block)")
     return blocks, min(window_blocks, blocks)
+
+
+def _all_sliding_blocks(kv_format: KVFormat, mcfg: ModelConfig, sizing: KVSizing) -> tuple[int, int]:
+    """(blocks, window blocks) of a model whose every layer slides (Mistral): all the KV is in window blocks
+    (``num_blocks``, else the whole budget); blocks hold no KV, only block-table and prefix-cache bookkeeping, so
+    there are enough for every window block's sequence to reach the context length: ``window_blocks *
+    (ceil(context / window) + 2)`` (a sequence holds at least a window's worth of window blocks for each
+    ``window`` tokens of blocks past it)."""
+    bs, window = sizing.block_size, mcfg.sliding_window
+    window_blocks = sizing.num_blocks or blocks_for_budget(kv_format, mcfg, sizing.budget_bytes, bs)
+    per_window = max(1, window // bs)
+    return window_blocks * (-(-mcfg.context_length // (per_window * bs)) + 2), window_blocks

@@ -196,6 +196,7 @@ _FUSED = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_
 _GGUF_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down"}
+_GGUF_MATRICES = {*_GGUF_PARTS.values(), "attn_qkv"}  # + Phi-3's fused q/k/v (its ffn_up holds gate and up)
 
 
 def gguf_tensor_types(path) -> dict[str, str]:
@@ -209,7 +210,7 @@ def gguf_tensor_types(path) -> dict[str, str]:
 def _projection_types(types: dict[str, str]) -> set[str]:
     """The types of the matrices a decode step multiplies by (projections, embedding / LM head)."""
     return {t for name, t in types.items()
-            if name.startswith("blk.") and name.split(".")[2] in _GGUF_PARTS.values() and name.endswith(".weight")
+            if name.startswith("blk.") and name.split(".")[2] in _GGUF_MATRICES and name.endswith(".weight")
             or name in ("token_embd.weight", "output.weight")}
 
 
@@ -398,6 +399,8 @@ def _group_mapped(out: dict, cfg, packed: dict[str, PackedWeight]) -> str:
             names = [f"model.layers.{i}.{p}.weight" for p in parts]
             if all(isinstance(out.get(n), GGUFWeight) for n in names):
                 out[f"model.layers.{i}.{fused}.weight"] = [out.pop(n) for n in names]
+            elif isinstance(out.get(f"model.layers.{i}.{fused}.weight"), GGUFWeight):  # stored fused (Phi-3)
+                out[f"model.layers.{i}.{fused}.weight"] = [out[f"model.layers.{i}.{fused}.weight"]]
     top = ("model.embed_tokens.weight", "lm_head.weight")
     for name in [n for n, v in out.items() if isinstance(v, GGUFWeight) and n not in top]:
         out[name] = out[name].dequantize()
