@@ -228,3 +228,41 @@ def test_longrope_gguf_is_refused(tiny, tmp_path):
     w.close()
     with pytest.raises(UnsupportedArchitectureError, match="LongRoPE"):
         load_weights(tmp_path / "longrope.gguf", cache=tmp_path)
+
+
+def test_q8_0_gguf_packs_the_fused_tensors(tiny, tmp_path):
+    """A Q8_0 Phi-3 file: attn_qkv and ffn_up are repacked whole for the C++ block matmul (one packed matrix
+    each, like Llama's q/k/v fused from three), and greedy tokens equal the file's dequantized float32 path."""
+    import gguf
+    import numpy as np
+
+    from kvkeeper.layers.quantized import QuantLinear
+    from tests.utils.kernels import kernels_or_skip
+
+    kernels_or_skip()
+    src = gguf.GGUFReader(str(tiny[1]["gguf"]))
+    path = tmp_path / "phi3-q8_0.gguf"
+    w = gguf.GGUFWriter(str(path), "phi3")
+    for key, f in src.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            vtype = f.types[0]
+            w.add_key_value(key, f.contents(), vtype, f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in src.tensors:
+        data = np.array(t.data)
+        if data.ndim == 2:
+            q8 = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(t.name, q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    packed = make_engine(model=str(path), num_kv_blocks=64, block_size=4, quantization="gguf", kv_dtype="fp32")
+    exact = make_engine(model=str(path), num_kv_blocks=64, block_size=4, quantization="none")
+    layer = packed.runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
+    assert "matrices in place" in packed.runner.weight_description, packed.runner.weight_description
+    p = _prompt(23, 12)
+    a, b = (e.generate([p], SamplingParams(max_tokens=12, **GREEDY))[0].token_ids for e in (packed, exact))
+    assert a == b
