@@ -167,3 +167,25 @@ def test_gguf_runs_full_attention_as_llama_cpp(tiny, tmp_path):
     (got,) = kk_logits_chunked(eng, [f], [[len(f)]])
     with torch.no_grad():
         assert (got - full(torch.tensor([f])).logits[0]).abs().max().item() < ATOL
+
+
+def test_sizing_of_an_all_sliding_cache():
+    """Every layer slides: the KV budget becomes window blocks (at most room for max_num_seqs windows plus a
+    prefill chunk each), the bookkeeping blocks cover every such sequence up to the context and no more than
+    max_num_seqs whole contexts; an explicit block count is the window-block count."""
+    from kvkeeper.kvcache.quant import parse_kv_format
+    from kvkeeper.kvcache.sizing import KVSizing, bytes_per_block, kv_blocks
+    from kvkeeper.model_config import ModelConfig
+
+    cfg = ModelConfig(architecture="mistral", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096, sliding_window=256,
+                      layer_types=["sliding_attention"] * 3)
+    fp32 = parse_kv_format("fp32")
+    per_block = bytes_per_block(fp32, cfg, 16)
+    small = KVSizing(40 * per_block, 16, None, max_num_seqs=8, max_num_batched_tokens=64)
+    assert kv_blocks(fp32, cfg, small, hybrid=True) == (40 * (4096 // 256 + 2), 40)  # the budget: 40 window blocks
+    big = KVSizing(1 << 30, 16, None, max_num_seqs=8, max_num_batched_tokens=64)
+    want = 8 * ((256 + 64) // 16 + 1)
+    assert kv_blocks(fp32, cfg, big, hybrid=True) == (8 * 4096 // 16 + want, want)
+    assert kv_blocks(fp32, cfg, KVSizing(0, 16, 12), hybrid=True) == (12 * 18, 12)
+    assert kv_blocks(fp32, cfg, small, hybrid=False) == (40, None)  # --no-hybrid-kv-cache: every layer every block

@@ -70,12 +70,15 @@ def kv_blocks(kv_format: KVFormat, mcfg: ModelConfig, sizing: KVSizing, hybrid: 
 
 
 def _all_sliding_blocks(kv_format: KVFormat, mcfg: ModelConfig, sizing: KVSizing) -> tuple[int, int]:
-    """(blocks, window blocks) of a model whose every layer slides (Mistral): all the KV is in window blocks
-    (``num_blocks``, else the whole budget); blocks hold no KV, only block-table and prefix-cache bookkeeping, so
-    there are enough for every window block's sequence to reach the context length: ``window_blocks *
-    (ceil(context / window) + 2)`` (a sequence holds at least a window's worth of window blocks for each
-    ``window`` tokens of blocks past it)."""
-    bs, window = sizing.block_size, mcfg.sliding_window
-    window_blocks = sizing.num_blocks or blocks_for_budget(kv_format, mcfg, sizing.budget_bytes, bs)
-    per_window = max(1, window // bs)
-    return window_blocks * (-(-mcfg.context_length // (per_window * bs)) + 2), window_blocks
+    """(blocks, window blocks) of a model whose every layer slides (Mistral): all the KV is in window blocks,
+    ``num_blocks`` of them, else what the budget holds up to room for ``max_num_seqs`` windows plus a prefill chunk
+    each.  Blocks hold no KV, only block-table and prefix-cache bookkeeping: enough for every sequence the window
+    blocks hold to reach the context length (a sequence holds a window's worth of window blocks for each
+    ``window`` tokens of blocks before it, hence ``window_blocks * (ceil(context / window) + 2)``), and no more
+    than ``max_num_seqs`` whole contexts plus the window blocks."""
+    bs, window, ctx = sizing.block_size, mcfg.sliding_window, mcfg.context_length
+    want = sizing.max_num_seqs * (-(-(window + sizing.max_num_batched_tokens) // bs) + 1)
+    window_blocks = sizing.num_blocks or min(want, blocks_for_budget(kv_format, mcfg, sizing.budget_bytes, bs))
+    per_window = max(1, window // bs) * bs  # tokens of window blocks a sequence past its window holds at least
+    blocks = min(window_blocks * (-(-ctx // per_window) + 2), sizing.max_num_seqs * -(-ctx // bs) + window_blocks)
+    return max(blocks, window_blocks), window_blocks
