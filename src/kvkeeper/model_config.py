@@ -94,7 +94,8 @@ class ModelConfig:
 
     @property
     def is_hybrid(self) -> bool:
-        """True when some layers attend within ``sliding_window`` tokens and others to the whole context."""
+        """True when some layers (Gemma 3) or all (Mistral, Phi-3 with a window) attend within ``sliding_window``
+        tokens; the others attend to the whole context."""
         return bool(self.layer_types) and bool(self.sliding_window) and "sliding_attention" in self.layer_types
 
     def is_sliding_layer(self, i: int) -> bool:
