@@ -4,8 +4,9 @@ A block holds ``block_size`` tokens of every layer's KV (values plus scales, :me
 A hybrid cache (a model with sliding-window layers, see :mod:`kvkeeper.kvcache.block_pool`) gives the
 sliding layers their own, smaller set of *window blocks*: enough for every running sequence's window plus a
 prefill chunk, but at most half the byte budget (and no more than there are blocks); the full layers get
-the rest.  A model whose every layer slides (Mistral) keeps all its KV in window blocks (the whole budget, or
-``num_blocks`` of them); its blocks are then bookkeeping without KV storage.
+the rest.  A model whose every layer slides (Mistral) keeps all its KV in window blocks (``num_blocks`` of them,
+else the budget's, up to the same room for every running sequence's window plus a chunk); its blocks are then
+bookkeeping without KV storage.
 """
 
 from __future__ import annotations
