@@ -12,6 +12,8 @@ partial rotary embeddings are refused.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from kvkeeper import SamplingParams
@@ -266,3 +268,23 @@ def test_q8_0_gguf_packs_the_fused_tensors(tiny, tmp_path):
     p = _prompt(23, 12)
     a, b = (e.generate([p], SamplingParams(max_tokens=12, **GREEDY))[0].token_ids for e in (packed, exact))
     assert a == b
+
+
+def test_generation_config_eos_ends_a_reply(tiny, tmp_path):
+    """Phi-3 instruct folders list ``<|end|>`` among generation_config.json's eos_token_id, not in config.json:
+    the engine stops there too, as transformers' generate does."""
+    import shutil
+
+    folder = tmp_path / "phi3-gen-eos"
+    shutil.copytree(tiny[1]["hf"], folder, ignore=shutil.ignore_patterns("*.gguf"))
+    gen = json.loads((folder / "generation_config.json").read_text())
+    base = gen["eos_token_id"]
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [base, 1234]}))
+    eng = make_engine(model=str(folder), num_kv_blocks=16, block_size=4)
+    assert {base, 1234} <= set(eng.eos_token_ids) and eng.model_config.eos_token_ids.count(base) == 1
+    p = _prompt(9, 13)
+    first = _hf_greedy(tiny[0], p, 4)
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [base, first[2]]}))
+    eng = make_engine(model=str(folder), num_kv_blocks=16, block_size=4)
+    out = eng.generate([p], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert out.finish_reason == "stop" and out.token_ids[:2] == first[:2] and len(out.token_ids) <= 3
