@@ -12,7 +12,8 @@ from typing import Any
 from .errors import ModelFormatError, UnsupportedArchitectureError
 
 # model_type (HF) / general.architecture (GGUF) values we implement.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gemma3",
+                           "phi3")
 _HF_ARCH_NAMES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -24,6 +25,7 @@ _HF_ARCH_NAMES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Gemma3ForCausalLM": "gemma3",
     "gemma3_text": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -37,12 +39,12 @@ def unsupported_architecture(name: str) -> str:
     near = difflib.get_close_matches(str(name).lower(), list(names), n=1, cutoff=0.0)
     hint = f" (nearest supported: {names[near[0]]!r})" if near else ""
     return (f"architecture {name!r} is not supported{hint}; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
-            "(Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, DeepSeek V2/V3, Gemma 3)")
+            "(Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, DeepSeek V2/V3, Gemma 3, Phi-3)")
 
 
 @dataclass
 class ModelConfig:
-    """Hyper-parameters of a decoder: Llama family (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Mistral), Qwen3-MoE,
+    """Hyper-parameters of a decoder: Llama family (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Mistral, Phi-3), Qwen3-MoE,
     DeepSeek V2/V3 or Gemma 3.
 
     For DeepSeek (``kv_lora_rank > 0``: Multi-head Latent Attention, DeepSeek-AI 2024, arXiv:2405.04434)
@@ -64,7 +66,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q, k and v projections (Qwen2)
-    sliding_window: int | None = None  # Mistral; we cap the context at it
+    sliding_window: int | None = None  # tokens a sliding layer attends to (see layer_types; Qwen2: caps the context)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     revision: str = ""  # identifies the weights; part of every KV cache namespace
@@ -90,14 +92,16 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # Qwen3-MoE: layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here (dense layers)
     # Gemma 3: per-layer attention kind, local RoPE base, query scaling, logit soft-capping
-    layer_types: list[str] | None = None  # "sliding_attention" / "full_attention" per layer (None: all full)
+    layer_types: list[str] | None = None  # "sliding_attention" / "full_attention" per layer (None: all full;
+    # Gemma 3 mixes both, a Mistral / Phi-3 config with a window below its context slides every layer)
     rope_local_theta: float = 10000.0  # RoPE base of the sliding-window layers (Gemma 3 rope_local_base_freq)
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (None: head_dim)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     @property
     def is_hybrid(self) -> bool:
-        """True when some layers attend within ``sliding_window`` tokens and others to the whole context."""
+        """True when some layers (Gemma 3) or all (Mistral, Phi-3 with a window) attend within ``sliding_window``
+        tokens; the others attend to the whole context."""
         return bool(self.layer_types) and bool(self.sliding_window) and "sliding_attention" in self.layer_types
 
     def is_sliding_layer(self, i: int) -> bool:
@@ -125,7 +129,7 @@ class ModelConfig:
     @property
     def context_length(self) -> int:
         """Tokens a sequence may hold (prompt plus output)."""
-        if self.sliding_window and not self.layer_types:  # Mistral: every layer slides
+        if self.sliding_window and not self.layer_types:  # a window without sliding layers (Qwen2's) caps it
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
@@ -159,6 +163,8 @@ class ModelConfig:
             rope = dict(rope)
             theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
             rtype = rope.get("rope_type", rope.get("type", "default")) or "default"
+            if arch == "phi3":
+                _check_phi3_rope(cfg, rope, rtype)
             scaling = None if rtype == "default" else {**rope, "rope_type": rtype}
             if rtype not in SUPPORTED_ROPE_TYPES:
                 raise UnsupportedArchitectureError(
@@ -197,9 +203,38 @@ class ModelConfig:
                 kw.update(_gemma3_fields(cfg))
             if arch == "qwen3_moe":
                 kw.update(_qwen3_moe_fields(cfg))
+            if arch in ("mistral", "phi3"):
+                kw["layer_types"] = every_layer_slides(kw["sliding_window"], kw["max_position_embeddings"],
+                                                       kw["num_layers"])
             return cls(**kw)
         except KeyError as e:
             raise ModelFormatError(f"config.json lacks the required key {e.args[0]!r}") from e
+
+
+def every_layer_slides(window: int | None, max_positions: int, num_layers: int) -> list[str] | None:
+    """Layer kinds of a model whose every layer attends to the last ``window`` tokens (Mistral, Phi-3 with
+    ``sliding_window``, as transformers' MistralForCausalLM / Phi3ForCausalLM mask them): all
+    "sliding_attention"; None (every layer full) without a window or with one of ``max_positions`` or more,
+    which no query can exceed."""
+    if not window or window >= max_positions:
+        return None
+    return ["sliding_attention"] * num_layers
+
+
+def _check_phi3_rope(cfg: dict[str, Any], rope: dict[str, Any], rtype: str) -> None:
+    """Refuse the Phi-3 RoPE variants kvkeeper does not implement: LongRoPE (``longrope``, and ``su`` / ``yarn``,
+    which transformers' Phi3Config renames to it: the 128k-context models) and partial rotary embeddings
+    (``partial_rotary_factor`` below 1, e.g. Phi-4-mini)."""
+    if rtype in ("longrope", "su", "yarn"):
+        raise UnsupportedArchitectureError(
+            f"Phi-3 rope scaling {rtype!r} (LongRoPE, the 128k-context variants) is not supported; the 4k-context "
+            "Phi-3 models (rope_scaling null) run")
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise UnsupportedArchitectureError(
+            f"partial_rotary_factor {partial} is not supported (RoPE over every head dimension only, factor 1.0)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedArchitectureError(f"hidden_act {cfg['hidden_act']!r} is not supported; Phi-3 uses silu")
 
 
 def gemma3_layer_types(num_layers: int, pattern: int = 6) -> list[str]:

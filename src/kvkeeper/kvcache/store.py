@@ -273,8 +273,8 @@ class KVStore:
 
     @property
     def num_blocks(self) -> int:
-        """Blocks per full-attention layer (the block pool's size)."""
-        return next(c.k.shape[0] for c, w in zip(self._layers, self._windowed) if not w)
+        """Blocks per full-attention layer (the block pool's size; 0 when every layer is windowed)."""
+        return next((c.k.shape[0] for c, w in zip(self._layers, self._windowed) if not w), 0)
 
     @property
     def num_kv_heads(self) -> int:

@@ -156,6 +156,12 @@ class LlamaForCausalLM(nn.Module):
         """Decoder layer ``i`` (subclasses build other layer types)."""
         return DecoderLayer(cfg)
 
+    @classmethod
+    def for_config(cls, cfg: ModelConfig) -> type["LlamaForCausalLM"]:
+        """The class that runs ``cfg``: this one (a family with a windowed variant returns it for a config whose
+        layers slide, see :mod:`kvkeeper.models.sliding_window`)."""
+        return cls
+
     @staticmethod
     def gguf_config(cfg: ModelConfig, field, prefix: str, reader) -> None:
         """Complete ``cfg`` read from GGUF metadata with what the family fixes (``field(key, default)``

@@ -219,11 +219,24 @@ def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             raise ModelFormatError(f"{f} is not a readable safetensors file ({type(e).__name__}: {e})") from e
         h.update(_file_revision(f).encode())
     cfg.revision = h.hexdigest()[:16]
+    cfg.eos_token_ids += [t for t in _generation_eos(path) if t not in cfg.eos_token_ids]
     if "model.embed_tokens.weight" not in state:
         raise ModelFormatError(f"{path}: weights lack model.embed_tokens.weight; is this a Llama-family checkpoint?")
     if "lm_head.weight" not in state:
         cfg.tie_word_embeddings = True
     return cfg, ModelWeights({k: v.float() for k, v in state.items()}, "hf", path)
+
+
+def _generation_eos(path: Path) -> list[int]:
+    """The ``eos_token_id`` (int or list) of a folder's ``generation_config.json``, which transformers'
+    ``generate`` stops at (Phi-3 instruct lists ``<|end|>`` there, not in config.json); [] without one or when
+    it is unreadable."""
+    try:
+        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return []
+    eos = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    return [int(t) for t in eos if isinstance(t, int)]
 
 
 def _cached_gguf(path: Path, cache=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
