@@ -387,8 +387,9 @@ KQ_AVX512 inline SbConst sb_const(int64_t type) {
   return k;
 }
 
-__attribute__((always_inline)) KQ_AVX512 inline void sb_regs(const uint8_t* b, const SbConst& k, SbRegs& u) {
-  if (k.type == T_Q4_K || k.type == T_Q5_K) {
+template <int64_t TYPE>
+__attribute__((always_inline)) KQ_AVX512 inline void sb_regs_t(const uint8_t* b, const SbConst& k, SbRegs& u) {
+  if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K) {
     u.d = f16_at(b);
     u.dmin = f16_at(b + 2);
     uint32_t sm[4];
@@ -398,12 +399,13 @@ __attribute__((always_inline)) KQ_AVX512 inline void sb_regs(const uint8_t* b, c
     const __m512i v = _mm512_zextsi256_si512(v16);
     for (int c = 0; c < 4; ++c) u.sc[c] = _mm512_permutexvar_epi16(k.ix[c], v);
     u.mn = _mm256_permutexvar_epi16(k.mix, v16);
-    const __m512i a0 = _mm512_loadu_si512(b + k.qoff), a1 = _mm512_loadu_si512(b + k.qoff + 64);
+    constexpr int64_t qoff = TYPE == T_Q4_K ? 16 : 48;
+    const __m512i a0 = _mm512_loadu_si512(b + qoff), a1 = _mm512_loadu_si512(b + qoff + 64);
     u.q[0] = _mm512_and_si512(a0, k.low4);
     u.q[1] = _mm512_and_si512(_mm512_srli_epi16(a0, 4), k.low4);
     u.q[2] = _mm512_and_si512(a1, k.low4);
     u.q[3] = _mm512_and_si512(_mm512_srli_epi16(a1, 4), k.low4);
-    if (k.type == T_Q5_K) {
+    if constexpr (TYPE == T_Q5_K) {
       const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
       for (int c = 0; c < 4; ++c)
         u.q[c] = _mm512_mask_add_epi8(u.q[c], _mm512_test_epi8_mask(H, k.hb[c]), u.q[c], k.sixteen);
@@ -423,6 +425,14 @@ __attribute__((always_inline)) KQ_AVX512 inline void sb_regs(const uint8_t* b, c
     const __m512i hh = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(H, k.sh_hi), k.three), 4);
     u.q[2 * h] = _mm512_or_si512(_mm512_and_si512(l, k.low4), hl);
     u.q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), k.low4), hh);
+  }
+}
+
+KQ_AVX512 inline void sb_regs(const uint8_t* b, const SbConst& k, SbRegs& u) {
+  switch (k.type) {
+    case T_Q4_K: sb_regs_t<T_Q4_K>(b, k, u); break;
+    case T_Q5_K: sb_regs_t<T_Q5_K>(b, k, u); break;
+    default: sb_regs_t<T_Q6_K>(b, k, u); break;
   }
 }
 
@@ -494,7 +504,7 @@ KQ_AVX512 void ku_dot_avx512(const KU* w, int64_t nsb, const Act& a, int64_t m0,
 
 // Decode: a weight row's super-blocks unpacked into registers and used at once against R activation rows (the
 // integers and float steps of unpack_avx512 + ku_dot_avx512, without the trip through the scratch).
-template <int R>
+template <int R, int64_t TYPE>
 KQ_AVX512 void row_dot_avx512_t(const uint8_t* row, const SbConst& k, int64_t nsb, const Act& a, int64_t m0,
                                 float* out) {
   const int64_t K = a.K, nb = K / QK_K;
@@ -505,7 +515,7 @@ KQ_AVX512 void row_dot_avx512_t(const uint8_t* row, const SbConst& k, int64_t ns
   const float* dx = a.d.data() + m0 * nb;
   SbRegs u;
   for (int64_t s = 0; s < nsb; ++s) {
-    sb_regs(row + s * k.sbb, k, u);
+    sb_regs_t<TYPE>(row + s * k.sbb, k, u);
 #pragma GCC unroll 4
     for (int m = 0; m < R; ++m) {
       const int8_t* x = xq + m * K + s * QK_K;
@@ -520,21 +530,31 @@ KQ_AVX512 void row_dot_avx512_t(const uint8_t* row, const SbConst& k, int64_t ns
   for (int m = 0; m < R; ++m) out[m] = _mm_cvtss_f32(acc[m]);
 }
 
-// Rows n0..n1 of W against activation rows m0..m0+mr (mr <= MR) into y (M, N).
-KQ_AVX512 void row_dot_task_avx512(const uint8_t* w, int64_t rb, int64_t type, int64_t n0, int64_t n1, const Act& a,
-                                   int64_t m0, int mr, float* y, int64_t N) {
-  const SbConst k = sb_const(type);
+template <int64_t TYPE>
+KQ_AVX512 void row_dot_task_t(const uint8_t* w, int64_t rb, const SbConst& k, int64_t n0, int64_t n1, const Act& a,
+                              int64_t m0, int mr, float* y, int64_t N) {
   const int64_t nsb = a.K / QK_K;
   float out[MR];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * rb;
     switch (mr) {
-      case 1: row_dot_avx512_t<1>(row, k, nsb, a, m0, out); break;
-      case 2: row_dot_avx512_t<2>(row, k, nsb, a, m0, out); break;
-      case 3: row_dot_avx512_t<3>(row, k, nsb, a, m0, out); break;
-      default: row_dot_avx512_t<4>(row, k, nsb, a, m0, out); break;
+      case 1: row_dot_avx512_t<1, TYPE>(row, k, nsb, a, m0, out); break;
+      case 2: row_dot_avx512_t<2, TYPE>(row, k, nsb, a, m0, out); break;
+      case 3: row_dot_avx512_t<3, TYPE>(row, k, nsb, a, m0, out); break;
+      default: row_dot_avx512_t<4, TYPE>(row, k, nsb, a, m0, out); break;
     }
     for (int i = 0; i < mr; ++i) y[(m0 + i) * N + n] = out[i];
+  }
+}
+
+// Rows n0..n1 of W against activation rows m0..m0+mr (mr <= MR) into y (M, N).
+KQ_AVX512 void row_dot_task_avx512(const uint8_t* w, int64_t rb, int64_t type, int64_t n0, int64_t n1, const Act& a,
+                                   int64_t m0, int mr, float* y, int64_t N) {
+  const SbConst k = sb_const(type);
+  switch (type) {
+    case T_Q4_K: row_dot_task_t<T_Q4_K>(w, rb, k, n0, n1, a, m0, mr, y, N); break;
+    case T_Q5_K: row_dot_task_t<T_Q5_K>(w, rb, k, n0, n1, a, m0, mr, y, N); break;
+    default: row_dot_task_t<T_Q6_K>(w, rb, k, n0, n1, a, m0, mr, y, N); break;
   }
 }
 
