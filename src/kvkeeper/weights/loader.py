@@ -332,4 +332,4 @@ def load_model(model: str, load_format: str = "auto", cache=None, dtype: torch.d
         return cfg, dummy.dummy_state(cfg, dtype, device, seed=seed), dummy.load_dummy_tokenizer(path, cfg.vocab_size), path
     path = resolve_model_path(model, cache)
     cfg, state = load_weights(path, cache, in_place)
-    return cfg, state, load_tokenizer(path, cache), path
+    return cfg, state, load_tokenizer(path, cache, lazy=True), path
