@@ -89,7 +89,7 @@ def model_weights(cfg: EngineConfig, path: Path | None, device: torch.device,
         mcfg = load_hf_config(path)
         try:
             tensors, source, extra = fp.safetensors_tensors(path), "hf", dict(mapped=False)
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise ModelFormatError(f"{path}: unreadable safetensors header ({type(e).__name__}: {e})") from e
         if not any(t.name == "lm_head.weight" for t in tensors):
             mcfg.tie_word_embeddings = True
@@ -175,7 +175,7 @@ def check_memory_fit(cfg: EngineConfig, path: Path | None, device: torch.device,
                      dtype: torch.dtype) -> MemoryEstimate | None:
     """Refuse a model that will not fit: raises :class:`InsufficientMemoryError` when :func:`estimate` exceeds
     :func:`available_memory`; returns the estimate (None when not checked: ``memory_check`` off, a non-CPU
-    device, or no readable memory figure)."""
+    device, no readable memory figure, or a model file whose header is unreadable: the loader then says why)."""
     if not cfg.memory_check or device.type != "cpu":
         return None
     available, where = available_memory()
@@ -183,7 +183,9 @@ def check_memory_fit(cfg: EngineConfig, path: Path | None, device: torch.device,
         return None
     try:
         est = estimate(cfg, path, device, dtype)
-    except KVKeeperError:  # an unreadable file or settings the model cannot run: loading says the same
+    except ModelFormatError:  # an unreadable file: the loader says what is wrong with it
+        return None
+    except KVKeeperError:  # settings the model cannot run: loading says the same
         raise
     except Exception as e:  # noqa: BLE001  (an estimate that fails must not stop a load that would work)
         logging.getLogger(__name__).warning("memory estimate failed (%s: %s); the model is loaded unchecked",
