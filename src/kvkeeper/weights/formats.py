@@ -36,6 +36,7 @@ from ..layers.gguf_linear import GGUFWeight, is_gguf_entry, kernel_ops
 from ..layers.quantized import QK, PackedWeight, pack_numpy
 from ..models.registry import capabilities, causal_lm_class
 from ..progress import track
+from .gguf_file import GGUFFile
 
 QUANTIZATION_CHOICES = ("none", "gguf", "int8", "int4")
 _ALIASES = {"fp32": "none", "float32": "none", "dequantized": "none"}
@@ -201,10 +202,7 @@ _GGUF_MATRICES = {*_GGUF_PARTS.values(), "attn_qkv"}  # + Phi-3's fused q/k/v (i
 
 def gguf_tensor_types(path) -> dict[str, str]:
     """GGUF tensor name -> ggml type name (Q4_1, Q8_0, F32, ...) of a GGUF file."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    return {t.name: t.tensor_type.name for t in reader.tensors}
+    return {t.name: t.tensor_type.name for t in GGUFFile(path).tensors}
 
 
 def _projection_types(types: dict[str, str]) -> set[str]:
@@ -222,12 +220,9 @@ def _gguf_packed(path, cfg) -> tuple[dict[str, PackedWeight], list[str]]:
     projection with any part of another type is left out (dequantized as with ``none``).  q/k rows get llama.cpp's
     RoPE permutation undone as in :func:`kvkeeper.weights.loader.load_gguf`.
     """
-    import gguf
-
     from .loader import _unpermute_rope
 
-    reader = gguf.GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in GGUFFile(path).tensors}
     packed, replaced = {}, []
 
     def blocks(gname: str, perm_heads: int | None):
