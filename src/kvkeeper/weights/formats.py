@@ -36,6 +36,7 @@ from ..layers.gguf_linear import GGUFWeight, is_gguf_entry, kernel_ops
 from ..layers.quantized import QK, PackedWeight, pack_numpy
 from ..models.registry import capabilities
 from ..progress import track
+from .gguf_reader import open_gguf
 
 QUANTIZATION_CHOICES = ("none", "gguf", "int8", "int4")
 _ALIASES = {"fp32": "none", "float32": "none", "dequantized": "none"}
@@ -200,9 +201,7 @@ _GGUF_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
 
 def gguf_tensor_types(path) -> dict[str, str]:
     """GGUF tensor name -> ggml type name (Q4_1, Q8_0, F32, ...) of a GGUF file."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     return {t.name: t.tensor_type.name for t in reader.tensors}
 
 
@@ -230,11 +229,9 @@ def _gguf_packed(path, cfg) -> tuple[dict[str, PackedWeight], list[str]]:
     with any part of another type is left out (dequantized as with ``none``).  q/k rows get llama.cpp's
     RoPE permutation undone as in :func:`kvkeeper.weights.loader.load_gguf`.
     """
-    import gguf
-
     from .loader import _unpermute_rope
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
     packed, replaced = {}, []
     repack = repacked_types(cfg)

@@ -23,6 +23,7 @@ from ..model_config import ModelConfig
 from ..models.registry import model_class
 from ..text.tokenizer import load_tokenizer
 from . import dummy
+from .gguf_reader import open_gguf
 from .sources import resolve_model_path
 
 _GGUF_TOP_NAMES = {
@@ -79,7 +80,7 @@ def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = open_gguf(path)
     except Exception as e:
         raise ModelFormatError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
 
@@ -248,9 +249,7 @@ def _cached_gguf(path: Path, cache=None) -> tuple[ModelConfig, dict[str, torch.T
             if types_path.exists():
                 types = json.loads(types_path.read_text())
             else:  # a cache written before the types were kept
-                import gguf
-
-                types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+                types = {t.name: t.tensor_type.name for t in open_gguf(path).tensors}
                 _write_json(types_path, types)
             return cfg, ModelWeights(load_file(str(st_path)), "gguf", path, types)
         except Exception as e:  # rebuilt below
