@@ -46,11 +46,11 @@
 //    The tile is built once per task and used against all its activation rows, 6 at a time (the repacked
 //    layouts of ggml-cpu follow the same idea, done there once at load).  This runs at about one VPDPBUSD
 //    (64 multiply-adds) per cycle, the core's limit.
-// Q8_0 and Q5_0 use activations quantized per 32 (one scale per weight block): Q8_0 decodes by VPDPBUSD on
-// |w| and x with w's sign, Q5_0 by VPDPBUSD on its unsigned codes q (0..31) and x, taking 16 * sum(q_x) back
-// out (the block's two bsums: dot = sum q q_x - 16 bsum, exact); prefill through tiles of unsigned codes (Q8_0:
-// w + 128 with 128 * sum(q_x) taken back out; Q5_0: q with 16 * sum(q_x)).  Either way a block's exact integer
-// dot becomes acc = fma(float(dot), d_w * d_x, acc), in block order.  F16 is a float fallback (prefill by
+// Q8_0 and Q5_0 use activations quantized per 32 (one scale per weight block) and unsigned codes (Q8_0: w + 128,
+// taken back out as 128 * sum(q_x); Q5_0: q = w / d + 16 as stored, 16 * sum(q_x) out, sum(q_x) being the block's
+// two bsums), so a block's integer dot is exact: prefill through 16-row tiles of the codes; decode 16 rows at a
+// time in lanes as well, each row's VPDPBUSD vector summed per block by a transpose-and-add tree (no horizontal
+// sum per row and block).  Either way the dot becomes acc = fma(float(dot), d_w * d_x, acc), in block order.  F16 is a float fallback (prefill by
 // chunks through torch's float32 GEMM).
 //
 // Tolerance: the result equals x_q @ W^T up to float32 rounding, x_q being x rounded to the int8 grid
@@ -611,48 +611,6 @@ void q8_dot_generic(const uint8_t* row, int64_t K, const Act& a, int64_t m0, int
   }
 }
 
-template <int R>
-KQ_AVX512 void q8_dot_avx512_t(const uint8_t* row, int64_t K, const Act& a, int64_t m0, float* out) {
-  const int64_t nb = K / QK8;
-  __m128 acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = _mm_setzero_ps();
-  const int8_t* xq = a.q.data() + m0 * K;
-  for (int64_t b = 0; b < nb; b += 2) {
-    const bool two = b + 1 < nb;
-    const uint8_t* b0 = row + 34 * b;
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
-    const __m256i w1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 36)) : _mm256_setzero_si256();
-    const __m512i W = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
-    const __m512i A = _mm512_abs_epi8(W);
-    const __mmask64 neg = _mm512_movepi8_mask(W);
-    const float d0 = f16_at(b0), d1 = two ? f16_at(b0 + 34) : 0.f;
-    const __mmask16 lanes = two ? 0xFFFF : 0x00FF;
-#pragma GCC unroll 4
-    for (int m = 0; m < R; ++m) {
-      const __m512i X = _mm512_maskz_loadu_epi32(lanes, xq + m * K + b * QK8);
-      const __m512i Xs = _mm512_mask_sub_epi8(X, neg, _mm512_setzero_si512(), X);
-      const __m512i P = _mm512_dpbusd_epi32(_mm512_setzero_si512(), A, Xs);
-      // each block's integer sum (exact), then acc = fma(sum, d_w * d_x, acc) in block order, as the tiles do
-      const float* dx = a.d.data() + (m0 + m) * nb + b;
-      acc[m] = _mm_fmadd_ss(_mm_cvtsi32_ss(_mm_setzero_ps(), _mm512_mask_reduce_add_epi32(0x00FF, P)),
-                            _mm_mul_ss(_mm_set_ss(d0), _mm_set_ss(dx[0])), acc[m]);
-      if (two)
-        acc[m] = _mm_fmadd_ss(_mm_cvtsi32_ss(_mm_setzero_ps(), _mm512_mask_reduce_add_epi32(0xFF00, P)),
-                              _mm_mul_ss(_mm_set_ss(d1), _mm_set_ss(dx[1])), acc[m]);
-    }
-  }
-  for (int m = 0; m < R; ++m) out[m] = _mm_cvtss_f32(acc[m]);
-}
-
-KQ_AVX512 void q8_dot_avx512(const uint8_t* row, int64_t K, const Act& a, int64_t m0, int mr, float* out) {
-  switch (mr) {
-    case 1: q8_dot_avx512_t<1>(row, K, a, m0, out); break;
-    case 2: q8_dot_avx512_t<2>(row, K, a, m0, out); break;
-    case 3: q8_dot_avx512_t<3>(row, K, a, m0, out); break;
-    default: q8_dot_avx512_t<4>(row, K, a, m0, out); break;
-  }
-}
-
 // Q8_0 / Q5_0 prefill tiles (AVX-512): per block of 32, the 16 rows' unsigned codes interleaved per 4 positions
 // as in KT, and their d: Q8_0's codes + 128 (the + 128 comes back out as 128 * the block's sum of activation
 // codes), Q5_0's codes q = w / d + 16 as stored (16 * the sum comes back out).
@@ -799,44 +757,71 @@ KQ_AVX512 inline __m512i q5_codes_avx512(const uint8_t* b0, bool two) {
   return _mm512_mask_add_epi8(q, hb, q, _mm512_set1_epi8(16));
 }
 
-template <int R>
-KQ_AVX512 void q5_dot_avx512_t(const uint8_t* row, int64_t K, const Act& a, int64_t m0, float* out) {
-  const int64_t nb = K / QK8;
-  __m128 acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = _mm_setzero_ps();
-  const int8_t* xq = a.q.data() + m0 * K;
-  for (int64_t b = 0; b < nb; b += 2) {
-    const bool two = b + 1 < nb;
-    const uint8_t* b0 = row + 22 * b;
-    const __m512i W = q5_codes_avx512(b0, two);
-    const float d0 = f16_at(b0), d1 = two ? f16_at(b0 + 22) : 0.f;
-    const __mmask16 lanes = two ? 0xFFFF : 0x00FF;
-#pragma GCC unroll 4
-    for (int m = 0; m < R; ++m) {
-      const __m512i X = _mm512_maskz_loadu_epi32(lanes, xq + m * K + b * QK8);
-      const __m512i P = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W, X);
-      const int16_t* bs = a.bs.data() + (m0 + m) * (K / 16) + 2 * b;
-      const float* dx = a.d.data() + (m0 + m) * nb + b;
-      // each block's integer dot (exact), then acc = fma(dot, d_w * d_x, acc) in block order, as the tiles do
-      const int32_t s0 = _mm512_mask_reduce_add_epi32(0x00FF, P) - 16 * (static_cast<int32_t>(bs[0]) + bs[1]);
-      acc[m] = _mm_fmadd_ss(_mm_cvtsi32_ss(_mm_setzero_ps(), s0), _mm_mul_ss(_mm_set_ss(d0), _mm_set_ss(dx[0])), acc[m]);
-      if (two) {
-        const int32_t s1 = _mm512_mask_reduce_add_epi32(0xFF00, P) - 16 * (static_cast<int32_t>(bs[2]) + bs[3]);
-        acc[m] = _mm_fmadd_ss(_mm_cvtsi32_ss(_mm_setzero_ps(), s1), _mm_mul_ss(_mm_set_ss(d1), _mm_set_ss(dx[1])),
-                              acc[m]);
-      }
-    }
-  }
-  for (int m = 0; m < R; ++m) out[m] = _mm_cvtss_f32(acc[m]);
+// Decode rows of Q8_0 / Q5_0 (AVX-512): 16 weight rows against one activation row, the rows in the 16 lanes as in
+// the tiles, without building one.  Per pair of blocks each row's unsigned codes (Q8_0: w + 128, Q5_0: q) meet
+// the activation bytes in one VPDPBUSD (int32 lanes 0-7: block b, 8-15: block b + 1); a transpose-and-add tree
+// turns the 16 rows' vectors into two vectors of exact block sums, lane r = row r, then off * bsum comes out and
+// the float step is the tile's, lane for lane: acc = fma(float(dot), d_w * d_x, acc), block b then b + 1.
+KQ_AVX512 inline __m512i rows16_codes(const uint8_t* blk, int64_t type, bool two) {
+  if (type == T_Q5_0) return q5_codes_avx512(blk, two);
+  const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  const __m256i w1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 36)) : _mm256_setzero_si256();
+  return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), _mm512_set1_epi8(static_cast<char>(0x80)));
 }
 
-KQ_AVX512 void q5_dot_avx512(const uint8_t* row, int64_t K, const Act& a, int64_t m0, int mr, float* out) {
-  switch (mr) {
-    case 1: q5_dot_avx512_t<1>(row, K, a, m0, out); break;
-    case 2: q5_dot_avx512_t<2>(row, K, a, m0, out); break;
-    case 3: q5_dot_avx512_t<3>(row, K, a, m0, out); break;
-    default: q5_dot_avx512_t<4>(row, K, a, m0, out); break;
+// v[r] (16 int32 lanes each) -> lo (lane r: sum of v[r]'s lanes 0-7) and hi (lanes 8-15); integer adds, exact.
+KQ_AVX512 inline void sum16_halves(const __m512i* v, __m512i& lo, __m512i& hi) {
+  __m512i t[8], u[4], w[2];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: [r0: 0+2, r1: 0+2, r0: 1+3, r1: 1+3]
+    t[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_epi32(v[2 * j], v[2 * j + 1]));
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane q: the lane sums of rows 4k .. 4k + 3
+    u[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * k], t[2 * k + 1]), _mm512_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
+  for (int h = 0; h < 2; ++h)  // [rows 8h..8h+3 lo, same hi, rows 8h+4..8h+7 lo, same hi]
+    w[h] = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2 * h], u[2 * h + 1], 0x88), _mm512_shuffle_i32x4(u[2 * h], u[2 * h + 1], 0xDD));
+  lo = _mm512_shuffle_i32x4(w[0], w[1], 0x88);
+  hi = _mm512_shuffle_i32x4(w[0], w[1], 0xDD);
+}
+
+// y[m, n0 .. n0 + nrows) for weight rows w (row stride rb, nrows <= 16) and activation row m.
+KQ_AVX512 void rows16_dot_avx512(const uint8_t* w, int64_t rb, int nrows, int64_t type, const Act& a, int64_t m,
+                                 float* y, int64_t N, int64_t n0) {
+  const int64_t K = a.K, nb = K / QK8, bb = type == T_Q8_0 ? 34 : 22;
+  const int32_t off = type == T_Q8_0 ? 128 : 16;
+  const __mmask16 rows = static_cast<__mmask16>((1u << nrows) - 1u);
+  const __m512i ridx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int32_t>(rb)));
+  const int8_t* xq = a.q.data() + m * K;
+  const int16_t* bs = a.bs.data() + m * (K / 16);
+  const float* dx = a.d.data() + m * nb;
+  __m512 acc = _mm512_setzero_ps();
+  // the next 16 rows (contiguous, 16 rb bytes) into cache while these are computed: a decode product streams its
+  // weight from memory once (the LM head of a 262k vocabulary: 178 MB per token)
+  const uint8_t* next = w + 16 * rb;
+  const int64_t lines = (16 * rb + 63) / 64, per = (lines + (nb + 1) / 2 - 1) / ((nb + 1) / 2);
+  for (int64_t b = 0; b < nb; b += 2) {
+    const bool two = b + 1 < nb;
+    for (int64_t l = (b / 2) * per; l < std::min(lines, (b / 2 + 1) * per); ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
+    const __m512i X = _mm512_maskz_loadu_epi32(two ? 0xFFFF : 0x00FF, xq + b * QK8);
+    __m512i P[16];
+    for (int r = 0; r < 16; ++r)
+      P[r] = r < nrows ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), rows16_codes(w + r * rb + bb * b, type, two), X)
+                       : _mm512_setzero_si512();
+    __m512i lo, hi;
+    sum16_halves(P, lo, hi);
+    // the rows' d (f16, the first two bytes of each block) through one gather of 32-bit words
+    const __m512i d0 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, ridx, w + bb * b, 1);
+    const __m512 D0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(d0, _mm512_set1_epi32(0xFFFF))));
+    lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(off * (static_cast<int32_t>(bs[2 * b]) + bs[2 * b + 1])));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(D0, _mm512_set1_ps(dx[b])), acc);
+    if (two) {
+      const __m512i d1 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, ridx, w + bb * (b + 1), 1);
+      const __m512 D1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(d1, _mm512_set1_epi32(0xFFFF))));
+      hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(off * (static_cast<int32_t>(bs[2 * b + 2]) + bs[2 * b + 3])));
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(D1, _mm512_set1_ps(dx[b + 1])), acc);
+    }
   }
+  _mm512_mask_storeu_ps(y + m * N + n0, rows, acc);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -919,14 +904,15 @@ void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
         }
         continue;
       }
+      if (!kq && fast) {  // decode: 16 rows in lanes per activation row, the tiles' float steps
+        for (int64_t m = m0; m < m1; ++m) rows16_dot_avx512(w + n0 * rb, rb, static_cast<int>(n1 - n0), type, a, m, y, N, n0);
+        continue;
+      }
       if (!kq) {
         for (int64_t n = n0; n < n1; ++n)
           for (int64_t m = m0; m < m1; m += MR) {
             const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-            if (fast)
-              (q8 ? q8_dot_avx512 : q5_dot_avx512)(w + n * rb, K, a, m, mr, out);
-            else
-              (q8 ? q8_dot_generic : q5_dot_generic)(w + n * rb, K, a, m, mr, out);
+            (q8 ? q8_dot_generic : q5_dot_generic)(w + n * rb, K, a, m, mr, out);
             for (int i = 0; i < mr; ++i) y[(m + i) * N + n] = out[i];
           }
         continue;
