@@ -782,18 +782,19 @@ KQ_AVX512 inline void sum16_halves(const __m512i* v, __m512i& lo, __m512i& hi) {
   hi = _mm512_shuffle_i32x4(w[0], w[1], 0xDD);
 }
 
-// y[m, n0 .. n0 + nrows) for weight rows w (row stride rb, nrows <= 16) and activation row m.
-KQ_AVX512 void rows16_dot_avx512(const uint8_t* w, int64_t rb, int nrows, int64_t type, const Act& a, int64_t m,
-                                 float* y, int64_t N, int64_t n0) {
+// y[m0 .. m0 + R, n0 .. n0 + nrows) for weight rows w (row stride rb, nrows <= 16) and R activation rows: the
+// rows' codes are built once per block pair (in L1) and used against each activation row.
+template <int R>
+KQ_AVX512 void rows16_dot_avx512_t(const uint8_t* w, int64_t rb, int nrows, int64_t type, const Act& a, int64_t m0,
+                                   float* y, int64_t N, int64_t n0) {
   const int64_t K = a.K, nb = K / QK8, bb = type == T_Q8_0 ? 34 : 22;
   const int32_t off = type == T_Q8_0 ? 128 : 16;
   const __mmask16 rows = static_cast<__mmask16>((1u << nrows) - 1u);
   const __m512i ridx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32(static_cast<int32_t>(rb)));
-  const int8_t* xq = a.q.data() + m * K;
-  const int16_t* bs = a.bs.data() + m * (K / 16);
-  const float* dx = a.d.data() + m * nb;
-  __m512 acc = _mm512_setzero_ps();
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  __m512 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
   // the next 16 rows (contiguous, 16 rb bytes) into cache while these are computed: a decode product streams its
   // weight from memory once (the LM head of a 262k vocabulary: 178 MB per token)
   const uint8_t* next = w + 16 * rb;
@@ -802,26 +803,41 @@ KQ_AVX512 void rows16_dot_avx512(const uint8_t* w, int64_t rb, int nrows, int64_
     const bool two = b + 1 < nb;
     for (int64_t l = (b / 2) * per; l < std::min(lines, (b / 2 + 1) * per); ++l)
       _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
-    const __m512i X = _mm512_maskz_loadu_epi32(two ? 0xFFFF : 0x00FF, xq + b * QK8);
-    __m512i P[16];
-    for (int r = 0; r < 16; ++r)
-      P[r] = r < nrows ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), rows16_codes(w + r * rb + bb * b, type, two), X)
-                       : _mm512_setzero_si512();
-    __m512i lo, hi;
-    sum16_halves(P, lo, hi);
-    // the rows' d (f16, the first two bytes of each block) through one gather of 32-bit words
-    const __m512i d0 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, ridx, w + bb * b, 1);
-    const __m512 D0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(d0, _mm512_set1_epi32(0xFFFF))));
-    lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(off * (static_cast<int32_t>(bs[2 * b]) + bs[2 * b + 1])));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(D0, _mm512_set1_ps(dx[b])), acc);
-    if (two) {
-      const __m512i d1 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, ridx, w + bb * (b + 1), 1);
-      const __m512 D1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(d1, _mm512_set1_epi32(0xFFFF))));
-      hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(off * (static_cast<int32_t>(bs[2 * b + 2]) + bs[2 * b + 3])));
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(D1, _mm512_set1_ps(dx[b + 1])), acc);
+    __m512i C[16];
+    for (int r = 0; r < 16; ++r) C[r] = r < nrows ? rows16_codes(w + r * rb + bb * b, type, two) : _mm512_setzero_si512();
+    // the rows' d (f16, the first two bytes of each block) through one gather of 32-bit words per block
+    const __m512 D0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(
+        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, ridx, w + bb * b, 1), low16)));
+    const __m512 D1 = two ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(
+        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, ridx, w + bb * (b + 1), 1), low16))) : D0;
+    for (int m = 0; m < R; ++m) {
+      const int64_t r0 = m0 + m;
+      const __m512i X = _mm512_maskz_loadu_epi32(two ? 0xFFFF : 0x00FF, a.q.data() + r0 * K + b * QK8);
+      const int16_t* bs = a.bs.data() + r0 * (K / 16) + 2 * b;
+      const float* dx = a.d.data() + r0 * nb + b;
+      __m512i P[16];
+      for (int r = 0; r < 16; ++r) P[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), C[r], X);
+      __m512i lo, hi;
+      sum16_halves(P, lo, hi);
+      lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(off * (static_cast<int32_t>(bs[0]) + bs[1])));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(D0, _mm512_set1_ps(dx[0])), acc[m]);
+      if (two) {
+        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(off * (static_cast<int32_t>(bs[2]) + bs[3])));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(D1, _mm512_set1_ps(dx[1])), acc[m]);
+      }
     }
   }
-  _mm512_mask_storeu_ps(y + m * N + n0, rows, acc);
+  for (int m = 0; m < R; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, rows, acc[m]);
+}
+
+KQ_AVX512 void rows16_dot_avx512(const uint8_t* w, int64_t rb, int nrows, int64_t type, const Act& a, int64_t m0,
+                                 int mr, float* y, int64_t N, int64_t n0) {
+  switch (mr) {
+    case 1: rows16_dot_avx512_t<1>(w, rb, nrows, type, a, m0, y, N, n0); break;
+    case 2: rows16_dot_avx512_t<2>(w, rb, nrows, type, a, m0, y, N, n0); break;
+    case 3: rows16_dot_avx512_t<3>(w, rb, nrows, type, a, m0, y, N, n0); break;
+    default: rows16_dot_avx512_t<4>(w, rb, nrows, type, a, m0, y, N, n0); break;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -905,7 +921,9 @@ void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
         continue;
       }
       if (!kq && fast) {  // decode: 16 rows in lanes per activation row, the tiles' float steps
-        for (int64_t m = m0; m < m1; ++m) rows16_dot_avx512(w + n0 * rb, rb, static_cast<int>(n1 - n0), type, a, m, y, N, n0);
+        for (int64_t m = m0; m < m1; m += MR)
+          rows16_dot_avx512(w + n0 * rb, rb, static_cast<int>(n1 - n0), type, a, m,
+                            static_cast<int>(std::min<int64_t>(MR, m1 - m)), y, N, n0);
         continue;
       }
       if (!kq) {
