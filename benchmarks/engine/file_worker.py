@@ -96,7 +96,8 @@ class LlamaCppRun:
 
     def turn(self, ids, ns) -> float:
         t0 = time.perf_counter()
-        for _tok in self.llm.generate(list(ids), temp=0.0, top_k=1, reset=False):  # keeps the common prefix
+        # reset=True is what reuses: generate() keeps the longest common prefix of its evaluated tokens
+        for _tok in self.llm.generate(list(ids), temp=0.0, top_k=1, reset=True):
             break
         return time.perf_counter() - t0
 

@@ -34,7 +34,8 @@
 // unpacked ("KU" below: codes as unsigned bytes 0..63, the scales spread to 16-bit lanes, the mins, d and
 // dmin) into a per-thread scratch in L1.  For Q4_K/Q5_K the activation bytes are stored in the order the
 // nibbles come out of a 64-byte load (sub-blocks 0,2 | 1,3 | 4,6 | 5,7), so unpacking is a mask and a shift.
-//  * decode (a task with fewer than 16 activation rows): row by row, VPMADDUBSW (u8 codes x s8 activations
+//  * decode (a task with fewer than 16 activation rows): row by row, each super-block unpacked into registers,
+//    VPMADDUBSW (u8 codes x s8 activations
 //    -> int16 pairs, no saturation since 2 * 63 * 127 < 32767) then VPDPWSSD (AVX512-VNNI: the pairs times
 //    the 16-bit scales, summed in int32), one integer horizontal sum per super-block, whose float step
 //    (d, dmin, the activation scale) is the one the prefill tiles take in their lanes; up to 4 activation rows
@@ -360,73 +361,106 @@ constexpr ScaleIdx make_scale_idx() {
 }
 constexpr ScaleIdx SCALE_IDX = make_scale_idx();
 
-KQ_AVX512 void unpack_avx512(const uint8_t* row, int64_t type, int64_t nsb, KU* out) {
-  const int64_t sbb = row_bytes(type, QK_K);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+// One unpacked super-block in registers (the KU layout, see above), and the constants that make it.
+struct SbRegs {
+  __m512i q[4], sc[4];
+  __m256i mn;
+  float d, dmin;
+};
+
+struct SbConst {
+  __m512i low4, ix[4], hb[4], sixteen, three, sh_lo, sh_hi;
+  __m256i mix;
+  int64_t type, sbb, qoff;
+};
+
+KQ_AVX512 inline SbConst sb_const(int64_t type) {
+  SbConst k;
+  k.type = type;
+  k.sbb = row_bytes(type, QK_K);
+  k.low4 = _mm512_set1_epi8(0x0F);
   // 16-bit lane i of chunk c's scale vector: the scale index (0..7 sub-block for Q4_K/Q5_K, 0..15 group for
   // Q6_K) of positions 64 c + 2 i.
   const auto& idx = SCALE_IDX.v[nibble_order(type) ? 0 : 1];
-  const __m512i ix0 = _mm512_load_si512(idx[0]), ix1 = _mm512_load_si512(idx[1]);
-  const __m512i ix2 = _mm512_load_si512(idx[2]), ix3 = _mm512_load_si512(idx[3]);
-  if (type == T_Q4_K || type == T_Q5_K) {
-    // min of group g = m[g / 2], stored after the 8 scales
-    const __m256i mix = _mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
-    // Q5_K: bit masks selecting the 5th bit of the sub-blocks of each chunk's two 32-byte halves
-    __m512i hb[4];
+  for (int c = 0; c < 4; ++c) k.ix[c] = _mm512_load_si512(idx[c]);
+  // min of group g = m[g / 2], stored after the 8 scales
+  k.mix = _mm256_setr_epi16(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+  // Q5_K: bit masks selecting the 5th bit of the sub-blocks of each chunk's two 32-byte halves
+  for (int c = 0; c < 4; ++c) {
+    const __m256i lo = _mm256_set1_epi8(static_cast<char>(1 << ORD[2 * c]));
+    const __m256i hi = _mm256_set1_epi8(static_cast<char>(1 << ORD[2 * c + 1]));
+    k.hb[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+  k.sixteen = _mm512_set1_epi8(16);
+  k.qoff = type == T_Q4_K ? 16 : 48;
+  k.three = _mm512_set1_epi8(3);
+  k.sh_lo = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+  k.sh_hi = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
+  return k;
+}
+
+template <int64_t TYPE>
+__attribute__((always_inline)) KQ_AVX512 inline void sb_regs_t(const uint8_t* b, const SbConst& k, SbRegs& u) {
+  if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K) {
+    u.d = f16_at(b);
+    u.dmin = f16_at(b + 2);
+    uint32_t sm[4];
+    scale_min_words(b + 4, sm);  // into a register, not through memory (a store-forwarding stall)
+    const __m256i v16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(static_cast<int>(sm[0]), static_cast<int>(sm[1]),
+                                                            static_cast<int>(sm[2]), static_cast<int>(sm[3])));
+    const __m512i v = _mm512_zextsi256_si512(v16);
+    for (int c = 0; c < 4; ++c) u.sc[c] = _mm512_permutexvar_epi16(k.ix[c], v);
+    u.mn = _mm256_permutexvar_epi16(k.mix, v16);
+    constexpr int64_t qoff = TYPE == T_Q4_K ? 16 : 48;
+    const __m512i a0 = _mm512_loadu_si512(b + qoff), a1 = _mm512_loadu_si512(b + qoff + 64);
+    u.q[0] = _mm512_and_si512(a0, k.low4);
+    u.q[1] = _mm512_and_si512(_mm512_srli_epi16(a0, 4), k.low4);
+    u.q[2] = _mm512_and_si512(a1, k.low4);
+    u.q[3] = _mm512_and_si512(_mm512_srli_epi16(a1, 4), k.low4);
+    if constexpr (TYPE == T_Q5_K) {
+      const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+      for (int c = 0; c < 4; ++c)
+        u.q[c] = _mm512_mask_add_epi8(u.q[c], _mm512_test_epi8_mask(H, k.hb[c]), u.q[c], k.sixteen);
+    }
+    return;
+  }
+  // Q6_K, natural order
+  u.d = u.dmin = f16_at(b + 208);
+  const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+  const __m512i v = _mm512_zextsi256_si512(s16);
+  for (int c = 0; c < 4; ++c) u.sc[c] = _mm512_permutexvar_epi16(k.ix[c], v);
+  u.mn = _mm256_slli_epi16(s16, 5);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i l = _mm512_loadu_si512(b + 64 * h);
+    const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
+    const __m512i hl = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(H, k.sh_lo), k.three), 4);
+    const __m512i hh = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(H, k.sh_hi), k.three), 4);
+    u.q[2 * h] = _mm512_or_si512(_mm512_and_si512(l, k.low4), hl);
+    u.q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), k.low4), hh);
+  }
+}
+
+KQ_AVX512 inline void sb_regs(const uint8_t* b, const SbConst& k, SbRegs& u) {
+  switch (k.type) {
+    case T_Q4_K: sb_regs_t<T_Q4_K>(b, k, u); break;
+    case T_Q5_K: sb_regs_t<T_Q5_K>(b, k, u); break;
+    default: sb_regs_t<T_Q6_K>(b, k, u); break;
+  }
+}
+
+KQ_AVX512 void unpack_avx512(const uint8_t* row, int64_t type, int64_t nsb, KU* out) {
+  const SbConst k = sb_const(type);
+  SbRegs r;
+  for (int64_t s = 0; s < nsb; ++s) {
+    sb_regs(row + s * k.sbb, k, r);
+    KU& u = out[s];
+    u.d = r.d;
+    u.dmin = r.dmin;
     for (int c = 0; c < 4; ++c) {
-      const __m256i lo = _mm256_set1_epi8(static_cast<char>(1 << ORD[2 * c]));
-      const __m256i hi = _mm256_set1_epi8(static_cast<char>(1 << ORD[2 * c + 1]));
-      hb[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      _mm512_store_si512(u.q + 64 * c, r.q[c]);
+      _mm512_store_si512(u.sc + 32 * c, r.sc[c]);
     }
-    const __m512i sixteen = _mm512_set1_epi8(16);
-    const int64_t qoff = type == T_Q4_K ? 16 : 48;
-    for (int64_t s = 0; s < nsb; ++s) {
-      const uint8_t* b = row + s * sbb;
-      KU& u = out[s];
-      u.d = f16_at(b);
-      u.dmin = f16_at(b + 2);
-      uint32_t sm[4];
-      scale_min_words(b + 4, sm);  // into a register, not through memory (a store-forwarding stall)
-      const __m256i v16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(static_cast<int>(sm[0]), static_cast<int>(sm[1]),
-                                                              static_cast<int>(sm[2]), static_cast<int>(sm[3])));
-      const __m512i v = _mm512_zextsi256_si512(v16);
-      _mm512_store_si512(u.sc, _mm512_permutexvar_epi16(ix0, v));
-      _mm512_store_si512(u.sc + 32, _mm512_permutexvar_epi16(ix1, v));
-      _mm512_store_si512(u.sc + 64, _mm512_permutexvar_epi16(ix2, v));
-      _mm512_store_si512(u.sc + 96, _mm512_permutexvar_epi16(ix3, v));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(u.mn), _mm256_permutexvar_epi16(mix, v16));
-      const __m512i a0 = _mm512_loadu_si512(b + qoff), a1 = _mm512_loadu_si512(b + qoff + 64);
-      __m512i q[4] = {_mm512_and_si512(a0, low4), _mm512_and_si512(_mm512_srli_epi16(a0, 4), low4),
-                      _mm512_and_si512(a1, low4), _mm512_and_si512(_mm512_srli_epi16(a1, 4), low4)};
-      if (type == T_Q5_K) {
-        const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
-        for (int c = 0; c < 4; ++c) q[c] = _mm512_mask_add_epi8(q[c], _mm512_test_epi8_mask(H, hb[c]), q[c], sixteen);
-      }
-      for (int c = 0; c < 4; ++c) _mm512_store_si512(u.q + 64 * c, q[c]);
-    }
-  } else {  // Q6_K, natural order
-    const __m512i three = _mm512_set1_epi8(3);
-    const __m512i sh_lo = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2), sh_hi = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
-    for (int64_t s = 0; s < nsb; ++s) {
-      const uint8_t* b = row + s * sbb;
-      KU& u = out[s];
-      u.d = u.dmin = f16_at(b + 208);
-      const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-      const __m512i v = _mm512_zextsi256_si512(s16);
-      _mm512_store_si512(u.sc, _mm512_permutexvar_epi16(ix0, v));
-      _mm512_store_si512(u.sc + 32, _mm512_permutexvar_epi16(ix1, v));
-      _mm512_store_si512(u.sc + 64, _mm512_permutexvar_epi16(ix2, v));
-      _mm512_store_si512(u.sc + 96, _mm512_permutexvar_epi16(ix3, v));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(u.mn), _mm256_slli_epi16(s16, 5));
-      for (int h = 0; h < 2; ++h) {
-        const __m512i l = _mm512_loadu_si512(b + 64 * h);
-        const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
-        const __m512i hl = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(H, sh_lo), three), 4);
-        const __m512i hh = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(H, sh_hi), three), 4);
-        _mm512_store_si512(u.q + 128 * h, _mm512_or_si512(_mm512_and_si512(l, low4), hl));
-        _mm512_store_si512(u.q + 128 * h + 64, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low4), hh));
-      }
-    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u.mn), r.mn);
   }
 }
 
@@ -477,6 +511,62 @@ KQ_AVX512 void ku_dot_avx512(const KU* w, int64_t nsb, const Act& a, int64_t m0,
     case 2: ku_dot_avx512_t<2>(w, nsb, a, m0, out); break;
     case 3: ku_dot_avx512_t<3>(w, nsb, a, m0, out); break;
     default: ku_dot_avx512_t<4>(w, nsb, a, m0, out); break;
+  }
+}
+
+// Decode: a weight row's super-blocks unpacked into registers and used at once against R activation rows (the
+// integers and float steps of unpack_avx512 + ku_dot_avx512, without the trip through the scratch).
+template <int R, int64_t TYPE>
+KQ_AVX512 void row_dot_avx512_t(const uint8_t* row, const SbConst& k, int64_t nsb, const Act& a, int64_t m0,
+                                float* out) {
+  const int64_t K = a.K, nb = K / QK_K;
+  __m128 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm_setzero_ps();
+  const int8_t* xq = a.q.data() + m0 * K;
+  const int16_t* bs = a.bs.data() + m0 * (K / 16);
+  const float* dx = a.d.data() + m0 * nb;
+  SbRegs u;
+  for (int64_t s = 0; s < nsb; ++s) {
+    sb_regs_t<TYPE>(row + s * k.sbb, k, u);
+#pragma GCC unroll 4
+    for (int m = 0; m < R; ++m) {
+      const int8_t* x = xq + m * K + s * QK_K;
+      __m512i P = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c)
+        P = _mm512_dpwssd_epi32(P, _mm512_maddubs_epi16(u.q[c], _mm512_loadu_si512(x + 64 * c)), u.sc[c]);
+      const __m256i mi = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + m * (K / 16) + s * 16)), u.mn);
+      acc[m] = sb_step(acc[m], _mm512_reduce_add_epi32(P), _mm512_reduce_add_epi32(_mm512_zextsi256_si512(mi)),
+                       u.d, u.dmin, dx[m * nb + s]);
+    }
+  }
+  for (int m = 0; m < R; ++m) out[m] = _mm_cvtss_f32(acc[m]);
+}
+
+template <int64_t TYPE>
+KQ_AVX512 void row_dot_task_t(const uint8_t* w, int64_t rb, const SbConst& k, int64_t n0, int64_t n1, const Act& a,
+                              int64_t m0, int mr, float* y, int64_t N) {
+  const int64_t nsb = a.K / QK_K;
+  float out[MR];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * rb;
+    switch (mr) {
+      case 1: row_dot_avx512_t<1, TYPE>(row, k, nsb, a, m0, out); break;
+      case 2: row_dot_avx512_t<2, TYPE>(row, k, nsb, a, m0, out); break;
+      case 3: row_dot_avx512_t<3, TYPE>(row, k, nsb, a, m0, out); break;
+      default: row_dot_avx512_t<4, TYPE>(row, k, nsb, a, m0, out); break;
+    }
+    for (int i = 0; i < mr; ++i) y[(m0 + i) * N + n] = out[i];
+  }
+}
+
+// Rows n0..n1 of W against activation rows m0..m0+mr (mr <= MR) into y (M, N).
+KQ_AVX512 void row_dot_task_avx512(const uint8_t* w, int64_t rb, int64_t type, int64_t n0, int64_t n1, const Act& a,
+                                   int64_t m0, int mr, float* y, int64_t N) {
+  const SbConst k = sb_const(type);
+  switch (type) {
+    case T_Q4_K: row_dot_task_t<T_Q4_K>(w, rb, k, n0, n1, a, m0, mr, y, N); break;
+    case T_Q5_K: row_dot_task_t<T_Q5_K>(w, rb, k, n0, n1, a, m0, mr, y, N); break;
+    default: row_dot_task_t<T_Q6_K>(w, rb, k, n0, n1, a, m0, mr, y, N); break;
   }
 }
 
@@ -935,16 +1025,15 @@ void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
           }
         continue;
       }
-      if (m1 - m0 <= MR) {  // decode: unpack a row, use it, next row (the scratch stays in L1)
+      if (m1 - m0 <= MR) {  // decode: each super-block unpacked into registers and used at once
         const int mr = static_cast<int>(m1 - m0);
+        if (fast) {
+          row_dot_task_avx512(w, rb, type, n0, n1, a, m0, mr, y, N);
+          continue;
+        }
         for (int64_t n = n0; n < n1; ++n) {
-          if (fast) {
-            unpack_avx512(w + n * rb, type, nsb, scratch.data());
-            ku_dot_avx512(scratch.data(), nsb, a, m0, mr, out);
-          } else {
-            unpack_generic(w + n * rb, type, nsb, scratch.data());
-            ku_dot_generic(scratch.data(), nsb, a, m0, mr, out);
-          }
+          unpack_generic(w + n * rb, type, nsb, scratch.data());
+          ku_dot_generic(scratch.data(), nsb, a, m0, mr, out);
           for (int i = 0; i < mr; ++i) y[(m0 + i) * N + n] = out[i];
         }
         continue;

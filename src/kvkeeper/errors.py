@@ -81,3 +81,12 @@ class QuotaExceededError(KVKeeperError):
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class InsufficientMemoryError(KVKeeperError):
+    """A model's estimated memory need exceeds the memory available to this process (it is refused before its
+    weights are loaded, see :mod:`kvkeeper.engine.memory_fit`).  ``needed``, ``available``: bytes."""
+
+    def __init__(self, message: str, needed: int, available: int):
+        super().__init__(message)
+        self.needed, self.available = needed, available

@@ -12,15 +12,20 @@ from typing import Any
 from .errors import ModelFormatError, UnsupportedArchitectureError
 
 # model_type (HF) / general.architecture (GGUF) values we implement.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gemma3",
+                           "phi3")
 _HF_ARCH_NAMES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "qwen3moe": "qwen3_moe",  # llama.cpp's GGUF architecture name
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Gemma3ForCausalLM": "gemma3",
     "gemma3_text": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -34,12 +39,13 @@ def unsupported_architecture(name: str) -> str:
     near = difflib.get_close_matches(str(name).lower(), list(names), n=1, cutoff=0.0)
     hint = f" (nearest supported: {names[near[0]]!r})" if near else ""
     return (f"architecture {name!r} is not supported{hint}; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
-            "(Llama 2/3, SmolLM2, Qwen2/2.5, Mistral, DeepSeek V2/V3, Gemma 3)")
+            "(Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, DeepSeek V2/V3, Gemma 3, Phi-3)")
 
 
 @dataclass
 class ModelConfig:
-    """Hyper-parameters of a decoder: Llama family (Llama 2/3, SmolLM2, Qwen2/2.5, Mistral) or DeepSeek V2/V3.
+    """Hyper-parameters of a decoder: Llama family (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Mistral, Phi-3), Qwen3-MoE,
+    DeepSeek V2/V3 or Gemma 3.
 
     For DeepSeek (``kv_lora_rank > 0``: Multi-head Latent Attention, DeepSeek-AI 2024, arXiv:2405.04434)
     ``head_dim`` is the RoPE part of a query/key head (``qk_rope_head_dim``, as transformers' config sets it).
@@ -60,7 +66,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q, k and v projections (Qwen2)
-    sliding_window: int | None = None  # Mistral; we cap the context at it
+    sliding_window: int | None = None  # tokens a sliding layer attends to (see layer_types; Qwen2: caps the context)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     revision: str = ""  # identifies the weights; part of every KV cache namespace
@@ -71,7 +77,7 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_layout: str = "half"  # "half": HF half-split; "complex": V2 adjacent pairs; "interleave": V3 rope_interleave
-    # mixture of experts (DeepSeek); n_routed_experts 0 means every layer is a dense MLP
+    # mixture of experts (DeepSeek, Qwen3-MoE); n_routed_experts 0 means every layer is a dense MLP
     n_routed_experts: int = 0
     num_experts_per_tok: int = 0
     n_shared_experts: int = 0
@@ -83,15 +89,19 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1  # Qwen3-MoE: layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here (dense layers)
     # Gemma 3: per-layer attention kind, local RoPE base, query scaling, logit soft-capping
-    layer_types: list[str] | None = None  # "sliding_attention" / "full_attention" per layer (None: all full)
+    layer_types: list[str] | None = None  # "sliding_attention" / "full_attention" per layer (None: all full;
+    # Gemma 3 mixes both, a Mistral / Phi-3 config with a window below its context slides every layer)
     rope_local_theta: float = 10000.0  # RoPE base of the sliding-window layers (Gemma 3 rope_local_base_freq)
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (None: head_dim)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     @property
     def is_hybrid(self) -> bool:
-        """True when some layers attend within ``sliding_window`` tokens and others to the whole context."""
+        """True when some layers (Gemma 3) or all (Mistral, Phi-3 with a window) attend within ``sliding_window``
+        tokens; the others attend to the whole context."""
         return bool(self.layer_types) and bool(self.sliding_window) and "sliding_attention" in self.layer_types
 
     def is_sliding_layer(self, i: int) -> bool:
@@ -111,12 +121,15 @@ class ModelConfig:
         return 2, self.num_kv_heads, self.head_dim
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.n_routed_experts > 0 and i >= self.first_k_dense_replace
+        """Whether layer ``i`` has a mixture of experts (DeepSeek: from ``first_k_dense_replace`` on; Qwen3-MoE:
+        every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``, as transformers builds them)."""
+        return (self.n_routed_experts > 0 and i >= self.first_k_dense_replace and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def context_length(self) -> int:
         """Tokens a sequence may hold (prompt plus output)."""
-        if self.sliding_window and not self.layer_types:  # Mistral: every layer slides
+        if self.sliding_window and not self.layer_types:  # a window without sliding layers (Qwen2's) caps it
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
@@ -150,6 +163,8 @@ class ModelConfig:
             rope = dict(rope)
             theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
             rtype = rope.get("rope_type", rope.get("type", "default")) or "default"
+            if arch == "phi3":
+                _check_phi3_rope(cfg, rope, rtype)
             scaling = None if rtype == "default" else {**rope, "rope_type": rtype}
             if rtype not in SUPPORTED_ROPE_TYPES:
                 raise UnsupportedArchitectureError(
@@ -158,7 +173,10 @@ class ModelConfig:
             eos = cfg.get("eos_token_id")
             eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(x) for x in eos])
             sliding = cfg.get("sliding_window")
-            if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+            if arch in ("qwen3", "qwen3_moe") and cfg.get("use_sliding_window"):
+                raise UnsupportedArchitectureError(f"use_sliding_window is not supported for {arch} (its released "
+                                                   "models set it false); set it false to run full attention")
+            if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
                 sliding = None
             kw = dict(
                 architecture=arch,
@@ -183,9 +201,40 @@ class ModelConfig:
                 kw.update(_deepseek_fields(cfg, arch))
             if arch == "gemma3":
                 kw.update(_gemma3_fields(cfg))
+            if arch == "qwen3_moe":
+                kw.update(_qwen3_moe_fields(cfg))
+            if arch in ("mistral", "phi3"):
+                kw["layer_types"] = every_layer_slides(kw["sliding_window"], kw["max_position_embeddings"],
+                                                       kw["num_layers"])
             return cls(**kw)
         except KeyError as e:
             raise ModelFormatError(f"config.json lacks the required key {e.args[0]!r}") from e
+
+
+def every_layer_slides(window: int | None, max_positions: int, num_layers: int) -> list[str] | None:
+    """Layer kinds of a model whose every layer attends to the last ``window`` tokens (Mistral, Phi-3 with
+    ``sliding_window``, as transformers' MistralForCausalLM / Phi3ForCausalLM mask them): all
+    "sliding_attention"; None (every layer full) without a window or with one of ``max_positions`` or more,
+    which no query can exceed."""
+    if not window or window >= max_positions:
+        return None
+    return ["sliding_attention"] * num_layers
+
+
+def _check_phi3_rope(cfg: dict[str, Any], rope: dict[str, Any], rtype: str) -> None:
+    """Refuse the Phi-3 RoPE variants kvkeeper does not implement: LongRoPE (``longrope``, and ``su`` / ``yarn``,
+    which transformers' Phi3Config renames to it: the 128k-context models) and partial rotary embeddings
+    (``partial_rotary_factor`` below 1, e.g. Phi-4-mini)."""
+    if rtype in ("longrope", "su", "yarn"):
+        raise UnsupportedArchitectureError(
+            f"Phi-3 rope scaling {rtype!r} (LongRoPE, the 128k-context variants) is not supported; the 4k-context "
+            "Phi-3 models (rope_scaling null) run")
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise UnsupportedArchitectureError(
+            f"partial_rotary_factor {partial} is not supported (RoPE over every head dimension only, factor 1.0)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedArchitectureError(f"hidden_act {cfg['hidden_act']!r} is not supported; Phi-3 uses silu")
 
 
 def gemma3_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
@@ -225,6 +274,23 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         bos_token_id=cfg.get("bos_token_id", 2),
+    )
+
+
+def _qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Mixture-of-experts fields of a Qwen3-MoE ``config.json`` (names as transformers' Qwen3MoeConfig, which
+    writes ``num_experts`` as ``num_local_experts``): softmax top-k router, no shared experts.  Raises
+    UnsupportedArchitectureError for another activation and ModelFormatError for a missing expert count."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if not experts:
+        raise ModelFormatError("config.json of a qwen3_moe model lacks num_experts (or num_local_experts)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedArchitectureError(f"hidden_act {cfg['hidden_act']!r} is not supported; Qwen3-MoE uses silu")
+    return dict(
+        n_routed_experts=int(experts), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []],
     )
 
 

@@ -73,7 +73,7 @@ def test_config_layers_and_bases(tiny):
     assert cfg.architecture == "gemma3" and cfg.layer_types == LAYERS and cfg.sliding_window == WINDOW
     assert (cfg.rope_theta, cfg.rope_local_theta, cfg.query_pre_attn_scalar) == (10000.0, 100.0, 24.0)
     assert cfg.final_logit_softcapping == 30.0
-    assert cfg.context_length == 512  # the window does not cap the context (it does for Mistral)
+    assert cfg.context_length == 512  # the window does not cap the context
     # hybrid: the sliding layers' caches hold the (smaller) window-block set
     sizes = [c.k.shape[0] for c in eng.kv_store]
     assert [s < 64 for s in sizes] == [t == "sliding_attention" for t in LAYERS], sizes

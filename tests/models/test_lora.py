@@ -32,6 +32,8 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 CASES = {
     "llama-all-rslora": ("LlamaConfig", dict(r=4, lora_alpha=8, target_modules=ALL, use_rslora=True)),
     "qwen2-bias-qv": ("Qwen2Config", dict(r=2, lora_alpha=16, target_modules=["q_proj", "v_proj"])),
+    # Qwen3: the adapters' q/k deltas land before the per-head q/k norms, as in peft
+    "qwen3-all": ("Qwen3Config", dict(r=4, lora_alpha=8, target_modules=ALL)),
 }
 
 

@@ -50,7 +50,7 @@ from .session_routes import router as session_router
 from .streams import EngineDeadError
 from .tracing import flush_traces
 
-DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB
+from .limits import DEFAULT_MAX_BODY_BYTES  # noqa: E402  (4 MiB)
 
 
 class BodyLimitMiddleware:

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Abort", "Add", "AsyncEngine", "Call", "Command", "EngineDeadError", "GenerationRequest",
            "RequestStream", "Wake"]
 
-DEFAULT_MAX_QUEUE = 256  # requests that may wait before new ones get 503 (ServerConfig.max_queue)
+from .limits import DEFAULT_MAX_QUEUE  # noqa: E402  (ServerConfig.max_queue)
 
 
 def _resolve(fut: asyncio.Future, result=None, exc: BaseException | None = None) -> None:

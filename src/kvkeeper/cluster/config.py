@@ -7,7 +7,9 @@ from typing import Any
 
 from ..argtypes import positive_int
 from ..options import option
-from .router import DEFAULT_SUMMARY_SIZE
+
+DEFAULT_SUMMARY_SIZE = 2048  # block hashes a replica publishes at most (kvkeeper.cluster.router; defined here so
+# that the command line's options import neither the router nor prometheus_client)
 
 ROUTERS = ("kvkeeper", "default")
 

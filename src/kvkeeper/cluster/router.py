@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 TEXT_BLOCK_CHARS = 256  # characters of prompt text per routing block
 MAX_PROMPT_BLOCKS = 16  # the first blocks of a prompt that are hashed (4,096 characters)
-DEFAULT_SUMMARY_SIZE = 2048  # block hashes a replica publishes at most
+from .config import DEFAULT_SUMMARY_SIZE  # noqa: E402  (block hashes a replica publishes at most)
 REASONS = ("session", "prefix", "load")
 
 REGISTRY = CollectorRegistry(auto_describe=True)

@@ -48,6 +48,8 @@ class EngineConfig:
     max_model_len: cap on the context window (None: the model's own).  num_threads: torch CPU threads.
     validate_every: run the KV integrity validators before every N-th step (0: never).
     cache_dir: folder of the weight and tokenizer caches (None: ``~/.cache/kvkeeper``).
+    memory_check: refuse a model whose estimated memory need exceeds the available memory before loading it
+    (:mod:`kvkeeper.engine.memory_fit`; CPU only).
     Raises :class:`InvalidRequestError` for a value out of range.
     """
 
@@ -108,6 +110,10 @@ class EngineConfig:
     validate_every: int = field(default=0, metadata=option(
         "--validate-every", "run the KV integrity validators before every N-th step, 0 = never "
         "(default: $KVKEEPER_VALIDATE, else 0)", type=validate_every_arg, metavar="N"))
+    memory_check: bool = field(default=True, metadata=option(
+        "--no-memory-check", "load even when the estimated memory need (weights, KV pool, working buffers) exceeds "
+        "the available memory (default: refuse such a model before loading it, kvkeeper.engine.memory_fit)",
+        action="store_true", negate=True))
     seed: int = 0  # random weights of load_format "dummy"
 
     def __post_init__(self):
@@ -152,19 +158,29 @@ class EngineConfig:
         try:
             attention, weights = family_options(mcfg, self.attention_backend, self.quantization)
             weights = weight_format_for(state, weights, device, dtype)  # (the runner checks it again)
-            kv = parse_kv_format(self.kv_dtype if self.kv_dtype is not None else
-                                 ("bf16" if weights != "none" else dtype))
+            kv = self.kv_format_for(weights, dtype)
         except ValueError as e:  # QuantizationError, InvalidRequestError, an unknown KV dtype
             raise InvalidRequestError(str(e)) from None
         return attention, weights, kv
+
+    def kv_format_for(self, weights: str, dtype: torch.dtype) -> KVFormat:
+        """The KV format for a weight format: ``kv_dtype``, else bf16 with quantized weights (the fast path, as
+        llama.cpp keeps f16), else the model dtype.  Raises ValueError for an unknown KV dtype."""
+        return parse_kv_format(self.kv_dtype if self.kv_dtype is not None else ("bf16" if weights != "none" else dtype))
+
+    def kv_pool_blocks(self, mcfg: ModelConfig, kv: KVFormat) -> tuple[int, int | None]:
+        """(blocks, window blocks or None) of the KV pool for a model (:func:`kvkeeper.kvcache.sizing.kv_blocks`;
+        window blocks for a family whose ``kv_layout`` is "hybrid", unless ``hybrid_kv_cache`` is off).
+        Raises InvalidRequestError for a budget too small for one block."""
+        hybrid = self.hybrid_kv_cache and capabilities(mcfg).kv_layout == "hybrid"
+        return kv_blocks(kv, mcfg, self.kv_sizing(), hybrid)
 
     def runner_args(self, mcfg: ModelConfig, state, device: torch.device, dtype: torch.dtype) -> dict:
         """The :class:`~kvkeeper.worker.runner.ModelRunner` keyword arguments these settings give for a model:
         :meth:`formats`, and the pool's blocks (:func:`kvkeeper.kvcache.sizing.kv_blocks`; window blocks for a
         family whose ``kv_layout`` is "hybrid", unless ``hybrid_kv_cache`` is off).  Raises InvalidRequestError."""
         attention, weights, kv = self.formats(mcfg, state, device, dtype)
-        hybrid = self.hybrid_kv_cache and capabilities(mcfg).kv_layout == "hybrid"
-        num_blocks, window_blocks = kv_blocks(kv, mcfg, self.kv_sizing(), hybrid)
+        num_blocks, window_blocks = self.kv_pool_blocks(mcfg, kv)
         return dict(num_blocks=num_blocks, block_size=self.block_size, dtype=dtype, device=device, kv_dtype=kv,
                     attention_backend=attention, quantization=weights, fused_decode=self.fused_decode,
                     cache_dir=self.cache_dir, window_blocks=window_blocks)

@@ -29,6 +29,7 @@ from ..kvcache.surgery import compress_prompt
 from ..kvcache.validate import assert_engine_ok
 from ..weights.formats import may_map_gguf
 from ..weights.loader import load_model
+from ..weights.sources import resolve_model_path
 from ..worker.runner import ModelRunner, parse_dtype
 from ..sampling.sampler import prompt_logprob_entries, sample
 from .adapters import AdapterRegistry
@@ -36,6 +37,7 @@ from .config import EngineConfig, resolve_device
 from .input_processor import InputProcessor
 from .kv_access import EngineKV
 from .kv_holders import KVHolder, KVHolders
+from .memory_fit import check_memory_fit
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from ..sampling.params import SamplingParams
@@ -62,7 +64,9 @@ class LLMEngine(EngineKV):
         device = resolve_device(cfg.device)
         torch_dtype = parse_dtype(cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
         self.model_name = cfg.model
-        mcfg, state, self.tokenizer, self.model_path = load_model(cfg.model, cfg.load_format, cfg.cache_dir,
+        path = None if cfg.load_format == "dummy" else resolve_model_path(cfg.model, cfg.cache_dir)
+        self.memory_estimate = check_memory_fit(cfg, path, device, torch_dtype)  # before any large allocation
+        mcfg, state, self.tokenizer, self.model_path = load_model(str(path or cfg.model), cfg.load_format, cfg.cache_dir,
                                                                   torch_dtype, device, cfg.seed,
                                                                   in_place=may_map_gguf(cfg.quantization))
         self.model_config = mcfg

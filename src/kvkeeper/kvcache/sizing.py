@@ -4,7 +4,9 @@ A block holds ``block_size`` tokens of every layer's KV (values plus scales, :me
 A hybrid cache (a model with sliding-window layers, see :mod:`kvkeeper.kvcache.block_pool`) gives the
 sliding layers their own, smaller set of *window blocks*: enough for every running sequence's window plus a
 prefill chunk, but at most half the byte budget (and no more than there are blocks); the full layers get
-the rest.
+the rest.  A model whose every layer slides (Mistral) keeps all its KV in window blocks (``num_blocks`` of them,
+else the budget's, up to the same room for every running sequence's window plus a chunk); its blocks are then
+bookkeeping without KV storage.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def kv_blocks(kv_format: KVFormat, mcfg: ModelConfig, sizing: KVSizing, hybrid: 
     n_slide = sum(mcfg.is_sliding_layer(i) for i in range(mcfg.num_layers))
     if not (hybrid and n_slide and mcfg.sliding_window):
         return sizing.num_blocks or blocks_for_budget(kv_format, mcfg, sizing.budget_bytes, bs), None
+    if n_slide == mcfg.num_layers:
+        return _all_sliding_blocks(kv_format, mcfg, sizing)
     want = sizing.max_num_seqs * (-(-(mcfg.sliding_window + sizing.max_num_batched_tokens) // bs) + 1)
     if sizing.num_blocks:
         return sizing.num_blocks, max(1, min(want, sizing.num_blocks))
@@ -64,3 +68,18 @@ def kv_blocks(kv_format: KVFormat, mcfg: ModelConfig, sizing: KVSizing, hybrid: 
         raise InvalidRequestError(f"kv_cache_bytes={budget} is too small for a hybrid KV cache "
                                   f"({window_blocks} window blocks leave no room for one block)")
     return blocks, min(window_blocks, blocks)
+
+
+def _all_sliding_blocks(kv_format: KVFormat, mcfg: ModelConfig, sizing: KVSizing) -> tuple[int, int]:
+    """(blocks, window blocks) of a model whose every layer slides (Mistral): all the KV is in window blocks,
+    ``num_blocks`` of them, else what the budget holds up to room for ``max_num_seqs`` windows plus a prefill chunk
+    each.  Blocks hold no KV, only block-table and prefix-cache bookkeeping: enough for every sequence the window
+    blocks hold to reach the context length (a sequence holds a window's worth of window blocks for each
+    ``window`` tokens of blocks before it, hence ``window_blocks * (ceil(context / window) + 2)``), and no more
+    than ``max_num_seqs`` whole contexts plus the window blocks."""
+    bs, window, ctx = sizing.block_size, mcfg.sliding_window, mcfg.context_length
+    want = sizing.max_num_seqs * (-(-(window + sizing.max_num_batched_tokens) // bs) + 1)
+    window_blocks = sizing.num_blocks or min(want, blocks_for_budget(kv_format, mcfg, sizing.budget_bytes, bs))
+    per_window = max(1, window // bs) * bs  # tokens of window blocks a sequence past its window holds at least
+    blocks = min(window_blocks * (-(-ctx // per_window) + 2), sizing.max_num_seqs * -(-ctx // bs) + window_blocks)
+    return max(blocks, window_blocks), window_blocks

@@ -1,10 +1,11 @@
-"""DeepSeek mixture-of-experts feed-forward: routed experts computed grouped, plus shared experts.
+"""Mixture-of-experts feed-forward (DeepSeek V2/V3, Qwen3-MoE): routed experts computed grouped, plus shared experts.
 
-Routers (as transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter compute them):
+Routers (as transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter / Qwen3MoeTopKRouter compute them):
 
-* V2 (DeepSeek-V2, arXiv:2405.04434): softmax scores; ``topk_method`` "greedy" (top-k of all experts) or
-  "group_limited_greedy" (keep the ``topk_group`` groups with the highest expert score, then top-k inside
-  them); weights times ``routed_scaling_factor`` (never renormalized, as transformers).
+* softmax (DeepSeek-V2, arXiv:2405.04434; Qwen3-MoE): softmax scores; ``topk_method`` "greedy" (top-k of all
+  experts) or "group_limited_greedy" (keep the ``topk_group`` groups with the highest expert score, then top-k
+  inside them); weights renormalized to sum 1 when ``norm_topk_prob`` (Qwen3-MoE; the DeepSeek-V2 config
+  never sets it, as transformers' V2 router never renormalizes), times ``routed_scaling_factor``.
 * V3 (DeepSeek-V3, arXiv:2412.19437): sigmoid scores; the choice adds ``e_score_correction_bias``; groups ranked
   by the sum of their two best biased scores, top ``topk_group`` kept, top-k inside; weights are the unbiased
   scores, normalized to sum 1 when ``norm_topk_prob``, times ``routed_scaling_factor``.
@@ -52,6 +53,8 @@ class Router(nn.Module):
                 group = scores.view(T, self.groups, -1).max(dim=-1).values
                 scores = scores.masked_fill(~self._group_mask(group), 0.0)
             w, idx = torch.topk(scores, k=self.k, dim=-1, sorted=False)
+            if self.norm:
+                w = w / w.sum(dim=-1, keepdim=True)
             return w * self.scaling, idx
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
@@ -91,6 +94,30 @@ class Experts(nn.Module):
                 start += n
         ys *= weights.reshape(-1).index_select(0, order).unsqueeze(1).to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, ys)
+
+
+def stack_experts(state: dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
+    """Stack one MoE layer's expert tensors into :class:`Experts`' (``{prefix}experts.gate_up_proj`` (E, 2 * inter,
+    hidden), ``{prefix}experts.down_proj`` (E, hidden, inter)), in ``state`` in place.
+
+    Reads transformers' per-expert names (``{prefix}experts.{e}.{gate,up,down}_proj.weight``, each (inter, hidden)
+    or (hidden, inter)) or llama.cpp's stacked ones as the GGUF loader names them
+    (``{prefix}experts.{gate,up,down}_proj.weight``, (E, inter, hidden) / (E, hidden, inter)).  Does nothing
+    when the layer is already stacked or a part is missing (``take_parameters`` then names what is missing)."""
+    ex = f"{prefix}experts."
+    if f"{ex}gate_up_proj" in state:
+        return
+    stacked = [f"{ex}{p}_proj.weight" for p in ("gate", "up", "down")]
+    if all(n in state for n in stacked):
+        gate, up, down = (state.pop(n) for n in stacked)
+        state[f"{ex}gate_up_proj"], state[f"{ex}down_proj"] = torch.cat([gate, up], dim=1), down
+        return
+    names = [[f"{ex}{e}.{p}_proj.weight" for p in ("gate", "up", "down")] for e in range(num_experts)]
+    if not all(n in state for parts in names for n in parts):
+        return
+    gate_up = [torch.cat([state.pop(g), state.pop(u)], dim=0) for g, u, _ in names]
+    state[f"{ex}gate_up_proj"] = torch.stack(gate_up)
+    state[f"{ex}down_proj"] = torch.stack([state.pop(d) for _, _, d in names])
 
 
 class MoE(nn.Module):

@@ -79,8 +79,13 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         super().__init__()
-        inv, scale = inv_frequencies(cfg)
         n = max_positions or cfg.max_position_embeddings
+        with torch.device("cpu"):  # a few dozen floats (arithmetic on the meta device imports torch._dynamo: 1.5 s)
+            inv, scale = inv_frequencies(cfg)
+        if torch.empty(0).device.type == "meta":  # a model built on the meta device: tables of the right shape,
+            for name in ("cos", "sin"):  # computed by its build_rope on the real device
+                self.register_buffer(name, torch.empty(n, 2 * inv.numel()), persistent=False)
+            return
         t = torch.arange(n, dtype=torch.int64).float()
         freqs = torch.outer(t, inv)
         emb = torch.cat([freqs, freqs], dim=-1)

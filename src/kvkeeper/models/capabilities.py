@@ -7,7 +7,7 @@ naming an architecture:
 
 ==========================  =========================================================================
 ``kv_layout``               "standard" (K and V per KV head), "latent" (one MLA latent row per token) or
-                            "hybrid" (sliding-window layers next to full ones)
+                            "hybrid" (sliding-window layers, next to full ones or all of them)
 ``weight_formats``          the ``--quantization`` formats it runs ("none", "int8", "int4", "gguf")
 ``attention_backends``      the attention backends it runs; None: every one ("auto" picks among them)
 ``kv_compression``          prompt KV compression (:mod:`kvkeeper.kvcache.compression`) applies

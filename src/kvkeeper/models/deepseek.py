@@ -20,7 +20,7 @@ from ..layers.mlp import MLP
 from .llama import DecoderLayer, LlamaForCausalLM, take_parameters
 from ..layers.norm import RMSNorm
 from ..layers.mla import DECODE_MODES, MLAttention
-from ..layers.moe import MoE
+from ..layers.moe import MoE, stack_experts
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -45,18 +45,8 @@ def _fuse_and_stack(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
             names = [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"]
             if all(n in state for n in names):
                 state[f"{mlp}gate_up_proj.weight"] = torch.cat([state.pop(n) for n in names], dim=0)
-        if not cfg.is_moe_layer(i) or f"{pre}experts.gate_up_proj" in state:
-            continue
-        gate_up, down = [], []
-        for e in range(cfg.n_routed_experts):
-            ex = f"{pre}experts.{e}."
-            if f"{ex}gate_proj.weight" not in state:
-                break  # reported as missing by take_parameters
-            gate_up.append(torch.cat([state.pop(f"{ex}gate_proj.weight"), state.pop(f"{ex}up_proj.weight")], dim=0))
-            down.append(state.pop(f"{ex}down_proj.weight"))
-        if len(gate_up) == cfg.n_routed_experts:
-            state[f"{pre}experts.gate_up_proj"] = torch.stack(gate_up)
-            state[f"{pre}experts.down_proj"] = torch.stack(down)
+        if cfg.is_moe_layer(i):
+            stack_experts(state, pre, cfg.n_routed_experts)
     return state
 
 

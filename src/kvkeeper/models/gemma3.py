@@ -27,6 +27,7 @@ from ..model_config import ModelConfig
 from ..layers.linear import Linear
 from .capabilities import Capabilities
 from .llama import GGUF_LAYER_NAMES, LlamaForCausalLM
+from .sliding_window import sliding_meta
 from ..layers.rope import RotaryEmbedding, apply_rope
 
 
@@ -96,14 +97,6 @@ class GemmaDecoderLayer(nn.Module):
     def forward(self, x, cos_sin, kv_cache, meta):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-
-
-def sliding_meta(meta: AttentionMetadata, window: int) -> AttentionMetadata:
-    """The sliding layers' metadata: ``meta.sliding`` when the runner built one (hybrid cache: their own
-    block tables), else ``meta`` itself with the window set (all layers share the full block tables)."""
-    if meta.sliding is not None:
-        return meta.sliding
-    return dataclasses.replace(meta, window=window, sliding=None)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -71,10 +71,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Pre-norm residual block: attention, then the feed-forward; ``self_attn`` / ``mlp`` replace Llama's
+    :class:`Attention` / :class:`MLP` (a family's own, e.g. Qwen3's q/k-normed attention and experts)."""
+
+    def __init__(self, cfg: ModelConfig, self_attn: nn.Module | None = None, mlp: nn.Module | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = self_attn if self_attn is not None else Attention(cfg)
+        self.mlp = mlp if mlp is not None else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -152,6 +155,12 @@ class LlamaForCausalLM(nn.Module):
     def make_layer(cfg: ModelConfig, i: int) -> nn.Module:
         """Decoder layer ``i`` (subclasses build other layer types)."""
         return DecoderLayer(cfg)
+
+    @classmethod
+    def for_config(cls, cfg: ModelConfig) -> type["LlamaForCausalLM"]:
+        """The class that runs ``cfg``: this one (a family with a windowed variant returns it for a config whose
+        layers slide, see :mod:`kvkeeper.models.sliding_window`)."""
+        return cls
 
     @staticmethod
     def gguf_config(cfg: ModelConfig, field, prefix: str, reader) -> None:

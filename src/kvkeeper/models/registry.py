@@ -14,14 +14,20 @@ from .capabilities import WEIGHT_FORMATS, Capabilities
 from .deepseek import DeepseekForCausalLM
 from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM, Qwen2ForCausalLM
+from .mistral import MistralForCausalLM
+from .phi3 import Phi3ForCausalLM
+from .qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
     "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
 }
 
 
@@ -35,9 +41,10 @@ def model_class(architecture: str) -> type[LlamaForCausalLM]:
 
 
 def causal_lm_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
-    """The decoder class of a configuration (``ARCHITECTURES[cfg.architecture]``); raises
-    :class:`UnsupportedArchitectureError` for an architecture not in the registry."""
-    return model_class(cfg.architecture)
+    """The decoder class of a configuration (``ARCHITECTURES[cfg.architecture]``, or its windowed variant for a
+    config whose layers slide: ``for_config``); raises :class:`UnsupportedArchitectureError` for an architecture
+    not in the registry."""
+    return model_class(cfg.architecture).for_config(cfg)
 
 
 def capabilities(cfg: ModelConfig) -> Capabilities:

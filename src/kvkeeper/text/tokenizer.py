@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from ..errors import ModelFormatError
+from .lazy_tokenizer import LazyTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +51,31 @@ def _gguf_key(path: Path) -> str:
     return h[:16]
 
 
-def load_tokenizer(model_path: str | os.PathLike, cache: str | os.PathLike | None = None):
+def load_tokenizer(model_path: str | os.PathLike, cache: str | os.PathLike | None = None, *, lazy: bool = False):
     """Load the tokenizer (with its chat template) for a GGUF file or HF folder (cache: see :func:`cache_dir`).
 
-    Returns a ``transformers`` fast tokenizer.  Raises :class:`ModelFormatError`
+    Returns a ``transformers`` fast tokenizer; with ``lazy``, a
+    :class:`~kvkeeper.text.lazy_tokenizer.LazyTokenizer` over the same ``tokenizer.json`` where the folder (or
+    the GGUF file's cached conversion) qualifies: transformers is then imported only for what the ``tokenizers``
+    library does not answer (the chat template's rendering, ...).  Raises :class:`ModelFormatError`
     when the source holds no usable tokenizer.
     """
-    from transformers import AutoTokenizer
-
     path = Path(model_path)
+    folder = path if path.is_dir() else cache_dir(cache) / "tokenizers" / _gguf_key(path)
+    if lazy and (folder / "tokenizer_config.json").exists():
+        try:
+            got = LazyTokenizer.open(folder, lambda: load_tokenizer(path, cache))
+        except Exception as e:  # noqa: BLE001  (an unreadable tokenizer.json: transformers says why below)
+            log.warning("tokenizer %s not read by the tokenizers library (%s); using transformers", folder, e)
+            got = None
+        if got is not None:
+            return got
     try:
+        from transformers import AutoTokenizer
+
         if path.is_dir():
             return AutoTokenizer.from_pretrained(str(path))
-        cached = cache_dir(cache) / "tokenizers" / _gguf_key(path)
+        cached = folder
         if (cached / "tokenizer_config.json").exists():
             try:
                 return AutoTokenizer.from_pretrained(str(cached))

@@ -34,9 +34,9 @@ import torch
 from ..kernels import cpu as cpu_kernels
 from ..layers.gguf_linear import GGUFWeight, is_gguf_entry, kernel_ops
 from ..layers.quantized import QK, PackedWeight, pack_numpy
-from ..models.registry import capabilities
+from ..models.registry import capabilities, causal_lm_class
 from ..progress import track
-from .gguf_reader import open_gguf
+from .gguf_file import GGUFFile
 
 QUANTIZATION_CHOICES = ("none", "gguf", "int8", "int4")
 _ALIASES = {"fp32": "none", "float32": "none", "dequantized": "none"}
@@ -197,18 +197,18 @@ _FUSED = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_
 _GGUF_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down"}
+_GGUF_MATRICES = {*_GGUF_PARTS.values(), "attn_qkv"}  # + Phi-3's fused q/k/v (its ffn_up holds gate and up)
 
 
 def gguf_tensor_types(path) -> dict[str, str]:
     """GGUF tensor name -> ggml type name (Q4_1, Q8_0, F32, ...) of a GGUF file."""
-    reader = open_gguf(path)
-    return {t.name: t.tensor_type.name for t in reader.tensors}
+    return {t.name: t.tensor_type.name for t in GGUFFile(path).tensors}
 
 
 def _projection_types(types: dict[str, str]) -> set[str]:
     """The types of the matrices a decode step multiplies by (projections, embedding / LM head)."""
     return {t for name, t in types.items()
-            if name.startswith("blk.") and name.split(".")[2] in _GGUF_PARTS.values() and name.endswith(".weight")
+            if name.startswith("blk.") and name.split(".")[2] in _GGUF_MATRICES and name.endswith(".weight")
             or name in ("token_embd.weight", "output.weight")}
 
 
@@ -225,14 +225,14 @@ def _gguf_packed(path, cfg) -> tuple[dict[str, PackedWeight], list[str]]:
     """Pack a GGUF file's projection matrices of :func:`repacked_types` (Q4_0 / Q4_1 / Q8_0), fused as the model
     fuses them.
 
-    Returns (HF-style fused name -> PackedWeight, names of the HF tensors they replace).  A fused projection
-    with any part of another type is left out (dequantized as with ``none``).  q/k rows get llama.cpp's
+    Returns (HF-style fused name -> PackedWeight, names of the HF tensors they replace).  A projection the file
+    stores fused (the family's ``gguf_layer_names`` maps a GGUF key to the fused name) is packed whole.  A fused
+    projection with any part of another type is left out (dequantized as with ``none``).  q/k rows get llama.cpp's
     RoPE permutation undone as in :func:`kvkeeper.weights.loader.load_gguf`.
     """
     from .loader import _unpermute_rope
 
-    reader = open_gguf(path)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in GGUFFile(path).tensors}
     packed, replaced = {}, []
     repack = repacked_types(cfg)
 
@@ -247,14 +247,18 @@ def _gguf_packed(path, cfg) -> tuple[dict[str, PackedWeight], list[str]]:
         return u, d, m, bits, t.tensor_type.name
 
     permuted = capabilities(cfg).gguf_permuted_qk  # llama.cpp permuted q/k rows
+    stored = {hf: key for key, hf in causal_lm_class(cfg).gguf_layer_names.items()}  # HF module -> GGUF key
     for i in track(range(cfg.num_layers), "pack GGUF weight blocks (layers)"):
         for fused, parts in _FUSED:
-            got = []
-            for part in parts:
-                heads = None
-                if permuted and part in ("self_attn.q_proj", "self_attn.k_proj"):
-                    heads = cfg.num_heads if part == "self_attn.q_proj" else cfg.num_kv_heads
-                got.append(blocks(f"blk.{i}.{_GGUF_PARTS[part]}.weight", heads))
+            if fused not in parts and fused in stored:  # the file stores it fused (Phi-3's attn_qkv, ffn_up)
+                got, parts = [blocks(f"blk.{i}.{stored[fused]}.weight", None)], (fused,)
+            else:
+                got = []
+                for part in parts:
+                    heads = None
+                    if permuted and part in ("self_attn.q_proj", "self_attn.k_proj"):
+                        heads = cfg.num_heads if part == "self_attn.q_proj" else cfg.num_kv_heads
+                    got.append(blocks(f"blk.{i}.{_GGUF_PARTS[part]}.weight", heads))
             if any(g is None for g in got):
                 continue
             packed[f"model.layers.{i}.{fused}.weight"] = pack_numpy(*concat_rows(got))
@@ -406,6 +410,8 @@ def _group_mapped(out: dict, cfg, packed: dict[str, PackedWeight]) -> str:
             names = [f"model.layers.{i}.{p}.weight" for p in parts]
             if all(isinstance(out.get(n), GGUFWeight) for n in names):
                 out[f"model.layers.{i}.{fused}.weight"] = [out.pop(n) for n in names]
+            elif isinstance(out.get(f"model.layers.{i}.{fused}.weight"), GGUFWeight):  # stored fused (Phi-3)
+                out[f"model.layers.{i}.{fused}.weight"] = [out[f"model.layers.{i}.{fused}.weight"]]
     top = ("model.embed_tokens.weight", "lm_head.weight")
     for name in [n for n, v in out.items() if isinstance(v, GGUFWeight) and n not in top]:
         out[name] = out[name].dequantize()
@@ -416,5 +422,7 @@ def _group_mapped(out: dict, cfg, packed: dict[str, PackedWeight]) -> str:
     deq = sum(v.numel() * v.element_size() for v in out.values() if isinstance(v, torch.Tensor))
     rep = sum(pw.nbytes for pw in packed.values())
     kinds = ", ".join(f"{t} {b / 1e6:.2f}" for t, b in sorted(mapped.items()))
+    experts = ", MoE router and experts" if any(".mlp.experts." in n for n in out) else ""
     return (f"gguf: {sum(mapped.values()) / 1e6:.2f} MB mapped in place ({kinds}), {rep / 1e6:.2f} MB repacked"
-            f" ({len(packed)} matrices), {deq / 1e6:.2f} MB dequantized to float32 (norms, biases, F32 tensors)")
+            f" ({len(packed)} matrices), {deq / 1e6:.2f} MB dequantized to float32 (norms, biases, F32 tensors"
+            f"{experts})")

@@ -23,7 +23,7 @@ from ..model_config import ModelConfig
 from ..models.registry import model_class
 from ..text.tokenizer import load_tokenizer
 from . import dummy
-from .gguf_reader import open_gguf
+from .gguf_file import GGUFFile
 from .sources import resolve_model_path
 
 _GGUF_TOP_NAMES = {
@@ -66,23 +66,11 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
-    """Read a GGUF file with the ``gguf`` package and dequantise every tensor to float32.
-
-    in_place: keep every matrix that is not F32 (projections, embedding, LM head) of a Llama-family file as a
-    :class:`~kvkeeper.layers.gguf_linear.GGUFWeight` over the file's memory map instead (no copy; q/k get the
-    RoPE permutation as an output-column index); only norms, biases and F32 tensors are read into memory.  With
-    in_place, a file of another family (Gemma 3, DeepSeek) returns None before any tensor is read (the caller
-    loads it dequantized, :func:`load_weights`).
-    Raises :class:`ModelFormatError` for an unreadable or truncated file and
-    :class:`UnsupportedArchitectureError` for an architecture we do not implement.
-    """
-    import gguf
-
-    try:
-        reader = open_gguf(path)
-    except Exception as e:
-        raise ModelFormatError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
+def gguf_model_config(path: Path, reader: GGUFFile | None = None):
+    """(ModelConfig, model family class, ``field(key, default)``) of a GGUF file from its metadata and tensor
+    table alone (no tensor data is read; ``reader``: the file's :class:`GGUFFile`, read when None).
+    Raises :class:`ModelFormatError` and :class:`UnsupportedArchitectureError` as :func:`load_gguf`."""
+    reader = reader if reader is not None else GGUFFile(path)
 
     def field(key, default=None):
         f = reader.fields.get(key)
@@ -113,7 +101,7 @@ def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(field(f"{p}.feed_forward_length")),
+        intermediate_size=int(field(f"{p}.feed_forward_length", 0)),  # (a missing one: a shape error later)
         num_layers=int(field(f"{p}.block_count")),
         num_heads=n_heads,
         num_kv_heads=n_kv,
@@ -130,6 +118,30 @@ def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str
     )
     family = model_class(arch)  # its GGUF names and conventions (kvkeeper.models)
     family.gguf_config(cfg, field, p, reader)
+    return cfg, family, field
+
+
+def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
+    """Read a GGUF file (its header with :class:`~kvkeeper.weights.gguf_file.GGUFFile`) and dequantise every
+    tensor to float32 with the ``gguf`` package.
+
+    in_place: keep every 2-D matrix that is not F32 (projections, embedding, LM head) of a file whose family has
+    ``capabilities.gguf_in_place`` (Llama, Qwen2, Qwen3, Qwen3-MoE, Phi-3) as a
+    :class:`~kvkeeper.layers.gguf_linear.GGUFWeight` over the file's memory map instead (no copy; q/k get the
+    RoPE permutation as an output-column index); only norms, biases, F32 tensors and 3-D tensors (Qwen3-MoE's
+    stacked experts) are read into memory.  With in_place, a file of another family (Gemma 3, DeepSeek) returns
+    None before any tensor is read (the caller loads it dequantized, :func:`load_weights`).
+    Raises :class:`ModelFormatError` for an unreadable or truncated file and
+    :class:`UnsupportedArchitectureError` for an architecture we do not implement.
+    """
+    import gguf
+
+    reader = GGUFFile(path)  # the header only (raises ModelFormatError); tensor data stays in the file's map
+    cfg, family, field = gguf_model_config(path, reader)
+    p = field("general.architecture")
+    n_heads = int(field(f"{p}.attention.head_count"))
+    n_kv = int(field(f"{p}.attention.head_count_kv", n_heads))
+    tensors = {t.name: t for t in reader.tensors}
     layer_names, permuted = family.gguf_layer_names, family.capabilities.gguf_permuted_qk
     state = ModelWeights({}, "gguf", path, {name: t.tensor_type.name for name, t in tensors.items()})
     if in_place and not family.capabilities.gguf_in_place:
@@ -182,6 +194,19 @@ def _mapped(t, name: str, n_heads: int, n_kv: int, permuted: bool):
     return GGUFWeight.from_reader_tensor(t, perm)
 
 
+def load_hf_config(path: Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face folder's ``config.json``; raises :class:`ModelFormatError` when it is
+    missing or not valid JSON."""
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise ModelFormatError(f"{path} is a folder without config.json; a Hugging Face model folder needs config.json plus *.safetensors")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{cfg_path} is not valid JSON: {e}") from e
+    return ModelConfig.from_hf_dict(raw)
+
+
 def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read ``config.json`` and every ``*.safetensors`` file of a Hugging Face folder.
 
@@ -190,13 +215,7 @@ def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     cfg_path = path / "config.json"
-    if not cfg_path.exists():
-        raise ModelFormatError(f"{path} is a folder without config.json; a Hugging Face model folder needs config.json plus *.safetensors")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"{cfg_path} is not valid JSON: {e}") from e
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = load_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     index = path / "model.safetensors.index.json"
     if index.exists():  # only the shards it names (Mistral folders also ship consolidated.safetensors)
@@ -219,11 +238,24 @@ def load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             raise ModelFormatError(f"{f} is not a readable safetensors file ({type(e).__name__}: {e})") from e
         h.update(_file_revision(f).encode())
     cfg.revision = h.hexdigest()[:16]
+    cfg.eos_token_ids += [t for t in _generation_eos(path) if t not in cfg.eos_token_ids]
     if "model.embed_tokens.weight" not in state:
         raise ModelFormatError(f"{path}: weights lack model.embed_tokens.weight; is this a Llama-family checkpoint?")
     if "lm_head.weight" not in state:
         cfg.tie_word_embeddings = True
     return cfg, ModelWeights({k: v.float() for k, v in state.items()}, "hf", path)
+
+
+def _generation_eos(path: Path) -> list[int]:
+    """The ``eos_token_id`` (int or list) of a folder's ``generation_config.json``, which transformers'
+    ``generate`` stops at (Phi-3 instruct lists ``<|end|>`` there, not in config.json); [] without one or when
+    it is unreadable."""
+    try:
+        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return []
+    eos = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    return [int(t) for t in eos if isinstance(t, int)]
 
 
 def _cached_gguf(path: Path, cache=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -249,7 +281,7 @@ def _cached_gguf(path: Path, cache=None) -> tuple[ModelConfig, dict[str, torch.T
             if types_path.exists():
                 types = json.loads(types_path.read_text())
             else:  # a cache written before the types were kept
-                types = {t.name: t.tensor_type.name for t in open_gguf(path).tensors}
+                types = {t.name: t.tensor_type.name for t in GGUFFile(path).tensors}
                 _write_json(types_path, types)
             return cfg, ModelWeights(load_file(str(st_path)), "gguf", path, types)
         except Exception as e:  # rebuilt below
@@ -314,4 +346,4 @@ def load_model(model: str, load_format: str = "auto", cache=None, dtype: torch.d
         return cfg, dummy.dummy_state(cfg, dtype, device, seed=seed), dummy.load_dummy_tokenizer(path, cfg.vocab_size), path
     path = resolve_model_path(model, cache)
     cfg, state = load_weights(path, cache, in_place)
-    return cfg, state, load_tokenizer(path, cache), path
+    return cfg, state, load_tokenizer(path, cache, lazy=True), path

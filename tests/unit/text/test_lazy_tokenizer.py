@@ -1,0 +1,89 @@
+"""kvkeeper.text.lazy_tokenizer: the engine's tokenizer without importing transformers, equal to transformers'.
+
+* encode (with and without special tokens), decode (skipping special tokens or not), token <-> id, the special
+  tokens, the vocabulary and the chat template equal transformers' tokenizer of the same folder (the reference)
+  on the embedded model, over fixed texts and 200 seeded random id sequences;
+* attributes it does not answer (apply_chat_template, all_special_ids) come from transformers' tokenizer;
+* loading it and encoding / decoding imports no transformers (a fresh interpreter);
+* a folder whose config asks transformers for more (add_bos_token, another tokenizer class) does not qualify.
+"""
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kvkeeper.text.lazy_tokenizer import LazyTokenizer, qualifies
+from kvkeeper.text.tokenizer import load_tokenizer
+from kvkeeper.weights.sources import resolve_model_path
+
+TEXTS = ["Hello there", " leading space", "<|im_start|>user\nHi<|im_end|>\n", "naïve café 東京 🙂", "", "a\n\n\tb  c",
+         "<|endoftext|>x", "The capital of France is"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    path = resolve_model_path()
+    lazy, ref = load_tokenizer(path, lazy=True), load_tokenizer(path)
+    assert isinstance(lazy, LazyTokenizer)
+    return lazy, ref
+
+
+def test_encode_and_decode_equal_transformers(pair):
+    lazy, ref = pair
+    for text in TEXTS:
+        for special in (True, False):
+            assert lazy.encode(text, add_special_tokens=special) == ref.encode(text, add_special_tokens=special)
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(ref)) for _ in range(rng.randrange(1, 12))] + [0, 1, 2]
+        rng.shuffle(ids)
+        for skip in (True, False):
+            assert lazy.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), ids
+        assert lazy.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
+        assert lazy.convert_ids_to_tokens(ids[0]) == ref.convert_ids_to_tokens(ids[0])
+        assert lazy.decode(ids[0]) == ref.decode(ids[0])
+
+
+def test_tokens_specials_and_template_equal_transformers(pair):
+    lazy, ref = pair
+    for token in ["<|im_start|>", "Hello", "not-a-token~~~"]:
+        assert lazy.convert_tokens_to_ids(token) == ref.convert_tokens_to_ids(token)
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id", "unk_token_id",
+                 "pad_token_id", "chat_template"):
+        assert getattr(lazy, name) == getattr(ref, name), name
+    assert len(lazy) == len(ref) and lazy.get_vocab() == ref.get_vocab()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert (lazy.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+    assert lazy.all_special_ids == ref.all_special_ids
+
+
+def test_no_transformers_import():
+    code = ("import sys\nfrom kvkeeper.text.tokenizer import load_tokenizer\n"
+            "from kvkeeper.weights.sources import resolve_model_path\n"
+            "t = load_tokenizer(resolve_model_path(), lazy=True)\n"
+            "assert type(t).__name__ == 'LazyTokenizer', type(t)\n"
+            "t.decode(t.encode('Hello there')); t.eos_token_id; len(t)\n"
+            "print('transformers' in sys.modules)\n")
+    load_tokenizer(resolve_model_path())  # the cached conversion exists
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_folders_that_need_transformers_do_not_qualify(pair, tmp_path):
+    lazy, _ = pair
+    src = lazy.name_or_path
+    for change in ({"add_bos_token": True}, {"tokenizer_class": "LlamaTokenizer"}):
+        folder = tmp_path / next(iter(change))
+        shutil.copytree(src, folder)
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        assert qualifies(folder)
+        cfg.update(change)
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+        assert not qualifies(folder)
+        assert not isinstance(load_tokenizer(folder, lazy=True), LazyTokenizer)
