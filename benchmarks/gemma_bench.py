@@ -4,8 +4,9 @@ One sequence of ``--context`` tokens (Pride and Prejudice, tokenized by the mode
 then ``--steps`` greedy tokens are decoded.  Reported per engine: KV bytes the sequence holds once prefilled
 (kvkeeper: its blocks in the full-attention layers plus the window blocks it still holds in the sliding ones,
 from the pool's bookkeeping; the KV tensors the pool allocated are reported too), prefill seconds and decode
-tok/s (tokens after the first over the time between the first and the last).  kvkeeper runs the exact float32
-weights (the GGUF's K-quants dequantized at load) with a bf16 KV cache and the PyTorch attention path; llama.cpp
+tok/s (tokens after the first over the time between the first and the last).  kvkeeper runs the file's default
+weight format (its Q4_K/Q5_0/Q6_K/Q8_0 blocks in place; until issue 24 the float32 weights dequantized at load, as
+in the 2026-12-01 results) with a bf16 KV cache and the PyTorch attention path; llama.cpp
 (llama-cpp-python, benchmark-only) runs the Q4_K_M blocks in place with its f16 KV cache (sliding layers sized
 to the window, its default).
 

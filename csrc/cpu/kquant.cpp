@@ -1,5 +1,5 @@
 // kvkeeper CPU kernels: y = x @ W^T computed in place on the GGUF bytes of a K-quant (Q4_K, Q5_K, Q6_K),
-// Q8_0 or F16 weight, without dequantizing the weight to float32.
+// Q5_0, Q8_0 or F16 weight, without dequantizing the weight to float32.
 //
 // Self-contained: register_kquant(m) defines the Python bindings (kq_matmul, kq_dequantize_rows, kq_set_isa,
 // kq_isa, kq_cpu_has_avx512); the main extension (bindings.cpp) calls it from its PYBIND11_MODULE.  The file is compiled for the baseline x86-64 ISA; the
@@ -7,7 +7,7 @@
 // every kernel also having a portable C++ path (kq_set_isa("generic") forces it, for tests).
 //
 // GGUF block layouts (one weight row of K elements is K/256 super-blocks, or K/32 blocks for Q8_0, stored
-// back to back; a tensor is N such rows; f16 = IEEE half, little-endian):
+// back to back, or K/32 blocks for Q5_0 / Q8_0; a tensor is N such rows; f16 = IEEE half, little-endian):
 //   Q4_K, 144 B per 256: f16 d, f16 dmin, scales[12], qs[128].  Eight sub-blocks j = 0..7 of 32 elements,
 //        w = d * sc_j * q - dmin * m_j with q a 4-bit code: sub-block j's codes are the low (j even) or high
 //        (j odd) nibbles of qs[32 * (j / 2) .. + 32].  sc_j, m_j are 6-bit: for j < 4 the low 6 bits of
@@ -19,6 +19,9 @@
 //        low 4 bits = ql[64 h + i % 64] low (i < 64) or high (i >= 64) nibble, high 2 bits =
 //        (qh[32 h + i % 32] >> 2 (i / 32)) & 3; w = d * scales[e / 16] * (q - 32), q in 0..63.
 //   Q8_0, 34 B per 32: f16 d, int8 q[32]; w = d * q.
+//   Q5_0, 22 B per 32: f16 d, qh[4], qs[16]; element i's low 4 bits are the low (i < 16) or high (i >= 16)
+//        nibble of qs[i % 16], its 5th bit is bit i of the little-endian 32-bit word qh; w = d * (q - 16),
+//        q in 0..31 (llama.cpp uses it where K is not a multiple of 256, e.g. Gemma 3 270M's K = 640).
 //   F16: 2 B per element.
 //
 // Algorithm (the design of llama.cpp's ggml-cpu quantized dot products, in our own code): the activations
@@ -44,9 +47,12 @@
 //    The tile is built once per task and used against all its activation rows, 6 at a time (the repacked
 //    layouts of ggml-cpu follow the same idea, done there once at load).  This runs at about one VPDPBUSD
 //    (64 multiply-adds) per cycle, the core's limit.
-// Q8_0 uses activations quantized per 32 (one scale per weight block): decode by VPDPBUSD on |w| and x with
-// w's sign; prefill through tiles of w + 128 (unsigned) with 128 * sum(q_x) taken back out.  F16 is a float
-// fallback (prefill by chunks through torch's float32 GEMM).
+// Q8_0 and Q5_0 use activations quantized per 32 (one scale per weight block) and unsigned codes (Q8_0: w + 128,
+// taken back out as 128 * sum(q_x); Q5_0: q = w / d + 16 as stored, 16 * sum(q_x) out, sum(q_x) being the block's
+// two bsums), so a block's integer dot is exact: prefill through 16-row tiles of the codes; decode 16 rows at a
+// time in lanes as well, each row's VPDPBUSD vector summed per block by a transpose-and-add tree (no horizontal
+// sum per row and block).  Either way the dot becomes acc = fma(float(dot), d_w * d_x, acc), in block order.  F16 is a float fallback (prefill by
+// chunks through torch's float32 GEMM).
 //
 // Tolerance: the result equals x_q @ W^T up to float32 rounding, x_q being x rounded to the int8 grid
 // (|x - x_q| <= dx / 2 per element); against float x, |y - x @ W^T| <= ||x - x_q|| * ||w_n|| (see
@@ -56,7 +62,7 @@
 // Parallel: OpenMP over tasks of (16 weight rows) x (128 activation rows): decode is split over output
 // rows, prefill over both.  The two ISA paths compute the same integers; only float rounding differs.
 // Batch invariance: on the AVX-512 path every route (decode rows, unpacked rows against a few activation rows,
-// prefill tiles) computes a row's exact integer sums per super-block (per block for Q8_0) and applies the same
+// prefill tiles) computes a row's exact integer sums per super-block (per block for Q5_0, Q8_0) and applies the same
 // float operations to them in the same order, so an output does not depend on M or on the row's place in the
 // batch: a token's logits are the same bit for bit whether its step was a decode or part of a prefill.
 
@@ -77,7 +83,7 @@ namespace kquant {
 
 #define KQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c,fma")))
 
-enum GgmlType : int64_t { T_F16 = 1, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum GgmlType : int64_t { T_F16 = 1, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 constexpr int QK_K = 256;
 constexpr int QK8 = 32;
 constexpr int NT = 16;   // weight rows per task
@@ -133,8 +139,10 @@ int64_t row_bytes(int64_t type, int64_t K) {
     case T_Q5_K: return K / QK_K * 176;
     case T_Q6_K: return K / QK_K * 210;
     case T_Q8_0: return K / QK8 * 34;
+    case T_Q5_0: return K / QK8 * 22;
     case T_F16: return K * 2;
-    default: TORCH_CHECK(false, "kquant: unsupported GGML type ", type, " (F16=1, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+    default:
+      TORCH_CHECK(false, "kquant: unsupported GGML type ", type, " (F16=1, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
   }
   return 0;
 }
@@ -143,8 +151,12 @@ void check_k(int64_t type, int64_t K) {
   TORCH_CHECK(K > 0, "kquant: K must be positive");
   if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K)
     TORCH_CHECK(K % QK_K == 0, "kquant: K=", K, " must be a multiple of 256 for K-quants");
-  if (type == T_Q8_0) TORCH_CHECK(K % QK8 == 0, "kquant: K=", K, " must be a multiple of 32 for Q8_0");
+  if (type == T_Q8_0 || type == T_Q5_0)
+    TORCH_CHECK(K % QK8 == 0, "kquant: K=", K, " must be a multiple of 32 for Q8_0 and Q5_0");
 }
+
+// Types of 32-element blocks with one scale each (activations quantized per 32, no super-blocks).
+inline bool per32(int64_t type) { return type == T_Q8_0 || type == T_Q5_0; }
 
 // Sub-block order of the Q4_K/Q5_K activation bytes: position 32 p + l holds element 32 ORD[p] + l.  ORD is
 // its own inverse.  A 64-byte load of qs[64 h ..] gives, masked, the codes of sub-blocks ORD[4h], ORD[4h+1]
@@ -153,7 +165,7 @@ constexpr int ORD[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 inline bool nibble_order(int64_t type) { return type == T_Q4_K || type == T_Q5_K; }
 
 // ---------------------------------------------------------------------------------------------------
-// Activation quantization (Q8_K per 256 for K-quants, per 32 for Q8_0), plain C++ shared by both ISAs
+// Activation quantization (Q8_K per 256 for K-quants, per 32 for Q5_0 / Q8_0), plain C++ shared by both ISAs
 // ---------------------------------------------------------------------------------------------------
 struct Act {
   std::vector<int8_t> q;     // (M, K), in the weight type's element order (see ORD)
@@ -186,7 +198,7 @@ KQ_AVX512 void quantize_row_avx512(const float* xr, int64_t K, int64_t B, bool p
 }
 
 void quantize_act(const float* x, int64_t M, int64_t K, int64_t type, Act& a) {
-  const int64_t B = type == T_Q8_0 ? QK8 : QK_K, nb = K / B;
+  const int64_t B = per32(type) ? QK8 : QK_K, nb = K / B;
   a.K = K;
   a.B = B;
   a.q.resize(M * K);
@@ -699,50 +711,9 @@ void q8_dot_generic(const uint8_t* row, int64_t K, const Act& a, int64_t m0, int
   }
 }
 
-template <int R>
-KQ_AVX512 void q8_dot_avx512_t(const uint8_t* row, int64_t K, const Act& a, int64_t m0, float* out) {
-  const int64_t nb = K / QK8;
-  __m128 acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = _mm_setzero_ps();
-  const int8_t* xq = a.q.data() + m0 * K;
-  for (int64_t b = 0; b < nb; b += 2) {
-    const bool two = b + 1 < nb;
-    const uint8_t* b0 = row + 34 * b;
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
-    const __m256i w1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 36)) : _mm256_setzero_si256();
-    const __m512i W = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
-    const __m512i A = _mm512_abs_epi8(W);
-    const __mmask64 neg = _mm512_movepi8_mask(W);
-    const float d0 = f16_at(b0), d1 = two ? f16_at(b0 + 34) : 0.f;
-    const __mmask16 lanes = two ? 0xFFFF : 0x00FF;
-#pragma GCC unroll 4
-    for (int m = 0; m < R; ++m) {
-      const __m512i X = _mm512_maskz_loadu_epi32(lanes, xq + m * K + b * QK8);
-      const __m512i Xs = _mm512_mask_sub_epi8(X, neg, _mm512_setzero_si512(), X);
-      const __m512i P = _mm512_dpbusd_epi32(_mm512_setzero_si512(), A, Xs);
-      // each block's integer sum (exact), then acc = fma(sum, d_w * d_x, acc) in block order, as the tiles do
-      const float* dx = a.d.data() + (m0 + m) * nb + b;
-      acc[m] = _mm_fmadd_ss(_mm_cvtsi32_ss(_mm_setzero_ps(), _mm512_mask_reduce_add_epi32(0x00FF, P)),
-                            _mm_mul_ss(_mm_set_ss(d0), _mm_set_ss(dx[0])), acc[m]);
-      if (two)
-        acc[m] = _mm_fmadd_ss(_mm_cvtsi32_ss(_mm_setzero_ps(), _mm512_mask_reduce_add_epi32(0xFF00, P)),
-                              _mm_mul_ss(_mm_set_ss(d1), _mm_set_ss(dx[1])), acc[m]);
-    }
-  }
-  for (int m = 0; m < R; ++m) out[m] = _mm_cvtss_f32(acc[m]);
-}
-
-KQ_AVX512 void q8_dot_avx512(const uint8_t* row, int64_t K, const Act& a, int64_t m0, int mr, float* out) {
-  switch (mr) {
-    case 1: q8_dot_avx512_t<1>(row, K, a, m0, out); break;
-    case 2: q8_dot_avx512_t<2>(row, K, a, m0, out); break;
-    case 3: q8_dot_avx512_t<3>(row, K, a, m0, out); break;
-    default: q8_dot_avx512_t<4>(row, K, a, m0, out); break;
-  }
-}
-
-// Q8_0 prefill tiles (AVX-512): per block of 32, the 16 rows' codes + 128 (unsigned) interleaved per 4
-// positions as in KT, and their d; the + 128 comes back out as 128 * (the block's sum of activation codes).
+// Q8_0 / Q5_0 prefill tiles (AVX-512): per block of 32, the 16 rows' unsigned codes interleaved per 4 positions
+// as in KT, and their d: Q8_0's codes + 128 (the + 128 comes back out as 128 * the block's sum of activation
+// codes), Q5_0's codes q = w / d + 16 as stored (16 * the sum comes back out).
 struct alignas(64) QT {
   uint8_t q[8][64];
   float d[16];
@@ -769,9 +740,41 @@ void build_q8_tile(const uint8_t* w, int64_t rb, int nrows, int64_t nb, QT* t) {
   }
 }
 
+// The 32 codes (0..31) of a Q5_0 block, natural order.
+void q5_codes(const uint8_t* blk, uint8_t* q) {
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, 4);
+  const uint8_t* qs = blk + 6;
+  for (int i = 0; i < 16; ++i) {
+    q[i] = static_cast<uint8_t>((qs[i] & 0x0F) | (((qh >> i) & 1u) << 4));
+    q[i + 16] = static_cast<uint8_t>((qs[i] >> 4) | (((qh >> (i + 16)) & 1u) << 4));
+  }
+}
+
+// Q5_0 tile: the codes as stored (0..31, no offset added); padding rows are zero codes with d = 0.
+
+void build_q5_tile(const uint8_t* w, int64_t rb, int nrows, int64_t nb, QT* t) {
+  for (int64_t b = 0; b < nb; ++b) {
+    QT& T = t[b];
+    for (int i = 0; i < 16; ++i) {
+      if (i >= nrows) {
+        for (int k4 = 0; k4 < 8; ++k4) std::memset(&T.q[k4][4 * i], 0, 4);
+        T.d[i] = 0.f;
+        continue;
+      }
+      const uint8_t* blk = w + i * rb + 22 * b;
+      uint8_t q[32];
+      q5_codes(blk, q);
+      for (int k4 = 0; k4 < 8; ++k4) std::memcpy(&T.q[k4][4 * i], q + 4 * k4, 4);
+      T.d[i] = f16_at(blk);
+    }
+  }
+}
+
+// off: the offset of the tile's unsigned codes (128 for Q8_0, 16 for Q5_0), taken back out as off * bsum
 template <int R>
 KQ_AVX512 void q8_tile_dot_avx512_t(const QT* t, int64_t nb, const Act& a, int64_t m0, float* y, int64_t N,
-                                    int64_t n0, __mmask16 mask) {
+                                    int64_t n0, __mmask16 mask, int32_t off) {
   const int64_t K = a.K;
   __m512 acc[R];
   for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
@@ -793,7 +796,7 @@ KQ_AVX512 void q8_tile_dot_avx512_t(const QT* t, int64_t nb, const Act& a, int64
     const __m512 D = _mm512_load_ps(T.d);
     for (int m = 0; m < R; ++m) {
       const int16_t* bs = a.bs.data() + (m0 + m) * (K / 16) + 2 * b;
-      const __m512i c = _mm512_set1_epi32(128 * (static_cast<int32_t>(bs[0]) + bs[1]));
+      const __m512i c = _mm512_set1_epi32(off * (static_cast<int32_t>(bs[0]) + bs[1]));
       const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(S[m], c));
       acc[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(D, _mm512_set1_ps(a.d[(m0 + m) * nb + b])), acc[m]);
     }
@@ -802,15 +805,138 @@ KQ_AVX512 void q8_tile_dot_avx512_t(const QT* t, int64_t nb, const Act& a, int64
 }
 
 KQ_AVX512 void q8_tile_dot_avx512(const QT* t, int64_t nb, const Act& a, int64_t m0, int mr, float* y, int64_t N,
-                                  int64_t n0, int nrows) {
+                                  int64_t n0, int nrows, int32_t off) {
   const __mmask16 mask = static_cast<__mmask16>((1u << nrows) - 1u);
   switch (mr) {
-    case 1: q8_tile_dot_avx512_t<1>(t, nb, a, m0, y, N, n0, mask); break;
-    case 2: q8_tile_dot_avx512_t<2>(t, nb, a, m0, y, N, n0, mask); break;
-    case 3: q8_tile_dot_avx512_t<3>(t, nb, a, m0, y, N, n0, mask); break;
-    case 4: q8_tile_dot_avx512_t<4>(t, nb, a, m0, y, N, n0, mask); break;
-    case 5: q8_tile_dot_avx512_t<5>(t, nb, a, m0, y, N, n0, mask); break;
-    default: q8_tile_dot_avx512_t<6>(t, nb, a, m0, y, N, n0, mask); break;
+    case 1: q8_tile_dot_avx512_t<1>(t, nb, a, m0, y, N, n0, mask, off); break;
+    case 2: q8_tile_dot_avx512_t<2>(t, nb, a, m0, y, N, n0, mask, off); break;
+    case 3: q8_tile_dot_avx512_t<3>(t, nb, a, m0, y, N, n0, mask, off); break;
+    case 4: q8_tile_dot_avx512_t<4>(t, nb, a, m0, y, N, n0, mask, off); break;
+    case 5: q8_tile_dot_avx512_t<5>(t, nb, a, m0, y, N, n0, mask, off); break;
+    default: q8_tile_dot_avx512_t<6>(t, nb, a, m0, y, N, n0, mask, off); break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Q5_0: directly on the GGUF blocks (activations per 32, as Q8_0)
+// ---------------------------------------------------------------------------------------------------
+// Per block: the exact integer dot sum q q_x - 16 (bsum_0 + bsum_1), then acc = fma(dot, d_w * d_x, acc).
+void q5_dot_generic(const uint8_t* row, int64_t K, const Act& a, int64_t m0, int mr, float* out) {
+  const int64_t nb = K / QK8;
+  for (int m = 0; m < mr; ++m) {
+    const int64_t r = m0 + m;
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + 22 * b;
+      uint8_t q[32];
+      q5_codes(blk, q);
+      const int8_t* xq = a.q.data() + r * K + b * QK8;
+      const int16_t* bs = a.bs.data() + r * (K / 16) + 2 * b;
+      int32_t s = 0;
+      for (int i = 0; i < QK8; ++i) s += static_cast<int32_t>(q[i]) * xq[i];
+      s -= 16 * (static_cast<int32_t>(bs[0]) + bs[1]);
+      acc = std::fma(static_cast<float>(s), f16_at(blk) * a.d[r * nb + b], acc);
+    }
+    out[m] = acc;
+  }
+}
+
+// The codes of Q5_0 blocks b0 (bytes 0..31 of the result) and the next one (bytes 32..63; zero when `two` is
+// false), natural order: the nibbles of qs, 16 added where qh has the element's bit.
+KQ_AVX512 inline __m512i q5_codes_avx512(const uint8_t* b0, bool two) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i s0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 6));
+  const __m128i s1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 28)) : _mm_setzero_si128();
+  const __m256i c0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(s0, 4), low4), _mm_and_si128(s0, low4));
+  const __m256i c1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(s1, 4), low4), _mm_and_si128(s1, low4));
+  const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
+  uint32_t h0, h1 = 0;
+  std::memcpy(&h0, b0 + 2, 4);
+  if (two) std::memcpy(&h1, b0 + 24, 4);
+  const __mmask64 hb = static_cast<__mmask64>(h0) | (static_cast<__mmask64>(h1) << 32);
+  return _mm512_mask_add_epi8(q, hb, q, _mm512_set1_epi8(16));
+}
+
+// Decode rows of Q8_0 / Q5_0 (AVX-512): 16 weight rows against one activation row, the rows in the 16 lanes as in
+// the tiles, without building one.  Per pair of blocks each row's unsigned codes (Q8_0: w + 128, Q5_0: q) meet
+// the activation bytes in one VPDPBUSD (int32 lanes 0-7: block b, 8-15: block b + 1); a transpose-and-add tree
+// turns the 16 rows' vectors into two vectors of exact block sums, lane r = row r, then off * bsum comes out and
+// the float step is the tile's, lane for lane: acc = fma(float(dot), d_w * d_x, acc), block b then b + 1.
+KQ_AVX512 inline __m512i rows16_codes(const uint8_t* blk, int64_t type, bool two) {
+  if (type == T_Q5_0) return q5_codes_avx512(blk, two);
+  const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  const __m256i w1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 36)) : _mm256_setzero_si256();
+  return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// v[r] (16 int32 lanes each) -> lo (lane r: sum of v[r]'s lanes 0-7) and hi (lanes 8-15); integer adds, exact.
+KQ_AVX512 inline void sum16_halves(const __m512i* v, __m512i& lo, __m512i& hi) {
+  __m512i t[8], u[4], w[2];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: [r0: 0+2, r1: 0+2, r0: 1+3, r1: 1+3]
+    t[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_epi32(v[2 * j], v[2 * j + 1]));
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane q: the lane sums of rows 4k .. 4k + 3
+    u[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * k], t[2 * k + 1]), _mm512_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
+  for (int h = 0; h < 2; ++h)  // [rows 8h..8h+3 lo, same hi, rows 8h+4..8h+7 lo, same hi]
+    w[h] = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2 * h], u[2 * h + 1], 0x88), _mm512_shuffle_i32x4(u[2 * h], u[2 * h + 1], 0xDD));
+  lo = _mm512_shuffle_i32x4(w[0], w[1], 0x88);
+  hi = _mm512_shuffle_i32x4(w[0], w[1], 0xDD);
+}
+
+// y[m0 .. m0 + R, n0 .. n0 + nrows) for weight rows w (row stride rb, nrows <= 16) and R activation rows: the
+// rows' codes are built once per block pair (in L1) and used against each activation row.
+template <int R>
+KQ_AVX512 void rows16_dot_avx512_t(const uint8_t* w, int64_t rb, int nrows, int64_t type, const Act& a, int64_t m0,
+                                   float* y, int64_t N, int64_t n0) {
+  const int64_t K = a.K, nb = K / QK8, bb = type == T_Q8_0 ? 34 : 22;
+  const int32_t off = type == T_Q8_0 ? 128 : 16;
+  const __mmask16 rows = static_cast<__mmask16>((1u << nrows) - 1u);
+  const __m512i ridx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int32_t>(rb)));
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  __m512 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  // the next 16 rows (contiguous, 16 rb bytes) into cache while these are computed: a decode product streams its
+  // weight from memory once (the LM head of a 262k vocabulary: 178 MB per token)
+  const uint8_t* next = w + 16 * rb;
+  const int64_t lines = (16 * rb + 63) / 64, per = (lines + (nb + 1) / 2 - 1) / ((nb + 1) / 2);
+  for (int64_t b = 0; b < nb; b += 2) {
+    const bool two = b + 1 < nb;
+    for (int64_t l = (b / 2) * per; l < std::min(lines, (b / 2 + 1) * per); ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
+    __m512i C[16];
+    for (int r = 0; r < 16; ++r) C[r] = r < nrows ? rows16_codes(w + r * rb + bb * b, type, two) : _mm512_setzero_si512();
+    // the rows' d (f16, the first two bytes of each block) through one gather of 32-bit words per block
+    const __m512 D0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(
+        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, ridx, w + bb * b, 1), low16)));
+    const __m512 D1 = two ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(
+        _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, ridx, w + bb * (b + 1), 1), low16))) : D0;
+    for (int m = 0; m < R; ++m) {
+      const int64_t r0 = m0 + m;
+      const __m512i X = _mm512_maskz_loadu_epi32(two ? 0xFFFF : 0x00FF, a.q.data() + r0 * K + b * QK8);
+      const int16_t* bs = a.bs.data() + r0 * (K / 16) + 2 * b;
+      const float* dx = a.d.data() + r0 * nb + b;
+      __m512i P[16];
+      for (int r = 0; r < 16; ++r) P[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), C[r], X);
+      __m512i lo, hi;
+      sum16_halves(P, lo, hi);
+      lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(off * (static_cast<int32_t>(bs[0]) + bs[1])));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(D0, _mm512_set1_ps(dx[0])), acc[m]);
+      if (two) {
+        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(off * (static_cast<int32_t>(bs[2]) + bs[3])));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(D1, _mm512_set1_ps(dx[1])), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < R; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, rows, acc[m]);
+}
+
+KQ_AVX512 void rows16_dot_avx512(const uint8_t* w, int64_t rb, int nrows, int64_t type, const Act& a, int64_t m0,
+                                 int mr, float* y, int64_t N, int64_t n0) {
+  switch (mr) {
+    case 1: rows16_dot_avx512_t<1>(w, rb, nrows, type, a, m0, y, N, n0); break;
+    case 2: rows16_dot_avx512_t<2>(w, rb, nrows, type, a, m0, y, N, n0); break;
+    case 3: rows16_dot_avx512_t<3>(w, rb, nrows, type, a, m0, y, N, n0); break;
+    default: rows16_dot_avx512_t<4>(w, rb, nrows, type, a, m0, y, N, n0); break;
   }
 }
 
@@ -865,7 +991,8 @@ void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
   static thread_local Act act;  // the calling thread's, reused across calls
   quantize_act(x, M, K, type, act);
   const Act& a = act;
-  const bool kq = type != T_Q8_0;
+  const bool kq = !per32(type);  // K-quant super-blocks (else Q8_0 / Q5_0 blocks of 32)
+  const bool q8 = type == T_Q8_0;
   const int64_t nsb = K / QK_K;
   const int64_t ntn = (N + NT - 1) / NT, ntm = (M + MT - 1) / MT, tasks = ntn * ntm;
   const bool big = M > MT;
@@ -883,26 +1010,32 @@ void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
       const int64_t tn = big ? t / ntm : t, tm = big ? t % ntm : 0;
       const int64_t n0 = tn * NT, n1 = std::min(N, n0 + NT), m0 = tm * MT, m1 = std::min(M, m0 + MT);
       if (!kq && fast && m1 - m0 >= TILE_MIN_M) {
-        build_q8_tile(w + n0 * rb, rb, static_cast<int>(n1 - n0), K / QK8, qtiles.data());
+        if (q8)
+          build_q8_tile(w + n0 * rb, rb, static_cast<int>(n1 - n0), K / QK8, qtiles.data());
+        else
+          build_q5_tile(w + n0 * rb, rb, static_cast<int>(n1 - n0), K / QK8, qtiles.data());
         for (int64_t m = m0; m < m1; m += TILE_MR) {
           const int mr = static_cast<int>(std::min<int64_t>(TILE_MR, m1 - m));
-          q8_tile_dot_avx512(qtiles.data(), K / QK8, a, m, mr, y, N, n0, static_cast<int>(n1 - n0));
+          q8_tile_dot_avx512(qtiles.data(), K / QK8, a, m, mr, y, N, n0, static_cast<int>(n1 - n0), q8 ? 128 : 16);
         }
+        continue;
+      }
+      if (!kq && fast) {  // decode: 16 rows in lanes per activation row, the tiles' float steps
+        for (int64_t m = m0; m < m1; m += MR)
+          rows16_dot_avx512(w + n0 * rb, rb, static_cast<int>(n1 - n0), type, a, m,
+                            static_cast<int>(std::min<int64_t>(MR, m1 - m)), y, N, n0);
         continue;
       }
       if (!kq) {
         for (int64_t n = n0; n < n1; ++n)
           for (int64_t m = m0; m < m1; m += MR) {
             const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-            if (fast)
-              q8_dot_avx512(w + n * rb, K, a, m, mr, out);
-            else
-              q8_dot_generic(w + n * rb, K, a, m, mr, out);
+            (q8 ? q8_dot_generic : q5_dot_generic)(w + n * rb, K, a, m, mr, out);
             for (int i = 0; i < mr; ++i) y[(m + i) * N + n] = out[i];
           }
         continue;
       }
-      if (m1 - m0 <= MR) {  // decode: unpack a row, use it, next row (the scratch stays in L1)
+      if (m1 - m0 <= MR) {  // decode: each super-block unpacked into registers and used at once
         const int mr = static_cast<int>(m1 - m0);
         if (fast) {
           row_dot_task_avx512(w, rb, type, n0, n1, a, m0, mr, y, N);
@@ -986,6 +1119,13 @@ void dequantize_row(const uint8_t* row, int64_t type, int64_t K, float* out) {
       const int8_t* q = reinterpret_cast<const int8_t*>(row + 34 * b + 2);
       for (int i = 0; i < QK8; ++i) out[b * QK8 + i] = d * q[i];
     }
+  } else if (type == T_Q5_0) {
+    for (int64_t b = 0; b < K / QK8; ++b) {
+      uint8_t q[32];
+      q5_codes(row + 22 * b, q);
+      const float d = f16_at(row + 22 * b);
+      for (int i = 0; i < QK8; ++i) out[b * QK8 + i] = d * static_cast<float>(static_cast<int>(q[i]) - 16);
+    }
   } else {
     const int64_t sbb = row_bytes(type, QK_K);
     uint8_t qn[256];
@@ -1028,7 +1168,7 @@ torch::Tensor kq_dequantize_rows(const torch::Tensor& w, int64_t type, int64_t N
 void register_kquant(pybind11::module_& m) {
   m.def("kq_matmul", &kquant::kq_matmul,
         "y (M, N) float32 = x (M, K) float32 @ W^T, W the GGUF bytes (N, row_bytes) uint8 of a Q4_K (12), Q5_K (13), "
-        "Q6_K (14), Q8_0 (8) or F16 (1) tensor, computed in place (see csrc/cpu/kquant.cpp)",
+        "Q6_K (14), Q5_0 (6), Q8_0 (8) or F16 (1) tensor, computed in place (see csrc/cpu/kquant.cpp)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("ggml_type"), pybind11::arg("N"), pybind11::arg("K"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kq_dequantize_rows", &kquant::kq_dequantize_rows,

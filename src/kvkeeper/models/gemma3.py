@@ -104,13 +104,17 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     positions (T,), kv_caches, meta)`` -> hidden (T, hidden_size); ``compute_logits`` -> float32 (N, vocab))."""
 
     capabilities = Capabilities(
-        "Gemma 3", kv_layout="hybrid", weight_formats=("none",), kv_compression=False, fused_decode=False,
-        cuda_graphs=False,
-        why_not={"weight_formats": "Gemma 3 yet (its K-quant blocks are dequantized at load)",
+        "Gemma 3", kv_layout="hybrid", weight_formats=("none", "gguf"), kv_compression=False, fused_decode=False,
+        cuda_graphs=False, gguf_in_place=True,
+        why_not={"weight_formats": "Gemma 3 (its GGUF blocks run in place, gguf, or as float32, none)",
                  "kv_compression": "sliding-window models (Gemma 3): their layers keep different token ranges",
                  "fused_decode": "Gemma 3 (the fused C++ decode step is written for Llama layers)",
                  "cuda_graphs": "sliding-window models (Gemma 3): their windowed layers run the PyTorch path"})
-    # four norms a layer plus q/k norms; llama.cpp's converter stores every norm as 1 + weight
+    # four norms a layer plus q/k norms; llama.cpp's converter stores every norm as 1 + weight and keeps q/k rows in
+    # transformers' order (no RoPE permutation, gguf_permuted_qk False).  In place (gguf_in_place), the matrices stay
+    # GGUF blocks over the file's map (kvkeeper.layers.gguf_linear): q/k/v and gate/up as fused parts, the token
+    # embedding as a GGUFEmbedding (rows dequantized on lookup, then scaled by sqrt(hidden) in forward) that is also
+    # the tied LM head.
     gguf_layer_names = {
         **GGUF_LAYER_NAMES,
         "attn_q_norm": "self_attn.q_norm",

@@ -212,8 +212,18 @@ def _projection_types(types: dict[str, str]) -> set[str]:
             or name in ("token_embd.weight", "output.weight")}
 
 
+def repacked_types(cfg) -> tuple[str, ...]:
+    """The GGUF types the ``gguf`` format repacks for ``qmm`` (:func:`pack_blocks`): Q4_0 / Q4_1 / Q8_0 for a family
+    with the fused decode step (its packed path); for one without it (Gemma 3) only those that the kernels'
+    ``kq_matmul`` does not run in place (Q8_0 stays mapped: no copy of its 262k-row embedding)."""
+    if capabilities(cfg).fused_decode:
+        return GGUF_IN_PLACE
+    return tuple(t for t in GGUF_IN_PLACE if not kernel_ops(t)[2])
+
+
 def _gguf_packed(path, cfg) -> tuple[dict[str, PackedWeight], list[str]]:
-    """Pack a GGUF file's Q4_0 / Q4_1 / Q8_0 projection matrices, fused as the model fuses them.
+    """Pack a GGUF file's projection matrices of :func:`repacked_types` (Q4_0 / Q4_1 / Q8_0), fused as the model
+    fuses them.
 
     Returns (HF-style fused name -> PackedWeight, names of the HF tensors they replace).  A projection the file
     stores fused (the family's ``gguf_layer_names`` maps a GGUF key to the fused name) is packed whole.  A fused
@@ -224,10 +234,11 @@ def _gguf_packed(path, cfg) -> tuple[dict[str, PackedWeight], list[str]]:
 
     tensors = {t.name: t for t in GGUFFile(path).tensors}
     packed, replaced = {}, []
+    repack = repacked_types(cfg)
 
     def blocks(gname: str, perm_heads: int | None):
         t = tensors.get(gname)
-        if t is None or t.tensor_type.name not in GGUF_IN_PLACE:
+        if t is None or t.tensor_type.name not in repack:
             return None
         n, k = int(t.shape[1]), int(t.shape[0])
         u, d, m, bits = gguf_blocks(t.data, t.tensor_type.name, n, k)
@@ -369,7 +380,7 @@ def prepare_weights(state, cfg, quantization: str | None, device="cpu", dtype=to
     packed_path = _cache_path(cfg, fmt, cache) if cfg.revision else None
     got = _load_packed(packed_path) if packed_path is not None else None
     types = getattr(state, "gguf_types", None)
-    if got is None and fmt == "gguf" and types is not None and not _projection_types(types) & set(GGUF_IN_PLACE):
+    if got is None and fmt == "gguf" and types is not None and not _projection_types(types) & set(repacked_types(cfg)):
         got = ({}, [])  # nothing to repack (a K-quant file): do not parse the file again
     if got is None:
         got = _gguf_packed(path, cfg) if fmt == "gguf" else _rtn_packed(state, cfg, fmt)

