@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 from typing import Iterator
 
 import torch
@@ -26,13 +27,17 @@ __all__ = ["KVStore", "PagedKV", "zeros"]
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """A zero tensor of ``shape`` and ``dtype``; on CPU over an anonymous memory map (page-aligned, zero by the
     kernel's guarantee and committed page by page as blocks are first written: ``torch.zeros`` writes every
-    byte of a 1 GiB pool, 0.7 s at start, and makes it all resident at once)."""
+    byte of a 1 GiB pool, 0.7 s at start, and makes it all resident at once).  ``$KVKEEPER_KV_PREFAULT=1`` commits
+    every page at once instead (MAP_POPULATE: the soak test's memory baseline)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: copy-on-write at a fork
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # private: copy-on-write at a fork
+    if os.environ.get("KVKEEPER_KV_PREFAULT") == "1":  # commit every page now (a leak test's flat baseline)
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    pages = mmap.mmap(-1, nbytes, flags=flags)
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)  # (the tensor keeps the map open)
 
 
