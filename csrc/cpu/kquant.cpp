@@ -719,27 +719,6 @@ struct alignas(64) QT {
   float d[16];
 };
 
-void build_q8_tile(const uint8_t* w, int64_t rb, int nrows, int64_t nb, QT* t) {
-  for (int64_t b = 0; b < nb; ++b) {
-    QT& T = t[b];
-    for (int i = 0; i < 16; ++i) {
-      if (i >= nrows) {
-        for (int k4 = 0; k4 < 8; ++k4) std::memset(&T.q[k4][4 * i], 0x80, 4);
-        T.d[i] = 0.f;
-        continue;
-      }
-      const uint8_t* blk = w + i * rb + 34 * b;
-      for (int k4 = 0; k4 < 8; ++k4) {
-        uint32_t v;
-        std::memcpy(&v, blk + 2 + 4 * k4, 4);
-        v ^= 0x80808080u;
-        std::memcpy(&T.q[k4][4 * i], &v, 4);
-      }
-      T.d[i] = f16_at(blk);
-    }
-  }
-}
-
 // The 32 codes (0..31) of a Q5_0 block, natural order.
 void q5_codes(const uint8_t* blk, uint8_t* q) {
   uint32_t qh;
@@ -751,22 +730,24 @@ void q5_codes(const uint8_t* blk, uint8_t* q) {
   }
 }
 
-// Q5_0 tile: the codes as stored (0..31, no offset added); padding rows are zero codes with d = 0.
-
-void build_q5_tile(const uint8_t* w, int64_t rb, int nrows, int64_t nb, QT* t) {
+// Prefill tile of Q8_0 or Q5_0 rows: per block, each row's 32 unsigned codes (Q8_0: w + 128; Q5_0: the codes as
+// stored), interleaved per 4 positions; padding rows carry the zero weight's code (128 / 0) with d = 0.
+void build_p32_tile(const uint8_t* w, int64_t rb, int nrows, int64_t nb, int64_t type, QT* t) {
+  const bool q8 = type == T_Q8_0;
+  const int64_t bb = q8 ? 34 : 22;
   for (int64_t b = 0; b < nb; ++b) {
     QT& T = t[b];
     for (int i = 0; i < 16; ++i) {
-      if (i >= nrows) {
-        for (int k4 = 0; k4 < 8; ++k4) std::memset(&T.q[k4][4 * i], 0, 4);
-        T.d[i] = 0.f;
-        continue;
-      }
-      const uint8_t* blk = w + i * rb + 22 * b;
       uint8_t q[32];
-      q5_codes(blk, q);
+      const uint8_t* blk = w + i * rb + bb * b;
+      if (i >= nrows)
+        std::memset(q, q8 ? 0x80 : 0, 32);
+      else if (q8)
+        for (int j = 0; j < 32; ++j) q[j] = static_cast<uint8_t>(blk[2 + j] ^ 0x80u);
+      else
+        q5_codes(blk, q);
       for (int k4 = 0; k4 < 8; ++k4) std::memcpy(&T.q[k4][4 * i], q + 4 * k4, 4);
-      T.d[i] = f16_at(blk);
+      T.d[i] = i >= nrows ? 0.f : f16_at(blk);
     }
   }
 }
@@ -1010,10 +991,7 @@ void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
       const int64_t tn = big ? t / ntm : t, tm = big ? t % ntm : 0;
       const int64_t n0 = tn * NT, n1 = std::min(N, n0 + NT), m0 = tm * MT, m1 = std::min(M, m0 + MT);
       if (!kq && fast && m1 - m0 >= TILE_MIN_M) {
-        if (q8)
-          build_q8_tile(w + n0 * rb, rb, static_cast<int>(n1 - n0), K / QK8, qtiles.data());
-        else
-          build_q5_tile(w + n0 * rb, rb, static_cast<int>(n1 - n0), K / QK8, qtiles.data());
+        build_p32_tile(w + n0 * rb, rb, static_cast<int>(n1 - n0), K / QK8, type, qtiles.data());
         for (int64_t m = m0; m < m1; m += TILE_MR) {
           const int mr = static_cast<int>(std::min<int64_t>(TILE_MR, m1 - m));
           q8_tile_dot_avx512(qtiles.data(), K / QK8, a, m, mr, y, N, n0, static_cast<int>(n1 - n0), q8 ? 128 : 16);
