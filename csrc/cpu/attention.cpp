@@ -232,13 +232,11 @@ void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* ou
   const bool fast = use_avx512() && (D == 32 || D == 64 || D == 128 || D == 256) && a.G <= MAXG;
   const WorkItem* items = s.items.data();
   float *po = s.po.data(), *pm = s.pm.data(), *ps = s.ps.data();
-  at::parallel_for(0, NI, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      if (fast)
-        attn_item_avx512_dispatch(a, items[i], po + i * H * D, pm + i * H, ps + i * H);
-      else
-        attn_item_generic(a, items[i], po + i * H * D, pm + i * H, ps + i * H);
-    }
+  parallel_tasks(NI, [&](int64_t i) {
+    if (fast)
+      attn_item_avx512_dispatch(a, items[i], po + i * H * D, pm + i * H, ps + i * H);
+    else
+      attn_item_generic(a, items[i], po + i * H * D, pm + i * H, ps + i * H);
   });
   std::fill(out, out + B * H * D, 0.f);
   // combine the splits of each query head of each row
@@ -554,16 +552,12 @@ torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k, c
                quant ? reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>()) : nullptr,
                stp, qlp, clp, bt.data_ptr<int64_t>(), W, kind, H, KVH, D, BS, H / KVH, static_cast<float>(scale)};
   const bool fast = use_avx512() && extend_fast(H / KVH, D);
-  // dynamic scheduling: tiles late in a causal prompt see more keys
-  std::atomic<int64_t> next{0};
-  const int64_t NI = static_cast<int64_t>(items.size());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < NI; i = next++) {
-      if (fast)
-        extend_item_avx512_dispatch(a, items[i]);
-      else
-        extend_item_generic(a, items[i]);
-    }
+  // tasks are claimed one at a time: tiles late in a causal prompt see more keys
+  parallel_tasks(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    if (fast)
+      extend_item_avx512_dispatch(a, items[i]);
+    else
+      extend_item_generic(a, items[i]);
   });
   return out;
 }

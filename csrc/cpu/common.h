@@ -13,6 +13,7 @@
 //   attention.cpp     paged decode attention and paged prefill ("extend") attention
 //   elementwise.cpp   RMSNorm, SiLU(gate) * up, RoPE, storing a token's K/V
 //   fused_decode.cpp  DecodeModel: a whole decode step of a Llama-family model in one call
+//   pool.cpp          the thread pool every kernel parallelizes through
 //   bindings.cpp      the Python module
 // Helpers used by one file only live in an unnamed namespace of that file.
 #pragma once
@@ -40,9 +41,45 @@
 namespace kquant {
 void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t type, int64_t N, float* y);
 const uint8_t* weight_ptr(const torch::Tensor& w, int64_t type, int64_t N, int64_t K);  // checks, raises
+// Several weights of one x in one parallel region, x quantized once per activation layout (a layer's q, k, v):
+// outs[i] (M, ldy[i]) columns [0, N[i]) = x (M, K) @ W_i^T, W_i = N[i] rows of GGUF bytes w[i] of type[i].
+void matmul_many(const float* x, int64_t M, int64_t K, const uint8_t* const* w, const int64_t* type,
+                 const int64_t* N, float* const* outs, const int64_t* ldy, int64_t count);
 }  // namespace kquant
 
 namespace kvk {
+
+// ---------------------------------------------------------------------------------------------------
+// The kernels' thread pool (pool.cpp): tasks claimed by whichever thread is free; the caller works too and
+// waits only for tasks another thread has claimed.  Every kernel parallelizes through it, not OpenMP.
+// ---------------------------------------------------------------------------------------------------
+int pool_threads();  // threads a region may use: torch's intra-op setting (torch.set_num_threads)
+void run_tasks(int64_t n, void (*fn)(void*, int64_t), void* ctx);  // fn(ctx, t) for t in [0, n); n < 2^20
+
+// f(t) for every task t in [0, n), in parallel.
+template <class F>
+void parallel_tasks(int64_t n, F&& f) {
+  using Fn = std::remove_reference_t<F>;
+  run_tasks(n, [](void* c, int64_t t) { (*static_cast<Fn*>(c))(t); }, const_cast<void*>(static_cast<const void*>(&f)));
+}
+
+// f(b, e) over chunks of [begin, end) of at least `grain` items (as at::parallel_for), up to 4 chunks a
+// thread so that a thread that loses its core holds back little work.
+template <class F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, F&& f) {
+  const int64_t n = end - begin, th = pool_threads();
+  if (n <= 0) return;
+  if (th <= 1 || n <= grain) {
+    f(begin, end);
+    return;
+  }
+  const int64_t chunks = std::min<int64_t>((n + grain - 1) / grain, 4 * th);
+  const int64_t step = (n + chunks - 1) / chunks;
+  parallel_tasks((n + step - 1) / step, [&](int64_t t) {
+    const int64_t b = begin + t * step;
+    f(b, std::min(end, b + step));
+  });
+}
 
 // ---------------------------------------------------------------------------------------------------
 // ISA selection (isa.cpp)

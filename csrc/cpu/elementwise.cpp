@@ -19,7 +19,7 @@ void rmsnorm_row(const float* xr, const float* w, int64_t N, float eps, float* y
 }  // namespace
 
 void rmsnorm_rows(const float* x, const float* w, int64_t M, int64_t N, float eps, float* y) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(N, 1)), [&](int64_t r0, int64_t r1) {
+  parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(N, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) rmsnorm_row(x + r * N, w, N, eps, y + r * N);
   });
 }
@@ -67,7 +67,7 @@ KVK_AVX512 void silu_mul_row_avx512(const float* g, int64_t I, float* o) {
 
 void silu_mul_rows(const float* g, int64_t M, int64_t I, float* o) {
   const bool fast = use_avx512();
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+  parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (fast)
         silu_mul_row_avx512(g + r * 2 * I, I, o + r * I);

@@ -19,22 +19,37 @@ void proj_raw(const float* x, int64_t M, const Proj& p, float* y, std::vector<fl
     qmm_raw(x, M, p.qw, y);
     return;
   }
-  if (p.parts.size() == 1 && p.parts[0].perm == nullptr) {
-    const GGUFPart& g = p.parts[0];
-    kquant::matmul_raw(x, M, g.k, g.w, g.type, g.n, y);
-    return;
+  // every part's product in one parallel region: a part without a permutation straight into its columns of y,
+  // a permuted one into tmp, then its columns into place
+  const int64_t np = static_cast<int64_t>(p.parts.size());
+  std::vector<const uint8_t*> w(np);
+  std::vector<int64_t> type(np), n(np), ldy(np);
+  std::vector<float*> out(np);
+  int64_t tmp_n = 0;
+  for (const GGUFPart& g : p.parts) tmp_n += g.perm != nullptr ? M * g.n : 0;
+  tmp.resize(tmp_n);
+  int64_t off = 0, toff = 0;
+  for (int64_t i = 0; i < np; ++i) {
+    const GGUFPart& g = p.parts[i];
+    w[i] = g.w, type[i] = g.type, n[i] = g.n;
+    if (g.perm != nullptr) {
+      out[i] = tmp.data() + toff, ldy[i] = g.n;
+      toff += M * g.n;
+    } else {
+      out[i] = y + off, ldy[i] = p.n;
+    }
+    off += g.n;
   }
-  int64_t off = 0;
-  for (const GGUFPart& g : p.parts) {  // each part's product, then its columns (permuted) into place
-    tmp.resize(M * g.n);
-    kquant::matmul_raw(x, M, g.k, g.w, g.type, g.n, tmp.data());
-    for (int64_t m = 0; m < M; ++m) {
-      const float* src = tmp.data() + m * g.n;
-      float* dst = y + m * p.n + off;
-      if (g.perm != nullptr)
+  kquant::matmul_many(x, M, p.parts[0].k, w.data(), type.data(), n.data(), out.data(), ldy.data(), np);
+  off = 0, toff = 0;
+  for (const GGUFPart& g : p.parts) {
+    if (g.perm != nullptr) {
+      for (int64_t m = 0; m < M; ++m) {
+        const float* src = tmp.data() + toff + m * g.n;
+        float* dst = y + m * p.n + off;
         for (int64_t r = 0; r < g.n; ++r) dst[r] = src[g.perm[r]];
-      else
-        std::memcpy(dst, src, g.n * sizeof(float));
+      }
+      toff += M * g.n;
     }
     off += g.n;
   }

@@ -59,7 +59,7 @@
 // tests/kernels/test_kquant.py, which checks both).  Relative rms error against float x, measured on the
 // Gemma 3 270M Q4_K_M tensors with Gaussian x: 0.5-0.8%.
 //
-// Parallel: OpenMP over tasks of (16 weight rows) x (128 activation rows): decode is split over output
+// Parallel: the kernels' thread pool (pool.cpp) over tasks of (16 weight rows) x (128 activation rows): decode is split over output
 // rows, prefill over both.  The two ISA paths compute the same integers; only float rounding differs.
 // Batch invariance: on the AVX-512 path every route (decode rows, unpacked rows against a few activation rows,
 // prefill tiles) computes a row's exact integer sums per super-block (per block for Q5_0, Q8_0) and applies the same
@@ -67,10 +67,10 @@
 // batch: a token's logits are the same bit for bit whether its step was a decode or part of a prefill.
 
 #include <torch/extension.h>
+#include "common.h"
 #include <c10/util/Half.h>
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -206,12 +206,13 @@ void quantize_act(const float* x, int64_t M, int64_t K, int64_t type, Act& a) {
   a.bs.resize(M * (K / 16));
   const bool perm = nibble_order(type);
   if (use_avx512()) {
-#pragma omp parallel for schedule(static) if (M * K >= (1 << 18))
-    for (int64_t r = 0; r < M; ++r)
-      quantize_row_avx512(x + r * K, K, B, perm, a.q.data() + r * K, a.d.data() + r * nb, a.bs.data() + r * (K / 16));
+    kvk::parallel_for(0, M, std::max<int64_t>(1, (int64_t(1) << 16) / K), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        quantize_row_avx512(x + r * K, K, B, perm, a.q.data() + r * K, a.d.data() + r * nb,
+                            a.bs.data() + r * (K / 16));
+    });
     return;
   }
-#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * K + b * B;
@@ -949,112 +950,197 @@ KQ_AVX512 void f16_dot_avx512(const uint8_t* row, int64_t K, const float* x, int
 // ---------------------------------------------------------------------------------------------------
 // Driver
 // ---------------------------------------------------------------------------------------------------
-// y (M, N) row-major = x (M, K) @ W^T, W = N rows of GGUF bytes (row stride rb).
-void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t type, int64_t N, float* y) {
-  if (M == 0 || N == 0) return;
+// One product's tasks: y (M, ldy) columns [0, N) = x (M, K) @ W^T, W = N rows of GGUF bytes (row stride rb),
+// the activations quantized for W's type.  A task is 16 weight rows against up to MT activation rows.
+struct Product {
+  const uint8_t* w;
+  int64_t type, N, K, rb, M;
+  const Act* a;
+  float* y;
+  int64_t ldy, ntn, ntm, tasks;
+};
+
+Product make_product(const uint8_t* w, int64_t type, int64_t N, int64_t K, const Act* a, int64_t M, float* y,
+                     int64_t ldy) {
+  const int64_t ntn = (N + NT - 1) / NT, ntm = (M + MT - 1) / MT;
+  return {w, type, N, K, row_bytes(type, K), M, a, y, ldy, ntn, ntm, ntn * ntm};
+}
+
+struct Scratch {  // a thread's, reused across tasks and calls
+  std::vector<KU> ku;
+  std::vector<KT> tiles;
+  std::vector<QT> qtiles;
+};
+
+template <class T>
+T* room(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+void run_task(const Product& p, int64_t t) {
+  static thread_local Scratch s;
   const bool fast = use_avx512();
-  const int64_t rb = row_bytes(type, K);
-  if (type == T_F16) {
-#pragma omp parallel for schedule(static) if (N * K * std::min<int64_t>(M, 8) >= PAR_MIN_WORK)
-    for (int64_t n = 0; n < N; ++n) {
-      float out[MT];
+  const Act& a = *p.a;
+  const uint8_t* w = p.w;
+  const int64_t K = p.K, N = p.ldy, rb = p.rb, type = p.type, nsb = K / QK_K;
+  const bool kq = !per32(type), q8 = type == T_Q8_0;
+  // prefill: tasks of one weight tile over every activation tile run on one thread in a row (the tile stays in
+  // cache); decode: ntm == 1
+  const bool big = p.M > MT;
+  const int64_t tn = big ? t / p.ntm : t, tm = big ? t % p.ntm : 0;
+  const int64_t n0 = tn * NT, n1 = std::min(p.N, n0 + NT), m0 = tm * MT, m1 = std::min(p.M, m0 + MT);
+  float* y = p.y;
+  float out[MR];
+  if (!kq && fast && m1 - m0 >= TILE_MIN_M) {
+    QT* qt = room(s.qtiles, K / QK8);
+    build_p32_tile(w + n0 * rb, rb, static_cast<int>(n1 - n0), K / QK8, type, qt);
+    for (int64_t m = m0; m < m1; m += TILE_MR) {
+      const int mr = static_cast<int>(std::min<int64_t>(TILE_MR, m1 - m));
+      q8_tile_dot_avx512(qt, K / QK8, a, m, mr, y, N, n0, static_cast<int>(n1 - n0), q8 ? 128 : 16);
+    }
+    return;
+  }
+  if (!kq && fast) {  // decode: 16 rows in lanes per activation row, the tiles' float steps
+    for (int64_t m = m0; m < m1; m += MR)
+      rows16_dot_avx512(w + n0 * rb, rb, static_cast<int>(n1 - n0), type, a, m,
+                        static_cast<int>(std::min<int64_t>(MR, m1 - m)), y, N, n0);
+    return;
+  }
+  if (!kq) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = m0; m < m1; m += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+        (q8 ? q8_dot_generic : q5_dot_generic)(w + n * rb, K, a, m, mr, out);
+        for (int i = 0; i < mr; ++i) y[(m + i) * N + n] = out[i];
+      }
+    return;
+  }
+  if (m1 - m0 <= MR) {  // decode: each super-block unpacked into registers and used at once
+    const int mr = static_cast<int>(m1 - m0);
+    if (fast) {
+      row_dot_task_avx512(w, rb, type, n0, n1, a, m0, mr, y, N);
+      return;
+    }
+    KU* u = room(s.ku, nsb);
+    for (int64_t n = n0; n < n1; ++n) {
+      unpack_generic(w + n * rb, type, nsb, u);
+      ku_dot_generic(u, nsb, a, m0, mr, out);
+      for (int i = 0; i < mr; ++i) y[(m0 + i) * N + n] = out[i];
+    }
+    return;
+  }
+  KU* scratch = room(s.ku, NT * nsb);
+  for (int64_t n = n0; n < n1; ++n) {
+    if (fast)
+      unpack_avx512(w + n * rb, type, nsb, scratch + (n - n0) * nsb);
+    else
+      unpack_generic(w + n * rb, type, nsb, scratch + (n - n0) * nsb);
+  }
+  if (fast && m1 - m0 >= TILE_MIN_M) {
+    const KU* rows[NT];
+    for (int64_t n = n0; n < n1; ++n) rows[n - n0] = scratch + (n - n0) * nsb;
+    const int gs = scale_group_size(type);
+    KT* tiles = room(s.tiles, nsb);
+    build_tile(rows, static_cast<int>(n1 - n0), nsb, gs, tiles);
+    for (int64_t m = m0; m < m1; m += TILE_MR) {
+      const int mr = static_cast<int>(std::min<int64_t>(TILE_MR, m1 - m));
+      tile_dot_avx512(tiles, nsb, gs, a, m, mr, y, N, n0, static_cast<int>(n1 - n0));
+    }
+    return;
+  }
+  for (int64_t m = m0; m < m1; m += MR) {  // MR activation rows stay in L1 against the tile's rows
+    const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+    for (int64_t n = n0; n < n1; ++n) {
+      const KU* u = scratch + (n - n0) * nsb;
+      if (fast)
+        ku_dot_avx512(u, nsb, a, m, mr, out);
+      else
+        ku_dot_generic(u, nsb, a, m, mr, out);
+      for (int i = 0; i < mr; ++i) y[(m + i) * N + n] = out[i];
+    }
+  }
+}
+
+// The tasks of several products in one parallel region (or on the calling thread when there is little work).
+void run_products(const Product* ps, int64_t np) {
+  int64_t tasks = 0, work = 0;
+  for (int64_t i = 0; i < np; ++i) {
+    tasks += ps[i].tasks;
+    work += ps[i].N * ps[i].K * std::min<int64_t>(ps[i].M, 8);
+  }
+  const auto task = [&](int64_t t) {
+    int64_t i = 0;
+    while (t >= ps[i].tasks) t -= ps[i++].tasks;
+    run_task(ps[i], t);
+  };
+  if (tasks > 1 && work >= PAR_MIN_WORK) {
+    kvk::parallel_tasks(tasks, task);
+  } else {
+    for (int64_t t = 0; t < tasks; ++t) task(t);
+  }
+}
+
+void f16_matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy) {
+  const bool fast = use_avx512();
+  const int64_t rb = row_bytes(T_F16, K);
+  const auto rows = [&](int64_t r0, int64_t r1) {
+    float out[MT];
+    for (int64_t n = r0; n < r1; ++n)
       for (int64_t m0 = 0; m0 < M; m0 += MT) {
         const int mr = static_cast<int>(std::min<int64_t>(MT, M - m0));
         if (fast)
           f16_dot_avx512(w + n * rb, K, x + m0 * K, mr, out);
         else
           f16_dot_generic(w + n * rb, K, x + m0 * K, mr, out);
-        for (int m = 0; m < mr; ++m) y[(m0 + m) * N + n] = out[m];
+        for (int m = 0; m < mr; ++m) y[(m0 + m) * ldy + n] = out[m];
       }
-    }
+  };
+  if (N * K * std::min<int64_t>(M, 8) >= PAR_MIN_WORK)
+    kvk::parallel_for(0, N, NT, rows);
+  else
+    rows(0, N);
+}
+
+// The calling thread's quantized activations for a weight type: one per layout (blocks of 32 or super-blocks
+// of 256, natural or Q4_K/Q5_K sub-block order), reused across calls.
+Act& act_for(int64_t type) {
+  static thread_local Act acts[4];
+  return acts[(per32(type) ? 2 : 0) + (nibble_order(type) ? 1 : 0)];
+}
+
+// y (M, N) row-major = x (M, K) @ W^T, W = N rows of GGUF bytes.
+void matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t type, int64_t N, float* y) {
+  if (M == 0 || N == 0) return;
+  if (type == T_F16) {
+    f16_matmul(x, M, K, w, N, y, N);
     return;
   }
-  static thread_local Act act;  // the calling thread's, reused across calls
-  quantize_act(x, M, K, type, act);
-  const Act& a = act;
-  const bool kq = !per32(type);  // K-quant super-blocks (else Q8_0 / Q5_0 blocks of 32)
-  const bool q8 = type == T_Q8_0;
-  const int64_t nsb = K / QK_K;
-  const int64_t ntn = (N + NT - 1) / NT, ntm = (M + MT - 1) / MT, tasks = ntn * ntm;
-  const bool big = M > MT;
-  const int gs = scale_group_size(type);
-#pragma omp parallel if (tasks > 1 && N * K * std::min<int64_t>(M, 8) >= PAR_MIN_WORK)
-  {
-    std::vector<KU> scratch(kq ? (M <= MR ? nsb : NT * nsb) : 0);
-    std::vector<KT> tiles(kq && fast && M >= TILE_MIN_M ? nsb : 0);
-    std::vector<QT> qtiles(!kq && fast && M >= TILE_MIN_M ? K / QK8 : 0);
-    float out[MR];
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t t = 0; t < tasks; ++t) {
-      // prefill: tasks of one weight tile over every activation tile run on one thread in a row (the tile
-      // stays in cache); decode: ntm == 1
-      const int64_t tn = big ? t / ntm : t, tm = big ? t % ntm : 0;
-      const int64_t n0 = tn * NT, n1 = std::min(N, n0 + NT), m0 = tm * MT, m1 = std::min(M, m0 + MT);
-      if (!kq && fast && m1 - m0 >= TILE_MIN_M) {
-        build_p32_tile(w + n0 * rb, rb, static_cast<int>(n1 - n0), K / QK8, type, qtiles.data());
-        for (int64_t m = m0; m < m1; m += TILE_MR) {
-          const int mr = static_cast<int>(std::min<int64_t>(TILE_MR, m1 - m));
-          q8_tile_dot_avx512(qtiles.data(), K / QK8, a, m, mr, y, N, n0, static_cast<int>(n1 - n0), q8 ? 128 : 16);
-        }
-        continue;
-      }
-      if (!kq && fast) {  // decode: 16 rows in lanes per activation row, the tiles' float steps
-        for (int64_t m = m0; m < m1; m += MR)
-          rows16_dot_avx512(w + n0 * rb, rb, static_cast<int>(n1 - n0), type, a, m,
-                            static_cast<int>(std::min<int64_t>(MR, m1 - m)), y, N, n0);
-        continue;
-      }
-      if (!kq) {
-        for (int64_t n = n0; n < n1; ++n)
-          for (int64_t m = m0; m < m1; m += MR) {
-            const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-            (q8 ? q8_dot_generic : q5_dot_generic)(w + n * rb, K, a, m, mr, out);
-            for (int i = 0; i < mr; ++i) y[(m + i) * N + n] = out[i];
-          }
-        continue;
-      }
-      if (m1 - m0 <= MR) {  // decode: each super-block unpacked into registers and used at once
-        const int mr = static_cast<int>(m1 - m0);
-        if (fast) {
-          row_dot_task_avx512(w, rb, type, n0, n1, a, m0, mr, y, N);
-          continue;
-        }
-        for (int64_t n = n0; n < n1; ++n) {
-          unpack_generic(w + n * rb, type, nsb, scratch.data());
-          ku_dot_generic(scratch.data(), nsb, a, m0, mr, out);
-          for (int i = 0; i < mr; ++i) y[(m0 + i) * N + n] = out[i];
-        }
-        continue;
-      }
-      for (int64_t n = n0; n < n1; ++n) {
-        if (fast)
-          unpack_avx512(w + n * rb, type, nsb, scratch.data() + (n - n0) * nsb);
-        else
-          unpack_generic(w + n * rb, type, nsb, scratch.data() + (n - n0) * nsb);
-      }
-      if (fast && m1 - m0 >= TILE_MIN_M) {
-        const KU* rows[NT];
-        for (int64_t n = n0; n < n1; ++n) rows[n - n0] = scratch.data() + (n - n0) * nsb;
-        build_tile(rows, static_cast<int>(n1 - n0), nsb, gs, tiles.data());
-        for (int64_t m = m0; m < m1; m += TILE_MR) {
-          const int mr = static_cast<int>(std::min<int64_t>(TILE_MR, m1 - m));
-          tile_dot_avx512(tiles.data(), nsb, gs, a, m, mr, y, N, n0, static_cast<int>(n1 - n0));
-        }
-        continue;
-      }
-      for (int64_t m = m0; m < m1; m += MR) {  // MR activation rows stay in L1 against the tile's rows
-        const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-        for (int64_t n = n0; n < n1; ++n) {
-          const KU* u = scratch.data() + (n - n0) * nsb;
-          if (fast)
-            ku_dot_avx512(u, nsb, a, m, mr, out);
-          else
-            ku_dot_generic(u, nsb, a, m, mr, out);
-          for (int i = 0; i < mr; ++i) y[(m + i) * N + n] = out[i];
-        }
-      }
+  Act& a = act_for(type);
+  quantize_act(x, M, K, type, a);
+  const Product p = make_product(w, type, N, K, &a, M, y, N);
+  run_products(&p, 1);
+}
+
+// Several weights against one x in one parallel region (a layer's q, k and v; gate and up): x is quantized once
+// per activation layout.  outs[i] (M, ldy[i]) columns [0, N[i]) = x @ W_i^T.
+void matmul_many(const float* x, int64_t M, int64_t K, const uint8_t* const* w, const int64_t* type,
+                 const int64_t* N, float* const* outs, const int64_t* ldy, int64_t count) {
+  if (M == 0) return;
+  std::vector<Product> ps;
+  bool done[4] = {false, false, false, false};
+  for (int64_t i = 0; i < count; ++i) {
+    if (type[i] == T_F16) {  // F16 has no quantized activations: on its own
+      f16_matmul(x, M, K, w[i], N[i], outs[i], ldy[i]);
+      continue;
     }
+    const int key = (per32(type[i]) ? 2 : 0) + (nibble_order(type[i]) ? 1 : 0);
+    Act& a = act_for(type[i]);
+    if (!done[key]) quantize_act(x, M, K, type[i], a);
+    done[key] = true;
+    ps.push_back(make_product(w[i], type[i], N[i], K, &a, M, outs[i], ldy[i]));
   }
+  run_products(ps.data(), static_cast<int64_t>(ps.size()));
 }
 
 const uint8_t* weight_ptr(const torch::Tensor& w, int64_t type, int64_t N, int64_t K) {
@@ -1136,8 +1222,9 @@ torch::Tensor kq_dequantize_rows(const torch::Tensor& w, int64_t type, int64_t N
   for (int64_t i = 0; i < R; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "kq_dequantize_rows: row ", ip[i], " out of [0, ", N, ")");
   auto out = torch::empty({R, K}, torch::dtype(at::kFloat));
   float* op = out.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (R * K >= (1 << 16))
-  for (int64_t i = 0; i < R; ++i) dequantize_row(wp + ip[i] * rb, type, K, op + i * K);
+  kvk::parallel_for(0, R, std::max<int64_t>(1, (int64_t(1) << 16) / K), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) dequantize_row(wp + ip[i] * rb, type, K, op + i * K);
+  });
   return out;
 }
 

@@ -270,7 +270,7 @@ void qmm_raw(const float* x, int64_t M, const QW& w, float* y) {
   const bool a16 = g_act16;
   // grain: enough work per task that small products stay on one thread
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, M * nb));
-  at::parallel_for(0, w.groups, grain, [&](int64_t g0, int64_t g1) {
+  parallel_for(0, w.groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       if (fast) {
         const uint8_t* qg = q + g * qstride;

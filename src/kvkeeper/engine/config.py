@@ -103,7 +103,8 @@ class EngineConfig:
         "--max-model-len", "cap the context window at N tokens (default: the model's own)", type=positive_int,
         metavar="N"))
     num_threads: int | None = field(default=None, metadata=option(
-        "--threads", "CPU threads for torch (default: torch's choice)", type=positive_int, metavar="N"))
+        "--threads", "CPU threads for torch and the kernels (default: the CPUs this process may use, "
+        "its affinity mask capped by the cgroup CPU quota)", type=positive_int, metavar="N"))
     cache_dir: str | None = field(default=None, metadata=option(
         "--cache-dir", "folder of kvkeeper's caches: dequantized and packed GGUF weights, converted tokenizers "
         "(default: $KVKEEPER_CACHE, else ~/.cache/kvkeeper)", metavar="DIR"))

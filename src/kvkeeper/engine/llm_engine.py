@@ -34,6 +34,7 @@ from ..worker.runner import ModelRunner, parse_dtype
 from ..sampling.sampler import prompt_logprob_entries, sample
 from .adapters import AdapterRegistry
 from .config import EngineConfig, resolve_device
+from .cpu_threads import choose_threads
 from .input_processor import InputProcessor
 from .kv_access import EngineKV
 from .kv_holders import KVHolder, KVHolders
@@ -59,8 +60,9 @@ class LLMEngine(EngineKV):
 
     def __init__(self, model: str | EngineConfig | None = None, **settings):
         cfg = self.config = EngineConfig.of(model, **settings)
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        threads = choose_threads(cfg.num_threads, torch.get_num_threads())
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         device = resolve_device(cfg.device)
         torch_dtype = parse_dtype(cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
         self.model_name = cfg.model
