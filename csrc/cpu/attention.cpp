@@ -14,6 +14,11 @@ struct WorkItem {
   int64_t b, blk0, blk1;  // batch row, block range [blk0, blk1) of its table (every KV head)
 };
 
+// The first key a row of `len` keys attends to: 0, or len - window in a sliding-window layer.
+inline int64_t first_key(const AttnArgs& a, int64_t len) {
+  return a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+}
+
 // One work item, portable code: writes the unnormalized output (G, D), the running max (G) and sum (G).
 void attn_item_generic(const AttnArgs& a, const WorkItem& it, float* o, float* mx, float* sm) {
   const int64_t G = a.G, D = a.D, H = a.H;
@@ -23,13 +28,13 @@ void attn_item_generic(const AttnArgs& a, const WorkItem& it, float* o, float* m
     sm[i] = 0.f;
   }
   for (int64_t i = 0; i < H * D; ++i) o[i] = 0.f;
-  const int64_t len = a.ctx[it.b];
+  const int64_t len = a.ctx[it.b], lo = first_key(a, len);
   for (int64_t blk = it.blk0; blk < it.blk1; ++blk) {
     const int64_t bid = a.bt[it.b * a.W + blk];
-    const int64_t n = std::min<int64_t>(a.BS, len - blk * a.BS);
+    const int64_t n = std::min<int64_t>(a.BS, len - blk * a.BS), t_begin = std::max<int64_t>(0, lo - blk * a.BS);
     for (int64_t h = 0; h < a.KVH; ++h) {
       const float* qb = a.q + (it.b * H + h * G) * D;
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = t_begin; t < n; ++t) {
         const int64_t row = (bid * a.BS + t) * a.KVH + h;  // token slot, KV head
         const float kscale = a.ks ? half_to_float(a.ks[row]) : 1.f;
         const float vscale = a.vs ? half_to_float(a.vs[row]) : 1.f;
@@ -87,8 +92,8 @@ constexpr int TCH = 16;    // tokens per score chunk
 // KIND is the storage format (a template argument: no per-element branch); quantized formats apply their per-token
 // scales to the 16 scores and to the 16 probabilities of a chunk instead of to every element.
 template <int DV, int KIND, bool QUANT>
-KVK_AVX512 void attn_block_head_avx512(const AttnArgs& a, const float* qh, int64_t h, int64_t bid, int64_t n,
-                                       float* o, float* m, float* l) {
+KVK_AVX512 void attn_block_head_avx512(const AttnArgs& a, const float* qh, int64_t h, int64_t bid, int64_t t_begin,
+                                       int64_t n, float* o, float* m, float* l) {
   const int64_t G = a.G, KVH = a.KVH, BS = a.BS;
   constexpr int64_t D = 16 * DV;
   alignas(64) float p[MAXG][TCH];
@@ -96,7 +101,7 @@ KVK_AVX512 void attn_block_head_avx512(const AttnArgs& a, const float* qh, int64
   __m512 qv[MAXG][DV];
   for (int64_t g = 0; g < G; ++g)
     for (int dv = 0; dv < DV; ++dv) qv[g][dv] = _mm512_loadu_ps(qh + g * D + 16 * dv);
-  for (int64_t t0 = 0; t0 < n; t0 += TCH) {
+  for (int64_t t0 = t_begin; t0 < n; t0 += TCH) {
     const int nt = static_cast<int>(std::min<int64_t>(TCH, n - t0));
     if (QUANT) {
       for (int t = 0; t < TCH; ++t) {
@@ -161,7 +166,7 @@ KVK_AVX512 void attn_item_avx512(const AttnArgs& a, const WorkItem& it, float* o
     sm[i] = 0.f;
   }
   const float* qb = a.q + it.b * H * D;
-  const int64_t len = a.ctx[it.b];
+  const int64_t len = a.ctx[it.b], lo = first_key(a, len);
   constexpr int64_t ebytes = KIND == KV_F32 ? 4 : (KIND == KV_BF16 || KIND == KV_F16) ? 2 : 1;
   const int64_t block_bytes = a.BS * a.KVH * D * ebytes;
   for (int64_t blk = it.blk0; blk < it.blk1; ++blk) {
@@ -180,8 +185,10 @@ KVK_AVX512 void attn_item_avx512(const AttnArgs& a, const WorkItem& it, float* o
         _mm_prefetch(vn + off, _MM_HINT_T0);
       }
     }
+    const int64_t t_begin = std::max<int64_t>(0, lo - blk * a.BS);
     for (int64_t h = 0; h < a.KVH; ++h)
-      attn_block_head_avx512<DV, KIND, QUANT>(a, qb + h * G * D, h, bid, n, o + h * G * D, mx + h * G, sm + h * G);
+      attn_block_head_avx512<DV, KIND, QUANT>(a, qb + h * G * D, h, bid, t_begin, n, o + h * G * D, mx + h * G,
+                                              sm + h * G);
   }
 }
 
@@ -221,7 +228,7 @@ void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* ou
   for (int64_t b = 0; b < B; ++b) {
     s.first[b] = static_cast<int64_t>(s.items.size());
     const int64_t nblocks = (a.ctx[b] + BS - 1) / BS;
-    for (int64_t s0 = 0; s0 < nblocks; s0 += split_blocks)
+    for (int64_t s0 = first_key(a, a.ctx[b]) / BS; s0 < nblocks; s0 += split_blocks)
       s.items.push_back({b, s0, std::min(nblocks, s0 + split_blocks)});
   }
   s.first[B] = static_cast<int64_t>(s.items.size());
@@ -265,7 +272,7 @@ void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* ou
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& k_scale, const torch::Tensor& v_scale,
                                const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
-                               int64_t kind, int64_t split_blocks) {
+                               int64_t kind, int64_t split_blocks, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "decode_attention: q must be (B, H, D) float32");
   TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes(),
               "decode_attention: k and v must be contiguous (blocks, block_size, kv_heads, head_dim) tensors");
@@ -298,7 +305,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   AttnArgs a{qs.data_ptr<float>(), k.data_ptr(), v.data_ptr(),
              quant ? reinterpret_cast<const uint16_t*>(k_scale.data_ptr<at::Half>()) : nullptr,
              quant ? reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>()) : nullptr,
-             bt.data_ptr<int64_t>(), ctxp, kind, H, KVH, D, BS, W, G};
+             bt.data_ptr<int64_t>(), ctxp, kind, H, KVH, D, BS, W, G, std::max<int64_t>(0, window)};
   auto out = torch::empty({B, H, D}, q.options());
   attention_raw(a, B, split_blocks, out.data_ptr<float>());
   return out;
@@ -329,6 +336,7 @@ struct ExtendArgs {
   const int64_t* bt;        // (S, W) block tables
   int64_t W, kind, H, KVH, D, BS, G;
   float scale;
+  int64_t window = 0;  // > 0: a query at KV index i sees keys (i - window, i] only
 };
 
 // Convert n tokens (from slot `slot0` on, within one block) of KV head h to float32 rows (n, D), scaled.
@@ -349,7 +357,8 @@ KVK_AVX512 void extend_item_avx512(const ExtendArgs& a, const ExtendItem& it) {
   const int64_t qlen = a.qlens[it.span], ctx = a.ctxs[it.span], start = a.starts[it.span];
   const int64_t nq = std::min<int64_t>(16, qlen - it.i0);      // queries in this tile
   const int64_t qpos0 = ctx - qlen + it.i0;                    // position of the tile's first query
-  const int64_t kend = qpos0 + nq;                             // keys [0, kend) are visible to some query
+  const int64_t kend = qpos0 + nq;                             // keys [kbeg, kend) are visible to some query
+  const int64_t kbeg = a.window > 0 ? std::max<int64_t>(0, qpos0 - a.window + 1) : 0;
   const __mmask16 qmask = static_cast<__mmask16>((1u << nq) - 1u);
   alignas(64) float Qt[G_][D][16];   // transposed, scaled queries
   alignas(64) float Ot[G_][D][16];   // transposed unnormalized outputs
@@ -371,7 +380,8 @@ KVK_AVX512 void extend_item_avx512(const ExtendArgs& a, const ExtendItem& it) {
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i qposv = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(qpos0)), lane);
   const int64_t* bt = a.bt + it.span * a.W;
-  for (int64_t k0 = 0; k0 < kend; k0 += 16) {
+  const __m512i lastv = _mm512_add_epi32(qposv, _mm512_set1_epi32(static_cast<int>(1 - a.window)));  // window
+  for (int64_t k0 = kbeg; k0 < kend; k0 += 16) {
     // 16 keys (or fewer) from one or two blocks
     const int64_t n = std::min<int64_t>(16, kend - k0);
     for (int64_t t = 0; t < n;) {
@@ -402,11 +412,13 @@ KVK_AVX512 void extend_item_avx512(const ExtendArgs& a, const ExtendItem& it) {
         for (int g = 0; g < G_; ++g) S[g][t + c] = acc[g][c];
     }
     // causal mask (a key at position p is visible to queries at positions >= p) and padding lanes
-    const bool diag = k0 + n - 1 > qpos0;
+    // and, in a window, a key at p is visible to queries at positions <= p + window - 1
+    const bool diag = k0 + n - 1 > qpos0, edge = a.window > 0 && k0 <= qpos0 + nq - 1 - a.window;
     const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t t = 0; t < n; ++t) {
       __mmask16 vis = qmask;
       if (diag) vis &= _mm512_cmpge_epi32_mask(qposv, _mm512_set1_epi32(static_cast<int>(k0 + t)));
+      if (edge) vis &= _mm512_cmple_epi32_mask(lastv, _mm512_set1_epi32(static_cast<int>(k0 + t)));
       for (int g = 0; g < G_; ++g) S[g][t] = _mm512_mask_mov_ps(ninf, vis, S[g][t]);
     }
     // online softmax, per query lane
@@ -471,7 +483,7 @@ void extend_item_generic(const ExtendArgs& a, const ExtendItem& it) {
       const float* qr = a.q + ((start + it.i0 + j) * H + it.h * G + g) * D;
       float mx = -std::numeric_limits<float>::infinity(), sm = 0.f;
       std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t p = 0; p <= qpos; ++p) {
+      for (int64_t p = a.window > 0 ? std::max<int64_t>(0, qpos - a.window + 1) : 0; p <= qpos; ++p) {
         const int64_t row = (bt[p / BS] * BS + p % BS) * a.KVH + it.h;
         const float kscale = a.ks ? half_to_float(a.ks[row]) : 1.f;
         const float vscale = a.vs ? half_to_float(a.vs[row]) : 1.f;
@@ -494,13 +506,14 @@ KVK_AVX512 void extend_item_avx512_dispatch(const ExtendArgs& a, const ExtendIte
   KVK_EXT_CASE(1, 4) KVK_EXT_CASE(2, 4) KVK_EXT_CASE(3, 4) KVK_EXT_CASE(4, 4)
   KVK_EXT_CASE(1, 8) KVK_EXT_CASE(2, 8) KVK_EXT_CASE(4, 8) KVK_EXT_CASE(8, 8)
   KVK_EXT_CASE(1, 2) KVK_EXT_CASE(2, 2) KVK_EXT_CASE(4, 2) KVK_EXT_CASE(5, 4) KVK_EXT_CASE(6, 4)
+  KVK_EXT_CASE(1, 16) KVK_EXT_CASE(2, 16) KVK_EXT_CASE(4, 16)
 #undef KVK_EXT_CASE
   extend_item_generic(a, it);
 }
 
 inline bool extend_fast(int64_t G, int64_t D) {
   const int combos[][2] = {{1, 64}, {2, 64}, {3, 64}, {4, 64}, {1, 128}, {2, 128}, {4, 128}, {8, 128},
-                           {1, 32}, {2, 32}, {4, 32}, {5, 64}, {6, 64}};
+                           {1, 32}, {2, 32}, {4, 32}, {5, 64}, {6, 64}, {1, 256}, {2, 256}, {4, 256}};
   for (auto& c : combos)
     if (G == c[0] && D == c[1]) return true;
   return false;
@@ -513,7 +526,7 @@ inline bool extend_fast(int64_t G, int64_t D) {
 torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& k_scale, const torch::Tensor& v_scale, const torch::Tensor& starts,
                                const torch::Tensor& q_lens, const torch::Tensor& context_lens,
-                               const torch::Tensor& block_tables, double scale, int64_t kind) {
+                               const torch::Tensor& block_tables, double scale, int64_t kind, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "extend_attention: q must be (T, H, D) float32");
   TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes(),
               "extend_attention: k and v must be contiguous (blocks, block_size, kv_heads, head_dim) tensors");
@@ -550,7 +563,8 @@ torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k, c
   ExtendArgs a{qc.data_ptr<float>(), out.data_ptr<float>(), k.data_ptr(), v.data_ptr(),
                quant ? reinterpret_cast<const uint16_t*>(k_scale.data_ptr<at::Half>()) : nullptr,
                quant ? reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>()) : nullptr,
-               stp, qlp, clp, bt.data_ptr<int64_t>(), W, kind, H, KVH, D, BS, H / KVH, static_cast<float>(scale)};
+               stp, qlp, clp, bt.data_ptr<int64_t>(), W, kind, H, KVH, D, BS, H / KVH, static_cast<float>(scale),
+               std::max<int64_t>(0, window)};
   const bool fast = use_avx512() && extend_fast(H / KVH, D);
   // tasks are claimed one at a time: tiles late in a causal prompt see more keys
   parallel_tasks(static_cast<int64_t>(items.size()), [&](int64_t i) {

@@ -20,13 +20,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_activation_bits", &set_activation_bits, "16 (default) or 8: llama.cpp's Q8_1 precision (measurements)");
   m.def("extend_attention", &extend_attention, "paged causal attention of prefill spans, read in place",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_scale"), py::arg("v_scale"), py::arg("starts"),
-        py::arg("q_lens"), py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("kind"));
+        py::arg("q_lens"), py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("kind"),
+        py::arg("window") = 0);
   m.def("rmsnorm", &rmsnorm, "RMSNorm of x (..., N) float32 by w (N,) (the fused step's routine)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of gate_up (M, 2I) float32 -> (M, I)");
   m.def("rope_qk", &rope_qk, "RoPE in place on the first heads of qkv (T, ...) float32, cos/sin (T, D)");
   m.def("decode_attention", &decode_attention, "paged decode attention read in place (see csrc/cpu/attention.cpp)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_scale"), py::arg("v_scale"), py::arg("block_tables"),
-        py::arg("context_lens"), py::arg("scale"), py::arg("kind"), py::arg("split_blocks"));
+        py::arg("context_lens"), py::arg("scale"), py::arg("kind"), py::arg("split_blocks"), py::arg("window") = 0);
   py::class_<DecodeModel>(m, "DecodeModel", "a whole decode step over packed or GGUF weights (kvkeeper.worker.fused_decode)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("hidden"),
            py::arg("inter"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"),

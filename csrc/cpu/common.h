@@ -192,6 +192,7 @@ struct AttnArgs {
   const int64_t* bt;   // (B, W)
   const int64_t* ctx;  // (B,)
   int64_t kind, H, KVH, D, BS, W, G;
+  int64_t window = 0;  // > 0: a row attends to its last `window` keys only (sliding-window layers)
 };
 
 // Decode attention of B sequences (a.q pre-scaled) into out (B, H, D) float32; split_blocks: blocks per work item.
@@ -200,12 +201,12 @@ void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* ou
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& k_scale, const torch::Tensor& v_scale,
                                const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
-                               int64_t kind, int64_t split_blocks);
+                               int64_t kind, int64_t split_blocks, int64_t window);
 // Causal attention of prefill spans; returns (T, H, D) float32 (arguments: see attention.cpp).
 torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& k_scale, const torch::Tensor& v_scale, const torch::Tensor& starts,
                                const torch::Tensor& q_lens, const torch::Tensor& context_lens,
-                               const torch::Tensor& block_tables, double scale, int64_t kind);
+                               const torch::Tensor& block_tables, double scale, int64_t kind, int64_t window);
 
 // ---------------------------------------------------------------------------------------------------
 // 3. element-wise parts of a layer (elementwise.cpp)

@@ -269,6 +269,24 @@ def test_extend_attention_gqa_shapes_and_block_sizes(kernels, isa, H, KVH, D, bs
     assert _rel(cpu_attention.paged_attention(q, k, v, c_k, m_k, D**-0.5), want) < 1e-4
 
 
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 100, 4096])
+@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (4, 1, 256)], ids=["G3-D64", "gemma3-G4-D256"])
+def test_windowed_attention_matches_reference(kernels, isa, window, H, KVH, D):
+    """Sliding-window layers (Gemma 3, Mistral): a query at KV index i sees keys (i - window, i] only, in the
+    prefill kernel (spans, cached and fresh) and in decode, against the reference's masked SDPA."""
+    seqs = [(301, 40), (33, 33), (9, 1), (120, 1)]
+    q, k, v, c_ref, c_k, m_ref, m_k = kernel_check.random_step(seqs, H, KVH, D, 16, "float32", torch.float32, "cpu",
+                                                               seed=window + D, extra_cols=1)
+    m_ref.window = m_k.window = window
+    want = ref.paged_attention(q, k, v, c_ref, m_ref, D**-0.5)
+    got = cpu_attention.paged_attention(q, k, v, c_k, m_k, D**-0.5)
+    assert _rel(got, want) < 1e-4
+    qd, c_ref, c_k, m_ref, m_k = _decode_case([1, 15, 17, 301], H, KVH, D, 16, "int8", seed=window)
+    m_ref.window = m_k.window = window
+    assert _rel(cpu_attention.decode_attention(qd, c_k, m_k, D**-0.5), ref.decode_attention(qd, c_ref, m_ref,
+                                                                                           D**-0.5)) < 1e-4
+
+
 def test_decode_attention_is_batch_invariant(kernels):
     q, _, c_k, _, m_k = _decode_case([1000, 37, 600], 9, 3, 64, 16, "float32", seed=5)
     whole = cpu_attention.decode_attention(q, c_k, m_k, 0.125)

@@ -3,7 +3,8 @@
 :func:`decode_attention` has the contract of :func:`kvkeeper.attention.reference.decode_attention` (the
 reference, which gathers every block of every sequence into a padded tensor each step): qd (B, H, D) ->
 (B, H, D) in qd's dtype, for sequences whose KV lengths are ``meta.decode_context_lens`` and whose blocks
-are ``meta.decode_block_tables``.  The kernel walks each sequence's blocks where they lie, dequantizing
+are ``meta.decode_block_tables``; with ``meta.window`` (sliding-window layers) a query at KV index i reads
+keys (i - window, i] only, in both kernels.  The kernel walks each sequence's blocks where they lie, dequantizing
 int8 / fp8 tokens on the fly (value * float16 scale, as :func:`kvkeeper.kvcache.quant.dequantize`),
 with an online softmax (Milakov & Gimelshein, 2018); the context is cut into chunks of
 :data:`SPLIT_BLOCKS` blocks that run in parallel and are combined at the end (flash-decoding, Dao et al.,
@@ -76,7 +77,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     kc, vc, ks, vs, kind = _kv_args(cache)
     starts, qlens, ctxs, bt = _extend_inputs(meta)
     qf = q if q.dtype == torch.float32 else q.float()
-    out = mod.extend_attention(qf, kc, vc, ks, vs, starts, qlens, ctxs, bt, scale, kind)
+    out = mod.extend_attention(qf, kc, vc, ks, vs, starts, qlens, ctxs, bt, scale, kind, meta.window or 0)
     if meta.decode_indices is not None and meta.decode_indices.numel():
         qd = qf.index_select(0, meta.decode_indices)
         out.index_copy_(0, meta.decode_indices, decode_attention(qd, cache, meta, scale))
@@ -98,5 +99,6 @@ def decode_attention(qd: torch.Tensor, cache: PagedKV, meta: AttentionMetadata, 
         raise RuntimeError(f"the CPU kernels are unavailable ({cpu_kernels.unavailable_reason()})")
     k, v, ks, vs, kind = _kv_args(cache)
     out = mod.decode_attention(qd if qd.dtype == torch.float32 else qd.float(), k, v, ks, vs,
-                               meta.decode_block_tables, meta.decode_context_lens, scale, kind, SPLIT_BLOCKS)
+                               meta.decode_block_tables, meta.decode_context_lens, scale, kind, SPLIT_BLOCKS,
+                               meta.window or 0)
     return out if qd.dtype == torch.float32 else out.to(qd.dtype)

@@ -31,7 +31,8 @@ class AttentionMetadata:
     decode_block_tables: (B_d, max_blocks) int64, padded with 0.
     decode_context_lens: (B_d,) int64, KV length of each decode sequence (incl. the new token).
     prefills: one :class:`PrefillSpan` per sequence adding more than one token.
-    window / sliding: see :mod:`kvkeeper.models.gemma3` (a step with a window runs the PyTorch reference).
+    window / sliding: see :mod:`kvkeeper.models.gemma3` (a windowed step runs the C++ kernels' window on the
+    ``cpu`` backend, the PyTorch reference otherwise).
     backend: "torch" (kvkeeper.attention.reference, the reference), "cpu" (the C++ decode kernel,
     kvkeeper.attention.cpu) or "triton" (kvkeeper.attention.triton_backend).
     """

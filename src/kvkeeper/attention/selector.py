@@ -29,7 +29,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
                     scale: float) -> torch.Tensor:
     """The step's attention by ``meta.backend``; same shapes and contract as the reference
     :func:`kvkeeper.attention.reference.paged_attention` (q (T, H, D), k and v (T, KVH, D) -> (T, H, D))."""
-    backend = meta.backend if meta.window is None else "torch"  # windows: the reference path only
+    backend = meta.backend
+    if meta.window is not None and backend == "triton":  # the Triton kernels have no window
+        backend = "torch"
     if backend == "cpu":
         return cpu_attention.paged_attention(q, k, v, cache, meta, scale)
     if backend == "triton" and not any(p.observer is not None for p in meta.prefills):

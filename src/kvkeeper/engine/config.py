@@ -184,7 +184,10 @@ class EngineConfig:
         num_blocks, window_blocks = self.kv_pool_blocks(mcfg, kv)
         return dict(num_blocks=num_blocks, block_size=self.block_size, dtype=dtype, device=device, kv_dtype=kv,
                     attention_backend=attention, quantization=weights, fused_decode=self.fused_decode,
-                    cache_dir=self.cache_dir, window_blocks=window_blocks)
+                    cache_dir=self.cache_dir, window_blocks=window_blocks,
+                    # RoPE tables for the context served; CUDA graphs capture the tables: full size there
+                    max_positions=None if device.type == "cuda" else min(mcfg.context_length,
+                                                                         self.max_model_len or mcfg.context_length))
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -126,7 +126,8 @@ def estimate(cfg: EngineConfig, path: Path | None, device: torch.device, dtype: 
     return MemoryEstimate(
         weights=weights, kv_pool=kv_pool, logits=mcfg.vocab_size * t * 4, activations=t * per_token * 4,
         attention=(heads * min(t, context) * context + 2 * context * heads * dim) * 4,
-        rope=tables * 2 * mcfg.max_position_embeddings * dim * 4, source=source,
+        rope=tables * 2 * min(mcfg.context_length, cfg.max_model_len or mcfg.context_length) * dim * 4,
+        source=source,
         notes={"kv_format": kv.name, "kv_blocks": num_blocks, "context": context})
 
 

@@ -109,7 +109,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         why_not={"weight_formats": "Gemma 3 (its GGUF blocks run in place, gguf, or as float32, none)",
                  "kv_compression": "sliding-window models (Gemma 3): their layers keep different token ranges",
                  "fused_decode": "Gemma 3 (the fused C++ decode step is written for Llama layers)",
-                 "cuda_graphs": "sliding-window models (Gemma 3): their windowed layers run the PyTorch path"})
+                 "cuda_graphs": "sliding-window models (Gemma 3): their windowed layers run the PyTorch path on CUDA"})
     # four norms a layer plus q/k norms; llama.cpp's converter stores every norm as 1 + weight and keeps q/k rows in
     # transformers' order (no RoPE permutation, gguf_permuted_qk False).  In place (gguf_in_place), the matrices stay
     # GGUF blocks over the file's map (kvkeeper.layers.gguf_linear): q/k/v and gate/up as fused parts, the token
@@ -158,10 +158,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if toks is not None and len(toks.data) > 106 and toks.contents(106) == "<end_of_turn>":
             cfg.eos_token_ids.append(106)  # a chat turn ends there
 
-    def build_rope(self, device: torch.device) -> None:
+    def build_rope(self, device: torch.device, max_positions: int | None = None) -> None:
         """The full layers' RoPE tables and the sliding layers' (base ``rope_local_theta``) on ``device``."""
-        super().build_rope(device)
-        self.rope_local = type(self.rope)(self.local_rope_config(self.config)).to(device)
+        super().build_rope(device, max_positions)
+        self.rope_local = type(self.rope)(self.local_rope_config(self.config), max_positions).to(device)
 
     @staticmethod
     def local_rope_config(cfg: ModelConfig) -> ModelConfig:

@@ -168,9 +168,10 @@ class LlamaForCausalLM(nn.Module):
         reads a metadata value, ``prefix`` is the file's ``general.architecture``, ``reader`` the
         ``gguf.GGUFReader``); nothing for Llama."""
 
-    def build_rope(self, device: torch.device) -> None:
-        """(Re)compute the RoPE tables on ``device`` (a model built on the meta device has none)."""
-        self.rope = type(self.rope)(self.config).to(device)
+    def build_rope(self, device: torch.device, max_positions: int | None = None) -> None:
+        """(Re)compute the RoPE tables on ``device`` (a model built on the meta device has none) for positions
+        ``[0, max_positions)`` (default: the config's ``max_position_embeddings``)."""
+        self.rope = type(self.rope)(self.config, max_positions).to(device)
 
     def load_weights(self, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32) -> None:
         """Copy a HF-named state dict in (q/k/v and gate/up are fused here).

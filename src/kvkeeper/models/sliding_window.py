@@ -29,13 +29,13 @@ def sliding_meta(meta: AttentionMetadata, window: int) -> AttentionMetadata:
 
 def sliding_capabilities(caps: Capabilities) -> Capabilities:
     """``caps`` of a family whose every layer slides: hybrid KV layout, and no KV compression, fused C++ decode
-    step or CUDA graphs (windowed layers run the PyTorch attention path)."""
+    step or CUDA graphs (on CUDA the windowed layers run the PyTorch attention path)."""
     who = f"sliding-window models ({caps.family} with sliding_window)"
     return caps.replace(kv_layout="hybrid", kv_compression=False, fused_decode=False, cuda_graphs=False, why_not={
         **caps.why_not,
         "kv_compression": f"{who}: their layers keep a window of tokens, not the whole prompt",
         "fused_decode": f"{who}: the fused C++ decode step has no window",
-        "cuda_graphs": f"{who}: their windowed layers run the PyTorch path"})
+        "cuda_graphs": f"{who}: their windowed layers run the PyTorch path on CUDA"})
 
 
 class EveryLayerSlides:

@@ -55,7 +55,7 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  kv_dtype: str | torch.dtype | KVFormat | None = None, transposed_weights: bool | None = None,
                  attention_backend: str = "auto", quantization: str | None = None, fused_decode: bool = True,
-                 cache_dir=None, window_blocks: int | None = None):
+                 cache_dir=None, window_blocks: int | None = None, max_positions: int | None = None):
         """kv_dtype: KV storage format (fp32, bf16, fp16, int8, fp8; default: the model dtype).
         transposed_weights: keep W^T copies for fast few-row products (default: on for fp32 on CPU with
         unquantized weights).
@@ -68,7 +68,10 @@ class ModelRunner:
         cache_dir: where packed weights are cached (default: kvkeeper.text.tokenizer.cache_dir()).
         window_blocks: hybrid KV cache (a model with sliding-window layers): the sliding layers' caches hold
         this many blocks, addressed through ``window_of`` (block id -> window block id, set by the engine from
-        its :class:`~kvkeeper.kvcache.block_pool.BlockPool`); None: every layer has ``num_blocks``."""
+        its :class:`~kvkeeper.kvcache.block_pool.BlockPool`); None: every layer has ``num_blocks``.
+        max_positions: RoPE tables for positions below this many tokens (the engine's context length: a 4,096-token
+        context of a model made for 128k keeps 4 MB of tables, not 130 MB); a step past them grows the tables.
+        None: the config's ``max_position_embeddings``."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -82,7 +85,8 @@ class ModelRunner:
         self.window_of = None  # block id -> window block id (hybrid KV cache), set by the engine
         with skip_init(), torch.device("meta"):
             model = causal_lm_class(cfg)(cfg)
-        model.build_rope(self.device)  # buffers computed, not loaded
+        self.rope_positions = min(cfg.max_position_embeddings, max_positions or cfg.max_position_embeddings)
+        model.build_rope(self.device, self.rope_positions)  # buffers computed, not loaded
         prepared = prepare_weights(state, cfg, quantization, self.device, dtype, cache=cache_dir)
         self.weight_format = prepared.format  # "none", "gguf", "int8" or "int4"
         self.weight_description = prepared.description
@@ -217,6 +221,10 @@ class ModelRunner:
         if self.window_blocks:
             meta.sliding = self._sliding_meta(scheduled, meta)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        top = max((int(p[-1]) + 1 for p in pos if p.numel()), default=0)
+        if top > self.rope_positions:  # past the tables (positions beyond the context after KV compression)
+            self.rope_positions = max(top, 2 * self.rope_positions)
+            self.model.build_rope(self.device, self.rope_positions)
         positions = torch.cat(pos).to(dev)
         return StepBatch(input_ids, positions, meta, logit_rows, sample_seqs)
 
@@ -243,7 +251,7 @@ class ModelRunner:
                 prefills.append(PrefillSpan(start, n, c + n - first * bs, table.to(dev), None))
             start += n
         out = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills, window=window,
-                                backend="torch", decode_indices=meta.decode_indices)
+                                backend=meta.backend, decode_indices=meta.decode_indices)
         if dec_bt:
             padded = torch.zeros(len(dec_bt), max(len(b) for b in dec_bt), dtype=torch.int64)
             for i, b in enumerate(dec_bt):
