@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -126,6 +128,23 @@ def test_bad_prompt_lists_are_refused(client):
     with pytest.raises(openai.BadRequestError) as ei:  # a session continues one conversation
         _single(client, PROMPTS, extra_headers={"X-Session-ID": "s1"})
     assert "one prompt per request" in ei.value.message
+
+
+@pytest.mark.slow
+def test_a_refused_prompt_of_several_ends_the_accepted_ones(client, server):
+    """The second prompt's id is outside the vocabulary: 400, and the first prompt's request (accepted, with
+    many tokens to go) is aborted, not left running."""
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL, prompt=[[504, 3458], [10**8]], max_tokens=512, extra_body={
+            "ignore_eos": True})
+    assert ei.value.body["param"] == "prompt", ei.value.body
+    running = None
+    for _ in range(100):  # bounded poll: the abort reaches the engine thread through its queue
+        running = re.search(r"^kvkeeper:num_requests_running ([0-9.]+)$", httpx.get(server + "/metrics").text, re.M)
+        if running and float(running.group(1)) == 0:
+            break
+        time.sleep(0.1)
+    assert running and float(running.group(1)) == 0
 
 
 # ---- lm-eval's local-completions, on a tiny task shipped in data/lm_eval_tiny -----------------------------------
