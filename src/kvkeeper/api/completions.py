@@ -1,5 +1,6 @@
-"""``POST /v1/completions``: the body converted into the engine's request (:func:`completion_request`, every
-rule checked once), the route, and how its output is rendered (text, legacy logprobs, the echoed prompt).
+"""``POST /v1/completions``: the body converted into the engine's requests, one per prompt
+(:func:`completion_request`, every rule checked once; several prompts: :mod:`kvkeeper.api.batch`), the route, and
+how its output is rendered (text, legacy logprobs, the echoed prompt).
 
 The extension fields are chat's (:mod:`kvkeeper.api.chat`) but for the chat-only ones; ``X-Context-Policy``
 and ``X-Context-Budget`` are refused (a text completion has no messages for a policy to keep or drop).

@@ -31,7 +31,7 @@ def _only(*noop: Any) -> Any:
 class StreamOptions(BaseModel):
     model_config = _OPEN
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # extension (vLLM): every chunk carries its choice's usage (with include_usage)
+    continuous_usage_stats: bool = False  # extension (vLLM): usage in every chunk (needs include_usage)
     include_obfuscation: bool | None = _only(None, False)  # refused when true: chunks are not padded
 
 
