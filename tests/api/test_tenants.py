@@ -160,6 +160,7 @@ RULES = {
     ("GET", "/v1/models"): _check_keyed, ("GET", "/v1/models/{model_id:path}"): _check_keyed,
     ("POST", "/v1/chat/completions"): _check_keyed, ("POST", "/v1/completions"): _check_keyed,
     ("POST", "/tokenize"): _check_keyed, ("POST", "/detokenize"): _check_keyed,
+    ("GET", "/tokenizer_info"): _check_keyed,
     ("GET", "/v1/sessions"): _check_listing,
     ("DELETE", "/v1/sessions/{sid}"): _check_owned, ("POST", "/v1/sessions/{sid}/offload"): _check_owned,
     ("GET", "/admin/kv/dump"): _check_dump,

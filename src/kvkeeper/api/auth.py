@@ -183,6 +183,9 @@ def caller(request: Request) -> Caller:
     if not auth:
         raise _unauthorized("this server needs an API key: send the header 'Authorization: Bearer <key>'")
     scheme, _, key = auth.strip().partition(" ")
+    if scheme.lower() == "bearer" and not key.strip():  # e.g. a client whose key variable is unset
+        raise _unauthorized("the API key is missing: the Authorization header says 'Bearer' with no key after it; "
+                            "send 'Authorization: Bearer <key>'")
     if scheme.lower() != "bearer" or not key.strip():
         raise _unauthorized("the Authorization header must be 'Bearer <key>'")
     who = ring.lookup(key.strip())

@@ -22,7 +22,8 @@ from .errors import APIError
 from .messages import messages_of
 from .protocol import check_body, generation_fields, sampling_params, structured_output
 from .request_parsing import RequestContext, request_context
-from .responses import Collected, Renderer, finish_reason, include_usage, respond, usage_of, vllm_prompt_logprobs
+from .responses import (Collected, Renderer, continuous_usage, finish_reason, include_usage, respond, usage_of,
+                        vllm_prompt_logprobs)
 from .schemas import ChatCompletionRequest
 from .streams import ChoiceDelta, GenerationRequest, RequestStream
 from .tools import ChoiceCalls, ToolUse, finish_with_calls, tool_use_of
@@ -72,7 +73,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
     record_usage(request.scope, user=body.user or body.safety_identifier)
     base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": body.model or ctx.served.name}
-    return await respond(request, aeng, gen, body.stream, include_usage(body), _renderer(base, body, tools))
+    return await respond(request, aeng, gen, body.stream, include_usage(body), _renderer(base, body, tools),
+                         continuous=continuous_usage(body))
 
 
 def _chat_delta(d: ChoiceDelta, calls: list[ChoiceCalls] | None) -> tuple[dict, str | None]:

@@ -1,5 +1,6 @@
-"""``POST /v1/completions``: the body converted into the engine's request (:func:`completion_request`, every
-rule checked once), the route, and how its output is rendered (text, legacy logprobs, the echoed prompt).
+"""``POST /v1/completions``: the body converted into the engine's requests, one per prompt
+(:func:`completion_request`, every rule checked once; several prompts: :mod:`kvkeeper.api.batch`), the route, and
+how its output is rendered (text, legacy logprobs, the echoed prompt).
 
 The extension fields are chat's (:mod:`kvkeeper.api.chat`) but for the chat-only ones; ``X-Context-Policy``
 and ``X-Context-Budget`` are refused (a text completion has no messages for a policy to keep or drop).
@@ -16,43 +17,63 @@ from .auth import Caller, caller
 from .errors import APIError
 from .protocol import check_body, generation_fields, sampling_params, structured_output
 from .request_parsing import RequestContext, request_context
-from .responses import Collected, Renderer, finish_reason, include_usage, respond, usage_of, vllm_prompt_logprobs
+from .responses import (Collected, Renderer, continuous_usage, finish_reason, include_usage, respond, usage_of,
+                        vllm_prompt_logprobs)
 from .schemas import CompletionRequest
 from .streams import ChoiceDelta, GenerationRequest, RequestStream
 
 router = APIRouter()  # included behind the caller dependency (kvkeeper.api.auth): a key when keys are set
 
 
-def completion_request(body: CompletionRequest, ctx: RequestContext, request_id: str) -> GenerationRequest:
-    """The engine's request for a text completion body.  The engine checks the prompt's token ids against
-    the vocabulary and its length against the context window.  Raises APIError naming the field."""
+MAX_PROMPTS = 128  # prompts in one request (each is an engine request: the queue's limit applies to all of them)
+
+
+def prompts_of(body: CompletionRequest) -> list[str | list[int]]:
+    """The body's prompts: a string or a token-id list is one, a list of either is several (OpenAI's ``prompt``).
+    Raises APIError for an empty prompt, an empty list or more than :data:`MAX_PROMPTS`."""
+    p = body.prompt
+    prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}: send them in several "
+                            "requests", param="prompt")
+    for k, one in enumerate(prompts):
+        if not one:
+            where = "the prompt is empty" if len(prompts) == 1 else f"prompt {k} of the list is empty"
+            raise APIError(400, f"{where}: give at least one token or character", param="prompt")
+    return prompts
+
+
+def completion_request(body: CompletionRequest, ctx: RequestContext, request_id: str) -> list[GenerationRequest]:
+    """The engine's requests for a text completion body: one per prompt (:func:`prompts_of`; with several, ids
+    ``{request_id}-p{k}``).  The engine checks each prompt's token ids against the vocabulary and its length
+    against the context window.  Raises APIError naming the field."""
     lora = check_body(body, ctx)
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, f"best_of must equal n ({body.n}): candidates are not ranked; ask for n choices instead",
                        param="best_of")
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise APIError(400, "only one prompt per request is supported", param="prompt")
-        prompt = prompt[0]
-    if not prompt:
-        raise APIError(400, "the prompt is empty", param="prompt")
+    prompts = prompts_of(body)
+    if len(prompts) > 1 and ctx.session_id is not None:
+        raise APIError(400, "X-Session-ID continues one conversation: send one prompt per request with it",
+                       param="prompt")
     prompt_lp = body.prompt_logprobs
     if body.echo and body.logprobs is not None:  # the echoed prompt's tokens come with their logprobs
         prompt_lp = max(prompt_lp or 0, body.logprobs)
     params = sampling_params(body, body.max_tokens, body.logprobs, structured_output(body), prompt_lp)
-    return GenerationRequest(request_id, params, prompt=prompt, echo=body.echo, **generation_fields(body, ctx, lora))
+    fields = generation_fields(body, ctx, lora)
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-p{k}" for k in range(len(prompts))]
+    return [GenerationRequest(rid, params, prompt=p, echo=body.echo, **fields) for rid, p in zip(ids, prompts)]
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, who: Caller = Depends(caller)):
     aeng = request.app.state.engine
     ctx = request_context(request, who, chat=False)
-    gen = completion_request(body, ctx, aeng.new_request_id("cmpl"))
+    rid = aeng.new_request_id("cmpl")
+    gens = completion_request(body, ctx, rid)
     record_usage(request.scope, user=body.user or body.safety_identifier)
-    base = {"id": gen.request_id, "object": "text_completion", "created": int(time.time()),
-            "model": body.model or ctx.served.name}
-    return await respond(request, aeng, gen, body.stream, include_usage(body), _renderer(base, body))
+    base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model or ctx.served.name}
+    return await respond(request, aeng, gens if len(gens) > 1 else gens[0], body.stream, include_usage(body),
+                         _renderer(base, body, len(gens)), continuous=continuous_usage(body))
 
 
 def legacy_logprobs(entries: list[dict], offset: int = 0) -> dict:
@@ -75,41 +96,44 @@ def _top_with_chosen(e: dict) -> dict:
 
 
 class _CompletionChoices:
-    """Per-choice state of a completions response: the echoed prompt (text, logprobs) each choice starts with."""
+    """Per-choice state of a completions response: the echoed prompt (text, logprobs) each choice starts with.
+    Choice ``i`` belongs to prompt ``i // n`` (:mod:`kvkeeper.api.batch`); ``s.part(i)`` is that prompt's stream."""
 
-    def __init__(self, body: CompletionRequest):
+    def __init__(self, body: CompletionRequest, prompts: int):
         self.body = body
         self.want_lp, self.want_ids = body.logprobs is not None, body.return_token_ids
-        self.offsets = [0] * body.n
+        self.offsets = [0] * (body.n * prompts)
         self.started: set[int] = set()
-        self.prompt_lp: list[dict] | None = None
+        self.prompt_lp: dict[int, list[dict]] = {}  # by prompt
 
     def head(self, s: RequestStream, i: int) -> tuple[str, list[dict]]:
         """(text, logprob entries) of the echoed prompt before choice ``i``'s first output ('', [] without echo)."""
         if not self.body.echo:
             return "", []
+        echo = s.part(i).echo_text or ""
         if not self.want_lp:
-            return s.echo_text or "", []
+            return echo, []
         k = self.body.logprobs  # the prompt may have been scored with more (prompt_logprobs): each field its own
-        return s.echo_text or "", [e if e["top_logprobs"] is None else {**e, "top_logprobs": e["top_logprobs"][:k]}
-                                   for e in self.prompt_lp or []]
+        return echo, [e if e["top_logprobs"] is None else {**e, "top_logprobs": e["top_logprobs"][:k]}
+                      for e in self.prompt_lp.get(i // self.body.n) or []]
 
     def extras(self, s: RequestStream, i: int, token_ids: list[int], first: bool) -> dict:
         """``prompt_logprobs`` (vLLM) and, when asked, ``prompt_token_ids`` (first chunk only) and ``token_ids``."""
         out = {}
         if self.body.prompt_logprobs is not None and first:
-            out["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_lp, self.body.prompt_logprobs)
+            out["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_lp.get(i // self.body.n),
+                                                          self.body.prompt_logprobs)
         if self.want_ids:
-            out.update({"prompt_token_ids": s.prompt_token_ids} if first else {}, token_ids=token_ids)
+            out.update({"prompt_token_ids": s.part(i).prompt_token_ids} if first else {}, token_ids=token_ids)
         return out
 
 
-def _renderer(base: dict, body: CompletionRequest) -> Renderer:
-    cc = _CompletionChoices(body)
+def _renderer(base: dict, body: CompletionRequest, prompts: int) -> Renderer:
+    cc = _CompletionChoices(body, prompts)
 
     def chunk(s: RequestStream, d: ChoiceDelta) -> dict:
         if d.prompt_logprobs is not None:
-            cc.prompt_lp = d.prompt_logprobs
+            cc.prompt_lp[d.index // body.n] = d.prompt_logprobs
         first = d.index not in cc.started
         cc.started.add(d.index)
         text, entries = cc.head(s, d.index) if first else ("", [])
@@ -121,9 +145,9 @@ def _renderer(base: dict, body: CompletionRequest) -> Renderer:
                                      **cc.extras(s, d.index, d.token_ids, first)}]}
 
     def whole(s: RequestStream, got: Collected) -> dict:
-        cc.prompt_lp = got.prompt_logprobs
+        cc.prompt_lp = {i // body.n: lp for i, lp in got.prompt_logprobs_at.items()}
         choices = []
-        for i in range(body.n):
+        for i in range(body.n * prompts):
             text, entries = cc.head(s, i)
             choices.append({"index": i, "text": text + got.texts[i],
                             "logprobs": legacy_logprobs(entries + got.logprobs[i]) if cc.want_lp else None,

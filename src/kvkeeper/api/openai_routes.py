@@ -1,5 +1,5 @@
 """The OpenAI-compatible endpoints besides the completions (:mod:`kvkeeper.api.chat`,
-:mod:`kvkeeper.api.completions`): models, tokenize, detokenize, health and metrics.
+:mod:`kvkeeper.api.completions`): models, tokenize, detokenize, tokenizer_info, health and metrics.
 
 Handlers read ``request.app.state``: ``engine`` (the :class:`~kvkeeper.api.async_engine.AsyncEngine`: its
 ``served`` snapshot, its commands), ``created``, ``refuse_unknown_fields``.
@@ -65,7 +65,9 @@ async def model(model_id: str, request: Request):
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request):
     """Token ids of a text ``prompt`` or of ``messages`` as the chat template renders them (the engine checks
-    ``continue_final_message``), with ``max_model_len``."""
+    ``continue_final_message``), with ``max_model_len``.  ``add_special_tokens`` (vLLM's): a prompt's ids with
+    the tokenizer's own special tokens (e.g. a BOS; the default, as a completion's prompt is encoded) or without;
+    true is refused for messages, whose special tokens come from the chat template."""
     ctx = served_context(request)
     check_body(body, ctx)
     if (body.prompt is None) == (body.messages is None):
@@ -75,6 +77,9 @@ async def tokenize(body: TokenizeRequest, request: Request):
         raise APIError(400, f"{chat_only[0]} applies to messages (the chat template), not to a text prompt: "
                             "send messages, or leave it out", param=chat_only[0])
     engine = request.app.state.engine
+    if body.messages is not None and body.add_special_tokens:
+        raise APIError(400, "add_special_tokens: the chat template itself adds the special tokens of messages; send "
+                            "false or leave it out (it applies to a text prompt)", param="add_special_tokens")
     if body.messages is not None:
         if not body.messages:
             raise APIError(400, "messages is empty: give at least one message", param="messages")
@@ -84,8 +89,8 @@ async def tokenize(body: TokenizeRequest, request: Request):
                     tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
         ids = await engine.call(lambda eng: eng.encode_chat(msgs, **chat))
     else:
-        text = body.prompt
-        ids = await engine.call(lambda eng: eng.tokenizer.encode(text))
+        text, special = body.prompt, body.add_special_tokens is not False  # vLLM's default for a prompt: true
+        ids = await engine.call(lambda eng: eng.tokenizer.encode(text, add_special_tokens=special))
     return {"tokens": ids, "count": len(ids), "max_model_len": ctx.served.max_model_len}
 
 
@@ -100,3 +105,33 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     if bad:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
     return {"prompt": await request.app.state.engine.call(lambda eng: eng.tokenizer.decode(ids))}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    """vLLM's ``GET /tokenizer_info``: the tokenizer's configuration (its ``tokenizer_config.json`` fields, special
+    tokens as their text, without file paths), ``tokenizer_class`` and the ``chat_template`` requests are rendered
+    with.  lm-eval's remote tokenizer reads ``eos_token`` / ``bos_token`` / ``pad_token`` and the template."""
+    return await request.app.state.engine.call(lambda eng: _tokenizer_info(eng.tokenizer))
+
+
+_PATH_FIELDS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")  # server paths stay private
+
+
+def _tokenizer_info(tok) -> dict:
+    cfg = {k: _plain(v) for k, v in dict(getattr(tok, "init_kwargs", None) or {}).items() if k not in _PATH_FIELDS}
+    cfg["tokenizer_class"] = cfg.get("tokenizer_class") or type(tok).__name__
+    if getattr(tok, "chat_template", None):
+        cfg["chat_template"] = tok.chat_template
+    return cfg
+
+
+def _plain(v):
+    """A tokenizer config value as JSON: an ``AddedToken`` as its text, containers item by item."""
+    if hasattr(v, "content"):
+        return v.content
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v if v is None or isinstance(v, (str, int, float, bool)) else str(v)

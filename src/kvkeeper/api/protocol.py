@@ -35,6 +35,9 @@ def check_body(body, ctx: RequestContext) -> str | None:
     if so is not None and not body.stream:
         raise APIError(400, "stream_options applies to streamed responses only: send stream: true, or leave "
                             "stream_options out", param="stream_options")
+    if so is not None and so.continuous_usage_stats and not so.include_usage:
+        raise APIError(400, "stream_options.continuous_usage_stats puts the usage in every chunk: it needs "
+                            "include_usage: true", param="stream_options.continuous_usage_stats")
     if so is not None and so.include_obfuscation:
         raise APIError(400, "stream_options.include_obfuscation is not supported: chunks are not padded; "
                             "send false or omit it", param="stream_options.include_obfuscation")

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .access_log import record_usage
+from .batch import submit_all
 from .errors import APIError, error_body
 from .streams import ChoiceDelta, EngineDeadError, GenerationRequest, RequestStream, Usage
 
@@ -30,6 +31,12 @@ def finish_reason(r: str | None) -> str | None:
 def include_usage(body) -> bool:
     """Whether a streamed response ends with a usage chunk (``stream_options.include_usage``)."""
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def continuous_usage(body) -> bool:
+    """Whether every streamed chunk carries its choice's usage so far (vLLM's
+    ``stream_options.continuous_usage_stats``, which needs ``include_usage``: checked by the protocol)."""
+    return include_usage(body) and bool(body.stream_options.continuous_usage_stats)
 
 
 def usage_of(got: "Collected") -> dict | None:
@@ -65,6 +72,7 @@ class Collected:
     reasons: list[str | None] = field(default_factory=list)
     usage: Usage | None = None
     prompt_logprobs: list[dict] | None = None
+    prompt_logprobs_at: dict[int, list[dict]] = field(default_factory=dict)  # by the choice they came with
 
     def __post_init__(self):
         self.texts, self.reasons = [""] * self.n, [None] * self.n
@@ -76,6 +84,7 @@ class Collected:
         self.token_ids[d.index].extend(d.token_ids)
         if d.prompt_logprobs is not None:
             self.prompt_logprobs = d.prompt_logprobs
+            self.prompt_logprobs_at[d.index] = d.prompt_logprobs
         if d.finish_reason:
             self.reasons[d.index] = d.finish_reason
 
@@ -155,22 +164,49 @@ class Renderer:
     body: Callable[[RequestStream, Collected], dict]
 
 
-async def respond(request: Request, engine, gen: GenerationRequest, stream: bool, include_usage: bool,
-                  render: Renderer):
-    """Submit ``gen`` and answer with SSE (``stream``) or one JSON body; a degraded session's trimmed turns
+async def respond(request: Request, engine, gen: GenerationRequest | list[GenerationRequest], stream: bool,
+                  include_usage: bool, render: Renderer, continuous: bool = False):
+    """Submit ``gen`` (a list: one request per prompt, their streams merged by
+    :func:`~kvkeeper.api.batch.submit_all`) and answer with SSE (``stream``) or one JSON body; ``continuous``:
+    every chunk carries its choice's usage so far (:func:`continuous_usage`).  A degraded session's trimmed turns
     are named in ``X-KVKeeper-Trimmed-Turns``, a session turn's context report in ``X-KVKeeper-Context``."""
-    s = await engine.submit(gen)
+    gens = gen if isinstance(gen, list) else [gen]
+    s = await engine.submit(gen) if not isinstance(gen, list) else await submit_all(engine, gens)
+    n = sum(len(g.params) for g in gens)
     headers = {"X-KVKeeper-Trimmed-Turns": str(s.trimmed_turns)} if s.trimmed_turns else {}
     if s.context is not None:
         headers["X-KVKeeper-Context"] = s.context
     if stream:
-        extra = {"usage": None} if include_usage else {}
+        usage = _ChunkUsage(s, n, include_usage, continuous)
+
         def chunk(d: ChoiceDelta) -> dict | None:
             c = render.chunk(s, d)
-            return None if c is None else {**c, **extra}
+            usage.count(d)
+            return None if c is None else usage.add(c)
 
-        events = _events(s, chunk, [{**c, **extra} for c in render.first(s)], include_usage, render.base, request.scope)
+        events = _events(s, chunk, [usage.add(c) for c in render.first(s)], include_usage, render.base, request.scope)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-    got = await collect(request, s, len(gen.params))
+    got = await collect(request, s, n)
     return JSONResponse(render.body(s, got), headers=headers)
+
+
+class _ChunkUsage:
+    """The ``usage`` of streamed chunks: null with ``include_usage`` (OpenAI), or with ``continuous`` the
+    chunk's choice's counts so far (vLLM: its prompt's tokens, the tokens the choice has generated, their sum)."""
+
+    def __init__(self, s: RequestStream, n: int, include_usage: bool, continuous: bool):
+        self.s, self.include, self.continuous = s, include_usage, continuous
+        self.generated = [0] * n
+
+    def count(self, d: ChoiceDelta) -> None:
+        self.generated[d.index] += len(d.token_ids)
+
+    def add(self, chunk: dict) -> dict:
+        if not self.include:
+            return chunk
+        if not self.continuous or not chunk.get("choices"):
+            return {**chunk, "usage": None}
+        i = chunk["choices"][0]["index"]
+        prompt, done = self.s.part(i).prompt_tokens, self.generated[i]
+        return {**chunk, "usage": {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}}

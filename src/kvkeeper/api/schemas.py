@@ -31,6 +31,7 @@ def _only(*noop: Any) -> Any:
 class StreamOptions(BaseModel):
     model_config = _OPEN
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # extension (vLLM): usage in every chunk (needs include_usage)
     include_obfuscation: bool | None = _only(None, False)  # refused when true: chunks are not padded
 
 
@@ -209,7 +210,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]  # a list of strings or of token-id lists: one per prompt
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
@@ -226,6 +227,7 @@ class TokenizeRequest(BaseModel):
     tools: list[Tool] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # vLLM's: default true for a prompt (e.g. a BOS), false for messages
 
 
 class DetokenizeRequest(BaseModel):

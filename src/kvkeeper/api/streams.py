@@ -117,6 +117,11 @@ class RequestStream:
             self.finished = True
         return item
 
+    def part(self, index: int) -> "RequestStream":
+        """The stream of the prompt choice ``index`` belongs to: this one (a merged stream of several
+        prompts answers the prompt's own, :class:`kvkeeper.api.batch.MergedStream`)."""
+        return self
+
     def abort(self) -> None:
         if not self.finished:
             self.finished = True

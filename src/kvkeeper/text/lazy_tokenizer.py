@@ -4,7 +4,7 @@ a caller needs more than tokens.
 Importing transformers and building its tokenizer takes 1-2.5 s of a start of about 2 s; encoding and decoding
 are the ``tokenizers`` library's in both cases (transformers' fast tokenizer wraps the same ``Tokenizer`` built
 from the same ``tokenizer.json``).  :class:`LazyTokenizer` answers ``encode``, ``decode``, ``convert_ids_to_tokens``,
-``convert_tokens_to_ids``, the special tokens and their ids, ``len()``, ``backend_tokenizer`` and
+``convert_tokens_to_ids``, the special tokens and their ids, ``len()``, ``backend_tokenizer``, ``init_kwargs`` and
 ``chat_template`` itself, and hands every other attribute (``apply_chat_template``, ``save_pretrained``,
 ``all_special_ids``...) to the transformers tokenizer of the same folder, loaded on first use.  So a
 chat template is always rendered by transformers, the reference.
@@ -79,6 +79,12 @@ class LazyTokenizer:
         if clean is not False and type(tok.backend_tokenizer.model).__name__ != "BPE":
             return None
         return tok
+
+    @property
+    def init_kwargs(self) -> dict:
+        """The folder's ``tokenizer_config.json`` fields (what transformers' ``init_kwargs`` holds, read without
+        loading transformers)."""
+        return _config(self._folder) or {}
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self.backend_tokenizer.token_to_id(token)

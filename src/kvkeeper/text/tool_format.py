@@ -139,7 +139,9 @@ class CallParser:
 
     feed(text) -> (content, calls) released so far; flush() -> the rest at the end.  Text that may be
     the start of ``<tool_call>`` is held back; a call is released when a closing tag arrives after which
-    it parses (an opened call that never parses is released as content by :meth:`flush`).  Whitespace around calls is dropped, as is trailing whitespace.
+    it parses.  Markup is never content: :meth:`flush` drops an opened call that never parsed (e.g. cut by
+    ``max_tokens``) and an opening tag cut short (``<t`` ... ``<tool_call``).  Whitespace around calls is dropped,
+    as is trailing whitespace.
     """
 
     def __init__(self):
@@ -186,6 +188,11 @@ class CallParser:
 
     def flush(self) -> tuple[str, list[tuple[str, str]]]:
         rest, self.buf = self.buf.rstrip(), ""
+        start = rest.find(CALL_OPEN)
+        if start >= 0:  # a call cut short (max_tokens) or one that never parsed: markup, never content
+            rest = rest[:start].rstrip()
+        elif len(rest.lstrip()) > 1 and CALL_OPEN.startswith(rest.lstrip()):  # the tag itself cut short
+            rest = ""
         return self._content(rest), []
 
 

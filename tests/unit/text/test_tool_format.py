@@ -41,7 +41,7 @@ def test_streamed_parsing_equals_whole_parsing_for_any_chunking():
             + call_text("add", '{"a": 1, "b": 2}') + "\nDone <tool_call>\n{broken}\n</tool_call> <tool")
     content, calls = split_calls(text)
     assert calls == [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2}')]
-    assert content == "Let me check.Done <tool_call>\n{broken}\n</tool_call> <tool"
+    assert content == "Let me check.Done"  # markup that never became a call is dropped, never content
     rng = random.Random(0)
     for _ in range(50):
         p, got, got_calls, i = CallParser(), "", [], 0
