@@ -24,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("window") = 0);
   m.def("rmsnorm", &rmsnorm, "RMSNorm of x (..., N) float32 by w (N,) (the fused step's routine)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of gate_up (M, 2I) float32 -> (M, I)");
+  m.def("gelu_mul", &gelu_mul, "GELU(tanh)(gate) * up of gate_up (M, 2I) float32 -> (M, I)");
   m.def("rope_qk", &rope_qk, "RoPE in place on the first heads of qkv (T, ...) float32, cos/sin (T, D)");
   m.def("decode_attention", &decode_attention, "paged decode attention read in place (see csrc/cpu/attention.cpp)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_scale"), py::arg("v_scale"), py::arg("block_tables"),
@@ -37,6 +38,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "list of (bytes uint8, ggml type, N, K, perm int64 or empty)")
       .def("step", &DecodeModel::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
            py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("split_blocks"))
+      .def("set_style", &DecodeModel::set_style, py::arg("act"), py::arg("window"))
+      .def("set_layer_norms", &DecodeModel::set_layer_norms, py::arg("i"), py::arg("q_norm"), py::arg("k_norm"),
+           py::arg("post_attn"), py::arg("post_ffw"), py::arg("sliding"))
+      .def("step_hybrid", &DecodeModel::step_hybrid, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
+           py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("split_blocks"),
+           py::arg("cos_local"), py::arg("sin_local"), py::arg("slots_local"), py::arg("block_tables_local"),
+           py::arg("context_lens_local"))
       .def("num_layers", &DecodeModel::num_layers);
   register_kquant(m);
 }

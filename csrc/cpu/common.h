@@ -217,11 +217,13 @@ void rmsnorm_rows(const float* x, const float* w, int64_t M, int64_t N, float ep
 void rope_heads(float* x, int64_t heads, int64_t D, const float* cs, const float* sn);
 // SiLU(gate) * up of M rows g (M, 2I) into o (M, I).
 void silu_mul_rows(const float* g, int64_t M, int64_t I, float* o);
+void gelu_mul_rows(const float* g, int64_t M, int64_t I, float* o);  // GELU(tanh)(gate) * up
 // Store one token's K or V (KVH, D) at a slot in the storage format `kind` (its scales too for int8/fp8).
 void store_token(const float* x, int64_t KVH, int64_t D, void* data, uint16_t* scales, int64_t slot, int64_t kind);
 // Python-facing versions (the layer-by-layer path of packed models).
 torch::Tensor rmsnorm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor silu_mul(const torch::Tensor& gu);
+torch::Tensor gelu_mul(const torch::Tensor& gu);
 void rope_qk(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads, int64_t D);
 
 // ---------------------------------------------------------------------------------------------------
@@ -253,6 +255,10 @@ struct DecodeLayer {
   Proj qkv, o, gu, dn;
   std::vector<torch::Tensor> keep;                        // the tensors the projections point into
   torch::Tensor k, v, ks, vs;                             // this layer's paged cache (ks, vs undefined unless quantized)
+  // Gemma 3 (set_layer_norms): RMSNorm over each q and k head (head_dim,) before RoPE, RMSNorm of the attention
+  // and feed-forward outputs (hidden,) before their residual adds; undefined when the model has none
+  torch::Tensor q_norm, k_norm, post_attn, post_ffw;
+  bool sliding = false;  // attends within the model's window, with the local RoPE and the sliding block tables
 };
 
 class DecodeModel {
@@ -280,12 +286,26 @@ class DecodeModel {
   void step(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
             const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, int64_t split_blocks);
 
+  // Gemma 3: GELU(tanh) instead of SiLU (act 1), sliding layers attending to their last `window` keys.
+  void set_style(int64_t act, int64_t window);
+  // Layer i's Gemma 3 norms (each float32 and contiguous, or empty: none) and whether it slides.
+  void set_layer_norms(int64_t i, const torch::Tensor& q_norm, const torch::Tensor& k_norm,
+                       const torch::Tensor& post_attn, const torch::Tensor& post_ffw, bool sliding);
+  // step for a model with sliding layers: those take the local RoPE tables (cos_l, sin_l (B, D)) and the sliding
+  // layers' own slots, block tables and context lengths (a hybrid KV cache's window blocks).
+  void step_hybrid(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                   const torch::Tensor& slots, const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                   double scale, int64_t split_blocks, const torch::Tensor& cos_l, const torch::Tensor& sin_l,
+                   const torch::Tensor& slots_l, const torch::Tensor& block_tables_l,
+                   const torch::Tensor& context_lens_l);
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
   int64_t hidden_, inter_, H_, KVH_, D_;
   float eps_;
   int64_t kind_;
+  int64_t act_kind_ = 0, window_ = 0;
   std::vector<DecodeLayer> layers_;
   std::vector<float> h_, qkv_, att_, qbuf_, gu_, act_, y_, tmp_;
 

@@ -77,6 +77,47 @@ void silu_mul_rows(const float* g, int64_t M, int64_t I, float* o) {
   });
 }
 
+// GELU with the tanh approximation (Hendrycks & Gimpel, 2016; PyTorch's approximate="tanh"), times up:
+// o = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * u, tanh(z) = 1 - 2 / (exp(2z) + 1).
+namespace {
+constexpr float GELU_C = 0.7978845608028654f, GELU_A = 0.044715f;
+
+void gelu_mul_row_generic(const float* gu, int64_t I, float* o) {
+  const float* u = gu + I;
+  for (int64_t i = 0; i < I; ++i) {
+    const float g = gu[i];
+    const float t = 1.f - 2.f / (std::exp(2.f * GELU_C * (g + GELU_A * g * g * g)) + 1.f);
+    o[i] = 0.5f * g * (1.f + t) * u[i];
+  }
+}
+
+KVK_AVX512 void gelu_mul_row_avx512(const float* gu, int64_t I, float* o) {
+  const float* u = gu + I;
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), half = _mm512_set1_ps(0.5f);
+  const __m512 c2 = _mm512_set1_ps(2.f * GELU_C), a = _mm512_set1_ps(GELU_A);
+  for (int64_t i = 0; i < I; i += 16) {
+    const __mmask16 mk = I - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (I - i)) - 1u);
+    const __m512 g = _mm512_maskz_loadu_ps(mk, gu + i);
+    const __m512 z = _mm512_mul_ps(c2, _mm512_add_ps(g, _mm512_mul_ps(a, _mm512_mul_ps(g, _mm512_mul_ps(g, g)))));
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(exp512(z), one)));
+    _mm512_mask_storeu_ps(o + i, mk, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, t)),
+                                                   _mm512_maskz_loadu_ps(mk, u + i)));
+  }
+}
+}  // namespace
+
+void gelu_mul_rows(const float* g, int64_t M, int64_t I, float* o) {
+  const bool fast = use_avx512();
+  parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (fast)
+        gelu_mul_row_avx512(g + r * 2 * I, I, o + r * I);
+      else
+        gelu_mul_row_generic(g + r * 2 * I, I, o + r * I);
+    }
+  });
+}
+
 // Python-facing versions (the layer-by-layer path of packed models).
 torch::Tensor rmsnorm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous() &&
@@ -95,6 +136,16 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
   const int64_t M = gc.size(0), I = gc.size(1) / 2;
   auto o = torch::empty({M, I}, gc.options());
   silu_mul_rows(gc.data_ptr<float>(), M, I, o.data_ptr<float>());
+  return o;
+}
+
+torch::Tensor gelu_mul(const torch::Tensor& gu) {
+  TORCH_CHECK(gu.scalar_type() == at::kFloat && gu.dim() == 2 && gu.size(1) % 2 == 0,
+              "gelu_mul: gate_up must be (M, 2I) float32");
+  const auto gc = gu.contiguous();
+  const int64_t M = gc.size(0), I = gc.size(1) / 2;
+  auto o = torch::empty({M, I}, gc.options());
+  gelu_mul_rows(gc.data_ptr<float>(), M, I, o.data_ptr<float>());
   return o;
 }
 

@@ -141,28 +141,92 @@ void DecodeModel::push_layer(DecodeLayer L) {
   layers_.push_back(std::move(L));
 }
 
-void DecodeModel::step(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                       const torch::Tensor& slots, const torch::Tensor& block_tables,
-                       const torch::Tensor& context_lens, double scale, int64_t split_blocks) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "DecodeModel.step: x must be contiguous float32 (B, hidden)");
-  const int64_t B = x.size(0);
+void DecodeModel::set_style(int64_t act, int64_t window) {
+  TORCH_CHECK((act == 0 || act == 1) && window >= 0, "DecodeModel.set_style: act 0 (SiLU) or 1 (GELU), window >= 0");
+  act_kind_ = act, window_ = window;
+}
+
+void DecodeModel::set_layer_norms(int64_t i, const torch::Tensor& q_norm, const torch::Tensor& k_norm,
+                                  const torch::Tensor& post_attn, const torch::Tensor& post_ffw, bool sliding) {
+  TORCH_CHECK(i >= 0 && i < num_layers(), "DecodeModel.set_layer_norms: no layer ", i);
+  const auto ok = [](const torch::Tensor& t, int64_t n) {
+    return !t.defined() || t.numel() == 0 || (t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n);
+  };
+  TORCH_CHECK(ok(q_norm, D_) && ok(k_norm, D_) && ok(post_attn, hidden_) && ok(post_ffw, hidden_),
+              "DecodeModel.set_layer_norms: q/k norms (head_dim,), post norms (hidden,) float32 contiguous or empty");
+  const auto keep = [](const torch::Tensor& t) { return t.defined() && t.numel() > 0 ? t : torch::Tensor(); };
+  DecodeLayer& L = layers_[i];
+  L.q_norm = keep(q_norm), L.k_norm = keep(k_norm), L.post_attn = keep(post_attn), L.post_ffw = keep(post_ffw);
+  L.sliding = sliding;
+}
+
+namespace {
+
+// One set of per-token step inputs: RoPE rows and where the layers using them read and write the cache.
+struct StepTables {
+  const float *cs, *sn;
+  const int64_t *sl, *bt, *ctx;
+  int64_t W;
+};
+
+StepTables check_tables(int64_t B, int64_t D, int64_t BS, int64_t NB, const torch::Tensor& cos,
+                        const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_tables,
+                        const torch::Tensor& context_lens) {
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat && cos.numel() == B * D_ && sin.numel() == B * D_,
+                  sin.scalar_type() == at::kFloat && cos.numel() == B * D && sin.numel() == B * D,
               "DecodeModel.step: cos and sin must be contiguous float32 (B, head_dim)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == B && block_tables.scalar_type() == at::kLong &&
                   block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.is_contiguous() &&
                   context_lens.scalar_type() == at::kLong && context_lens.numel() == B &&
                   context_lens.is_contiguous() && slots.is_contiguous(),
               "DecodeModel.step: slots (B,), block_tables (B, W), context_lens (B,) int64 contiguous");
-  if (layers_.empty() || B == 0) return;
-  const int64_t BS = layers_[0].k.size(1), W = block_tables.size(1), NB = layers_[0].k.size(0);
+  const int64_t W = block_tables.size(1);
   const int64_t* ctx = context_lens.data_ptr<int64_t>();
   const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(ctx[b] >= 1 && ctx[b] <= W * BS, "DecodeModel.step: context length ", ctx[b], " of row ", b,
                 " outside its block table");
     TORCH_CHECK(sl[b] >= 0 && sl[b] < NB * BS, "DecodeModel.step: slot ", sl[b], " outside the cache");
+    for (int64_t j = 0; j < (ctx[b] + BS - 1) / BS; ++j)
+      TORCH_CHECK(bt[b * W + j] >= 0 && bt[b * W + j] < NB, "DecodeModel.step: block ", bt[b * W + j], " of row ",
+                  b, " outside the cache");
+  }
+  return {cos.data_ptr<float>(), sin.data_ptr<float>(), sl, bt, ctx, W};
+}
+
+}  // namespace
+
+void DecodeModel::step(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                       const torch::Tensor& slots, const torch::Tensor& block_tables,
+                       const torch::Tensor& context_lens, double scale, int64_t split_blocks) {
+  step_hybrid(x, cos, sin, slots, block_tables, context_lens, scale, split_blocks, cos, sin, slots, block_tables,
+              context_lens);
+}
+
+void DecodeModel::step_hybrid(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                              const torch::Tensor& slots, const torch::Tensor& block_tables,
+                              const torch::Tensor& context_lens, double scale, int64_t split_blocks,
+                              const torch::Tensor& cos_l, const torch::Tensor& sin_l, const torch::Tensor& slots_l,
+                              const torch::Tensor& block_tables_l, const torch::Tensor& context_lens_l) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "DecodeModel.step: x must be contiguous float32 (B, hidden)");
+  const int64_t B = x.size(0);
+  if (layers_.empty() || B == 0) return;
+  bool any_sliding = false, any_full = false;
+  for (const DecodeLayer& L : layers_) (L.sliding ? any_sliding : any_full) = true;
+  // each set is checked against the cache of a layer that uses it (sliding layers' caches hold window blocks)
+  const DecodeLayer& Lg = *std::find_if(layers_.begin(), layers_.end(), [&](const DecodeLayer& L) {
+    return L.sliding == !any_full;
+  });
+  const StepTables full = check_tables(B, D_, Lg.k.size(1), Lg.k.size(0), cos, sin, slots, block_tables,
+                                       context_lens);
+  StepTables local = full;
+  if (any_sliding) {
+    const DecodeLayer& Ls = *std::find_if(layers_.begin(), layers_.end(), [](const DecodeLayer& L) {
+      return L.sliding;
+    });
+    local = check_tables(B, D_, Ls.k.size(1), Ls.k.size(0), cos_l, sin_l, slots_l, block_tables_l, context_lens_l);
   }
   const int64_t qn = H_ * D_, kvn = KVH_ * D_, qkv_n = qn + 2 * kvn;
   h_.resize(B * hidden_);
@@ -171,41 +235,46 @@ void DecodeModel::step(const torch::Tensor& x, const torch::Tensor& cos, const t
   gu_.resize(B * 2 * inter_);
   act_.resize(B * inter_);
   y_.resize(B * hidden_);
+  qbuf_.resize(B * qn);
   float* xp = x.data_ptr<float>();
-  const float* cs = cos.data_ptr<float>();
-  const float* sn = sin.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  const bool quant = kind_ == KV_I8 || kind_ == KV_FP8;
   for (const DecodeLayer& L : layers_) {
+    const StepTables& t = L.sliding ? local : full;
     rmsnorm_rows(xp, L.ln1.data_ptr<float>(), B, hidden_, eps_, h_.data());
     proj_raw(h_.data(), B, L.qkv, qkv_.data(), tmp_);
-    const bool quant = kind_ == KV_I8 || kind_ == KV_FP8;
     for (int64_t b = 0; b < B; ++b) {
       float* row = qkv_.data() + b * qkv_n;
       if (L.qkv_bias.defined()) {
         const float* bias = L.qkv_bias.data_ptr<float>();
         for (int64_t i = 0; i < qkv_n; ++i) row[i] += bias[i];
       }
-      rope_heads(row, H_ + KVH_, D_, cs + b * D_, sn + b * D_);  // q and k heads are adjacent
-      for (int64_t i = 0; i < qn; ++i) row[i] *= fscale;         // the softmax scale, folded into q
+      if (L.q_norm.defined()) rmsnorm_rows(row, L.q_norm.data_ptr<float>(), H_, D_, eps_, row);
+      if (L.k_norm.defined()) rmsnorm_rows(row + qn, L.k_norm.data_ptr<float>(), KVH_, D_, eps_, row + qn);
+      rope_heads(row, H_ + KVH_, D_, t.cs + b * D_, t.sn + b * D_);  // q and k heads are adjacent
+      for (int64_t i = 0; i < qn; ++i) row[i] *= fscale;              // the softmax scale, folded into q
       store_token(row + qn, KVH_, D_, L.k.data_ptr(), quant ? reinterpret_cast<uint16_t*>(L.ks.data_ptr<at::Half>()) : nullptr,
-                  sl[b], kind_);
+                  t.sl[b], kind_);
       store_token(row + qn + kvn, KVH_, D_, L.v.data_ptr(), quant ? reinterpret_cast<uint16_t*>(L.vs.data_ptr<at::Half>()) : nullptr,
-                  sl[b], kind_);
+                  t.sl[b], kind_);
+      std::memcpy(qbuf_.data() + b * qn, row, qn * sizeof(float));  // attention reads q as (B, H, D)
     }
-    // attention reads q as (B, H, D): gather the q parts of the qkv rows
-    qbuf_.resize(B * qn);
-    for (int64_t b = 0; b < B; ++b) std::memcpy(qbuf_.data() + b * qn, qkv_.data() + b * qkv_n, qn * sizeof(float));
     AttnArgs a{qbuf_.data(), L.k.data_ptr(), L.v.data_ptr(),
                quant ? reinterpret_cast<const uint16_t*>(L.ks.data_ptr<at::Half>()) : nullptr,
                quant ? reinterpret_cast<const uint16_t*>(L.vs.data_ptr<at::Half>()) : nullptr,
-               block_tables.data_ptr<int64_t>(), ctx, kind_, H_, KVH_, D_, BS, W, H_ / KVH_};
+               t.bt, t.ctx, kind_, H_, KVH_, D_, L.k.size(1), t.W, H_ / KVH_, L.sliding ? window_ : 0};
     attention_raw(a, B, split_blocks, att_.data());
     proj_raw(att_.data(), B, L.o, y_.data(), tmp_);
+    if (L.post_attn.defined()) rmsnorm_rows(y_.data(), L.post_attn.data_ptr<float>(), B, hidden_, eps_, y_.data());
     for (int64_t i = 0; i < B * hidden_; ++i) xp[i] += y_[i];
     rmsnorm_rows(xp, L.ln2.data_ptr<float>(), B, hidden_, eps_, h_.data());
     proj_raw(h_.data(), B, L.gu, gu_.data(), tmp_);
-    silu_mul_rows(gu_.data(), B, inter_, act_.data());  // SiLU(gate) * up
+    if (act_kind_ == 1)
+      gelu_mul_rows(gu_.data(), B, inter_, act_.data());  // GELU(tanh)(gate) * up
+    else
+      silu_mul_rows(gu_.data(), B, inter_, act_.data());  // SiLU(gate) * up
     proj_raw(act_.data(), B, L.dn, y_.data(), tmp_);
+    if (L.post_ffw.defined()) rmsnorm_rows(y_.data(), L.post_ffw.data_ptr<float>(), B, hidden_, eps_, y_.data());
     for (int64_t i = 0; i < B * hidden_; ++i) xp[i] += y_[i];
   }
 }

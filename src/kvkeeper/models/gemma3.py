@@ -32,7 +32,11 @@ from ..layers.rope import RotaryEmbedding, apply_rope
 
 
 class GemmaRMSNorm(nn.Module):
-    """RMSNorm scaled by ``1 + weight``, in float32 (transformers' Gemma3RMSNorm); x (..., dim) -> same."""
+    """RMSNorm scaled by ``1 + weight``, in float32 (transformers' Gemma3RMSNorm); x (..., dim) -> same.  With
+    ``kernels`` set (:meth:`Gemma3ForCausalLM.use_cpu_kernels`), the C++ RMSNorm by ``scale`` = 1 + weight."""
+
+    kernels = None
+    scale: torch.Tensor | None = None  # float32 (dim,): 1 + weight, set with kernels
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -40,6 +44,8 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dtype == torch.float32:
+            return self.kernels.rmsnorm(x, self.scale, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
@@ -59,11 +65,21 @@ class GemmaAttention(nn.Module):
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.sliding = sliding
 
+    kernels = None  # the C++ kernels (use_cpu_kernels): RoPE by the fused decode step's routine
+
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(self.q_norm(q.view(T, self.num_heads, self.head_dim)), *cos_sin)
-        k = apply_rope(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), *cos_sin)
+        q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))
+        if self.kernels is not None and q.dtype == torch.float32:  # in place, as csrc/cpu/fused_decode.cpp
+            qk = torch.cat([q.reshape(T, -1), k.reshape(T, -1)], dim=1)
+            cos, sin = (t.reshape(T, -1).contiguous() for t in cos_sin)
+            self.kernels.rope_qk(qk, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+            q = qk[:, : self.q_size].view(T, self.num_heads, self.head_dim)
+            k = qk[:, self.q_size :].view(T, self.num_kv_heads, self.head_dim)
+        else:
+            q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
         o = paged_attention(q, k, v.view(T, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, -1))
 
@@ -77,8 +93,13 @@ class GemmaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
 
+    kernels = None  # the C++ kernels (use_cpu_kernels): GELU(tanh)(gate) * up by the fused decode step's routine
+
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        gu = self.gate_up_proj(x)
+        if self.kernels is not None and gu.dtype == torch.float32:
+            return self.down_proj(self.kernels.gelu_mul(gu))
+        gate, up = gu.split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
@@ -104,11 +125,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     positions (T,), kv_caches, meta)`` -> hidden (T, hidden_size); ``compute_logits`` -> float32 (N, vocab))."""
 
     capabilities = Capabilities(
-        "Gemma 3", kv_layout="hybrid", weight_formats=("none", "gguf"), kv_compression=False, fused_decode=False,
+        "Gemma 3", kv_layout="hybrid", weight_formats=("none", "gguf"), kv_compression=False, fused_decode=True,
         cuda_graphs=False, gguf_in_place=True,
         why_not={"weight_formats": "Gemma 3 (its GGUF blocks run in place, gguf, or as float32, none)",
                  "kv_compression": "sliding-window models (Gemma 3): their layers keep different token ranges",
-                 "fused_decode": "Gemma 3 (the fused C++ decode step is written for Llama layers)",
                  "cuda_graphs": "sliding-window models (Gemma 3): their windowed layers run the PyTorch path on CUDA"})
     # four norms a layer plus q/k norms; llama.cpp's converter stores every norm as 1 + weight and keeps q/k rows in
     # transformers' order (no RoPE permutation, gguf_permuted_qk False).  In place (gguf_in_place), the matrices stay
@@ -187,4 +207,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return logits if not cap else torch.tanh(logits / cap) * cap
 
     def use_cpu_kernels(self, kernels) -> None:
-        """Gemma 3 keeps PyTorch's element-wise operators (the C++ routines are Llama's)."""
+        """RMSNorm (by 1 + weight, kept as ``scale``), RoPE and GELU(tanh)(gate) * up through the C++ routines of
+        the fused decode step (:mod:`kvkeeper.worker.fused_decode`), so a decode token's result is the same bit
+        for bit whether its step runs fused or layer by layer (for float32 activations on CPU)."""
+        for m in self.modules():
+            if isinstance(m, GemmaRMSNorm):
+                m.scale = (1.0 + m.weight.detach().float()).contiguous()
+            if isinstance(m, (GemmaRMSNorm, GemmaAttention, GemmaMLP)):
+                m.kernels = kernels

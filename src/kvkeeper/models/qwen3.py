@@ -45,18 +45,23 @@ class Qwen3Attention(Attention):
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
         T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(self.q_norm(q.reshape(T, H, D)), *cos_sin)
-        k = apply_rope(self.k_norm(k.reshape(T, KVH, D)), *cos_sin)
+        q, k = self.q_norm(q.reshape(T, H, D)), self.k_norm(k.reshape(T, KVH, D))
+        if self.kernels is not None and q.dtype == torch.float32:  # in place, as csrc/cpu/fused_decode.cpp
+            qk = torch.cat([q.reshape(T, -1), k.reshape(T, -1)], dim=1)
+            cos, sin = (t.reshape(T, -1).contiguous() for t in cos_sin)
+            self.kernels.rope_qk(qk, cos, sin, H + KVH, D)
+            q, k = qk[:, : self.q_size].view(T, H, D), qk[:, self.q_size :].view(T, KVH, D)
+        else:
+            q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
         return self.o_proj(paged_attention(q, k, v.reshape(T, KVH, D), kv_cache, meta, self.scale).reshape(T, -1))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 over packed tokens; the interface of :class:`LlamaForCausalLM`.  Every weight format runs (the
-    projections are Llama's); the fused C++ decode step does not (it has no per-head q/k norm)."""
+    projections are Llama's), and so does the fused C++ decode step (its per-head q/k norms set by
+    ``DecodeModel.set_layer_norms``)."""
 
-    capabilities = LlamaForCausalLM.capabilities.replace(
-        family="Qwen3", gguf_permuted_qk=False, fused_decode=False,
-        why_not={"fused_decode": "Qwen3 layers (the fused C++ decode step has no per-head q/k RMSNorm)"})
+    capabilities = LlamaForCausalLM.capabilities.replace(family="Qwen3", gguf_permuted_qk=False)
     gguf_layer_names = {**GGUF_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
     @staticmethod
@@ -72,9 +77,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     MLPs, embedding and LM head in place; experts and router dequantized to float32 at load)."""
 
     capabilities = Qwen3ForCausalLM.capabilities.replace(
-        family="Qwen3-MoE", weight_formats=("none", "gguf"), cuda_graphs=False, lora=False,
+        family="Qwen3-MoE", weight_formats=("none", "gguf"), cuda_graphs=False, lora=False, fused_decode=False,
         why_not={"weight_formats": "Qwen3-MoE models (int8 / int4 have no packed path for the experts)",
-                 "fused_decode": "Qwen3-MoE layers (the fused C++ decode step has no q/k norm or experts)",
+                 "fused_decode": "Qwen3-MoE layers (the fused C++ decode step has no experts)",
                  "cuda_graphs": "Qwen3-MoE models: expert routing reads token counts on the host",
                  "lora": "this model's experts (MoE) have no LoRA path"})
     gguf_layer_names = {**Qwen3ForCausalLM.gguf_layer_names, "ffn_gate_inp": "mlp.gate",

@@ -214,9 +214,11 @@ def _projection_types(types: dict[str, str]) -> set[str]:
 
 def repacked_types(cfg) -> tuple[str, ...]:
     """The GGUF types the ``gguf`` format repacks for ``qmm`` (:func:`pack_blocks`): Q4_0 / Q4_1 / Q8_0 for a family
-    with the fused decode step (its packed path); for one without it (Gemma 3) only those that the kernels'
-    ``kq_matmul`` does not run in place (Q8_0 stays mapped: no copy of its 262k-row embedding)."""
-    if capabilities(cfg).fused_decode:
+    whose fused decode step runs packed weights (it has the int8 / int4 formats); for another (Gemma 3, whose fused
+    step runs GGUF matrices in place only) only those that the kernels' ``kq_matmul`` does not run in place (Q8_0
+    stays mapped: no copy of its 262k-row embedding)."""
+    caps = capabilities(cfg)
+    if caps.fused_decode and "int8" in caps.weight_formats:
         return GGUF_IN_PLACE
     return tuple(t for t in GGUF_IN_PLACE if not kernel_ops(t)[2])
 

@@ -17,6 +17,11 @@ The layer-by-layer path of such a model calls the same C++ routines for RMSNorm,
 the q/k output permutation of a llama GGUF applied the same way) and the same decode
 attention, so a decode token's result is identical bit for bit on both paths (tested): whether a step runs
 fused (decode only) or layer by layer (mixed with a prefill) does not change any output.
+Gemma 3 runs through the same step with its own parts (``DecodeModel.set_style`` / ``set_layer_norms``): the
+embedding scaled by sqrt(hidden), RMSNorm by 1 + weight over each q and k head and after attention and the
+feed-forward, GELU(tanh)(gate) * up, and its sliding layers on the local RoPE tables and the window blocks'
+slots and block tables (``meta.sliding``) with the window; its layer-by-layer path then takes the same C++
+routines (:meth:`kvkeeper.models.gemma3.Gemma3ForCausalLM.use_cpu_kernels`).
 ``EngineConfig(fused_decode=False)`` (``--no-fused-decode``) turns the fused step off.
 """
 
@@ -28,7 +33,9 @@ import torch
 from ..attention import cpu as cpu_attention
 from ..kernels import cpu as cpu_kernels
 from ..attention.metadata import AttentionMetadata
+from ..models.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm
 from ..models.llama import LlamaForCausalLM
+from ..models.sliding_window import sliding_meta
 from ..layers.norm import RMSNorm
 from ..layers.gguf_linear import GGUFLinear
 from ..layers.quantized import QuantLinear
@@ -44,18 +51,22 @@ class FusedDecode:
         cfg = model.config
         self.model = model
         self.kernels = mod
-        self.scale = cfg.head_dim**-0.5
+        self.gemma = isinstance(model, Gemma3ForCausalLM)
+        self.scale = model.model.layers[0].self_attn.scale if self.gemma else cfg.head_dim**-0.5
         kind = _KIND[kv_caches[0].k.dtype]
         self.dm = mod.DecodeModel(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                                   cfg.head_dim, cfg.rms_norm_eps, kind)
+        if self.gemma:
+            self.dm.set_style(1, cfg.sliding_window or 0)  # GELU(tanh); the sliding layers' window
         empty = torch.empty(0)
-        for layer, kv in zip(model.model.layers, kv_caches):
+        for i, (layer, kv) in enumerate(zip(model.model.layers, kv_caches)):
             at, mlp = layer.self_attn, layer.mlp
             k, v = kv.k, kv.v
             if kind == 4:
                 k, v = k.view(torch.uint8), v.view(torch.uint8)
             projs = (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+            ln2 = layer.pre_feedforward_layernorm if self.gemma else layer.post_attention_layernorm
+            norms = (_norm_weight(layer.input_layernorm), _norm_weight(ln2),
                      at.qkv_proj.bias.detach() if at.qkv_proj.bias is not None else empty)
             cache = (k, v, kv.k_scale if kv.k_scale is not None else empty,
                      kv.v_scale if kv.v_scale is not None else empty)
@@ -64,6 +75,12 @@ class FusedDecode:
             else:
                 self.dm.add_layer(*norms, *(t for p in projs for t in (p.packed.qs, p.packed.sc, p.packed.bits)),
                                   *cache)
+            if self.gemma:
+                self.dm.set_layer_norms(i, _norm_weight(at.q_norm), _norm_weight(at.k_norm),
+                                        _norm_weight(layer.post_attention_layernorm),
+                                        _norm_weight(layer.post_feedforward_layernorm), bool(layer.sliding))
+            elif getattr(at, "q_norm", None) is not None:  # Qwen3: RMSNorm over each q and k head before RoPE
+                self.dm.set_layer_norms(i, _norm_weight(at.q_norm), _norm_weight(at.k_norm), empty, empty, False)
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, kv_caches) -> FusedDecode | None:
@@ -81,8 +98,11 @@ class FusedDecode:
                 return None
             if at.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
                 return None
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if not all(isinstance(n, RMSNorm) and n.weight.dtype == torch.float32 for n in norms):
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if isinstance(model, Gemma3ForCausalLM):
+                norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+            norms += [n for n in (getattr(at, "q_norm", None), getattr(at, "k_norm", None)) if n is not None]
+            if not all(isinstance(n, (RMSNorm, GemmaRMSNorm)) and n.weight.dtype == torch.float32 for n in norms):
                 return None
         if len(kinds) != 1:  # one kind of weight for the whole model (add_layer or add_layer_gguf throughout)
             return None
@@ -90,11 +110,28 @@ class FusedDecode:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         m = self.model
-        x = m.model.embed_tokens(input_ids).float().contiguous()
+        x = m.model.embed_tokens(input_ids).float()
+        if self.gemma:  # as Gemma3ForCausalLM.forward: the scale in the activations' dtype
+            x = x * torch.tensor(m.embed_scale, dtype=x.dtype)
+        x = x.contiguous()
         cos, sin = m.rope.cos[positions].contiguous(), m.rope.sin[positions].contiguous()
-        self.dm.step(x, cos, sin, meta.slot_mapping, meta.decode_block_tables.contiguous(),
-                     meta.decode_context_lens, self.scale, cpu_attention.SPLIT_BLOCKS)
+        full = (meta.slot_mapping, meta.decode_block_tables.contiguous(), meta.decode_context_lens)
+        if self.gemma:
+            local = sliding_meta(meta, m.config.sliding_window)
+            cos_l, sin_l = m.rope_local.cos[positions].contiguous(), m.rope_local.sin[positions].contiguous()
+            self.dm.step_hybrid(x, cos, sin, *full, self.scale, cpu_attention.SPLIT_BLOCKS, cos_l, sin_l,
+                                local.slot_mapping, local.decode_block_tables.contiguous(),
+                                local.decode_context_lens)
+        else:
+            self.dm.step(x, cos, sin, *full, self.scale, cpu_attention.SPLIT_BLOCKS)
         return m.model.norm(x)
+
+
+def _norm_weight(n) -> torch.Tensor:
+    """The float32 (dim,) weight the C++ RMSNorm multiplies by: Gemma's 1 + weight, else the weight."""
+    if isinstance(n, GemmaRMSNorm):
+        return n.scale if n.scale is not None else (1.0 + n.weight.detach().float()).contiguous()
+    return n.weight.detach()
 
 
 def _gguf_fusable(p) -> bool:
