@@ -10,6 +10,8 @@ raises :class:`~kvkeeper.errors.InvalidRequestError` naming the field (or
 
 from __future__ import annotations
 
+import threading
+
 from ..errors import ContextLengthError, InvalidRequestError
 from ..kvcache.compression import KVCompression
 from ..kvcache.namespace import Namespace
@@ -19,6 +21,7 @@ from ..sampling.params import SamplingParams
 from ..sampling.processors import build_processors
 from ..sampling.sampler import make_generator
 from ..sampling.structured import GrammarCompiler, GrammarMask
+from ..text.chat_tokens import ChatEncoder, RenderedChat, render_with_spans
 from ..text.tool_format import prepare_messages, template_has_tools, template_reads_names
 from .adapters import AdapterRegistry
 from .sequence import Sequence
@@ -28,13 +31,20 @@ class InputProcessor:
     """Renders, tokenizes and checks requests for one model.
 
     tokenizer: the model's (a transformers tokenizer); model_config: its shapes; context_length: tokens a
-    sequence may hold (prompt plus output); adapters: the engine's LoRA registry.  ``eos_token_ids``: the
+    sequence may hold (prompt plus output); adapters: the engine's LoRA registry; control_tokens_in_content: a
+    message's text may write control tokens (``<|im_end|>`` typed by a client ends its turn, as with
+    transformers' ``apply_chat_template``; default: such text is plain text, :mod:`kvkeeper.text.chat_tokens`).
+    Rendering and tokenizing are thread-safe (the server runs them in worker threads).  ``eos_token_ids``: the
     model's end-of-sequence token ids (its config's and its tokenizer's); ``grammars``: the structured
     output compiler.
     """
 
-    def __init__(self, tokenizer, model_config: ModelConfig, context_length: int, adapters: AdapterRegistry):
+    def __init__(self, tokenizer, model_config: ModelConfig, context_length: int, adapters: AdapterRegistry,
+                 control_tokens_in_content: bool = False):
         self.tokenizer = tokenizer
+        self.control_tokens_in_content = control_tokens_in_content
+        self._chat_encoder: ChatEncoder | None = None
+        self._encoder_lock = threading.Lock()
         self.model_config = model_config
         self.context_length = context_length
         self.adapters = adapters
@@ -48,12 +58,41 @@ class InputProcessor:
 
     # ---- chat rendering ---------------------------------------------------------
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **chat) -> list[int]:
-        """Token ids of a conversation, exactly as the model's chat template renders it (``chat``: the
-        other keyword arguments of :meth:`render_chat`)."""
+        """Token ids of a conversation as the model's chat template renders it, control tokens only from the
+        template (unless ``control_tokens_in_content``; see :meth:`encode_rendered`).  ``chat``: the other keyword
+        arguments of :meth:`render_chat`."""
         if not messages:
             raise InvalidRequestError("the conversation is empty: give at least one message")
-        text = self.render_chat(messages, add_generation_prompt, **chat)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.encode_rendered(self.render_prompt(messages, add_generation_prompt, **chat))
+
+    def encode_rendered(self, rendered: RenderedChat, start: int = 0) -> list[int]:
+        """Token ids of ``rendered.text[start:]``: exactly the tokenizer's for a conversation whose contents hold
+        no control token's text; such text tokenized as plain text (:class:`~kvkeeper.text.chat_tokens.ChatEncoder`)
+        unless ``control_tokens_in_content``.  Raises :class:`InvalidRequestError` when the template hides where
+        a content holding a control token's text went."""
+        enc = self.chat_encoder
+        if enc is None:
+            return self.tokenizer.encode(rendered.text[start:], add_special_tokens=False)
+        return enc.encode(rendered, start)
+
+    @property
+    def chat_encoder(self) -> ChatEncoder | None:
+        """The encoder that keeps contents' control-token text plain (None: ``control_tokens_in_content``, or a
+        tokenizer without a ``tokenizers`` backend); built on first use."""
+        if self.control_tokens_in_content:
+            return None
+        with self._encoder_lock:
+            if self._chat_encoder is None:
+                self._chat_encoder = ChatEncoder.of(self.tokenizer) or False
+        return self._chat_encoder or None
+
+    def render_prompt(self, messages: list[dict], add_generation_prompt: bool = True, **chat) -> RenderedChat:
+        """:meth:`render_chat`'s text with the spans of the messages' contents in it (for :meth:`encode_rendered`)."""
+        msgs, extra = self._template_input(messages, add_generation_prompt, **chat)
+        render = lambda ms: self._apply_template(ms, add_generation_prompt, extra)  # noqa: E731
+        if self.chat_encoder is None:
+            return RenderedChat(render(msgs))
+        return render_with_spans(render, msgs)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
@@ -66,6 +105,12 @@ class InputProcessor:
         in the documented system-prompt format (:mod:`kvkeeper.text.tool_format`).
         Raises :class:`InvalidRequestError` for a malformed message or one the template rejects.
         """
+        msgs, extra = self._template_input(messages, add_generation_prompt, continue_final_message, tools)
+        return self._apply_template(msgs, add_generation_prompt, extra)
+
+    def _template_input(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool = False,
+                        tools: list[dict] | None = None) -> tuple[list[dict], dict]:
+        """The checked messages and keyword arguments ``apply_chat_template`` gets (see :meth:`render_chat`)."""
         template = self.tokenizer.chat_template
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
@@ -79,13 +124,16 @@ class InputProcessor:
         msgs, extra = prepare_messages(messages, tools, template_has_tools(template))
         if continue_final_message:
             extra["continue_final_message"] = True
+        return msgs, extra
+
+    def _apply_template(self, msgs: list[dict], add_generation_prompt: bool, extra: dict) -> str:
         try:
             return self.tokenizer.apply_chat_template(msgs, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **extra)
         except Exception as e:  # jinja2.TemplateError: the template rejects this conversation (raise_exception)
             if type(e).__module__.startswith("jinja2"):
                 raise InvalidRequestError(f"the model's chat template rejected the conversation: {e}") from e
-            if continue_final_message and isinstance(e, ValueError):  # no final message text to continue
+            if extra.get("continue_final_message") and isinstance(e, ValueError):  # no final message text
                 raise InvalidRequestError(f"continue_final_message: {e}", param="continue_final_message") from e
             raise
 
