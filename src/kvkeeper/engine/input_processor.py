@@ -21,7 +21,7 @@ from ..sampling.params import SamplingParams
 from ..sampling.processors import build_processors
 from ..sampling.sampler import make_generator
 from ..sampling.structured import GrammarCompiler, GrammarMask
-from ..text.chat_tokens import ChatEncoder, RenderedChat, render_with_spans
+from ..text.chat_tokens import ChatEncoder, RenderedChat, longest_token_bytes, render_with_spans
 from ..text.tool_format import prepare_messages, template_has_tools, template_reads_names
 from .adapters import AdapterRegistry
 from .sequence import Sequence
@@ -45,6 +45,7 @@ class InputProcessor:
         self.control_tokens_in_content = control_tokens_in_content
         self._chat_encoder: ChatEncoder | None = None
         self._encoder_lock = threading.Lock()
+        self._max_token_bytes: int | None = None
         self.model_config = model_config
         self.context_length = context_length
         self.adapters = adapters
@@ -138,6 +139,42 @@ class InputProcessor:
             raise
 
     # ---- prompts ----------------------------------------------------------------
+    def chat_prompt_ids(self, messages: list[dict], params: SamplingParams, chat: dict | None = None) -> list[int]:
+        """The checked token ids of a conversation (:meth:`encode_chat`, then :meth:`prompt_ids` with the server's
+        strict ``max_tokens``); a rendering whose byte length alone proves it longer than the context window is
+        refused before it is tokenized (:meth:`check_bytes`).  Thread-safe: the server calls it in worker threads.
+        Raises :class:`InvalidRequestError`, :class:`ContextLengthError`."""
+        if not messages:
+            raise InvalidRequestError("the conversation is empty: give at least one message")
+        rendered = self.render_prompt(messages, **(chat or {}))
+        self.check_bytes(rendered.text)
+        return self.prompt_ids(self.encode_rendered(rendered), params, strict_max_tokens=True)
+
+    def text_prompt_ids(self, prompt: str, params: SamplingParams) -> list[int]:
+        """:meth:`prompt_ids` of a text prompt with the server's strict ``max_tokens``, refused by
+        :meth:`check_bytes` before tokenizing when too long.  Thread-safe, as :meth:`chat_prompt_ids`."""
+        self.check_bytes(prompt)
+        return self.prompt_ids(prompt, params, strict_max_tokens=True)
+
+    def check_bytes(self, text: str) -> None:
+        """Raise :class:`ContextLengthError` when ``text`` cannot fit the context window whatever its tokens: its
+        UTF-8 bytes over the vocabulary's longest token (:attr:`max_token_bytes`) are the fewest tokens it can be."""
+        if len(text) < self.context_length:  # a character is at least a byte: nothing to prove
+            return
+        n = len(text.encode("utf-8", "surrogatepass"))
+        fewest = -(-n // self.max_token_bytes)
+        if fewest >= self.context_length:
+            raise ContextLengthError(fewest, self.context_length, prompt_bytes=n)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token can stand for (the vocabulary's longest token, special tokens by
+        their text; computed once).  A tokenizer whose normalizer may shorten the text (or a slow one) gets a bound
+        that proves nothing (the context window in bytes per token), so :meth:`check_bytes` never refuses for it."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = longest_token_bytes(self.tokenizer) or 4 * self.context_length
+        return self._max_token_bytes
+
     def prompt_ids(self, prompt: str | list[int], params: SamplingParams, strict_max_tokens: bool = False) -> list[int]:
         """The checked token ids of a text or token-id prompt.  Raises :class:`InvalidRequestError` for an
         empty prompt or a token id outside the vocabulary, :class:`ContextLengthError` when the prompt

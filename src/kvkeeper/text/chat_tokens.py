@@ -24,6 +24,7 @@ built, whose ``encode`` runs without Python's GIL (the server tokenizes in worke
 from __future__ import annotations
 
 import bisect
+import json
 import re
 import secrets
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from typing import Callable
 
 from ..errors import InvalidRequestError
 
-__all__ = ["ChatEncoder", "RenderedChat", "render_with_spans"]
+__all__ = ["ChatEncoder", "RenderedChat", "longest_token_bytes", "render_with_spans"]
 
 
 @dataclass(frozen=True)
@@ -173,3 +174,31 @@ def _overlaps(spans: list[tuple[int, int]], starts: list[int], a: int, b: int) -
         if s < b and a < e:
             return True
     return False
+
+
+def _never_shortens(normalizer: dict | None) -> bool:
+    """Whether a ``tokenizer.json`` normalizer can only keep or lengthen a text's UTF-8 bytes (none, Prepend, a
+    Replace by something at least as long, a Sequence of those)."""
+    if normalizer is None:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_never_shortens(n) for n in normalizer.get("normalizers", []))
+    if kind == "Prepend":
+        return True
+    if kind == "Replace":
+        pat = normalizer.get("pattern", {})
+        return "String" in pat and len(normalizer.get("content", "").encode()) >= len(pat["String"].encode())
+    return False
+
+
+def longest_token_bytes(tokenizer) -> int | None:
+    """The most UTF-8 bytes of input text one token of ``tokenizer`` can cover: its longest decoded token plus one
+    (a decoder may drop a word-start space, e.g. Metaspace; an overestimate is safe); None when that proves nothing
+    (no ``tokenizers`` backend, or a normalizer that may shorten the text before tokenizing)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not _never_shortens(json.loads(backend.to_str()).get("normalizer")):
+        return None
+    n = backend.get_vocab_size(with_added_tokens=True)
+    decoded = backend.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    return 1 + max((len(t.encode("utf-8", "replace")) for t in decoded), default=1)
