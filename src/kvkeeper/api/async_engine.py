@@ -28,9 +28,11 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -50,6 +52,20 @@ __all__ = ["Abort", "Add", "AsyncEngine", "Call", "Command", "EngineDeadError", 
            "RequestStream", "Wake"]
 
 from .limits import DEFAULT_MAX_QUEUE  # noqa: E402  (ServerConfig.max_queue)
+
+
+PROMPT_WORKERS = 2  # threads rendering and tokenizing prompts (AsyncEngine._off_thread)
+PROMPT_NICE = 10  # their scheduling niceness above the process's (Linux: per thread)
+
+
+def _prompt_worker() -> None:
+    """Start of a prompt worker thread: on Linux, lower its CPU priority by :data:`PROMPT_NICE`, so that on a
+    machine with few cores a prompt of megabytes being tokenized takes the cores the engine thread leaves (the
+    running streams' decode steps first); elsewhere nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + PROMPT_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the thread keeps the process's priority
+        pass
 
 
 def _resolve(fut: asyncio.Future, result=None, exc: BaseException | None = None) -> None:
@@ -121,6 +137,7 @@ class AsyncEngine:
         self._served_name: str | None = None
         self._grammars = getattr(engine, "grammars", None)  # the compiler (thread-safe), taken before the thread runs
         self._inputs = getattr(engine, "inputs", None)  # the input processor: its rendering and tokenizing are too
+        self._prompt_pool: ThreadPoolExecutor | None = None  # the prompt workers, started on the first prompt
         self.served = ServedModels.of(engine)  # replaced (never changed) by the engine thread
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -154,6 +171,8 @@ class AsyncEngine:
         """Stop the engine thread; then, with a disk tier, save the sessions holding KV (see sessions.offload)."""
         self._stop.set()
         self._inbox.put(Wake())
+        if self._prompt_pool is not None:
+            self._prompt_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -188,6 +207,12 @@ class AsyncEngine:
         if self._grammars is not None and so is not None:
             await asyncio.to_thread(self._grammars.matcher, so)
 
+    async def _off_thread(self, fn: Callable[..., Any], *args):
+        """``fn(*args)`` in one of the prompt workers (:func:`_prompt_worker`), awaited."""
+        if self._prompt_pool is None:
+            self._prompt_pool = ThreadPoolExecutor(PROMPT_WORKERS, "kvkeeper-prompt", initializer=_prompt_worker)
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, fn, *args)
+
     async def _tokenize(self, req: GenerationRequest) -> GenerationRequest:
         """``req`` with its prompt rendered, tokenized and checked against the context window in a worker thread
         (``prompt_ids``), so that a prompt of megabytes never stalls the engine thread's running streams; one whose
@@ -199,14 +224,14 @@ class AsyncEngine:
             return req
         if req.session_id is not None:
             if req.messages:  # the latest message must fit whatever the session's context policy keeps
-                await asyncio.to_thread(inputs.check_bytes, str(req.messages[-1].get("content") or ""))
+                await self._off_thread(inputs.check_bytes, str(req.messages[-1].get("content") or ""))
             return req
         if req.context is not None:  # refused by the engine thread (a context policy needs a session)
             return req
         if req.messages is not None:
-            ids = await asyncio.to_thread(inputs.chat_prompt_ids, req.messages, req.params[0], req.chat)
+            ids = await self._off_thread(inputs.chat_prompt_ids, req.messages, req.params[0], req.chat)
         elif isinstance(req.prompt, str):
-            ids = await asyncio.to_thread(inputs.text_prompt_ids, req.prompt, req.params[0])
+            ids = await self._off_thread(inputs.text_prompt_ids, req.prompt, req.params[0])
         else:
             return req
         return dataclasses.replace(req, prompt_ids=ids)
@@ -216,7 +241,7 @@ class AsyncEngine:
         worker thread (on the engine thread for an engine without an input processor)."""
         if self._inputs is None:
             return await self.call(lambda eng: eng.encode_chat(messages, **chat))
-        return await asyncio.to_thread(self._inputs.encode_chat, messages, **chat)
+        return await self._off_thread(lambda: self._inputs.encode_chat(messages, **chat))
 
     async def submit(self, req: GenerationRequest) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it.

@@ -184,13 +184,13 @@ class InputProcessor:
                 raise InvalidRequestError("the prompt is empty: give at least one token of text")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            ids = list(prompt) if all(type(t) is int for t in prompt) else [int(t) for t in prompt]
         if not ids:
             raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        if not 0 <= min(ids) <= max(ids) < vocab:  # (C loops: a long prompt holds the GIL for less time)
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
         ctx = self.context_length
         if len(ids) >= ctx:
             raise ContextLengthError(len(ids), ctx)

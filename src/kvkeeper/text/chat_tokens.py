@@ -130,10 +130,12 @@ class ChatEncoder:
             return list(enc.ids)
         spans = [(max(s - start, 0), e - start) for s, e in rendered.spans if e > start]
         starts = [s for s, _ in spans]
-        forged = [k for k, (i, (a, b)) in enumerate(zip(enc.ids, enc.offsets))
-                  if i in self.special_ids and _overlaps(spans, starts, a, b)]
+        ids = enc.ids
+        marks = [k for k, i in enumerate(ids) if i in self.special_ids]  # the few special tokens' positions
+        offsets = enc.offsets if marks and spans else []
+        forged = [k for k in marks if offsets and _overlaps(spans, starts, *offsets[k])]
         if not forged:
-            return list(enc.ids)
+            return ids
         return self._with_plain_contents(text, enc, set(forged))
 
     def _with_plain_contents(self, text: str, enc, forged: set[int]) -> list[int]:
