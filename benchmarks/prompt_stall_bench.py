@@ -12,9 +12,9 @@ Per phase: the gaps' p50, p99 and max (s) and the p99's ratio to the quiet p99 (
 issue 31 the prompts were tokenized on the engine thread and a 4 MB one froze every stream for seconds.
 
     .venv/bin/python benchmarks/prompt_stall_bench.py [--max-tokens 96] [--streams 3] [--senders 2]
-        [--out benchmarks/results]
+        [--out benchmarks/results] [--config NAME]
 
-Writes ``OUT/prompt_stall_bench-smollm2-135m-<date>.json`` and ``.md`` and prints the markdown.
+Writes ``OUT/prompt_stall_bench-<config>-<date>.json`` (config default smollm2-135m) and ``.md`` and prints the markdown.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.utils.serverproc
 
-from benchmarks.common import RESULTS, cpu_model, result_name, write_report  # noqa: E402
+from benchmarks.common import MODEL, RESULTS, cpu_model, result_name, write_report  # noqa: E402
 from tests.utils.serverproc import server_process  # noqa: E402
 
 PROMPTS = {"4mb": 4_000_000, "half_mb": 500_000}  # message bytes (the body limit is 4 MiB)
@@ -81,7 +81,7 @@ def markdown(res: dict) -> str:
     for name, p in res["phases"].items():
         rows.append(f"| {name} | {p['gaps']} | {p['p50_s']:.4f} | {p['p99_s']:.4f} | {p['max_s']:.4f} | "
                     f"{p['p99_ratio']:.2f} | {p['huge_requests']} ({', '.join(map(str, p['huge_codes'])) or '-'}) |")
-    return (f"# Inter-chunk gaps while huge prompts arrive ({res['date']})\n\n{res['cpu']}; embedded model, "
+    return (f"# Inter-chunk gaps while huge prompts arrive ({res['config']}, {res['date']})\n\n{res['cpu']}; embedded model, "
             f"{res['max_tokens']} tokens per stream, {res['streams']} streams per phase, {res['senders']} senders of "
             f"huge prompts.  Target: p99 below 3x the quiet p99.\n\n" + "\n".join(rows) + "\n")
 
@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=3)
     ap.add_argument("--senders", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--config", default=MODEL, help="the result's config name (e.g. the code measured)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, server_process(Path(tmp) / "server.log") as (base, _):
         asyncio.run(phase(base, None, 1, 0, 8))  # warm-up
@@ -104,7 +105,8 @@ def main() -> None:
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
            "max_tokens": args.max_tokens, "streams": args.streams, "senders": args.senders, "phases": phases}
     args.out.mkdir(parents=True, exist_ok=True)
-    write_report(args.out, result_name("prompt_stall_bench"), res, markdown(res))
+    res["config"] = args.config
+    write_report(args.out, result_name("prompt_stall_bench", args.config), res, markdown(res))
 
 
 if __name__ == "__main__":

@@ -47,10 +47,10 @@ def _tokenize(server, messages) -> list[int]:
 
 
 def _prompt_ids(client, messages) -> list[int]:
-    """The prompt token ids a chat request prefilled (its prompt logprobs' ids)."""
+    """The prompt token ids a chat request prefilled (vLLM's ``return_token_ids``)."""
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0,
-                                       extra_body={"prompt_logprobs": 0})
-    return [e["token_id"] for e in r.model_extra["prompt_logprobs"]]
+                                       extra_body={"return_token_ids": True})
+    return r.model_extra["prompt_token_ids"]
 
 
 def test_tokenize_shows_the_ids_a_request_gets_and_no_forged_turn(server, client, specials):
