@@ -37,7 +37,9 @@ class InvalidRequestError(KVKeeperError, ValueError):
 class ContextLengthError(InvalidRequestError):
     """A prompt (plus the tokens asked for) does not fit in the model's context window."""
 
-    def __init__(self, prompt_tokens: int, context_length: int, max_tokens: int = 0):
+    def __init__(self, prompt_tokens: int, context_length: int, max_tokens: int = 0, prompt_bytes: int | None = None):
+        """prompt_bytes: the prompt was measured in bytes only (UTF-8), ``prompt_tokens`` being the fewest tokens
+        that many bytes can be (the vocabulary's longest token bounds the bytes per token)."""
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
         self.max_tokens = max_tokens
@@ -46,6 +48,11 @@ class ContextLengthError(InvalidRequestError):
                 f"prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}, "
                 f"together {prompt_tokens + max_tokens} tokens, but the model's context window is "
                 f"{context_length} tokens; shorten the prompt or lower max_tokens"
+            )
+        elif prompt_bytes is not None:
+            msg = (
+                f"prompt is {prompt_bytes} bytes, at least {prompt_tokens} tokens, but the model's context window is "
+                f"{context_length} tokens; shorten the prompt (or trim earlier turns)"
             )
         else:
             msg = (

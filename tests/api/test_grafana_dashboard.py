@@ -81,15 +81,44 @@ def test_dashboard_is_well_formed_and_covers_the_topics():
     assert all(p.get("datasource", {}).get("uid") == "${datasource}" for p in doc["panels"] if p["type"] != "row")
 
 
+def sample_names(text: str) -> set[str]:
+    """Names of the samples a /metrics page holds (a declared family without samples counts for nothing)."""
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def queried_names() -> set[str]:
+    return {n for _title, expr in dashboard_exprs() for n in metric_names(expr)}
+
+
 @pytest.mark.slow
 def test_every_dashboard_metric_is_exported(tmp_path):
     with running_server(tmp_path / "server.log", "--kv-blocks", "64") as base:
+        fresh = httpx.get(base + "/metrics", timeout=30).text  # before any request: every series at its zero
         r = httpx.post(base + "/v1/chat/completions", timeout=120,
                        json={"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4})
         assert r.status_code == 200, r.text
         text = httpx.get(base + "/metrics", timeout=30).text
+    missing = sorted(queried_names() - sample_names(fresh))
+    assert not missing, f"before any traffic, /metrics has no series of what the dashboard queries: {missing}"
+    from kvkeeper.engine.breaker import ACTIONS
+
+    actions = {(s.labels["tier"], s.labels["action"]) for fam in text_string_to_metric_families(fresh)
+               for s in fam.samples if s.name == "kvkeeper:breaker_actions_total"}
+    assert actions == set(ACTIONS)  # every labelled series, not just one
     exported = exported_names(text)
     missing = {(title, n) for title, expr in dashboard_exprs() for n in metric_names(expr) if n not in exported}
     assert not missing, f"the dashboard queries metrics /metrics does not export: {sorted(missing)}"
     # the check can fail: a misspelt name is caught
     assert "kvkeeper:kv_cache_usage_percent" not in exported
+
+
+def test_every_breaker_action_is_declared():
+    """ACTIONS (the series /metrics exports from start-up) lists every action the breaker counts."""
+    import re
+
+    import kvkeeper.engine.breaker as br
+
+    src = open(br.__file__, encoding="utf-8").read()
+    counted = {(br.TIER_NAMES[int(t)], a) for t, a in re.findall(r'_event\((\d), "(\w+)"', src)}
+    counted |= set(re.findall(r'actions\[\("(\w+)", "(\w+)"\)\]', src))
+    assert counted and counted == set(br.ACTIONS)

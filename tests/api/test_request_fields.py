@@ -17,7 +17,7 @@ import uuid
 
 import httpx
 import pytest
-from tests.utils.serverproc import running_server
+from tests.utils.serverproc import running_server, wait_for_log
 
 from kvkeeper.api.schemas import REFUSED, ChatCompletionRequest, CompletionRequest
 
@@ -456,9 +456,8 @@ def test_access_log_line(client, server_log):
     u = r.usage
     line = (f'"POST /v1/chat/completions" 200 prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} '
             f"cached_tokens={u.prompt_tokens_details.cached_tokens} ms=")
-    text = server_log.read_text()
-    assert any(line in ln and "user='alice-42'" in ln for ln in text.splitlines()), text[-2000:]
-    assert re.search(r'access 127\.0\.0\.1:\d+ "GET /health" 200 prompt_tokens=- ', text)
+    wait_for_log(server_log, lambda text: any(line in ln and "user='alice-42'" in ln for ln in text.splitlines())
+                 and re.search(r'access 127\.0\.0\.1:\d+ "GET /health" 200 prompt_tokens=- ', text))
 
 
 def _gauge(base: str, name: str) -> float:

@@ -219,3 +219,42 @@ def test_cli_refuses_bad_environment_and_ports_without_a_traceback():
     assert r.returncode == 2 and "cannot listen" in r.stderr and "Traceback" not in r.stderr
     r = _cli("serve", "--port", "1", env={"KVKEEPER_TEST_OFFLOAD_DELAY": "abc"})
     assert r.returncode == 2 and "KVKEEPER_TEST_OFFLOAD_DELAY" in r.stderr and "Traceback" not in r.stderr
+
+
+# A subcommand standing in for `kvkeeper eval memory`: bm25s sets its logger to DEBUG and logs per turn, transformers
+# draws its "Loading weights" bar; main() is kvkeeper's own.
+_NOISY = '''
+import argparse, logging, sys
+import kvkeeper.cli as cli
+
+def noisy(args):
+    lib = logging.getLogger("bm25s")
+    lib.setLevel(logging.DEBUG)
+    lib.debug("Building index from IDs objects")
+    logging.getLogger("some.library").info("library info line")
+    logging.getLogger("some.library").warning("library warning line")
+    import transformers.utils.logging as tl
+    print("bars", tl.is_progress_bar_enabled())
+    return 0
+
+def parser():
+    p = argparse.ArgumentParser()
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=noisy)
+    return p
+
+cli.build_parser = parser
+sys.exit(cli.main(sys.argv[1:]))
+'''
+
+
+def test_library_logging_below_warning_stays_off_the_terminal():
+    """Issue 31, item 8: a library's DEBUG / INFO lines and progress bars only with -v; warnings always."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    quiet = subprocess.run([sys.executable, "-c", _NOISY], capture_output=True, text=True, timeout=120, env=env)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "Building index" not in quiet.stderr and "library info line" not in quiet.stderr, quiet.stderr
+    assert "library warning line" in quiet.stderr and "bars False" in quiet.stdout
+    loud = subprocess.run([sys.executable, "-c", _NOISY, "-v"], capture_output=True, text=True, timeout=120, env=env)
+    assert "library info line" in loud.stderr and "bars True" in loud.stdout
+    assert "Building index" not in loud.stderr  # -v is INFO: a library's DEBUG stays out even then

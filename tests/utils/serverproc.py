@@ -54,6 +54,20 @@ def server_process(log_path: Path, *extra_args: str, timeout_s: float = 300, env
         log_file.close()
 
 
+def wait_for_log(log_path: Path, found, timeout_s: float = 30.0, poll_s: float = 0.1) -> str:
+    """The server log's text once ``found(text)`` is true, read again every ``poll_s`` seconds: a line the server
+    writes after its response (the access log) may not be there yet.  Raises AssertionError with the log's tail
+    when ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = Path(log_path).read_text()
+        if found(text):
+            return text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not in the server log after {timeout_s} s:\n{text[-2000:]}")
+        time.sleep(poll_s)
+
+
 @contextlib.contextmanager
 def running_server(log_path: Path, *extra_args: str, timeout_s: float = 300):
     """Yield the base URL of a healthy server; terminate it on exit and fail if its log holds a traceback."""

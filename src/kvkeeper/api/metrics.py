@@ -60,6 +60,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..engine.breaker import ACTIONS
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -144,8 +146,11 @@ class _SnapshotCollector:
             yield c
             a = CounterMetricFamily("kvkeeper:breaker_actions", "Circuit breaker actions by tier and action.",
                                     labels=["tier", "action"])
+            counts = dict.fromkeys(ACTIONS, 0.0)  # every series from start-up: a dashboard shows 0, not "no data"
             for item in br["actions"]:
-                a.add_metric([item["tier"], item["action"]], float(item["count"]))
+                counts[(item["tier"], item["action"])] = float(item["count"])
+            for (tier, action), n in sorted(counts.items()):
+                a.add_metric([tier, action], n)
             yield a
 
 

@@ -87,7 +87,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
         chat = dict(add_generation_prompt=body.add_generation_prompt,
                     continue_final_message=body.continue_final_message,
                     tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
-        ids = await engine.call(lambda eng: eng.encode_chat(msgs, **chat))
+        ids = await engine.encode_chat(msgs, **chat)  # as a chat request gets them, off the engine thread
     else:
         text, special = body.prompt, body.add_special_tokens is not False  # vLLM's default for a prompt: true
         ids = await engine.call(lambda eng: eng.tokenizer.encode(text, add_special_tokens=special))

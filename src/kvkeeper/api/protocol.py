@@ -97,13 +97,20 @@ def structured_output(body: _SamplingFields) -> StructuredOutput | None:
         if rf.json_schema is None:
             raise APIError(400, "response_format.json_schema is missing: give {\"name\": ..., \"schema\": {...}}",
                            param="response_format.json_schema")
-        schema = rf.json_schema.json_schema
-        found.append(StructuredOutput("json_schema", schema or {"type": "object"}, "response_format"))
+        schema = rf.json_schema.json_schema  # omitted: any JSON object; {} is any JSON value, as at every door
+        found.append(json_output({"type": "object"} if schema is None else schema, "response_format"))
     found += _guided(body)
     if len(found) > 1:
         raise APIError(400, f"{found[1].param} and {found[0].param} both constrain the output: give one",
                        param=found[1].param)
     return found[0] if found else None
+
+
+def json_output(v, param: str) -> StructuredOutput:
+    """The output constraint of a JSON schema (a dict or its JSON text) given in the request field ``param``: the one
+    door of ``response_format``, ``guided_json`` and ``structured_outputs.json`` to the grammar compiler (which
+    bounds what the schema leaves unbounded, :func:`kvkeeper.sampling.structured.bounded_schema`)."""
+    return StructuredOutput("json_schema", _schema(v, param), param)
 
 
 def _schema(v, param: str) -> dict:
@@ -120,7 +127,7 @@ def _schema(v, param: str) -> dict:
 def _guided(body: _SamplingFields) -> list[StructuredOutput]:
     out = []
     if body.guided_json is not None:
-        out.append(StructuredOutput("json_schema", _schema(body.guided_json, "guided_json"), "guided_json"))
+        out.append(json_output(body.guided_json, "guided_json"))
     for name, kind in (("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
         if getattr(body, name) is not None:
             out.append(StructuredOutput(kind, getattr(body, name), name))
@@ -137,7 +144,7 @@ def _guided(body: _SamplingFields) -> list[StructuredOutput]:
         param = f"structured_outputs.{k}"
         kind = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
                 "grammar": "grammar"}[k]
-        out.append(StructuredOutput(kind, _schema(v, param) if k == "json" else v, param))
+        out.append(json_output(v, param) if k == "json" else StructuredOutput(kind, v, param))
     return out
 
 

@@ -22,6 +22,7 @@ class GenerationRequest:
     params: list[SamplingParams]
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
+    prompt_ids: list[int] | None = None  # the prompt's checked token ids, tokenized off the engine thread (or None)
     namespace: Namespace | None = None  # the cache namespace (None: the engine's own), before the adapter's
     lora: str | None = None  # the LoRA adapter ``model`` names: the engine thread puts the namespace under it
     session_id: str | None = None

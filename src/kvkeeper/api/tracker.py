@@ -127,7 +127,8 @@ class RequestTracker:
                 raise InvalidRequestError("a context policy and budget apply to a session's turns (a policy keeps "
                                           "state between them): send the request with X-Session-ID",
                                           param="context_policy")
-            prompt = self.engine.encode_chat(req.messages, **req.chat) if req.messages is not None else req.prompt
+            prompt = req.prompt_ids if req.prompt_ids is not None else (
+                self.engine.encode_chat(req.messages, **req.chat) if req.messages is not None else req.prompt)
             return self.engine.add_request(prompt, req.params[0], **kw), 0, None
         if self.sessions is None:
             raise InvalidRequestError("this server keeps no sessions; send the request without X-Session-ID")

@@ -32,7 +32,7 @@ from ..progress import reporting
 from . import chat, evals, kv, serve
 from .common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, CLIError, engine_parent
 
-__all__ = ["main", "build_parser", "CLIError", "EXIT_OK", "EXIT_ERROR", "EXIT_INTERRUPTED"]
+__all__ = ["main", "build_parser", "configure_logging", "CLIError", "EXIT_OK", "EXIT_ERROR", "EXIT_INTERRUPTED"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,11 +51,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(verbose: bool) -> None:
+    """Log to stderr what is WARNING or above, and INFO too with ``-v``, from kvkeeper and every library alike.
+
+    The level is the handler's, so a library that sets its own logger to DEBUG (bm25s does) stays quiet too; without
+    ``-v`` the Hugging Face libraries' progress bars (transformers' "Loading weights") are off as well
+    (``HF_HUB_DISABLE_PROGRESS_BARS``, which they read when imported; switched off directly if they already are).
+    """
+    level = logging.INFO if verbose else logging.WARNING
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(level)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+    if verbose:
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers.utils.logging" in sys.modules:
+        sys.modules["transformers.utils.logging"].disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.verbose)
     with contextlib.suppress(AttributeError, ValueError):
         sys.stdout.reconfigure(errors="replace")  # a reply with odd characters must not crash the CLI
     try:

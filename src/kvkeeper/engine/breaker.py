@@ -58,6 +58,10 @@ from ..options import option
 log = logging.getLogger(__name__)
 
 TIER_NAMES = ("closed", "compaction", "offload", "degrade")
+# every (tier name, action) the breaker counts in CircuitBreaker.actions: /metrics exports each from start-up (at 0)
+ACTIONS = (("closed", "health_warning"), ("closed", "early_compact"), ("closed", "close"), ("compaction", "compact"),
+           ("offload", "offload_idle_sessions"), ("degrade", "refuse_new_sessions"), ("degrade", "trim_session"),
+           ("degrade", "refused_session"))
 EARLY_SIGNALS = ("usage", "pool_rate", "eviction_rate", "preemption_rate")  # the pool's signals of a health detector
 
 

@@ -115,6 +115,11 @@ class EngineConfig:
         "--no-memory-check", "load even when the estimated memory need (weights, KV pool, working buffers) exceeds "
         "the available memory (default: refuse such a model before loading it, kvkeeper.engine.memory_fit)",
         action="store_true", negate=True))
+    control_tokens_in_content: bool = field(default=False, metadata=option(
+        "--control-tokens-in-content", "let a chat message's text write the chat template's control tokens (a "
+        "typed <|im_end|> then ends the turn, as transformers' apply_chat_template tokenizes it; any client can then "
+        "forge a system or assistant turn).  Default: that text is tokenized as plain text, control tokens come only "
+        "from the template", action="store_true"))
     seed: int = 0  # random weights of load_format "dummy"
 
     def __post_init__(self):

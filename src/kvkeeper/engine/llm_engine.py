@@ -102,7 +102,8 @@ class LLMEngine(EngineKV):
         self.namespace = Namespace(mcfg.revision, kv_dtype=self.runner.kv_format.name)
         self.adapters = AdapterRegistry(self.model_name, self.runner)
         self.loras = self.adapters.loaded  # name -> kvkeeper.layers.lora.LoRAAdapter (load_lora / unload_lora)
-        self.inputs = InputProcessor(self.tokenizer, mcfg, self.context_length, self.adapters)
+        self.inputs = InputProcessor(self.tokenizer, mcfg, self.context_length, self.adapters,
+                                     cfg.control_tokens_in_content)
         self.eos_token_ids, self.grammars = self.inputs.eos_token_ids, self.inputs.grammars  # (structured outputs)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
 
@@ -114,6 +115,14 @@ class LLMEngine(EngineKV):
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **chat) -> str:
         """The chat template's text of ``messages`` (:meth:`InputProcessor.render_chat`)."""
         return self.inputs.render_chat(messages, add_generation_prompt, **chat)
+
+    def render_prompt(self, messages: list[dict], add_generation_prompt: bool = True, **chat):
+        """The chat template's text of ``messages`` with its contents' spans (:meth:`InputProcessor.render_prompt`)."""
+        return self.inputs.render_prompt(messages, add_generation_prompt, **chat)
+
+    def encode_rendered(self, rendered, start: int = 0) -> list[int]:
+        """Token ids of a rendered conversation from ``start`` (:meth:`InputProcessor.encode_rendered`)."""
+        return self.inputs.encode_rendered(rendered, start)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     namespace: Namespace | None = None, compression: KVCompression | None = None, *,

@@ -52,16 +52,89 @@ class StructuredOutput:
                                       param=self.param)
 
 
+# Bounds of what a JSON schema leaves unbounded (bounded_schema): a model looping on digits or characters ends there.
+MAX_STRING_CHARS = 4096  # a string without maxLength, enum, const or format
+MAX_NUMBER = 10**15  # |x| of a number or integer without minimum / maximum (16 digits at most)
+NUMBER_STEP = 1e-6  # a number without multipleOf: at most 6 decimals, no exponent
+ANY_NAME = "kvkeeper_any"  # the $defs entry of a bounded "any JSON value"
+_ANY_REF = f"#/$defs/{ANY_NAME}"
+_CONSTRAINING = {"type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf", "not", "properties", "items", "prefixItems",
+                 "additionalProperties", "patternProperties", "required", "pattern", "format", "minLength", "maxLength",
+                 "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minItems", "maxItems"}
+_SUB_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _bounded_any() -> dict:
+    """Any JSON value, with the bounds of :func:`bounded_schema` (arrays and objects hold bounded values)."""
+    return {"anyOf": [{"type": "null"}, {"type": "boolean"}, _bound({"type": "number"}), _bound({"type": "string"}),
+                      {"type": "array", "items": {"$ref": _ANY_REF}},
+                      {"type": "object", "additionalProperties": {"$ref": _ANY_REF}}]}
+
+
+def _bound(node):
+    """One schema node bounded in place (see :func:`bounded_schema`); returns it (or its replacement)."""
+    if node is True or (isinstance(node, dict) and not _CONSTRAINING & set(node)):
+        return {**(node if isinstance(node, dict) else {}), "$ref": _ANY_REF}  # any value
+    if not isinstance(node, dict) or "enum" in node or "const" in node:
+        return node
+    types = node.get("type", [])
+    types = set([types] if isinstance(types, str) else types)
+    if "string" in types and not {"maxLength", "format"} & set(node):
+        node["maxLength"] = MAX_STRING_CHARS
+    if types & {"number", "integer"} and not {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum",
+                                              "multipleOf"} & set(node):  # a schema's own range is kept as it is
+        node["minimum"], node["maximum"] = -MAX_NUMBER, MAX_NUMBER
+        if "number" in types:
+            node["multipleOf"] = NUMBER_STEP
+    if "array" in types and "items" not in node and "prefixItems" not in node:
+        node["items"] = True
+    if "object" in types and "additionalProperties" not in node:
+        node["additionalProperties"] = True
+    for k in _SUB_ONE:
+        if k in node:
+            node[k] = _bound(node[k])
+    for k in _SUB_LIST:
+        if isinstance(node.get(k), list):
+            node[k] = [_bound(x) for x in node[k]]
+    for k in _SUB_MAP:
+        if isinstance(node.get(k), dict):
+            node[k] = {name: _bound(x) for name, x in node[k].items()}
+    return node
+
+
+def bounded_schema(schema: dict) -> dict:
+    """A copy of the JSON schema ``schema`` in which nothing lets a model generate forever: a string without
+    ``maxLength`` / ``enum`` / ``const`` / ``format`` gets ``maxLength`` :data:`MAX_STRING_CHARS`; a number or
+    integer with none of ``minimum``, ``maximum`` (exclusive or not) and ``multipleOf`` gets ``minimum`` /
+    ``maximum`` of -/+ :data:`MAX_NUMBER`, and a number :data:`NUMBER_STEP` (at most 6 decimals, no exponent:
+    llguidance's number lexeme is otherwise unbounded; a schema's own range is left alone, as llguidance cannot
+    intersect every range with a step); a value of any type (``{}``, ``true``, an array's missing ``items``, an object's missing
+    ``additionalProperties``) is any value within those bounds (``$defs/kvkeeper_any``).  Whitespace needs no bound:
+    :data:`JSON_FORMAT` allows none but the separators.  Object keys stay unbounded (llguidance has no
+    ``propertyNames``)."""
+    out = _bound(copy.deepcopy(schema))
+    if json.dumps(out).find(_ANY_REF) >= 0:
+        defs = out.setdefault("$defs", {})
+        if isinstance(defs, dict):
+            defs[ANY_NAME] = _bounded_any()
+    return out
+
+
 def json_schema_grammar(schema: dict) -> str:
-    """The llguidance grammar of a JSON schema, compact with Python's separators (see the module doc)."""
+    """The llguidance grammar of a JSON schema, :func:`bounded <bounded_schema>`, compact with Python's separators
+    (see the module doc): the one compilation path of every JSON door (``response_format``, ``guided_json``,
+    ``structured_outputs.json``, ``json_object``)."""
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=dict(JSON_FORMAT))
+    return llguidance.LLMatcher.grammar_from_json_schema(bounded_schema(schema), overrides=dict(JSON_FORMAT))
 
 
 def with_json_format(schema: dict) -> dict:
-    """``schema`` with llguidance's ``x-guidance`` JSON options set to :data:`JSON_FORMAT` (for ``%json`` in Lark)."""
-    out = copy.deepcopy(schema)
+    """``schema`` :func:`bounded <bounded_schema>`, with llguidance's ``x-guidance`` JSON options set to
+    :data:`JSON_FORMAT` (for ``%json`` in Lark)."""
+    out = bounded_schema(schema)
     out["x-guidance"] = dict(JSON_FORMAT)
     return out
 

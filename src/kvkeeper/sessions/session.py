@@ -202,14 +202,16 @@ class Session:
                                    "send the next turn once it has finished")
         if (messages is None) == (prompt is None):
             raise InvalidRequestError("a turn needs exactly one of messages or prompt")
-        text = None
+        text = rendered = None
         if messages is not None:
             chat = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                         tools=tools)
-            text = self.engine.render_chat(self.context_messages(messages, request.get("namespace"), **chat), **chat)
+            rendered = self.engine.render_prompt(self.context_messages(messages, request.get("namespace"), **chat),
+                                                 **chat)
+            text = rendered.text
         elif isinstance(prompt, str):
             text = prompt
-        ids = self._prompt_ids(text, prompt, chat=messages is not None)
+        ids = self._prompt_ids(text, prompt, rendered)
         if not self.reuse:
             request["namespace"] = self.engine.isolated_namespace("noreuse", request.get("namespace"))
         seq = self.engine.add_request(ids, params or self.params, request_id or self._request_id(), **request)
@@ -230,14 +232,21 @@ class Session:
             rid, k = f"{self.id}-t{len(self.turns) + 1}.{k}", k + 1
         return rid
 
-    def _prompt_ids(self, text: str | None, prompt, chat: bool) -> list[int] | str:
-        """The reuse rule: the session's own ids plus the new text's, when the text extends the session's."""
-        st, tok = self.kv, self.engine.tokenizer
+    def _prompt_ids(self, text: str | None, prompt, rendered) -> list[int] | str:
+        """The reuse rule: the session's own ids plus the new text's, when the text extends the session's.
+
+        rendered: the conversation's :class:`~kvkeeper.text.chat_tokens.RenderedChat` (None for a raw prompt),
+        tokenized with control tokens only from the template (``LLMEngine.encode_rendered``)."""
+        st, eng = self.kv, self.engine
         if text is None:
             return prompt  # token ids: the hand-over keeps the longest common prefix
-        if self.reuse and st is not None and self.text and text.startswith(self.text):
-            return list(st.token_ids) + tok.encode(text[len(self.text):], add_special_tokens=False)
-        return tok.encode(text, add_special_tokens=False) if chat else text
+        extends = self.reuse and st is not None and self.text and text.startswith(self.text)
+        start = len(self.text) if extends else 0
+        if rendered is not None:
+            new = eng.encode_rendered(rendered, start)
+        else:
+            new = eng.tokenizer.encode(text[start:], add_special_tokens=False) if extends else text
+        return list(st.token_ids) + new if extends else new
 
     def _hand_over(self, seq: Sequence) -> int:
         """Give the session's KV to ``seq`` (not yet scheduled); returns the tokens handed over.

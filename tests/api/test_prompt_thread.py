@@ -1,0 +1,104 @@
+"""Huge prompts never stall the engine thread (issue 31, item 2): a request's prompt is rendered, tokenized and
+checked against the context window in a worker thread, and one whose byte length alone proves it too long is
+refused before it is tokenized at all.
+
+Stated without timing: a profiler hook records on which thread every ``tokenizers.Tokenizer.encode*`` call runs
+while a stream is running; the engine thread must make none (the inter-chunk gaps themselves are measured by
+benchmarks/prompt_stall_bench.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+
+import pytest
+
+from kvkeeper import SamplingParams
+from kvkeeper.errors import ContextLengthError
+
+pytestmark = pytest.mark.slow
+
+
+class EncodeCalls:
+    """Thread names of the ``Tokenizer.encode`` / ``encode_batch`` calls made while installed (every thread)."""
+
+    def __init__(self):
+        self.threads: list[str] = []
+
+    def _hook(self, frame, event, arg):
+        if event == "c_call" and getattr(arg, "__qualname__", "").startswith("Tokenizer.encode"):
+            self.threads.append(threading.current_thread().name)
+
+    def __enter__(self):
+        threading.setprofile(self._hook)
+        sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+        threading.setprofile(None)
+
+
+def _serve(engine, calls: EncodeCalls, body):
+    """Run ``body(aeng)`` against an AsyncEngine on ``engine`` started under the hook."""
+    from kvkeeper.api.async_engine import AsyncEngine
+
+    async def run():
+        aeng = AsyncEngine(engine)
+        aeng.start()  # under the hook: threads started now get it too
+        try:
+            await body(aeng)
+        finally:
+            aeng.stop()
+
+    with calls:
+        asyncio.run(run())
+
+
+def _request(rid: str, max_tokens: int = 4, **prompt):
+    from kvkeeper.api.streams import GenerationRequest
+
+    return GenerationRequest(rid, [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)], **prompt)
+
+
+def test_prompts_are_tokenized_off_the_engine_thread(engine):
+    ctx = engine.context_length
+    big = "The quick brown fox jumps over the lazy dog. " * (6 * ctx // 10 + 1)  # ~6x the window in tokens
+
+    async def body(aeng):
+        running = await aeng.submit(_request("stream", 8, messages=[{"role": "user", "content": "Count to ten."}]))
+        for rid, prompt in (("chat", {"messages": [{"role": "user", "content": big}]}), ("text", {"prompt": big})):
+            with pytest.raises(ContextLengthError) as ei:
+                await aeng.submit(_request(rid, **prompt))
+            assert ei.value.prompt_tokens > ctx  # counted: it was tokenized
+        ok = await aeng.submit(_request("fits", messages=[{"role": "user", "content": "Hello there."}]))
+        async for _ in ok:
+            pass
+        async for _ in running:
+            pass
+
+    calls = EncodeCalls()
+    _serve(engine, calls, body)
+    assert calls.threads, "the hook saw no tokenization at all: it cannot tell"
+    assert not {"kvkeeper-engine", "MainThread"} & set(calls.threads), calls.threads  # workers only
+
+
+def test_a_prompt_too_long_by_its_bytes_is_never_tokenized(engine):
+    ctx = engine.context_length
+    huge = "x" * (4 << 20)  # 4 MB
+    hello = [{"role": "user", "content": "Hello."}]
+    want = engine.encode_chat(hello)
+
+    async def body(aeng):
+        for prompt in ({"messages": [{"role": "user", "content": huge}]}, {"prompt": huge},
+                       {"messages": [{"role": "user", "content": huge}], "session_id": "s-huge"}):
+            with pytest.raises(ContextLengthError) as ei:
+                await aeng.submit(_request("huge", **prompt))
+            assert "bytes, at least" in str(ei.value)
+        assert await aeng.encode_chat(hello) == want  # /tokenize's path: in a worker thread
+
+    calls = EncodeCalls()
+    _serve(engine, calls, body)
+    assert len(calls.threads) == 1 and calls.threads[0] not in ("kvkeeper-engine", "MainThread"), calls.threads
