@@ -17,6 +17,7 @@ refuses new sessions while KV memory is short.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import uuid
@@ -30,6 +31,7 @@ from ..errors import InvalidRequestError, KVKeeperError, QuotaExceededError, Ses
 from ..options import option
 from .context import POLICIES, ContextSpec, ContextState, turn_text
 from .disk import session_dir_name
+from .fork import fork_kv
 from .offload import DEFAULT_HOST_OFFLOAD_BYTES, SessionStore
 from .session import Session, session_key
 
@@ -127,6 +129,26 @@ class SessionManager:
         s = Session(self, key, system=system, reuse=reuse, params=params, context=context or self.default_context,
                     tenant=tenant, name=sid)
         self.sessions[key] = s
+        return s
+
+    def fork(self, source: Session, session_id: str | None = None, tenant: str | None = None) -> Session:
+        """A new session (``tenant``'s, id as :meth:`open`) continuing from ``source`` as it stands: the same
+        conversation, turns and context policy, and its KV forked copy-on-write (:func:`~kvkeeper.sessions.fork.
+        fork_kv`: full blocks shared by reference, the partial last block copied), so a turn of either session
+        never shows in the other.  An offloaded source's KV is restored to the pool first.  Raises
+        :class:`InvalidRequestError` for a closed source, one with a turn in flight or an id already open, and
+        ``OverloadedError`` while a circuit breaker refuses new sessions."""
+        if source.closed or source.turn is not None:
+            raise InvalidRequestError(f"session {source.name!r} cannot be forked while "
+                                      f"{'closed' if source.closed else 'a turn is in flight'}")
+        s = self.open(session_id=session_id, reuse=source.reuse, params=source.params, context=source.context,
+                      tenant=tenant)
+        if self.store.tier_of(source.id) and source.kv is not None:
+            self.store.restore(source)
+        s.messages, s.text, s.turns = [dict(m) for m in source.messages], source.text, list(source.turns)
+        s.priority, s.context_state = source.priority, copy.deepcopy(source.context_state)
+        if source.kv is not None:
+            s.kv = fork_kv(self.engine, source.kv, f"{s.id}-fork")
         return s
 
     def find(self, tenant: str | None, session_id: str) -> Session | None:
