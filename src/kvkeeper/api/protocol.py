@@ -39,13 +39,18 @@ def check_body(body, ctx: RequestContext) -> str | None:
     if so is not None and so.include_obfuscation:
         raise APIError(400, "stream_options.include_obfuscation is not supported: chunks are not padded; "
                             "send false or omit it", param="stream_options.include_obfuscation")
+    refuse_unknown(body, ctx)
+    return adapter.name if adapter is not None else None
+
+
+def refuse_unknown(body, ctx: RequestContext) -> None:
+    """400 naming the first field of ``body`` no schema declares (unless the server ignores them)."""
     if ctx.refuse_unknown_fields:
         unknown = unknown_fields(body)
         if unknown:
             raise APIError(400, f"unknown field {unknown[0]!r}: this server does not implement it, and does not "
                                 "silently ignore a field; remove it (or start the server with "
                                 "--ignore-unknown-fields)", param=unknown[0])
-    return adapter.name if adapter is not None else None
 
 
 def generation_fields(body: _SamplingFields, ctx: RequestContext, lora: str | None) -> dict:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import uuid
+from types import SimpleNamespace
 
 from ..sampling.structured import StructuredOutput
 from .errors import APIError
 from .responses_schema import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
-from .tools import ChoiceCalls, ToolUse
+from .schemas import FunctionDefinition, FunctionName, NamedToolChoice, Tool
+from .tools import ChoiceCalls, ToolUse, tool_use_of
 
 
 def item_id(prefix: str) -> str:
@@ -81,30 +83,19 @@ def _stored_item(it) -> dict:
 
 
 def tool_use_of_body(body: ResponsesRequest) -> ToolUse | None:
-    """The request's :class:`~kvkeeper.api.tools.ToolUse` (tools in the chat form the engine renders), or None."""
-    if not body.tools:
-        for name in ("tool_choice", "parallel_tool_calls"):
-            if getattr(body, name) is not None and not (name == "tool_choice" and body.tool_choice == "none"):
-                raise APIError(400, f"{name} needs tools: give the functions the model may call in tools", param=name)
-        return None
-    tools = []
-    for i, t in enumerate(body.tools):
-        fn = t.model_dump(exclude_none=True, exclude={"type", "strict"})
-        params = fn.get("parameters")
-        if params is not None and params.get("type", "object") != "object":
-            raise APIError(400, "a function's parameters must be a JSON schema of an object (its arguments)",
-                           param=f"tools.{i}.parameters")
-        tools.append({"type": "function", "function": fn})
-    names = [t["function"]["name"] for t in tools]
-    if len(set(names)) != len(names):
-        raise APIError(400, "tools: two functions have the same name", param="tools")
-    tc = body.tool_choice or "auto"
-    use = ToolUse(tools, tc if isinstance(tc, str) else "named", None, body.parallel_tool_calls is not False)
-    if not isinstance(tc, str):
-        use.name = tc.name
-        if tc.name not in names:
-            raise APIError(400, f"tool_choice names {tc.name!r}, which is not among the tools", param="tool_choice")
-    return use
+    """The request's :class:`~kvkeeper.api.tools.ToolUse` (tools in the chat form the engine renders), or None;
+    the rules of :func:`~kvkeeper.api.tools.tool_use_of` (400 naming the field)."""
+    tc = body.tool_choice
+    chat = SimpleNamespace(
+        tools=[Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"})))
+               for t in body.tools or []],
+        tool_choice=NamedToolChoice(type="function", function=FunctionName(name=tc.name)) if tc is not None
+        and not isinstance(tc, str) else tc, parallel_tool_calls=body.parallel_tool_calls)
+    try:
+        return tool_use_of(chat)
+    except APIError as e:  # the chat form's names of the fields: tools.N.function.parameters
+        e.param = e.param.replace(".function.", ".") if e.param else e.param
+        raise
 
 
 def text_format(body: ResponsesRequest) -> StructuredOutput | None:

@@ -22,11 +22,11 @@ from ..kvcache.namespace import tenant_namespace
 from ..sampling.params import SamplingParams
 from .errors import APIError
 from .prompt_cache import cache_salt_of
+from .protocol import refuse_unknown
 from .request_parsing import RequestContext
 from .response_store import ResponseStore, StoredResponse
 from .responses_items import format_of, input_messages, item_id, text_format, tool_use_of_body
 from .responses_schema import ResponsesRequest, refused_response_field
-from .schemas import unknown_fields
 from .streams import GenerationRequest, Usage
 from .tools import ToolUse
 
@@ -91,12 +91,7 @@ def check_response_body(body: ResponsesRequest, ctx: RequestContext) -> str | No
     bad = refused_response_field(body)
     if bad is not None:
         raise APIError(400, f"{bad[0]} is not supported: {bad[1]}", param=bad[0])
-    if ctx.refuse_unknown_fields:
-        unknown = unknown_fields(body)
-        if unknown:
-            raise APIError(400, f"unknown field {unknown[0]!r}: this server does not implement it, and does not "
-                                "silently ignore a field; remove it (or start the server with "
-                                "--ignore-unknown-fields)", param=unknown[0])
+    refuse_unknown(body, ctx)
     if ctx.session_id is not None:
         raise APIError(400, "X-Session-ID does not apply to /v1/responses: a stored response is its own session "
                             "turn; continue it with previous_response_id", param="X-Session-ID")

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Field, model_validator
 
-from .schemas import _OPEN, _only
+from .schemas import _OPEN, FunctionDefinition, FunctionName, _only
 
 
 class InputContent(BaseModel):
@@ -26,52 +26,46 @@ class InputContent(BaseModel):
     logprobs: list[Any] | None = _only(None, [])
 
 
-class MessageItem(BaseModel):
+class _Item(BaseModel):
+    """What every input item may carry back from an earlier response: its id and status."""
+
     model_config = _OPEN
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputContent]
-    id: str | None = None  # an output message's id, when the caller sends an earlier output back
+    id: str | None = None
     status: str | None = None
 
 
-class FunctionCallItem(BaseModel):
-    model_config = _OPEN
+class MessageItem(_Item):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputContent]
+
+
+class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1, max_length=128)
     name: str
     arguments: str  # JSON text of the arguments object
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(BaseModel):
-    model_config = _OPEN
+class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=128)
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 InputItem = Annotated[Union[MessageItem, FunctionCallItem, FunctionCallOutputItem], Field(discriminator="type")]
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(FunctionDefinition):
     """A function the model may call (the Responses API's flat form: name and schema beside ``type``)."""
 
-    model_config = _OPEN
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # calls are always constrained to the schema
 
 
-class NamedFunction(BaseModel):
-    model_config = _OPEN
+class NamedFunction(FunctionName):
+    """``tool_choice`` naming one function (flat: ``{"type": "function", "name": ...}``)."""
+
     type: Literal["function"]
-    name: str
 
 
 class TextFormat(BaseModel):
