@@ -35,9 +35,11 @@ router = APIRouter()  # included behind the caller dependency (kvkeeper.api.auth
 
 
 def response_store(request: Request) -> ResponseStore:
+    """The app's stored responses (opened on first use: read back from the sessions' data directory, if any)."""
     st = request.app.state
     if getattr(st, "responses", None) is None:
-        st.responses = ResponseStore()
+        sessions = st.engine.sessions
+        st.responses = ResponseStore(data_dir=sessions.store.data_dir if sessions is not None else None)
     return st.responses
 
 

@@ -1,0 +1,42 @@
+"""Stored responses survive a restart (issue 25): a response stored on one server process is continued by the next
+process on the same ``--data-dir`` with its KV restored from the disk tier (the whole previous turn cached) and the
+same reply as continuing on the first process.  Driven by the official ``openai`` client.
+"""
+
+from __future__ import annotations
+
+import pytest
+from tests.utils.serverproc import server_process
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+
+
+def _client(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def test_a_stored_response_continues_after_a_restart(tmp_path):
+    args = ("--threads", "2", "--max-model-len", "1024", "--data-dir", str(tmp_path / "data"))
+    ask = dict(model=MODEL, temperature=0, max_output_tokens=12)
+    with server_process(tmp_path / "first.log", *args) as (base, proc):
+        c = _client(base)
+        r1 = c.responses.create(input="My favourite number is 42. Say ok.", **ask)
+        expect = c.responses.create(input="What is my favourite number?", previous_response_id=r1.id, store=False,
+                                    **ask)
+        proc.terminate()  # a graceful stop: the sessions' KV is saved to the disk tier
+        proc.wait(timeout=60)  # uvicorn exits by the signal once the lifespan has ended
+    assert "saved 1 sessions" in (tmp_path / "first.log").read_text()
+    with server_process(tmp_path / "second.log", *args) as (base, _):
+        c = _client(base)
+        assert c.responses.retrieve(r1.id).output_text == r1.output_text
+        again = c.responses.create(input="What is my favourite number?", previous_response_id=r1.id, store=False,
+                                   **ask)
+        assert again.output_text == expect.output_text
+        cached = again.usage.input_tokens_details.cached_tokens
+        assert cached == expect.usage.input_tokens_details.cached_tokens == (
+            r1.usage.input_tokens + r1.usage.output_tokens - 1)
+    assert "Traceback" not in (tmp_path / "second.log").read_text()
