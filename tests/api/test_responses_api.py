@@ -225,3 +225,22 @@ def test_prompt_cache_key_scopes_the_cache(alice, bob):
     assert cached(alice, key) == 0
     assert cached(alice, key) > 0 and cached(alice, key, "responses") > 0  # one entry on both routes
     assert cached(alice, other) == 0 and cached(bob, key) == 0  # another key, another tenant's same key
+
+
+def test_session_fork_route_shares_blocks_and_continues_both(server, alice):
+    sid = f"conv-{uuid.uuid4().hex[:8]}"
+    msgs = [{"role": "user", "content": "My name is Ada and I live in Oslo. Say hello."}]
+    r1 = _chat(alice, msgs, 20, extra_headers={"X-Session-ID": sid})
+    fork = httpx.post(f"{server}/v1/sessions/{sid}/fork", params={"id": sid + "-b"}, headers=ALICE, timeout=30)
+    assert fork.status_code == 200, fork.text
+    assert fork.json()["shared_blocks"] == (r1.usage.total_tokens - 1) // BLOCK and fork.json()["turns"] == 1
+    msgs.append({"role": "assistant", "content": r1.choices[0].message.content})
+    for s, q in ((sid, "What is my name?"), (sid + "-b", "Where do I live?")):
+        r = _chat(alice, msgs + [{"role": "user", "content": q}], extra_headers={"X-Session-ID": s})
+        assert r.usage.prompt_tokens_details.cached_tokens == r1.usage.total_tokens - 1
+        assert r.choices[0].message.content == _chat(alice, msgs + [{"role": "user", "content": q}]).choices[
+            0].message.content
+    again = httpx.post(f"{server}/v1/sessions/{sid}/fork", params={"id": sid + "-b"}, headers=ALICE, timeout=30)
+    assert again.status_code == 409 and again.json()["error"]["param"] == "id"
+    other = httpx.post(f"{server}/v1/sessions/{sid}/fork", headers={"Authorization": "Bearer sk-bob"}, timeout=30)
+    assert other.status_code == 404
