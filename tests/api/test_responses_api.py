@@ -244,3 +244,36 @@ def test_session_fork_route_shares_blocks_and_continues_both(server, alice):
     assert again.status_code == 409 and again.json()["error"]["param"] == "id"
     other = httpx.post(f"{server}/v1/sessions/{sid}/fork", headers={"Authorization": "Bearer sk-bob"}, timeout=30)
     assert other.status_code == 404
+
+
+def test_conversation_holds_its_items_and_their_kv(server, alice, bob):
+    conv = alice.conversations.create(items=[{"type": "message", "role": "user", "content": "My name is Ada."}],
+                                      metadata={"topic": "names"})
+    assert conv.metadata == {"topic": "names"} and alice.conversations.retrieve(conv.id).id == conv.id
+    r1 = _create(alice, "Say hello to me.", conversation=conv.id, max_output_tokens=16)
+    r2 = _create(alice, "What is my name?", conversation=conv.id, store=False)
+    assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens - 1
+    chat = _chat(alice, [{"role": "user", "content": "My name is Ada."}, {"role": "user", "content": "Say hello to me."},
+                         {"role": "assistant", "content": r1.output_text}, {"role": "user", "content": "What is my name?"}])
+    assert r2.output_text == chat.choices[0].message.content and r2.conversation.id == conv.id
+    items = alice.conversations.items.list(conv.id, order="asc").data
+    assert [(i.role, i.content[0].text) for i in items] == [
+        ("user", "My name is Ada."), ("user", "Say hello to me."), ("assistant", r1.output_text),
+        ("user", "What is my name?"), ("assistant", r2.output_text)]
+    assert alice.conversations.items.retrieve(items[2].id, conversation_id=conv.id).id == items[2].id
+    added = alice.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "Hi."}])
+    assert [i.content[0].text for i in added.data] == ["Hi."]
+    alice.conversations.items.delete(added.data[0].id, conversation_id=conv.id)
+    assert len(alice.conversations.items.list(conv.id).data) == 5
+    for call in (lambda: bob.conversations.retrieve(conv.id), lambda: bob.conversations.items.list(conv.id),
+                 lambda: _create(bob, "What is my name?", conversation=conv.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.BadRequestError) as ei:
+        _create(alice, "x", conversation=conv.id, previous_response_id=r1.id)
+    assert ei.value.body["param"] == "conversation"
+    assert conv.id in _sessions(server)
+    alice.conversations.delete(conv.id)
+    assert conv.id not in _sessions(server)
+    with pytest.raises(openai.NotFoundError):
+        alice.conversations.retrieve(conv.id)

@@ -22,52 +22,92 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text_of(i: int, m: MessageItem) -> str:
-    if isinstance(m.content, str):
-        return m.content
-    return "\n".join(p.text for p in m.content)
-
-
-def _arguments(i: int, c: FunctionCallItem) -> str:
+def _arguments(i: int, c: FunctionCallItem, field: str) -> None:
     try:
         args = json.loads(c.arguments)
     except ValueError:
         args = None
     if not isinstance(args, dict):
-        raise APIError(400, f"input[{i}].arguments must be the JSON text of an object, as the response's "
-                            "function_call item gave it", param=f"input.{i}.arguments")
-    return c.arguments
+        raise APIError(400, f"{field}[{i}].arguments must be the JSON text of an object, as the response's "
+                            "function_call item gave it", param=f"{field}.{i}.arguments")
 
 
-def input_messages(body: ResponsesRequest, known_calls: set[str]) -> tuple[list[dict], list[dict], set[str]]:
-    """(chat messages, input items as stored, call ids) of ``body.input``.  A ``function_call`` joins the
-    assistant message before it (or starts one); a ``function_call_output`` becomes a ``tool`` message and must
-    answer a call of ``known_calls`` (earlier responses') or of this input."""
+def input_messages(body: ResponsesRequest, known_calls: set[str], field: str = "input"
+                   ) -> tuple[list[dict], list[dict], set[str]]:
+    """(chat messages, input items as stored, call ids) of ``body.input`` (see :func:`messages_of_items`); a
+    ``function_call_output`` must answer a call of ``known_calls`` (the conversation's so far) or of this input.
+    ``field``: the body field the items came in (named in errors)."""
     if isinstance(body.input, str):
-        return ([{"role": "user", "content": body.input}],
-                [{"type": "message", "id": item_id("msg"), "role": "user", "status": "completed",
-                  "content": [{"type": "input_text", "text": body.input}]}], set())
-    msgs: list[dict] = []
+        items = [{"type": "message", "id": item_id("msg"), "role": "user", "status": "completed",
+                  "content": [{"type": "input_text", "text": body.input}]}]
+        return messages_of_items(items), items, set()
     calls: set[str] = set()
     for i, it in enumerate(body.input):
-        if isinstance(it, MessageItem):
-            msgs.append({"role": "system" if it.role == "developer" else it.role, "content": _text_of(i, it)})
-        elif isinstance(it, FunctionCallItem):
-            call = {"id": it.call_id, "type": "function", "function": {"name": it.name,
-                                                                      "arguments": _arguments(i, it)}}
+        if isinstance(it, FunctionCallItem):
+            _arguments(i, it, field)
+            calls.add(it.call_id)
+        elif isinstance(it, FunctionCallOutputItem) and it.call_id not in calls and it.call_id not in known_calls:
+            raise APIError(400, f"{field}[{i}].call_id {it.call_id!r} answers no function call of these items or "
+                                "of the conversation", param=f"{field}.{i}.call_id")
+    if not body.input:
+        raise APIError(400, f"{field} is empty: give at least one item", param=field)
+    items = [_stored_item(it) for it in body.input]
+    return messages_of_items(items), items, calls
+
+
+def messages_of_items(items: list[dict]) -> list[dict]:
+    """The chat messages of stored items: a message's text parts joined by newlines (``developer`` read as
+    ``system``); a ``function_call`` joins the assistant message before it (or starts one); a
+    ``function_call_output`` is a ``tool`` message.  The items of one reply of the model (``_reply``: its
+    response id) are its reply as generated (``_raw`` on the first of them: the KV's own text), while that first
+    item is there."""
+    msgs: list[dict] = []
+    skip = None
+    for it in items:
+        if skip is not None and it.get("_reply") == skip:
+            continue
+        if "_raw" in it:
+            msgs.append({"role": "assistant", "content": it["_raw"]})
+            skip = it["_reply"]
+            continue
+        if it["type"] == "message":
+            msgs.append({"role": "system" if it["role"] == "developer" else it["role"],
+                         "content": "\n".join(p["text"] for p in it["content"])})
+        elif it["type"] == "function_call":
+            call = {"id": it["call_id"], "type": "function",
+                    "function": {"name": it["name"], "arguments": it["arguments"]}}
             if msgs and msgs[-1]["role"] == "assistant":
                 msgs[-1].setdefault("tool_calls", []).append(call)
             else:
                 msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            calls.add(it.call_id)
-        elif isinstance(it, FunctionCallOutputItem):
-            if it.call_id not in calls and it.call_id not in known_calls:
-                raise APIError(400, f"input[{i}].call_id {it.call_id!r} answers no function call of this input or "
-                                    "of the previous responses", param=f"input.{i}.call_id")
-            msgs.append({"role": "tool", "tool_call_id": it.call_id, "content": it.output})
-    if not msgs:
-        raise APIError(400, "input is empty: give a string or at least one item", param="input")
-    return msgs, [_stored_item(it) for it in body.input], calls
+        else:
+            msgs.append({"role": "tool", "tool_call_id": it["call_id"], "content": it["output"]})
+    return msgs
+
+
+def reply_items(output: list[dict], raw: str, rid: str) -> list[dict]:
+    """A response's output items as a conversation keeps them: marked as one reply (``_reply``), the first
+    carrying the reply as generated (``_raw``)."""
+    return [{**it, "_reply": rid, **({"_raw": raw} if i == 0 else {})} for i, it in enumerate(output)]
+
+
+def public(item: dict) -> dict:
+    """An item as served: without the keys only the server reads (``_raw``, ``_reply``)."""
+    return {k: v for k, v in item.items() if not k.startswith("_")}
+
+
+def item_page(items: list[dict], order: str, limit: int, after: str | None) -> dict:
+    """A list object of ``items`` (``order`` "asc" or "desc"; at most ``limit``, after the item ``after``);
+    400 naming ``after`` when it is no item of the list."""
+    items = list(reversed(items)) if order == "desc" else list(items)
+    if after is not None:
+        ids = [it["id"] for it in items]
+        if after not in ids:
+            raise APIError(400, f"after: {after!r} is no item of this list", param="after")
+        items = items[ids.index(after) + 1:]
+    page = [public(it) for it in items[:limit]]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 def _stored_item(it) -> dict:

@@ -21,12 +21,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..sessions.session import session_key
 from .access_log import record_usage
 from .auth import Caller, caller
-from .errors import APIError, error_body
+from .errors import error_body
 from .request_parsing import request_context
+from .conversation_store import ConversationStore
 from .response_store import ResponseStore
 from .responses import collect
 from .responses_events import ResponseEvents
-from .responses_items import output_items
+from .responses_items import item_page, output_items, reply_items
 from .responses_run import ResponseRun, new_response_id, plan_response
 from .responses_schema import ResponsesRequest
 from .streams import EngineDeadError, RequestStream, Usage
@@ -34,16 +35,28 @@ from .streams import EngineDeadError, RequestStream, Usage
 router = APIRouter()  # included behind the caller dependency (kvkeeper.api.auth)
 
 
+def _data_dir(request: Request):
+    sessions = request.app.state.engine.sessions
+    return sessions.store.data_dir if sessions is not None else None
+
+
 def response_store(request: Request) -> ResponseStore:
     """The app's stored responses (opened on first use: read back from the sessions' data directory, if any)."""
     st = request.app.state
     if getattr(st, "responses", None) is None:
-        sessions = st.engine.sessions
-        st.responses = ResponseStore(data_dir=sessions.store.data_dir if sessions is not None else None)
+        st.responses = ResponseStore(data_dir=_data_dir(request))
     return st.responses
 
 
-async def _close_sessions(request: Request, tenant: str | None, ids: list[str]) -> None:
+def conversation_store(request: Request) -> ConversationStore:
+    """The app's conversations (opened on first use, as :func:`response_store`)."""
+    st = request.app.state
+    if getattr(st, "conversations", None) is None:
+        st.conversations = ConversationStore(_data_dir(request))
+    return st.conversations
+
+
+async def close_sessions(request: Request, tenant: str | None, ids: list[str]) -> None:
     """Close the sessions of these responses (those still open), on the engine thread."""
     sessions = request.app.state.engine.sessions
     if sessions is None or not ids:
@@ -81,25 +94,31 @@ async def _finish(request: Request, run: ResponseRun, raw: str, reason: str | No
     status = {"stop": "completed", "length": "incomplete"}.get(reason, "failed")
     obj = run.obj(status, output, usage, None if status != "failed" else
                   {"code": "server_error", "message": f"the response ended: {reason}"})
+    conv = run.conversation
+    if conv is not None and status != "failed":  # the input and the reply join the conversation
+        conv.items += run.items + reply_items(output, raw, run.id)
+        conv.call_ids |= run.output_calls(obj)
+        conversation_store(request).save(conv)
     if run.body.store and status != "failed":
         dropped = response_store(request).put(run.stored(obj, raw))
-        await _close_sessions(request, run.tenant, [d.id for d in dropped])
+        await close_sessions(request, run.tenant, [d.id for d in dropped])
     elif run.session:
-        await _close_sessions(request, run.tenant, [run.id])
+        await close_sessions(request, run.tenant, [run.id])
     return obj
 
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, who: Caller = Depends(caller)):
     aeng = request.app.state.engine
-    run = plan_response(body, request_context(request, who), response_store(request), new_response_id())
+    run = plan_response(body, request_context(request, who), response_store(request), conversation_store(request),
+                        new_response_id())
     record_usage(request.scope, user=body.user or body.safety_identifier)
     await _fork_previous(request, run)
     try:
         s = await aeng.submit(run.gen)
     except BaseException:
         if run.session:
-            await _close_sessions(request, run.tenant, [run.id])
+            await close_sessions(request, run.tenant, [run.id])
         raise
     if body.stream:
         return StreamingResponse(_events(request, run, s), media_type="text/event-stream",
@@ -108,7 +127,7 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller 
         got = await collect(request, s, 1)
     except BaseException:
         if run.session:
-            await _close_sessions(request, run.tenant, [run.id])
+            await close_sessions(request, run.tenant, [run.id])
         raise
     text = got.texts[0]
     return JSONResponse(await _finish(request, run, text, got.reasons[0], got.usage, output_items(text, run.tools)))
@@ -144,7 +163,7 @@ async def _events(request: Request, run: ResponseRun, s: RequestStream) -> Async
     finally:
         s.abort()  # no-op when finished; frees the blocks when the client went away
         if not done and run.session:
-            await _close_sessions(request, run.tenant, [run.id])
+            await close_sessions(request, run.tenant, [run.id])
 
 
 @router.get("/v1/responses/{rid}")
@@ -155,22 +174,22 @@ async def get_response(rid: str, request: Request, who: Caller = Depends(caller)
 @router.delete("/v1/responses/{rid}")
 async def delete_response(rid: str, request: Request, who: Caller = Depends(caller)):
     response_store(request).delete(who.tenant, rid)
-    await _close_sessions(request, who.tenant, [rid])
+    await close_sessions(request, who.tenant, [rid])
     return {"id": rid, "object": "response", "deleted": True}
 
 
+class Paging:
+    """The query of an item list: ``order`` ("desc", the default, or "asc"), ``limit`` (1-100, default 20) and
+    ``after`` (an item id)."""
+
+    def __init__(self, order: Literal["asc", "desc"] = "desc", limit: int = Query(20, ge=1, le=100),
+                 after: str | None = None):
+        self.order, self.limit, self.after = order, limit, after
+
+    def page(self, items: list[dict]) -> dict:
+        return item_page(items, self.order, self.limit, self.after)
+
+
 @router.get("/v1/responses/{rid}/input_items")
-async def list_input_items(rid: str, request: Request, order: Literal["asc", "desc"] = "desc",
-                           limit: int = Query(20, ge=1, le=100), after: str | None = None,
-                           who: Caller = Depends(caller)):
-    items = list(response_store(request).get(who.tenant, rid).input_items)
-    if order == "desc":
-        items.reverse()
-    if after is not None:
-        ids = [it["id"] for it in items]
-        if after not in ids:
-            raise APIError(400, f"after: {after!r} is no input item of response {rid!r}", param="after")
-        items = items[ids.index(after) + 1:]
-    page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+async def list_input_items(rid: str, request: Request, paging: Paging = Depends(), who: Caller = Depends(caller)):
+    return paging.page(response_store(request).get(who.tenant, rid).input_items)

@@ -24,8 +24,9 @@ from .errors import APIError
 from .prompt_cache import cache_salt_of
 from .protocol import refuse_unknown
 from .request_parsing import RequestContext
+from .conversation_store import Conversation, ConversationStore
 from .response_store import ResponseStore, StoredResponse
-from .responses_items import format_of, input_messages, item_id, text_format, tool_use_of_body
+from .responses_items import format_of, input_messages, item_id, messages_of_items, text_format, tool_use_of_body
 from .responses_schema import ResponsesRequest, refused_response_field
 from .streams import GenerationRequest, Usage
 from .tools import ToolUse
@@ -33,14 +34,19 @@ from .tools import ToolUse
 
 @dataclass
 class ResponseRun:
-    """A request in flight: its id, body, the conversation before it (``prev``), its new messages and input
-    items, the engine's request (``gen``), its tools, and whether a session backs it (``session``)."""
+    """A request in flight: its id, body, the response it continues (``prev``) or the conversation it adds to,
+    the messages before its input (``before``) and the call ids in them (``known_calls``), its new messages and
+    input items, the engine's request (``gen``), its tools, and whether a session of its own id backs it
+    (``session``; a conversation's turn runs on the conversation's session instead)."""
 
     id: str
     body: ResponsesRequest
     model: str
     tenant: str | None
     prev: StoredResponse | None
+    conversation: Conversation | None
+    before: list[dict]
+    known_calls: set[str]
     new_messages: list[dict]
     items: list[dict]
     calls: set[str]
@@ -64,16 +70,18 @@ class ResponseRun:
                 "tool_choice": tc, "parallel_tool_calls": b.parallel_tool_calls is not False,
                 "truncation": "disabled", "metadata": b.metadata or {}, "usage": _usage(usage),
                 "prompt_cache_key": b.prompt_cache_key, "prompt_cache_retention": b.prompt_cache_retention,
-                "user": b.user, "safety_identifier": b.safety_identifier}
+                "user": b.user, "safety_identifier": b.safety_identifier,
+                "conversation": {"id": self.conversation.id} if self.conversation is not None else None}
 
     def stored(self, obj: dict, raw: str) -> StoredResponse:
         """What is kept of a finished response: the conversation through it ends with the reply as generated
         (its tool calls as text: the KV's own tokens, so the next turn extends it exactly)."""
-        history = (self.prev.history if self.prev else []) + self.new_messages + [{"role": "assistant",
-                                                                                    "content": raw}]
-        calls = (self.prev.call_ids if self.prev else set()) | self.calls | {
-            it["call_id"] for it in obj["output"] if it["type"] == "function_call"}
-        return StoredResponse(self.id, self.tenant, obj, self.items, history, calls)
+        history = self.before + self.new_messages + [{"role": "assistant", "content": raw}]
+        return StoredResponse(self.id, self.tenant, obj, self.items, history, self.known_calls | self.output_calls(obj))
+
+    def output_calls(self, obj: dict) -> set[str]:
+        """The call ids of this input and of the reply's function calls."""
+        return self.calls | {it["call_id"] for it in obj["output"] if it["type"] == "function_call"}
 
 
 def _usage(u: Usage | None) -> dict | None:
@@ -98,39 +106,60 @@ def check_response_body(body: ResponsesRequest, ctx: RequestContext) -> str | No
     return adapter.name if adapter is not None else None
 
 
-def plan_response(body: ResponsesRequest, ctx: RequestContext, store: ResponseStore, rid: str) -> ResponseRun:
-    """The run of ``body``: every rule checked (APIError naming the field; 404 for an unknown
-    ``previous_response_id``), the prompt's messages (instructions, the previous conversation, the new input)."""
-    lora = check_response_body(body, ctx)
-    prev = None if body.previous_response_id is None else store.get(ctx.tenant, body.previous_response_id,
-                                                                       "previous_response_id")
-    msgs, items, calls = input_messages(body, prev.call_ids if prev else set())
-    tools = tool_use_of_body(body)
+def _before(body: ResponsesRequest, tenant: str | None, store: ResponseStore, conversations: ConversationStore):
+    """(the previous response, the conversation, the messages before the input, their call ids); 404 for an
+    unknown ``previous_response_id`` or ``conversation``, 400 for both at once."""
+    if body.previous_response_id is not None and body.conversation is not None:
+        raise APIError(400, "previous_response_id and conversation both name what the input continues: give one",
+                       param="conversation")
+    if body.previous_response_id is not None:
+        prev = store.get(tenant, body.previous_response_id, "previous_response_id")
+        return prev, None, prev.history, prev.call_ids
+    if body.conversation is not None:
+        cid = body.conversation if isinstance(body.conversation, str) else body.conversation.id
+        conv = conversations.get(tenant, cid, "conversation")
+        return None, conv, messages_of_items(conv.items), set(conv.call_ids)
+    return None, None, [], set()
+
+
+def _params(body: ResponsesRequest, tools: ToolUse | None) -> SamplingParams:
     fmt, constraint = text_format(body), tools.structured() if tools is not None else None
     if fmt is not None and constraint is not None:
         raise APIError(400, f"text.format and tools (tool_choice {tools.choice}) both constrain the output; send "
                             "tool_choice \"none\" or drop the format", param="text.format")
     try:
-        params = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                                top_p=1.0 if body.top_p is None else body.top_p, max_tokens=body.max_output_tokens,
-                                structured=fmt or constraint)
+        return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p, max_tokens=body.max_output_tokens,
+                              structured=fmt or constraint)
     except KVKeeperError as e:
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+
+
+def plan_response(body: ResponsesRequest, ctx: RequestContext, store: ResponseStore, conversations: ConversationStore,
+                  rid: str) -> ResponseRun:
+    """The run of ``body``: every rule checked (APIError naming the field; 404 for an unknown
+    ``previous_response_id`` or ``conversation``), the prompt's messages (instructions, the conversation so far,
+    the new input)."""
+    lora = check_response_body(body, ctx)
+    prev, conv, before, known = _before(body, ctx.tenant, store, conversations)
+    msgs, items, calls = input_messages(body, known)
+    tools = tool_use_of_body(body)
+    params = _params(body, tools)
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-    session = body.store or prev is not None
+    session = conv is None and (body.store or prev is not None)
     salt = cache_salt_of(body.cache_salt if body.cache_salt is not None else ctx.cache_salt, body.prompt_cache_key)
     ns = None if salt is None and ctx.tenant is None else tenant_namespace(ctx.served.namespace, ctx.tenant, salt)
     policy, budget = ctx.context_policy, ctx.context_budget
-    if not session and (policy is not None or budget is not None):
+    if not session and conv is None and (policy is not None or budget is not None):
         raise APIError(400, "X-Context-Policy / X-Context-Budget apply to a conversation's turns: store the response "
-                            "(store: true) or continue one (previous_response_id)", param="X-Context-Policy")
-    gen = GenerationRequest(rid, [params], messages=system + (prev.history if prev else []) + msgs,
+                            "(store: true), continue one or add to a conversation", param="X-Context-Policy")
+    gen = GenerationRequest(rid, [params], messages=system + before + msgs,
                             chat={"tools": tools.tools} if tools is not None else {}, namespace=ns, lora=lora,
-                            session_id=rid if session else None, tenant=ctx.tenant, quota=ctx.quota,
-                            session_priority=ctx.session_priority,
+                            session_id=conv.id if conv else rid if session else None, tenant=ctx.tenant,
+                            quota=ctx.quota, session_priority=ctx.session_priority,
                             context=None if policy is None and budget is None else (policy, budget))
-    return ResponseRun(rid, body, body.model or ctx.served.name, ctx.tenant, prev, msgs, items, calls, gen, tools,
-                       session, int(time.time()))
+    return ResponseRun(rid, body, body.model or ctx.served.name, ctx.tenant, prev, conv, before, known, msgs, items,
+                       calls, gen, tools, session, int(time.time()))
 
 
 def new_response_id() -> str:

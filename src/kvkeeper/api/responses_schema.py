@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag
 
 from .schemas import _OPEN, FunctionDefinition, FunctionName, _only
 
@@ -53,7 +53,13 @@ class FunctionCallOutputItem(_Item):
     output: str
 
 
-InputItem = Annotated[Union[MessageItem, FunctionCallItem, FunctionCallOutputItem], Field(discriminator="type")]
+def _item_type(v: Any) -> Any:
+    """An item's ``type``; one with none is a message (OpenAI's easy input message: ``{"role", "content"}``)."""
+    return v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", None)
+
+
+InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("function_call_output")]], Discriminator(_item_type)]
 
 
 class FunctionTool(FunctionDefinition):
@@ -83,20 +89,16 @@ class TextConfig(BaseModel):
     verbosity: str | None = _only(None, "medium")
 
 
+class ConversationRef(BaseModel):
+    model_config = _OPEN
+    id: str
+
+
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses``.  ``store`` defaults to true, as OpenAI's: the response is kept (and its KV, as a
     session turn) until deleted."""
 
     model_config = _OPEN
-
-    @model_validator(mode="before")
-    @classmethod
-    def _message_type(cls, data: Any) -> Any:
-        """An input item with ``role`` and no ``type`` is a message (OpenAI's easy input message)."""
-        if isinstance(data, dict) and isinstance(data.get("input"), list):
-            data = {**data, "input": [{**x, "type": "message"} if isinstance(x, dict) and "type" not in x
-                                      and "role" in x else x for x in data["input"]]}
-        return data
 
     model: str | None = None
     input: str | list[InputItem]
@@ -125,7 +127,7 @@ class ResponsesRequest(BaseModel):
     service_tier: str | None = _only(None, "auto", "default")
     max_tool_calls: Any = _only(None)
     top_logprobs: int | None = _only(None, 0)
-    conversation: Any = _only(None)
+    conversation: str | ConversationRef | None = None
     prompt: Any = _only(None)
     stream_options: Any = _only(None)
 
@@ -140,7 +142,6 @@ RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
     "service_tier": ((None, "auto", "default"), "there is one service tier: auto (or default)"),
     "max_tool_calls": ((None,), "the model calls at most the tools that one reply holds; set parallel_tool_calls"),
     "top_logprobs": ((None, 0), "logprobs are served on /v1/chat/completions"),
-    "conversation": ((None,), "conversations are not served yet; chain responses with previous_response_id"),
     "prompt": ((None,), "there are no stored prompt templates"),
     "stream_options": ((None,), "stream events are not padded (no obfuscation); leave it out"),
     "text.verbosity": ((None, "medium"), "this model has no verbosity setting"),
@@ -157,3 +158,25 @@ def refused_response_field(body: ResponsesRequest) -> tuple[str, str] | None:
         if obj not in noop:
             return name, why
     return None
+
+
+class ConversationCreate(BaseModel):
+    """``POST /v1/conversations``: its first items (at most 20, as OpenAI's) and metadata."""
+
+    model_config = _OPEN
+    items: list[InputItem] | None = Field(None, max_length=20)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+class ConversationUpdate(BaseModel):
+    """``POST /v1/conversations/{id}``: new metadata."""
+
+    model_config = _OPEN
+    metadata: dict[str, str] = Field(max_length=16)
+
+
+class ItemsCreate(BaseModel):
+    """``POST /v1/conversations/{id}/items``: items to append (at most 20)."""
+
+    model_config = _OPEN
+    items: list[InputItem] = Field(min_length=1, max_length=20)
