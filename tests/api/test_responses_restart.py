@@ -1,6 +1,7 @@
-"""Stored responses survive a restart (issue 25): a response stored on one server process is continued by the next
-process on the same ``--data-dir`` with its KV restored from the disk tier (the whole previous turn cached) and the
-same reply as continuing on the first process.  Driven by the official ``openai`` client.
+"""Stored responses and conversations survive a restart (issue 25): a response stored on one server process is
+continued by the next process on the same ``--data-dir`` with its KV restored from the disk tier (the whole previous
+turn cached) and the same reply as continuing on the first process; so is a conversation (its reply equal to the
+full-history chat).  Driven by the official ``openai`` client.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ def test_a_stored_response_continues_after_a_restart(tmp_path):
     with server_process(tmp_path / "first.log", *args) as (base, proc):
         c = _client(base)
         r1 = c.responses.create(input="My favourite number is 42. Say ok.", **ask)
+        conv = c.conversations.create(items=[{"role": "user", "content": "My name is Ada."}])
+        c1 = c.responses.create(input="Say hello to me.", conversation=conv.id, store=False, **ask)
         expect = c.responses.create(input="What is my favourite number?", previous_response_id=r1.id, store=False,
                                     **ask)
         proc.terminate()  # a graceful stop: the sessions' KV is saved to the disk tier
         proc.wait(timeout=60)  # uvicorn exits by the signal once the lifespan has ended
-    assert "saved 1 sessions" in (tmp_path / "first.log").read_text()
+    assert "saved 2 sessions" in (tmp_path / "first.log").read_text()
     with server_process(tmp_path / "second.log", *args) as (base, _):
         c = _client(base)
         assert c.responses.retrieve(r1.id).output_text == r1.output_text
@@ -39,4 +42,10 @@ def test_a_stored_response_continues_after_a_restart(tmp_path):
         cached = again.usage.input_tokens_details.cached_tokens
         assert cached == expect.usage.input_tokens_details.cached_tokens == (
             r1.usage.input_tokens + r1.usage.output_tokens - 1)
+        c2 = c.responses.create(input="What is my name?", conversation=conv.id, **ask)
+        assert c2.usage.input_tokens_details.cached_tokens == c1.usage.input_tokens + c1.usage.output_tokens - 1
+        chat = c.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=[
+            {"role": "user", "content": "My name is Ada."}, {"role": "user", "content": "Say hello to me."},
+            {"role": "assistant", "content": c1.output_text}, {"role": "user", "content": "What is my name?"}])
+        assert c2.output_text == chat.choices[0].message.content
     assert "Traceback" not in (tmp_path / "second.log").read_text()
