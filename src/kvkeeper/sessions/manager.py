@@ -234,7 +234,7 @@ class SessionManager:
         s = Session(self, saved.session_id, reuse=saved.reuse, context=self.default_context,
                     tenant=saved.tenant, name=saved.name)
         s.messages, s.text, s.turns = saved.messages, saved.text, saved.turns
-        _restore_context(s, saved.context)
+        restore_context(s, saved.context)
         s.kv = Sequence(f"{saved.session_id}-saved", saved.token_ids, SamplingParams(), saved.namespace,
                         num_prompt_tokens=len(saved.token_ids), status=SeqStatus.FINISHED)
         self.sessions[s.id] = s
@@ -383,8 +383,8 @@ class SessionManager:
         return {"sessions": len(self.sessions), "pinned_blocks": len(pinned), "offload": self.store.stats()}
 
 
-def _restore_context(s: Session, saved: dict | None) -> None:
-    """A reopened session's context policy and state, from its manifest (kept as they were when unreadable)."""
+def restore_context(s: Session, saved: dict | None) -> None:
+    """A reopened (or imported) session's context policy and state, from its manifest (kept as they were when unreadable)."""
     if not saved:
         return
     try:
