@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -61,6 +62,7 @@ class OwnedRecords:
         self.kind, self.noun, self.code = kind, noun, code
         self.files = JsonRecords(root)
         self.by_key: dict[tuple[str | None, str], object] = {}
+        self.used: dict[tuple[str | None, str], float] = {}  # time.monotonic() of the last get or save
         found = []
         for d in self.files.load():
             try:
@@ -69,10 +71,13 @@ class OwnedRecords:
                 log.warning("skipping a %s: %s", noun, e)
         for r in sorted(found, key=order):
             self.by_key[(r.tenant, r.id)] = r
+            self.used[(r.tenant, r.id)] = time.monotonic()
 
     def get(self, tenant: str | None, rid: str, param: str | None = None):
         """``tenant``'s record ``rid``; APIError 404 for an unknown id (another tenant's included)."""
         r = self.by_key.get((tenant, rid))
+        if r is not None:
+            self.used[(tenant, rid)] = time.monotonic()
         if r is None:
             raise APIError(404, f"no {self.noun} {rid!r} (it was never stored, was deleted, or belongs to another API "
                                 "key)", type="not_found_error", param=param, code=self.code)
@@ -81,14 +86,26 @@ class OwnedRecords:
     def save(self, r) -> None:
         """Keep ``r`` (new or changed)."""
         self.by_key[(r.tenant, r.id)] = r
+        self.used[(r.tenant, r.id)] = time.monotonic()
         self.files.write(r.tenant, r.id, {**asdict(r), "call_ids": sorted(r.call_ids)})
 
     def delete(self, tenant: str | None, rid: str):
         """Forget ``tenant``'s record ``rid`` and return it; APIError 404 as :meth:`get`."""
         r = self.get(tenant, rid)
         del self.by_key[(tenant, rid)]
+        self.used.pop((tenant, rid), None)
         self.files.remove(tenant, rid)
         return r
+
+    def expire(self, ttl_s: float | None) -> int:
+        """Delete the records unused (neither read nor saved) for ``ttl_s`` seconds (None: none); returns how many."""
+        if ttl_s is None:
+            return 0
+        now = time.monotonic()
+        old = [k for k, t in self.used.items() if now - t >= ttl_s]
+        for k in old:
+            self.delete(*k)
+        return len(old)
 
     def __len__(self) -> int:
         return len(self.by_key)

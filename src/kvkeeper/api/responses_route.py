@@ -35,24 +35,27 @@ from .streams import EngineDeadError, RequestStream, Usage
 router = APIRouter()  # included behind the caller dependency (kvkeeper.api.auth)
 
 
-def _data_dir(request: Request):
+def _session_config(request: Request):
     sessions = request.app.state.engine.sessions
-    return sessions.store.data_dir if sessions is not None else None
+    return sessions.config if sessions is not None else None
 
 
 def response_store(request: Request) -> ResponseStore:
-    """The app's stored responses (opened on first use: read back from the sessions' data directory, if any)."""
-    st = request.app.state
+    """The app's stored responses (opened on first use: read back from the sessions' data directory, if any),
+    those unused for ``--session-ttl`` forgotten first (their sessions expire on the engine thread)."""
+    st, cfg = request.app.state, _session_config(request)
     if getattr(st, "responses", None) is None:
-        st.responses = ResponseStore(data_dir=_data_dir(request))
+        st.responses = ResponseStore(data_dir=cfg.data_dir if cfg is not None else None)
+    st.responses.expire(cfg.session_ttl_s if cfg is not None else None)
     return st.responses
 
 
 def conversation_store(request: Request) -> ConversationStore:
-    """The app's conversations (opened on first use, as :func:`response_store`)."""
-    st = request.app.state
+    """The app's conversations (opened on first use and expired, as :func:`response_store`)."""
+    st, cfg = request.app.state, _session_config(request)
     if getattr(st, "conversations", None) is None:
-        st.conversations = ConversationStore(_data_dir(request))
+        st.conversations = ConversationStore(cfg.data_dir if cfg is not None else None)
+    st.conversations.expire(cfg.session_ttl_s if cfg is not None else None)
     return st.conversations
 
 

@@ -76,6 +76,10 @@ class SessionConfig:
         "--checkpoint-every", "copy idle sessions' KV to the disk tier every S seconds, keeping it in the pool, and "
         "continue a session from a newer copy another server wrote (servers sharing --data-dir, `--replicas`; "
         "default: never)", type=float, metavar="S"))
+    session_ttl_s: float | None = field(default=None, metadata=option(
+        "--session-ttl", "close sessions idle for S seconds (their KV freed, offloaded copies removed), stored "
+        "responses and conversations with them; counted in kvkeeper:sessions_expired_total (default: never)",
+        type=float, metavar="S"))
     summary_tokens: int = 96
     memory_top_k: int = 3
     memory_threshold: float = 0.35
@@ -107,6 +111,9 @@ class SessionManager:
                                           "give --data-dir and --checkpoint-every S > 0")
             self.store.keep_disk_copies = True
         self.default_context = c.context_spec()  # raises InvalidRequestError for a policy without a budget
+        if c.session_ttl_s is not None and c.session_ttl_s <= 0:
+            raise InvalidRequestError(f"--session-ttl must be a positive number of seconds, got {c.session_ttl_s}")
+        self.expired = 0  # sessions closed by expire_idle (a counter)
         self._embedder = None
         self._memories: dict[str, object] = {}
         engine.add_kv_holder(self)
@@ -217,6 +224,19 @@ class SessionManager:
             if path is not None:
                 path.unlink(missing_ok=True)
         return freed
+
+    def expire_idle(self, now: float | None = None) -> list[Session]:
+        """Close the sessions without a turn in flight unused for ``session_ttl_s`` seconds or more (none without a
+        TTL); returns them (counted in :attr:`expired`).  ``now``: ``time.monotonic()`` unless given."""
+        ttl = self.config.session_ttl_s
+        if ttl is None:
+            return []
+        now = time.monotonic() if now is None else now
+        gone = [s for s in list(self.sessions.values()) if s.turn is None and now - s.last_used >= ttl]
+        for s in gone:
+            self.close(s.id)
+        self.expired += len(gone)
+        return gone
 
     def _reopen_saved(self) -> None:
         """Register the disk tier's saved sessions as open sessions whose KV is on disk."""
@@ -378,9 +398,11 @@ class SessionManager:
         return self.store.num_blocks()
 
     def stats(self) -> dict:
-        """Open sessions, distinct blocks they pin (a shared prefix block once), and the offload tiers' counters."""
+        """Open sessions, distinct blocks they pin (a shared prefix block once), sessions expired, and the offload
+        tiers' counters."""
         pinned = {b for s in self.sessions.values() if s.kv is not None for b in s.kv.block_table}
-        return {"sessions": len(self.sessions), "pinned_blocks": len(pinned), "offload": self.store.stats()}
+        return {"sessions": len(self.sessions), "pinned_blocks": len(pinned), "offload": self.store.stats(),
+                "sessions_expired": self.expired}
 
 
 def restore_context(s: Session, saved: dict | None) -> None:
