@@ -63,3 +63,19 @@ def test_export_import_continues_on_a_second_server(tmp_path):
         assert on_b.usage.prompt_tokens_details.cached_tokens == on_a.usage.prompt_tokens_details.cached_tokens
         again = httpx.post(f"{b}/admin/sessions/import", content=data, timeout=60)
         assert again.status_code == 400 and "already open" in again.json()["error"]["message"]
+
+
+
+def test_admin_reset_of_the_prefix_cache(tmp_path):
+    long = [{"role": "user", "content": "A note on maps and globes and the people who drew them. " * 8}]
+    with running_server(tmp_path / "c.log", *ARGS) as c:
+        client = openai.OpenAI(base_url=c + "/v1", api_key="x", max_retries=0, timeout=120)
+
+        def cached():
+            r = client.chat.completions.create(model=MODEL, messages=long, max_tokens=2, temperature=0)
+            return r.usage.prompt_tokens_details.cached_tokens
+
+        assert cached() == 0 and cached() > 0
+        r = httpx.post(f"{c}/admin/kv/reset_prefix_cache", timeout=30)
+        assert r.status_code == 200 and r.json()["evicted_blocks"] > 0
+        assert cached() == 0
