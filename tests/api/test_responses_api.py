@@ -134,6 +134,12 @@ def test_function_tool_round_trip_reuses_the_kv(alice):
         _create(alice, [{"type": "function_call_output", "call_id": "call_nope", "output": "1"}],
                 previous_response_id=r1.id, tools=TOOLS)
     assert ei.value.body["param"] == "input.0.call_id"
+    with alice.responses.stream(model=MODEL, input="What is the weather in Paris?", tools=TOOLS, temperature=0,
+                                tool_choice="required", parallel_tool_calls=False, max_output_tokens=48) as st:
+        kinds = [e.type for e in st]
+        final = st.get_final_response()
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    assert [(o.type, o.name, o.arguments) for o in final.output] == [(c.type, c.name, c.arguments) for c in calls]
 
 
 def test_stream_events_equal_the_stored_response(alice):
