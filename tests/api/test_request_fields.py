@@ -83,6 +83,7 @@ IMPLEMENTED = {
     "echo": "test_echo", "best_of": "test_every_field_is_applied_or_refused (best_of == n)",
     "context_policy": "test_context_server.py::test_last_policy_header_body_400_and_metrics",
     "context_budget": "test_context_server.py::test_last_policy_header_body_400_and_metrics",
+    "prompt_cache_key": "test_responses_api.py::test_prompt_cache_key_scopes_the_cache",
 }
 # a value that is not the field's no-op, for each refused field
 NOT_NOOP = {"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "prediction": {

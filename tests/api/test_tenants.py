@@ -155,6 +155,57 @@ def _check_lora(c, method, path, sid):
     assert r.status_code == 403 and "--allow-runtime-lora" in r.text, r.text
 
 
+def _check_owned_session_file(c, method, path, sid):
+    """Fork and export of one session: only its owner reaches them (the others get 401 / 404)."""
+    _open(c, sid)
+    url = path.replace("{sid}", sid)
+    for h, status, typ in ((NOKEY, 401, "authentication_error"), (WRONG, 401, "authentication_error"),
+                           (BOB, 404, "not_found_error"), (OPS, 404, "not_found_error")):
+        _is_error(c.request(method, url, headers=h), status, typ)
+    r = c.request(method, url, headers=ALICE)
+    assert r.status_code == 200, r.text
+    assert r.json()["forked_from"] == sid if path.endswith("/fork") else r.content.startswith(b"KVKSESS1")
+
+
+def _check_import(c, method, path, sid):
+    """Importing a session file puts its KV in the prefix cache: admin keys only."""
+    _open(c, sid)
+    data = c.get(f"/v1/sessions/{sid}/export", headers=ALICE).content
+    for h in (NOKEY, WRONG):
+        _is_error(c.request(method, path, headers=h, content=data), 401, "authentication_error")
+    for h in (ALICE, BOB):
+        _is_error(c.request(method, path, headers=h, content=data), 403, "permission_error")
+    r = c.request(method, path, headers=OPS, content=data, params={"tenant": "alice", "id": sid + "-imported"})
+    assert r.status_code == 200 and r.json()["tenant"] == "alice", r.text
+    assert sid + "-imported" in _listed(c, ALICE)
+
+
+_BODIES = {("POST", "/v1/responses"): {"input": "hi", "max_output_tokens": 2},
+           ("POST", "/v1/conversations"): {"items": [{"role": "user", "content": "hi"}]},
+           ("POST", "/v1/conversations/{cid}"): {"metadata": {"k": "v"}},
+           ("POST", "/v1/conversations/{cid}/items"): {"items": [{"role": "user", "content": "more"}]}}
+
+
+def _check_stored(c, method, path, sid):
+    """Stored responses and conversations: any key may create its own; on one of alice's, every other caller
+    gets 401 / 404 and only alice 200."""
+    body = _BODIES.get((method, path))
+    if "{" not in path:
+        for h in (NOKEY, WRONG):
+            _is_error(c.request(method, path, headers=h, json=body), 401, "authentication_error")
+        for h in (ALICE, BOB):
+            assert c.request(method, path, headers=h, json=body).status_code == 200
+        return
+    rid = c.post("/v1/responses", headers=ALICE, json={"input": PIN, "max_output_tokens": 2}).json()["id"]
+    cid = c.post("/v1/conversations", headers=ALICE, json=_BODIES[("POST", "/v1/conversations")]).json()["id"]
+    iid = c.get(f"/v1/conversations/{cid}/items", headers=ALICE).json()["data"][0]["id"]
+    url = path.replace("{rid}", rid).replace("{cid}", cid).replace("{iid}", iid)
+    for h, status, typ in ((NOKEY, 401, "authentication_error"), (WRONG, 401, "authentication_error"),
+                           (BOB, 404, "not_found_error"), (OPS, 404, "not_found_error")):
+        _is_error(c.request(method, url, headers=h, json=body), status, typ)
+    assert c.request(method, url, headers=ALICE, json=body).status_code == 200
+
+
 RULES = {
     ("GET", "/health"): _check_public, ("GET", "/metrics"): _check_public, ("GET", "/openapi.json"): _check_public,
     ("GET", "/v1/models"): _check_keyed, ("GET", "/v1/models/{model_id:path}"): _check_keyed,
@@ -168,6 +219,15 @@ RULES = {
     ("GET", "/admin/breaker"): _check_admin, ("GET", "/admin/sessions"): _check_admin,
     ("GET", "/admin/health"): _check_admin,
     ("POST", "/v1/load_lora_adapter"): _check_lora, ("POST", "/v1/unload_lora_adapter"): _check_lora,
+    ("POST", "/v1/sessions/{sid}/fork"): _check_owned_session_file,
+    ("GET", "/v1/sessions/{sid}/export"): _check_owned_session_file,
+    ("POST", "/admin/sessions/import"): _check_import, ("POST", "/admin/kv/reset_prefix_cache"): _check_admin,
+    **{(m, p): _check_stored for m, p in (
+        ("POST", "/v1/responses"), ("GET", "/v1/responses/{rid}"), ("DELETE", "/v1/responses/{rid}"),
+        ("GET", "/v1/responses/{rid}/input_items"), ("POST", "/v1/conversations"), ("GET", "/v1/conversations/{cid}"),
+        ("POST", "/v1/conversations/{cid}"), ("DELETE", "/v1/conversations/{cid}"),
+        ("GET", "/v1/conversations/{cid}/items"), ("POST", "/v1/conversations/{cid}/items"),
+        ("GET", "/v1/conversations/{cid}/items/{iid}"), ("DELETE", "/v1/conversations/{cid}/items/{iid}"))},
 }
 
 

@@ -3,7 +3,7 @@
 8 sessions of 4 turns land each on one replica and reuse their KV; then the replica holding most of
 them is killed (SIGKILL): the sessions continue on the other replica from their disk checkpoints with
 the same greedy replies as uninterrupted reference sessions, and no request fails with anything but a
-503 carrying Retry-After.
+503 carrying Retry-After.  Requests with one ``prompt_cache_key`` land on one replica.
 """
 
 from __future__ import annotations
@@ -113,6 +113,13 @@ def test_sessions_route_to_their_replica_and_survive_its_death(tmp_path):
         held = {rep: [q for q in range(n) if owner[q] == rep] for rep in set(owner.values())}
         assert len(held) == 2, f"all 8 sessions on one replica: {held}"
         victim = max(held, key=lambda rep: len(held[rep]))
+        keyed = set()
+        for i in range(4):  # one prompt_cache_key, four prompts: one replica (issue 25)
+            raw = c.client.chat.completions.with_raw_response.create(
+                model=c.model, max_tokens=2, temperature=0, extra_body={"prompt_cache_key": "desk"},
+                messages=[{"role": "user", "content": f"Name a number above {i}."}])
+            keyed.add(raw.headers["x-kvkeeper-replica"])
+        assert len(keyed) == 1, keyed
         _wait_for_checkpoints(data, [f"s-{q}" for q in range(n)], TURNS_BEFORE)
         # a turn in flight when its replica dies: retried once on another replica, or 503 with Retry-After
         in_flight = next((sid for sid, rep in probe_owner.items() if rep == victim), None)
@@ -151,4 +158,6 @@ def test_sessions_route_to_their_replica_and_survive_its_death(tmp_path):
         assert 'kvkeeper:cluster_routing_decisions_total{reason="session"}' in metrics
         prefix = float(metrics.split('kvkeeper:cluster_routing_decisions_total{reason="prefix"} ')[1].split()[0])
         assert prefix >= 2, metrics
+        keyed_decisions = metrics.split('kvkeeper:cluster_routing_decisions_total{reason="cache_key"} ')[1].split()[0]
+        assert float(keyed_decisions) >= 4, metrics
         assert "kvkeeper:kv_restore_total{replica=" in metrics

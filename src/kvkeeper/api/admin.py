@@ -9,6 +9,8 @@ only by a second app bound to 127.0.0.1 (:func:`kvkeeper.api.app.create_admin_ap
   safetensors file (:mod:`kvkeeper.diagnostics.kvdump`); ``tenant`` (admins only) names another
   tenant's session.
 * ``GET /admin/breaker`` -- the KV circuit breaker: tier, trips, action counts, recent events.
+* ``POST /admin/kv/reset_prefix_cache`` -- evict every cached block no one references (the prefix cache's
+  reusable KV; blocks pinned by sessions or running requests stay): ``{"evicted_blocks": N}``.
 * ``GET /admin/health`` -- the cache-health detector's state
   (:meth:`kvkeeper.diagnostics.health.HealthMonitor.snapshot`): score, whether a warning is open, each
   signal's EWMA, baseline and control limit, and the warning events with their reasons.
@@ -366,3 +368,9 @@ async def health_state(request: Request):
     if engine.health is None:
         return {"enabled": False, "score": 1.0, "events": []}
     return {"enabled": True, **await engine.call(lambda _: engine.health.snapshot())}
+
+
+@router.post("/admin/kv/reset_prefix_cache", dependencies=[Depends(admin_caller)])
+async def reset_prefix_cache(request: Request):
+    """Evict the unreferenced cached blocks (``BlockPool.evict_cached``); held blocks keep their KV."""
+    return {"evicted_blocks": await request.app.state.engine.call(lambda eng: eng.pool.evict_cached())}

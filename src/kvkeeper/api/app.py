@@ -11,6 +11,9 @@ Endpoints::
     GET    /v1/sessions             open sessions: id, tokens, blocks, turns, tier (pool / host / disk)
     POST   /v1/sessions/{id}/offload?tier=host|disk   move an idle session's KV out of the pool
     DELETE /v1/sessions/{id}        close a session and free its blocks (404 if unknown)
+    GET    /v1/sessions/{id}/export one checksummed file; POST /admin/sessions/import opens one (kvkeeper.api.session_transfer)
+    POST   /v1/responses            OpenAI's Responses API on sessions; GET/DELETE /v1/responses/{id}, .../input_items
+    POST   /v1/conversations        OpenAI's Conversations API (items held by the server; kvkeeper.api.conversations_route)
     GET    /admin/kv                live KV block map page (HTML); /admin/kv.json its data (kvkeeper.api.admin)
     GET    /admin/kv/dump           ?session=ID[&tenant=T&layers=0,5&start=N&end=M]: the session's K/V (safetensors)
     GET    /admin/breaker           the KV circuit breaker: tier, trips, action counts, recent events
@@ -46,7 +49,11 @@ from .chat import router as chat_router
 from .completions import router as completions_router
 from .openai_routes import public_router
 from .openai_routes import router as openai_router
+from .conversations_route import router as conversations_router
+from .responses_route import router as responses_router
 from .session_routes import router as session_router
+from .session_transfer import admin_router as import_router
+from .session_transfer import router as transfer_router
 from .streams import EngineDeadError
 from .tracing import flush_traces
 
@@ -117,12 +124,14 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
     app.state.allow_runtime_lora = False  # build_server sets --allow-runtime-lora
     install_error_handlers(app, EngineDeadError)
     app.include_router(public_router)
-    for r in (chat_router, completions_router, openai_router):
+    for r in (chat_router, completions_router, openai_router, responses_router, conversations_router):
         app.include_router(r, dependencies=[Depends(caller)])
     app.include_router(lora_router, dependencies=[Depends(admin_caller)])
     app.include_router(session_router, dependencies=[Depends(caller)])
+    app.include_router(transfer_router)  # export: the caller's session
     if admin_routes:
         app.include_router(admin_router)
+        app.include_router(import_router)
     return app
 
 
@@ -135,4 +144,5 @@ def create_admin_app(engine: AsyncEngine, keys: KeyRing | None = None) -> FastAP
     app.state.keys = keys
     install_error_handlers(app, EngineDeadError)
     app.include_router(admin_router)
+    app.include_router(import_router)
     return app

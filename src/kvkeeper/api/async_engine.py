@@ -153,6 +153,7 @@ class AsyncEngine:
         self._frag_next = 0.0
         self._frag: dict = {}
         self._checkpoint_next = 0.0
+        self._expire_next = 0.0
         self._sample_fragmentation()
         self._publish_stats()
 
@@ -311,6 +312,7 @@ class AsyncEngine:
         elif self.breaker is not None:
             self.breaker.evaluate()  # idle: let the breaker cool down and close
         self._maybe_checkpoint()
+        self._maybe_expire()
         self._sample_fragmentation()
         self._publish_stats()
 
@@ -322,6 +324,14 @@ class AsyncEngine:
             return
         self._checkpoint_next = now + period
         self.sessions.checkpoint_idle()
+
+    def _maybe_expire(self) -> None:
+        """About once a second, close the sessions idle for longer than ``--session-ttl`` (SessionConfig)."""
+        now = time.monotonic()
+        if getattr(getattr(self.sessions, "config", None), "session_ttl_s", None) is None or now < self._expire_next:
+            return
+        self._expire_next = now + 1.0
+        self.sessions.expire_idle(now)
 
     def _drain(self, block: bool) -> None:
         try:

@@ -15,6 +15,7 @@ kvkeeper:num_requests_waiting              gauge      sequences queued (engine q
 kvkeeper:num_preemptions_total             counter    sequences preempted for lack of blocks
 kvkeeper:sessions_open                     gauge      open sessions (``X-Session-ID``)
 kvkeeper:pinned_blocks                     gauge      KV blocks pinned by idle sessions (blocks)
+kvkeeper:sessions_expired_total            counter    sessions closed after --session-ttl idle (sessions)
 kvkeeper:kv_cache_bytes_per_token          gauge      KV bytes per token, all layers, values plus scales (bytes)
 kvkeeper:weight_format{format}             gauge      1 for the weight format the model runs (--quantization):
                                                       none, gguf, int8 or int4
@@ -80,6 +81,8 @@ _FROM_SNAPSHOT = {
     "kv_bytes_per_token": ("kvkeeper:kv_cache_bytes_per_token", "gauge",
                            "KV cache bytes per token across all layers, values plus scales (bytes)."),
     "pinned_blocks": ("kvkeeper:pinned_blocks", "gauge", "KV blocks pinned by idle sessions (blocks)."),
+    "sessions_expired": ("kvkeeper:sessions_expired", "counter", "Sessions closed after --session-ttl idle "
+                         "(sessions)."),
     "kv_audit_total": ("kvkeeper:kv_audit", "counter",
                        "Requests whose prompt KV was recomputed and compared (reuse audit) (requests)."),
     "kv_audit_mismatch_total": ("kvkeeper:kv_audit_mismatch", "counter",

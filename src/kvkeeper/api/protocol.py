@@ -18,6 +18,7 @@ from ..kvcache.namespace import tenant_namespace
 from ..sampling.params import SamplingParams
 from ..sampling.structured import StructuredOutput
 from .errors import APIError
+from .prompt_cache import cache_salt_of
 from .request_parsing import RequestContext
 from .schemas import _SamplingFields, refused_field, unknown_fields
 
@@ -41,24 +42,28 @@ def check_body(body, ctx: RequestContext) -> str | None:
     if so is not None and so.include_obfuscation:
         raise APIError(400, "stream_options.include_obfuscation is not supported: chunks are not padded; "
                             "send false or omit it", param="stream_options.include_obfuscation")
+    refuse_unknown(body, ctx)
+    return adapter.name if adapter is not None else None
+
+
+def refuse_unknown(body, ctx: RequestContext) -> None:
+    """400 naming the first field of ``body`` no schema declares (unless the server ignores them)."""
     if ctx.refuse_unknown_fields:
         unknown = unknown_fields(body)
         if unknown:
             raise APIError(400, f"unknown field {unknown[0]!r}: this server does not implement it, and does not "
                                 "silently ignore a field; remove it (or start the server with "
                                 "--ignore-unknown-fields)", param=unknown[0])
-    return adapter.name if adapter is not None else None
 
 
 def generation_fields(body: _SamplingFields, ctx: RequestContext, lora: str | None) -> dict:
     """The :class:`~kvkeeper.api.streams.GenerationRequest` fields both completions endpoints take from the
     body and its context: the cache namespace (the served one salted by the caller's tenant and the client's
-    ``cache_salt`` or ``X-Cache-Salt``, :func:`~kvkeeper.kvcache.namespace.tenant_namespace`: a salt narrows
-    the tenant's namespace, never widens it; None for neither), the LoRA adapter (``lora``, which the
+    ``cache_salt`` or ``X-Cache-Salt``, narrowed by ``prompt_cache_key``: :mod:`~kvkeeper.api.prompt_cache`;
+    :func:`~kvkeeper.kvcache.namespace.tenant_namespace`: a salt narrows the tenant's namespace, never widens
+    it; None for neither), the LoRA adapter (``lora``, which the
     engine thread puts the namespace under), the session headers and ``kv_compression``."""
-    salt = body.cache_salt if body.cache_salt is not None else ctx.cache_salt
-    if salt is not None and (not salt or len(salt) > 256):
-        raise APIError(400, "cache salt must be 1 to 256 characters", param="cache_salt")
+    salt = cache_salt_of(body.cache_salt if body.cache_salt is not None else ctx.cache_salt, body.prompt_cache_key)
     ns = None if salt is None and ctx.tenant is None else tenant_namespace(ctx.served.namespace, ctx.tenant, salt)
     kv = body.kv_compression
     return dict(namespace=ns, lora=lora, session_id=ctx.session_id, session_priority=ctx.session_priority,

@@ -181,8 +181,8 @@ class _SamplingFields(BaseModel):
     service_tier: str | None = _only(None, "auto", "default")
     store: bool | None = _only(None, False)
     metadata: dict[str, Any] | None = _only(None, {})
-    prompt_cache_key: str | None = _only(None)
-    prompt_cache_retention: Any = _only(None)
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)  # scopes the prefix cache (prompt_cache.py)
+    prompt_cache_retention: str | None = _only(None, "in_memory")
     prompt_cache_options: Any = _only(None)
     moderation: Any = _only(None)
 
@@ -252,9 +252,8 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "service_tier": ((None, "auto", "default"), "there is one service tier: auto (or default)"),
     "store": ((None, False), _NOT_STORED),
     "metadata": ((None, {}), f"metadata is kept only with stored completions; {_NOT_STORED}"),
-    "prompt_cache_key": ((None,), "every prompt prefix is cached in one shared cache; use cache_salt "
-                                  "(or X-Cache-Salt) to isolate a tenant's prefixes"),
-    "prompt_cache_retention": ((None,), "cached prefixes stay until evicted (least recently used first)"),
+    "prompt_cache_retention": ((None, "in_memory"), "cached prefixes stay in memory until evicted (least recently "
+                                                    "used first), as in_memory; a 24h retention is not offered"),
     "prompt_cache_options": ((None,), "cached prefixes stay until evicted (least recently used first)"),
     "moderation": ((None,), "there is no moderation model"),
     "suffix": ((None, ""), "insertion (a suffix after the completion) is not supported"),

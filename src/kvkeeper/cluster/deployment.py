@@ -38,7 +38,7 @@ from ray.serve.config import RequestRouterConfig
 
 from .config import ClusterConfig, ReplicaSpec
 from .metrics_text import merge
-from .router import REGISTRY, Candidate, Policy, PrefixSummary, prompt_block_hashes
+from .router import REGISTRY, Candidate, Policy, PrefixSummary, cache_key_of, prompt_block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class KVKeeperRequestRouter(RequestRouter):
         hint = (pending_request.kwargs.get("routing") if pending_request is not None else None) or {}
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         d = self.policy.choose([self._candidate(r) for r in candidate_replicas], hint.get("session"),
-                               hint.get("prefix") or ())
+                               hint.get("prefix") or (), hint.get("cache_key"))
         return [[by_id[i] for i in rank] for rank in d.ranks if rank]
 
 
@@ -202,7 +202,8 @@ class EngineReplica:
 
 
 def routing_hint(headers: dict[bytes, bytes], body: bytes) -> dict:
-    """``{"session": X-Session-ID or None, "prefix": first prompt block hashes}`` of one request."""
+    """``{"session": X-Session-ID or None, "cache_key": prompt_cache_key or None, "prefix": first prompt block
+    hashes}`` of one request."""
     import json
 
     sid = headers.get(b"x-session-id")
@@ -215,7 +216,7 @@ def routing_hint(headers: dict[bytes, bytes], body: bytes) -> dict:
     if not isinstance(doc, dict):
         return {"session": None, "prefix": []}
     salt = headers.get(b"x-cache-salt", b"").decode("latin-1") or str(doc.get("cache_salt") or "")
-    return {"session": None, "prefix": prompt_block_hashes(doc, salt)}
+    return {"session": None, "cache_key": cache_key_of(doc), "prefix": prompt_block_hashes(doc, salt)}
 
 
 async def _read_body(receive) -> bytes:

@@ -1,16 +1,20 @@
 """Which replica serves a request: the routing policy of ``kvkeeper serve --replicas N``, free of Ray.
 
-Three rules, tried in order (:func:`choose`), each decision counted by reason in
+Four rules, tried in order (:func:`choose`), each decision counted by reason in
 ``kvkeeper:cluster_routing_decisions_total{reason}``:
 
 1. **session** -- a request with ``X-Session-ID`` goes to the replica that owns the session on a
    consistent-hash ring (:class:`HashRing`, Karger et al., "Consistent hashing and random trees",
    STOC 1997; virtual nodes as in Dynamo, DeCandia et al., SOSP 2007).  Adding or losing a replica
    remaps only the sessions of the ring arcs it gains or loses: the lost replica's sessions.
-2. **prefix** -- otherwise the replica whose published summary (:class:`PrefixSummary`) holds the
+2. **cache key** -- otherwise a request with ``prompt_cache_key`` goes to the owner of ``pck:<key>`` on the same
+   ring: requests naming one cache entry share one replica's prefix cache (a tenant's key scopes its entry on
+   the replica, :mod:`kvkeeper.api.prompt_cache`; the router sees no tenant, so two tenants' equal keys share a
+   replica, never a cache entry).
+3. **prefix** -- otherwise the replica whose published summary (:class:`PrefixSummary`) holds the
    longest run of the request's first prompt blocks (:func:`prompt_block_hashes`), as in the
    prefix-aware routers of SGLang and Ray Serve LLM's ``PrefixCacheAffinityRouter``.
-3. **load** -- otherwise the less loaded of two replicas drawn at random (Mitzenmacher, "The power
+4. **load** -- otherwise the less loaded of two replicas drawn at random (Mitzenmacher, "The power
    of two choices in randomized load balancing", 2001); Ray Serve probes their queue lengths.
 
 The blocks are blocks of the request's *text* (messages as role and content, or the raw prompt),
@@ -33,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter
 TEXT_BLOCK_CHARS = 256  # characters of prompt text per routing block
 MAX_PROMPT_BLOCKS = 16  # the first blocks of a prompt that are hashed (4,096 characters)
 from .config import DEFAULT_SUMMARY_SIZE  # noqa: E402  (block hashes a replica publishes at most)
-REASONS = ("session", "prefix", "load")
+REASONS = ("session", "cache_key", "prefix", "load")
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 DECISIONS = Counter("kvkeeper:cluster_routing_decisions", "Requests routed to a replica, by reason: session "
@@ -165,15 +169,15 @@ class Policy:
         return self._ring
 
     def choose(self, candidates: Sequence[Candidate], session_id: str | None = None,
-               prefix: Sequence[str] = ()) -> Decision:
-        """The ranks for one request (``prefix``: its :func:`prompt_block_hashes`); counts the reason.
-        Raises ValueError without candidates."""
+               prefix: Sequence[str] = (), cache_key: str | None = None) -> Decision:
+        """The ranks for one request (``prefix``: its :func:`prompt_block_hashes`; ``cache_key``: its
+        ``prompt_cache_key``); counts the reason.  Raises ValueError without candidates."""
         if not candidates:
             raise ValueError("no replica to route to")
         ids = [c.id for c in candidates]
-        if session_id is not None:
-            owner = self.ring(ids).owner(session_id)
-            d = Decision([[owner], [i for i in ids if i != owner]], "session")
+        if session_id is not None or cache_key is not None:
+            owner = self.ring(ids).owner(session_id if session_id is not None else f"pck:{cache_key}")
+            d = Decision([[owner], [i for i in ids if i != owner]], "session" if session_id is not None else "cache_key")
         else:
             d = self._by_prefix(candidates, prefix) or self._two_choices(ids)
         DECISIONS.labels(d.reason).inc()
@@ -198,3 +202,9 @@ def pick(decision: Decision, load: Callable[[str], int]) -> str:
     """The replica Ray Serve would take for ``decision`` given queue lengths: the least loaded of its first rank
     (ties: the first listed).  For tests and the fake cluster."""
     return min(decision.ranks[0], key=load)
+
+
+def cache_key_of(doc: dict) -> str | None:
+    """A request body's ``prompt_cache_key`` (None when absent or not a string)."""
+    key = doc.get("prompt_cache_key")
+    return key if isinstance(key, str) and key else None

@@ -17,6 +17,7 @@ refuses new sessions while KV memory is short.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import uuid
@@ -30,6 +31,7 @@ from ..errors import InvalidRequestError, KVKeeperError, QuotaExceededError, Ses
 from ..options import option
 from .context import POLICIES, ContextSpec, ContextState, turn_text
 from .disk import session_dir_name
+from .fork import fork_kv
 from .offload import DEFAULT_HOST_OFFLOAD_BYTES, SessionStore
 from .session import Session, session_key
 
@@ -74,6 +76,10 @@ class SessionConfig:
         "--checkpoint-every", "copy idle sessions' KV to the disk tier every S seconds, keeping it in the pool, and "
         "continue a session from a newer copy another server wrote (servers sharing --data-dir, `--replicas`; "
         "default: never)", type=float, metavar="S"))
+    session_ttl_s: float | None = field(default=None, metadata=option(
+        "--session-ttl", "close sessions idle for S seconds (their KV freed, offloaded copies removed), stored "
+        "responses and conversations with them; counted in kvkeeper:sessions_expired_total (default: never)",
+        type=float, metavar="S"))
     summary_tokens: int = 96
     memory_top_k: int = 3
     memory_threshold: float = 0.35
@@ -105,6 +111,9 @@ class SessionManager:
                                           "give --data-dir and --checkpoint-every S > 0")
             self.store.keep_disk_copies = True
         self.default_context = c.context_spec()  # raises InvalidRequestError for a policy without a budget
+        if c.session_ttl_s is not None and c.session_ttl_s <= 0:
+            raise InvalidRequestError(f"--session-ttl must be a positive number of seconds, got {c.session_ttl_s}")
+        self.expired = 0  # sessions closed by expire_idle (a counter)
         self._embedder = None
         self._memories: dict[str, object] = {}
         engine.add_kv_holder(self)
@@ -127,6 +136,26 @@ class SessionManager:
         s = Session(self, key, system=system, reuse=reuse, params=params, context=context or self.default_context,
                     tenant=tenant, name=sid)
         self.sessions[key] = s
+        return s
+
+    def fork(self, source: Session, session_id: str | None = None, tenant: str | None = None) -> Session:
+        """A new session (``tenant``'s, id as :meth:`open`) continuing from ``source`` as it stands: the same
+        conversation, turns and context policy, and its KV forked copy-on-write (:func:`~kvkeeper.sessions.fork.
+        fork_kv`: full blocks shared by reference, the partial last block copied), so a turn of either session
+        never shows in the other.  An offloaded source's KV is restored to the pool first.  Raises
+        :class:`InvalidRequestError` for a closed source, one with a turn in flight or an id already open, and
+        ``OverloadedError`` while a circuit breaker refuses new sessions."""
+        if source.closed or source.turn is not None:
+            raise InvalidRequestError(f"session {source.name!r} cannot be forked while "
+                                      f"{'closed' if source.closed else 'a turn is in flight'}")
+        s = self.open(session_id=session_id, reuse=source.reuse, params=source.params, context=source.context,
+                      tenant=tenant)
+        if self.store.tier_of(source.id) and source.kv is not None:
+            self.store.restore(source)
+        s.messages, s.text, s.turns = [dict(m) for m in source.messages], source.text, list(source.turns)
+        s.priority, s.context_state = source.priority, copy.deepcopy(source.context_state)
+        if source.kv is not None:
+            s.kv = fork_kv(self.engine, source.kv, f"{s.id}-fork")
         return s
 
     def find(self, tenant: str | None, session_id: str) -> Session | None:
@@ -196,6 +225,19 @@ class SessionManager:
                 path.unlink(missing_ok=True)
         return freed
 
+    def expire_idle(self, now: float | None = None) -> list[Session]:
+        """Close the sessions without a turn in flight unused for ``session_ttl_s`` seconds or more (none without a
+        TTL); returns them (counted in :attr:`expired`).  ``now``: ``time.monotonic()`` unless given."""
+        ttl = self.config.session_ttl_s
+        if ttl is None:
+            return []
+        now = time.monotonic() if now is None else now
+        gone = [s for s in list(self.sessions.values()) if s.turn is None and now - s.last_used >= ttl]
+        for s in gone:
+            self.close(s.id)
+        self.expired += len(gone)
+        return gone
+
     def _reopen_saved(self) -> None:
         """Register the disk tier's saved sessions as open sessions whose KV is on disk."""
         for saved in self.store.scan():
@@ -212,7 +254,7 @@ class SessionManager:
         s = Session(self, saved.session_id, reuse=saved.reuse, context=self.default_context,
                     tenant=saved.tenant, name=saved.name)
         s.messages, s.text, s.turns = saved.messages, saved.text, saved.turns
-        _restore_context(s, saved.context)
+        restore_context(s, saved.context)
         s.kv = Sequence(f"{saved.session_id}-saved", saved.token_ids, SamplingParams(), saved.namespace,
                         num_prompt_tokens=len(saved.token_ids), status=SeqStatus.FINISHED)
         self.sessions[s.id] = s
@@ -356,13 +398,15 @@ class SessionManager:
         return self.store.num_blocks()
 
     def stats(self) -> dict:
-        """Open sessions, distinct blocks they pin (a shared prefix block once), and the offload tiers' counters."""
+        """Open sessions, distinct blocks they pin (a shared prefix block once), sessions expired, and the offload
+        tiers' counters."""
         pinned = {b for s in self.sessions.values() if s.kv is not None for b in s.kv.block_table}
-        return {"sessions": len(self.sessions), "pinned_blocks": len(pinned), "offload": self.store.stats()}
+        return {"sessions": len(self.sessions), "pinned_blocks": len(pinned), "offload": self.store.stats(),
+                "sessions_expired": self.expired}
 
 
-def _restore_context(s: Session, saved: dict | None) -> None:
-    """A reopened session's context policy and state, from its manifest (kept as they were when unreadable)."""
+def restore_context(s: Session, saved: dict | None) -> None:
+    """A reopened (or imported) session's context policy and state, from its manifest (kept as they were when unreadable)."""
     if not saved:
         return
     try:

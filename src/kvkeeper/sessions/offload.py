@@ -95,14 +95,15 @@ class SessionStore:
             except OSError as e:
                 raise InvalidRequestError(f"cannot create the data directory {self.sessions_dir}: {e}; "
                                           "give a writable --data-dir") from None
-            self.disk = DiskTier(self.sessions_dir, self._identity(), write_delay_s)
+            self.disk = DiskTier(self.sessions_dir, self.identity(), write_delay_s)
         self.records: dict[str, OffloadRecord] = {}
         self.counters = OffloadCounters()
         # checkpoints (shared data dirs, kvkeeper.cluster): a restored session's folder stays on disk
         self.keep_disk_copies = False
         self.checkpointed: dict[str, tuple[int, int]] = {}  # session id -> (turns, tokens) of its last checkpoint
 
-    def _identity(self) -> dict:
+    def identity(self) -> dict:
+        """What saved KV must match to be continued here: model revision, KV dtype, block size and KV shapes."""
         eng, cfg = self.engine, self.engine.model_config
         return {"model_revision": eng.namespace.model_revision, "kv_dtype": eng.namespace.kv_dtype,
                 "block_size": eng.block_size, "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,

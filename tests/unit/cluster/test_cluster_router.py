@@ -183,3 +183,24 @@ def test_a_second_death_answers_503_with_retry_after():
     sent, engines = _through_gateway(2, [])
     assert len(engines.calls) == 2
     assert sent[0]["status"] == 503 and (b"retry-after", b"3") in sent[0]["headers"]
+
+
+def test_one_prompt_cache_key_goes_to_one_replica_and_keys_spread():
+    """``prompt_cache_key`` (issue 25): the requests of one key share a replica whatever the load and whatever their
+    prompts' cached prefixes elsewhere; X-Session-ID still wins; keys spread over the replicas."""
+    from kvkeeper.cluster.router import cache_key_of
+
+    policy = Policy(rng=random.Random(0))
+    elsewhere = prompt_block_hashes(_chat("A long shared system prompt " * 40))
+    cands = [Candidate(r, frozenset(elsewhere) if r == REPLICAS[0] else frozenset()) for r in REPLICAS]
+    before = _count("cache_key")
+    owners = {}
+    for k in range(200):
+        key = f"key-{k}"
+        got = {policy.choose(cands, prefix=elsewhere, cache_key=key).ranks[0][0] for _ in range(3)}
+        assert len(got) == 1
+        owners[key] = got.pop()
+    assert _count("cache_key") == before + 600
+    assert set(owners.values()) == set(REPLICAS)  # 200 keys reach all four replicas
+    assert policy.choose(cands, session_id="s1", cache_key="key-0").reason == "session"
+    assert cache_key_of({"prompt_cache_key": "k"}) == "k" and cache_key_of({"prompt_cache_key": 3}) is None
