@@ -37,3 +37,19 @@ def make_engine(*args, **settings) -> LLMEngine:
         settings["quantization"] = default_quantization()
     settings.setdefault("validate_every", default_validate_every())
     return LLMEngine(*args, **settings)
+
+
+def alone_and_mixed(eng: LLMEngine, first: list[int], second: list[int], params, steps: int = 4):
+    """Run ``first`` alone, then again with ``second``'s prefill landing after ``steps`` of its decode (so some of
+    its steps are mixed prefill + decode); each in a namespace of its own (no prefix hits between the runs).
+
+    Returns (the alone ``RequestOutput``, the mixed run's two ``Sequence`` objects); the batch-invariance tests
+    compare the first's tokens and logprobs in both.
+    """
+    alone = eng.generate([first], params, namespace=eng.isolated_namespace())[0]
+    s1 = eng.add_request(first, params, namespace=eng.isolated_namespace())
+    for _ in range(steps):
+        eng.step()
+    s2 = eng.add_request(second, params, namespace=eng.isolated_namespace())
+    eng.run_until_done([s1, s2])
+    return alone, s1, s2

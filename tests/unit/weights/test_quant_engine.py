@@ -24,7 +24,7 @@ from kvkeeper import InvalidRequestError, SamplingParams
 from kvkeeper.kernels import cpu as cpu_kernels
 from kvkeeper.layers import quantized
 from kvkeeper.weights import formats as qw
-from tests.utils.engines import make_engine
+from tests.utils.engines import alone_and_mixed, make_engine
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +100,7 @@ def test_fused_decode_is_batch_invariant_and_equals_mixed_steps(kernels, tiny_fo
     assert eng.runner.fused_decode is not None
     p1, p2 = list(range(7, 40)), list(range(100, 160))
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1)
-    alone = eng.generate([p1], params, namespace=eng.isolated_namespace())[0]
-    # p2's prefill lands in the middle of p1's decode: some of p1's steps are mixed
-    s1 = eng.add_request(p1, params, namespace=eng.isolated_namespace())
-    for _ in range(4):
-        eng.step()
-    s2 = eng.add_request(p2, params, namespace=eng.isolated_namespace())
-    eng.run_until_done([s1, s2])
+    alone, s1, _ = alone_and_mixed(eng, p1, p2, params)  # p2's prefill lands in the middle of p1's decode
     assert list(s1.output_token_ids) == alone.token_ids
     assert [lp["top"][0][1] for lp in s1.logprobs] == [lp["top"][0][1] for lp in alone.logprobs]
 
