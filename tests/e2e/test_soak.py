@@ -1,5 +1,14 @@
-"""The soak test's two-minute form (benchmarks/soak.py --minutes 2): simulated users with sessions, streaming,
-hang-ups, n=2, offloads, deletes and a restart that restores the sessions from disk; the pass criteria hold."""
+"""The soak test's short form (benchmarks/soak.py --minutes 1; ``$KVKEEPER_TEST_SOAK_MINUTES`` sets another length):
+simulated users with sessions, streaming, hang-ups, n=2, offloads, deletes and a restart that restores the sessions
+from disk; the pass criteria hold.
+
+What one minute proves: the checks that do not depend on the length as at two (no 5xx; zero audit mismatches over
+at least one audit; every session restored after the restart; no owned or pinned block and no open session once
+idle, where a leaked block shows whatever the duration), and resident memory flat over the second half (15 s,
+a sample a second) of each 30-second server life, below 100 MiB/min: a gross leak (25 MiB over those 15 s), not a
+slow one (the 30-minute ``make soak``: 2 MiB/min).  The KV pool is committed at start, so the warm-up is over by
+then: in a two-minute run on the loaded shared machine (2026-12-02) the RSS of each life stopped growing after
+8 s, and its samples over the second half of the first 30 s gave slopes of 5.6 and 3.9 MiB/min."""
 
 from __future__ import annotations
 
@@ -9,17 +18,19 @@ import subprocess
 import sys
 from tests.utils.paths import ROOT
 
+MINUTES = os.environ.get("KVKEEPER_TEST_SOAK_MINUTES", "1")
 
 
-def test_two_minute_soak_passes(tmp_path):
+def test_short_soak_passes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # two minutes of load, each server life one: its second half (30 s) is still warm-up (the allocator grows in
-    # steps of a few MiB), so the bound here, 30 MiB/min, catches only gross leaks (the 30-minute run: 2 MiB/min)
+    # the audit samples requests with a seeded draw (seed 0) that restarts with each server life: at a fraction of
+    # 0.25 the first audited request of a life is its 26th, which a loaded machine may not reach in a short run
+    # (a two-minute run here had 29 requests and no audit); at 0.5 it is the 3rd
     # the exact float32 path (weights and KV): its audit tolerance sits about ten times above the fp32 noise
     # measured over 652 soak audits, so a mismatch is a wrong block (the verdict carries the server log's lines); with the default gguf weights and bf16 KV the audit flags rounding on a few percent of long
     # prompts (README: Soak test)
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "2", "--users", "3", "--sample-s", "2",
-           "--rss-slope-bound", "100", "--max-tokens", "12",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", MINUTES, "--users", "3", "--sample-s", "1",
+           "--rss-slope-bound", "100", "--max-tokens", "12", "--audit-fraction", "0.5",
            "--hangup-fraction", "0.3", "--offload-fraction", "0.3", "--out", str(tmp_path), "--name", "soak2",
            "--server-arg=--quantization", "--server-arg=none", "--server-arg=--kv-dtype", "--server-arg=fp32"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

@@ -18,7 +18,7 @@ from kvkeeper import SamplingParams
 
 from tests.utils.engines import make_engine
 from tests.utils.tiny_models import _one_thread, tokenizer  # noqa: F401 - fixtures
-from tests.utils.tiny_models import kk_logits_chunked, randomise_weights
+from tests.utils.tiny_models import hf_greedy, kk_logits_chunked, random_prompt, save_tiny, tiny_hf, without_window
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,16 +36,9 @@ def tiny(tmp_path_factory, tokenizer):  # noqa: F811
         num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW, max_position_embeddings=CONTEXT,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
-    torch.manual_seed(3)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    randomise_weights(hf, 3)
-    out = tmp_path_factory.mktemp("mistral-window")
-    hf.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    full_cfg = transformers.MistralConfig(**{**cfg.to_dict(), "sliding_window": None})
-    full = transformers.AutoModelForCausalLM.from_config(full_cfg, attn_implementation="eager").float().eval()
-    full.load_state_dict(hf.state_dict())
-    return out, hf, full
+    hf = tiny_hf(cfg, 3)
+    full = without_window(hf)
+    return save_tiny(hf, tokenizer, tmp_path_factory.mktemp("mistral-window")), hf, full
 
 
 def _engine(model, hybrid=True, **kw):
@@ -53,21 +46,10 @@ def _engine(model, hybrid=True, **kw):
     return make_engine(model=str(model), hybrid_kv_cache=hybrid, **kw)
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 2000, (n,), generator=g).tolist()
-
-
-@torch.no_grad()
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    return hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                       pad_token_id=0)[0, len(ids):].tolist()
-
-
 def test_window_binds_in_the_reference(tiny):
     """transformers applies the window: logits past it differ from full attention, and agree before it."""
     _, hf, full = tiny
-    ids = torch.tensor([_prompt(3 * WINDOW, 1)])
+    ids = torch.tensor([random_prompt(3 * WINDOW, 1)])
     with torch.no_grad():
         a, b = hf(ids).logits[0], full(ids).logits[0]
     assert (a[:WINDOW] - b[:WINDOW]).abs().max() < ATOL
@@ -95,8 +77,8 @@ def test_parity_across_window(tiny, hybrid, block_size, chunk):
     equal transformers', and the logits of every position agree (several sequences packed, chunked prefill)."""
     folder, hf, _ = tiny
     eng = _engine(folder, hybrid, block_size=block_size, max_num_batched_tokens=chunk)
-    prompts = [_prompt(n, n) for n in (WINDOW - 1, WINDOW, WINDOW + 1, 2 * WINDOW + 3)]
-    refs = [_hf_greedy(hf, p, 16) for p in prompts]
+    prompts = [random_prompt(n, n) for n in (WINDOW - 1, WINDOW, WINDOW + 1, 2 * WINDOW + 3)]
+    refs = [hf_greedy(hf, p, 16) for p in prompts]
     assert all(len(set(r)) >= 6 for r in refs), refs  # not a degenerate repetition
     outs = eng.generate(prompts, SamplingParams(max_tokens=16, **GREEDY))
     assert [o.token_ids for o in outs] == refs
@@ -116,17 +98,17 @@ def test_prefix_hit_and_second_turn(tiny):
     with the same tokens; a second turn (history + reply + new text) reuses the history and equals transformers."""
     folder, hf, _ = tiny
     eng = _engine(folder)
-    p = _prompt(3 * WINDOW + 2, 7)
-    want = _hf_greedy(hf, p, 2)
+    p = random_prompt(3 * WINDOW + 2, 7)
+    want = hf_greedy(hf, p, 2)
     first = eng.generate([p], SamplingParams(max_tokens=2, **GREEDY))[0]
     again = eng.generate([p], SamplingParams(max_tokens=2, **GREEDY))[0]
     assert first.token_ids == again.token_ids == want
     assert first.cached_tokens == 0 and again.cached_tokens == (len(p) - 1) // 4 * 4  # every full block but the last
     reply = eng.generate([p], SamplingParams(max_tokens=12, **GREEDY))[0]
-    follow = p + reply.token_ids + _prompt(5, 8)
+    follow = p + reply.token_ids + random_prompt(5, 8)
     second = eng.generate([follow], SamplingParams(max_tokens=12, **GREEDY))[0]
     assert second.cached_tokens >= len(p)
-    assert second.token_ids == _hf_greedy(hf, follow, 12)
+    assert second.token_ids == hf_greedy(hf, follow, 12)
     eng.pool.check_invariants()
 
 
@@ -136,7 +118,7 @@ def test_out_of_window_blocks_are_freed(tiny):
     transformers'."""
     folder, hf, _ = tiny
     eng = _engine(folder, num_kv_blocks=6, max_num_seqs=1, max_num_batched_tokens=4)
-    prompt = _prompt(WINDOW + 1, 5)
+    prompt = random_prompt(WINDOW + 1, 5)
     seq = eng.add_request(prompt, SamplingParams(max_tokens=100, **GREEDY))
     blocks, windows = [], []
     while eng.has_unfinished():
@@ -145,7 +127,7 @@ def test_out_of_window_blocks_are_freed(tiny):
             blocks.append(len(seq.block_table))
             windows.append(sum(eng.pool.window_id(b) is not None for b in seq.block_table))
     assert max(blocks) >= (len(prompt) + 99) // 4 and max(windows) <= -(-WINDOW // 4) + 1 < max(blocks)
-    assert seq.output_token_ids == _hf_greedy(hf, prompt, 100)
+    assert seq.output_token_ids == hf_greedy(hf, prompt, 100)
     eng.pool.check_invariants()
 
 
@@ -160,9 +142,9 @@ def test_gguf_runs_full_attention_as_llama_cpp(tiny, tmp_path):
     eng = _engine(path, num_kv_blocks=64)
     assert eng.model_config.architecture == "llama" and not eng.model_config.is_hybrid
     assert eng.runner.weight_format == "none" and eng.context_length == CONTEXT
-    p = _prompt(2 * WINDOW + 5, 11)
+    p = random_prompt(2 * WINDOW + 5, 11)
     out = eng.generate([p], SamplingParams(max_tokens=16, **GREEDY))[0]
-    assert out.token_ids == _hf_greedy(full, p, 16)
+    assert out.token_ids == hf_greedy(full, p, 16)
     f = p + out.token_ids
     (got,) = kk_logits_chunked(eng, [f], [[len(f)]])
     with torch.no_grad():

@@ -23,7 +23,8 @@ from kvkeeper.model_config import ModelConfig
 from tests.utils.engines import make_engine
 from tests.utils.tiny_gguf import write_gguf
 from tests.utils.tiny_models import _one_thread, tokenizer  # noqa: F401 - fixtures
-from tests.utils.tiny_models import kk_logits_chunked, randomise_weights
+from tests.utils.tiny_models import (hf_greedy, hf_logits, kk_logits_chunked, random_prompt, save_tiny, tiny_hf,
+                                     without_window)
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,19 +39,14 @@ def _hf(tokenizer, seed: int, **kw):  # noqa: F811
         num_key_value_heads=2, max_position_embeddings=512, rope_parameters={"rope_type": "default",
                                                                               "rope_theta": 10000.0},
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=0, **kw)
-    torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    randomise_weights(hf, seed)
-    return hf
+    return tiny_hf(cfg, seed)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tokenizer):  # noqa: F811
     """(transformers model, {"hf": folder, "gguf": F32 file, "gguf16": F16 file}) of a tiny random Phi-3."""
     hf = _hf(tokenizer, 5)
-    out = tmp_path_factory.mktemp("phi3-tiny")
-    hf.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    out = save_tiny(hf, tokenizer, tmp_path_factory.mktemp("phi3-tiny"))
     return hf, {"hf": out, "gguf": write_gguf(out / "phi3-f32.gguf", hf, "phi3"),
                 "gguf16": write_gguf(out / "phi3-f16.gguf", hf, "phi3", f16=True)}
 
@@ -61,21 +57,6 @@ def engine(request, tiny):
     return request.param, make_engine(model=str(tiny[1][request.param]), num_kv_blocks=64, block_size=4,
                                       max_num_batched_tokens=8, quantization="none")
 
-
-def _prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 2000, (n,), generator=g).tolist()
-
-
-@torch.no_grad()
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    return hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                       pad_token_id=0)[0, len(ids):].tolist()
-
-
-@torch.no_grad()
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([ids])).logits[0].float()
 
 
 def test_checkpoint_is_fused_and_config_read_back(tiny, engine):
@@ -97,14 +78,14 @@ def test_logits_all_positions(tiny, engine):
     """One-shot prefill, then chunks over cached blocks, decode steps and two sequences packed per step."""
     hf, _ = tiny
     kind, eng = engine
-    a, b = _prompt(37, 1), _prompt(19, 2)
-    ref = _hf_logits(hf, a)
+    a, b = random_prompt(37, 1), random_prompt(19, 2)
+    ref = hf_logits(hf, a)
     assert (ref.topk(2, dim=-1).values.diff(dim=-1).abs()).median() > 100 * ATOL  # logits far from tied
     (one,) = kk_logits_chunked(eng, [a], [[len(a)]])
     assert (one - ref).abs().max().item() < ATOL, kind
     got_a, got_b = kk_logits_chunked(eng, [a, b], [[10, 1], [1, 0], [1, 13], [6, 1], [19, 4]])
     assert (got_a - ref).abs().max().item() < ATOL, kind
-    assert (got_b - _hf_logits(hf, b)).abs().max().item() < ATOL, kind
+    assert (got_b - hf_logits(hf, b)).abs().max().item() < ATOL, kind
 
 
 def test_greedy_prefix_hit_and_second_turn(tiny, engine):
@@ -112,17 +93,17 @@ def test_greedy_prefix_hit_and_second_turn(tiny, engine):
     second turn (history, reply, new text) reuses the history and equals transformers."""
     hf, _ = tiny
     kind, eng = engine
-    p = _prompt(29, 3)
-    want = _hf_greedy(hf, p, 20)
+    p = random_prompt(29, 3)
+    want = hf_greedy(hf, p, 20)
     assert len(set(want)) >= 8, want
     first = eng.generate([p], SamplingParams(max_tokens=20, **GREEDY))[0]
     again = eng.generate([p], SamplingParams(max_tokens=20, **GREEDY))[0]
     assert first.token_ids == again.token_ids == want, kind
     assert again.cached_tokens == (len(p) - 1) // 4 * 4
-    follow = p + first.token_ids + _prompt(6, 4)
+    follow = p + first.token_ids + random_prompt(6, 4)
     second = eng.generate([follow], SamplingParams(max_tokens=12, **GREEDY))[0]
     assert second.cached_tokens >= len(p) + 16
-    assert second.token_ids == _hf_greedy(hf, follow, 12), kind
+    assert second.token_ids == hf_greedy(hf, follow, 12), kind
     eng.pool.check_invariants()
 
 
@@ -146,23 +127,20 @@ def test_gguf_in_place_runs_the_fused_tensors_whole(tiny):
         for p in h16.parameters():
             if p.dim() == 2:
                 p.copy_(p.half().float())
-    p = _prompt(23, 9)
+    p = random_prompt(23, 9)
     out = eng.generate([p], SamplingParams(max_tokens=12, **GREEDY))[0]
-    assert out.token_ids == _hf_greedy(h16, p, 12)
+    assert out.token_ids == hf_greedy(h16, p, 12)
     f = p + out.token_ids
     (got,) = kk_logits_chunked(eng, [f], [[len(f)]])
-    assert (got - _hf_logits(h16, f)).abs().max().item() < ATOL
+    assert (got - hf_logits(h16, f)).abs().max().item() < ATOL
 
 
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory, tokenizer):  # noqa: F811
     """(folder, GGUF, transformers model with window 8, the same model without it)."""
     hf = _hf(tokenizer, 6, sliding_window=WINDOW)
-    out = tmp_path_factory.mktemp("phi3-window")
-    hf.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    full = _hf(tokenizer, 6)
-    full.load_state_dict(hf.state_dict())
+    out = save_tiny(hf, tokenizer, tmp_path_factory.mktemp("phi3-window"))
+    full = without_window(hf)
     return out, write_gguf(out / "phi3-window.gguf", hf, "phi3"), hf, full
 
 
@@ -171,13 +149,13 @@ def test_sliding_window_folder_slides_every_layer(windowed):
     folder, _, hf, full = windowed
     eng = make_engine(model=str(folder), num_kv_blocks=32, block_size=4, max_num_batched_tokens=8)
     assert type(eng.runner.model).__name__ == "SlidingPhi3ForCausalLM" and eng.pool.window_blocks == 32
-    p = _prompt(2 * WINDOW + 3, 10)
-    want = _hf_greedy(hf, p, 16)
-    assert want != _hf_greedy(full, p, 16)  # the window changes the reference's tokens
+    p = random_prompt(2 * WINDOW + 3, 10)
+    want = hf_greedy(hf, p, 16)
+    assert want != hf_greedy(full, p, 16)  # the window changes the reference's tokens
     assert eng.generate([p], SamplingParams(max_tokens=16, **GREEDY))[0].token_ids == want
     f = p + want
     (got,) = kk_logits_chunked(eng, [f], [[8]] * (len(f) // 8) + [[len(f) % 8]], commit=True)  # chunks of 8
-    assert (got - _hf_logits(hf, f)).abs().max().item() < ATOL
+    assert (got - hf_logits(hf, f)).abs().max().item() < ATOL
 
 
 def test_sliding_window_gguf_runs_full_attention_as_llama_cpp(windowed):
@@ -186,8 +164,8 @@ def test_sliding_window_gguf_runs_full_attention_as_llama_cpp(windowed):
     _, path, _, full = windowed
     eng = make_engine(model=str(path), num_kv_blocks=64, block_size=4)
     assert not eng.model_config.is_hybrid and type(eng.runner.model).__name__ == "Phi3ForCausalLM"
-    p = _prompt(2 * WINDOW + 3, 10)
-    assert eng.generate([p], SamplingParams(max_tokens=16, **GREEDY))[0].token_ids == _hf_greedy(full, p, 16)
+    p = random_prompt(2 * WINDOW + 3, 10)
+    assert eng.generate([p], SamplingParams(max_tokens=16, **GREEDY))[0].token_ids == hf_greedy(full, p, 16)
 
 
 _BASE = {"model_type": "phi3", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -265,7 +243,7 @@ def test_q8_0_gguf_packs_the_fused_tensors(tiny, tmp_path):
     layer = packed.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
     assert "matrices in place" in packed.runner.weight_description, packed.runner.weight_description
-    p = _prompt(23, 12)
+    p = random_prompt(23, 12)
     a, b = (e.generate([p], SamplingParams(max_tokens=12, **GREEDY))[0].token_ids for e in (packed, exact))
     assert a == b
 
@@ -282,8 +260,8 @@ def test_generation_config_eos_ends_a_reply(tiny, tmp_path):
     (folder / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [base, 1234]}))
     eng = make_engine(model=str(folder), num_kv_blocks=16, block_size=4)
     assert {base, 1234} <= set(eng.eos_token_ids) and eng.model_config.eos_token_ids.count(base) == 1
-    p = _prompt(9, 13)
-    first = _hf_greedy(tiny[0], p, 4)
+    p = random_prompt(9, 13)
+    first = hf_greedy(tiny[0], p, 4)
     (folder / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [base, first[2]]}))
     eng = make_engine(model=str(folder), num_kv_blocks=16, block_size=4)
     out = eng.generate([p], SamplingParams(max_tokens=8, temperature=0.0))[0]

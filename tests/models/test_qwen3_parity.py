@@ -16,8 +16,6 @@ run on a Qwen3 folder.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
@@ -26,8 +24,10 @@ from kvkeeper.errors import ModelFormatError, UnsupportedArchitectureError
 from kvkeeper.model_config import ModelConfig
 
 from tests.utils.engines import assert_fused_equals_mixed, make_engine
+from tests.utils.tiny_gguf import write_qwen3_gguf
 from tests.utils.tiny_models import _one_thread, tokenizer  # noqa: F401 - fixtures
-from tests.utils.tiny_models import kk_logits_chunked, randomise_weights
+from tests.utils.tiny_models import (hf_greedy, hf_logits, kk_logits_chunked, random_prompt, randomise_weights,
+                                     save_tiny, tiny_hf)
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -58,108 +58,6 @@ CASES = {
 SOURCES = [(name, src) for name, (_, _, has_gguf) in CASES.items() for src in (("hf", "gguf") if has_gguf else ("hf",))]
 
 
-# ---- a llama.cpp-style GGUF of a transformers model ---------------------------------------------------------------
-@functools.lru_cache(maxsize=1)
-def _tokenizer_fields() -> tuple:
-    """(key, value, type, element type) of every ``tokenizer.*`` field of the embedded GGUF (read once)."""
-    from kvkeeper.weights.sources import resolve_model_path
-
-    reader = gguf.GGUFReader(str(resolve_model_path()))
-    return tuple((k, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
-                 for k, f in reader.fields.items() if k.startswith("tokenizer."))
-
-
-def _gguf_tensors(hf) -> dict[str, np.ndarray]:
-    """llama.cpp's tensor names (numpy shapes: (rows, cols), experts (E, rows, cols)) for a Qwen3 / Qwen3-MoE."""
-    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
-    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
-    if not hf.config.tie_word_embeddings:
-        out["output.weight"] = sd["lm_head.weight"]
-    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
-             "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate"}
-    for i in range(hf.config.num_hidden_layers):
-        for g, h in names.items():
-            if f"model.layers.{i}.{h}.weight" in sd:
-                out[f"blk.{i}.{g}.weight"] = sd[f"model.layers.{i}.{h}.weight"]
-        gate_up = sd.get(f"model.layers.{i}.mlp.experts.gate_up_proj")
-        if gate_up is not None:  # transformers' stacked experts: gate rows first, then up
-            inter = gate_up.shape[1] // 2
-            out[f"blk.{i}.ffn_gate_exps.weight"] = gate_up[:, :inter]
-            out[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, inter:]
-            out[f"blk.{i}.ffn_down_exps.weight"] = sd[f"model.layers.{i}.mlp.experts.down_proj"]
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def _synth():
-    """benchmarks/synth_gguf.py (random valid K-quant blocks, llama.cpp's Q4_K_M type choice) as a module."""
-    import importlib.util
-    import sys
-
-    from tests.utils.paths import ROOT
-
-    spec = importlib.util.spec_from_file_location("synth_gguf", ROOT / "benchmarks" / "synth_gguf.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("synth_gguf", mod)  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _matrix(name: str, arr: np.ndarray, matrices: str, n_layers: int, rng: np.random.Generator):
-    """(data, raw_dtype) of tensor ``name`` for a file of ``matrices``: F32, F16 or Q8_0 (``arr`` itself, quantized
-    with the gguf package), or Q4_K_M (random valid blocks of arr's shape in llama.cpp's Q4_K_M type choice: the
-    gguf package has no K-quant quantizer).  Vectors and the router stay F32, as llama.cpp keeps them."""
-    if arr.ndim == 1 or name.endswith("ffn_gate_inp.weight") or matrices == "F32":
-        return np.ascontiguousarray(arr, dtype=np.float32), None
-    if matrices == "F16":
-        return np.ascontiguousarray(arr, dtype=np.float16), None
-    if matrices == "Q4_K_M":
-        synth = _synth()
-        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
-        type_name = synth.q4_k_m_type(name, layer, n_layers)
-        rows = int(np.prod(arr.shape[:-1]))
-        raw = synth.random_tensor(rng, type_name, rows, arr.shape[-1])
-        return raw.reshape(*arr.shape[:-1], raw.shape[-1]), gguf.GGMLQuantizationType[type_name]
-    qt = gguf.GGMLQuantizationType[matrices]
-    return gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qt), qt
-
-
-def write_qwen3_gguf(hf, path, matrices: str = "F32"):
-    """Write ``hf`` (Qwen3 / Qwen3-MoE) as llama.cpp's ``qwen3`` / ``qwen3moe`` GGUF; matrices (2-D and 3-D tensors)
-    as ``matrices`` (F32, F16, Q8_0, or Q4_K_M with random blocks: :func:`_matrix`), norms F32.  Returns the path."""
-    c = hf.config
-    moe = c.model_type == "qwen3_moe"
-    w = gguf.GGUFWriter(str(path), "qwen3moe" if moe else "qwen3")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    if moe:
-        w.add_expert_count(c.num_experts)
-        w.add_expert_used_count(c.num_experts_per_tok)
-        w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    for key, value, vtype, sub in _tokenizer_fields():
-        w.add_key_value(key, value, vtype, sub)
-    rng = np.random.default_rng(0)
-    for name, arr in _gguf_tensors(hf).items():
-        data, raw = _matrix(name, arr, matrices, c.num_hidden_layers, rng)
-        w.add_tensor(name, data, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 # ---- fixtures ------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tokenizer):  # noqa: F811
@@ -168,13 +66,8 @@ def models(tmp_path_factory, tokenizer):  # noqa: F811
     for seed, (name, (cls_name, kw, has_gguf)) in enumerate(CASES.items()):
         cfg = getattr(transformers, cls_name)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                               eos_token_id=tokenizer.eos_token_id, **_BASE, **kw)
-        torch.manual_seed(seed)
-        hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-        randomise_weights(hf, seed)
-        folder = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        paths = {"hf": folder}
+        hf = tiny_hf(cfg, seed)
+        paths = {"hf": save_tiny(hf, tokenizer, tmp_path_factory.mktemp(name))}
         if has_gguf:
             paths["gguf"] = write_qwen3_gguf(hf, tmp_path_factory.mktemp(f"{name}-gguf") / f"{name}.gguf")
         out[name] = hf, paths
@@ -189,23 +82,6 @@ def case(request, models, tmp_path_factory):
     eng = make_engine(model=str(paths[src]), quantization="none", num_kv_blocks=96, block_size=4,
                       max_num_batched_tokens=8, cache_dir=str(tmp_path_factory.mktemp("cache")))
     return name, hf, eng
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 2000, (n,), generator=g).tolist()
-
-
-@torch.no_grad()
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([ids])).logits[0].float()
-
-
-@torch.no_grad()
-def _hf_greedy(hf, ids: list[int], n: int = GEN) -> list[int]:
-    out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0,
-                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return out[0, len(ids):].tolist()
 
 
 def _assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -238,8 +114,8 @@ def test_logits_every_position(case):
     """One-shot prefill, then chunks over cached blocks, decode steps and two sequences packed per step: the
     logits of every position are within 1e-4 of transformers'."""
     name, hf, eng = case
-    a, b = _prompt(37, 1), _prompt(19, 2)
-    ref_a, ref_b = _hf_logits(hf, a), _hf_logits(hf, b)
+    a, b = random_prompt(37, 1), random_prompt(19, 2)
+    ref_a, ref_b = hf_logits(hf, a), hf_logits(hf, b)
     top2 = ref_a.topk(2, dim=-1).values  # logits far from tied: the comparison means something
     assert (top2[:, 0] - top2[:, 1]).median() > 100 * ATOL and len(set(ref_a.argmax(-1).tolist())) > 10
     (one_shot,) = kk_logits_chunked(eng, [a], [[len(a)]])
@@ -254,8 +130,8 @@ def test_greedy_prefix_hit_and_second_turn(case, tokenizer):  # noqa: F811
     again; a second turn (prompt + answer + a new user message) reuses the first turn's KV and equals
     transformers' greedy continuation of the whole conversation."""
     name, hf, eng = case
-    first = _prompt(23, 3)
-    ref = _hf_greedy(hf, first)
+    first = random_prompt(23, 3)
+    ref = hf_greedy(hf, first, GEN)
     assert len(set(ref)) >= 4, f"{name}: degenerate reference generation {ref}"
     out1 = eng.generate([first], GREEDY)[0]
     assert out1.token_ids == ref, f"{name}: greedy tokens differ"
@@ -267,7 +143,7 @@ def test_greedy_prefix_hit_and_second_turn(case, tokenizer):  # noqa: F811
     second = first + out1.token_ids + user
     out2 = eng.generate([second], GREEDY)[0]
     assert out2.cached_tokens >= len(first) // 4 * 4
-    assert out2.token_ids == _hf_greedy(hf, second), f"{name}: greedy tokens differ on the second turn"
+    assert out2.token_ids == hf_greedy(hf, second, GEN), f"{name}: greedy tokens differ on the second turn"
     eng.pool.check_invariants()
 
 
@@ -301,7 +177,7 @@ def test_gguf_in_place(models, tmp_path, name, matrices, layer, atol):
         assert type(block.self_attn.qkv_proj).__name__ == type(block.self_attn.o_proj).__name__ == layer
         experts = getattr(block.mlp, "experts", None)
         assert experts is None or experts.gate_up_proj.dtype == torch.float32  # MoE: dequantized at load
-    a, b = _prompt(21, 4), _prompt(9, 5)
+    a, b = random_prompt(21, 4), random_prompt(9, 5)
     got, want = (kk_logits_chunked(e, [a, b], [[8, 3], [13, 1], [0, 5]]) for e in (engines["gguf"], engines["none"]))
     if atol is None and moe:
         # Q8_0 mapped (kq_matmul's int8 activations) under a random router: a near-tied expert choice can flip at a
@@ -362,7 +238,7 @@ def test_k_quant_file_in_place(tmp_path, monkeypatch, tokenizer, cls_name, moe, 
         experts = eng.runner.model.model.layers[1].mlp.experts
         assert torch.equal(experts.gate_up_proj, torch.cat(want[:2], dim=1))
         assert torch.equal(experts.down_proj, want[2])
-    a, b = _prompt(21, 4), _prompt(9, 5)
+    a, b = random_prompt(21, 4), random_prompt(9, 5)
     got, ref = (kk_logits_chunked(e, [a, b], [[8, 3], [13, 1], [0, 5]]) for e in engines.values())
     for g, r in zip(got, ref):
         assert bool(g.isfinite().all()) and r.abs().max() > 1.0
@@ -408,10 +284,10 @@ def test_qwen3_packed_formats(models, tmp_path, fmt, rel):
                       cache_dir=str(tmp_path / "cache"))
     assert eng.runner.weight_format == fmt and eng.runner.fused_decode is not None
     assert type(eng.runner.model.model.layers[0].self_attn.qkv_proj).__name__ == "QuantLinear"
-    assert_fused_equals_mixed(eng, _prompt(30, 1), _prompt(40, 2))
-    a = _prompt(21, 4)
+    assert_fused_equals_mixed(eng, random_prompt(30, 1), random_prompt(40, 2))
+    a = random_prompt(21, 4)
     (got,) = kk_logits_chunked(eng, [a], [[8], [12], [1]])
-    ref = _hf_logits(hf, a)
+    ref = hf_logits(hf, a)
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < rel, f"{fmt}: relative logit error {err:.3g}"
 

@@ -39,6 +39,22 @@ def make_engine(*args, **settings) -> LLMEngine:
     return LLMEngine(*args, **settings)
 
 
+def alone_and_mixed(eng: LLMEngine, first: list[int], second: list[int], params, steps: int = 4):
+    """Run ``first`` alone, then again with ``second``'s prefill landing after ``steps`` of its decode (so some of
+    its steps are mixed prefill + decode); each in a namespace of its own (no prefix hits between the runs).
+
+    Returns (the alone ``RequestOutput``, the mixed run's two ``Sequence`` objects); the batch-invariance tests
+    compare the first's tokens and logprobs in both.
+    """
+    alone = eng.generate([first], params, namespace=eng.isolated_namespace())[0]
+    s1 = eng.add_request(first, params, namespace=eng.isolated_namespace())
+    for _ in range(steps):
+        eng.step()
+    s2 = eng.add_request(second, params, namespace=eng.isolated_namespace())
+    eng.run_until_done([s1, s2])
+    return alone, s1, s2
+
+
 def assert_fused_equals_mixed(eng: LLMEngine, p1: list[int], p2: list[int], max_tokens: int = 12) -> None:
     """A decode token of ``eng`` (its fused C++ decode step on) gets the same tokens and logprobs, bit for bit,
     whether its steps are decode-only (fused) or mixed with ``p2``'s prefill (layer by layer)."""
@@ -46,11 +62,6 @@ def assert_fused_equals_mixed(eng: LLMEngine, p1: list[int], p2: list[int], max_
 
     assert eng.runner.fused_decode is not None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
-    alone = eng.generate([p1], params, namespace=eng.isolated_namespace())[0]
-    s1 = eng.add_request(p1, params, namespace=eng.isolated_namespace())
-    for _ in range(4):  # p2's prefill lands in the middle of p1's decode: some of p1's steps are mixed
-        eng.step()
-    s2 = eng.add_request(p2, params, namespace=eng.isolated_namespace())
-    eng.run_until_done([s1, s2])
+    alone, s1, _ = alone_and_mixed(eng, p1, p2, params)
     assert list(s1.output_token_ids) == alone.token_ids
     assert [lp["top"] for lp in s1.logprobs] == [lp["top"] for lp in alone.logprobs]

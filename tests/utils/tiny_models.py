@@ -122,3 +122,50 @@ def tokenizer():
     from kvkeeper.text.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model_path())
+
+
+# ---- the parity tests' shared pieces (tests/models: Mistral, Phi-3, Qwen3) -----------------------------------------
+def random_prompt(n: int, seed: int) -> list[int]:
+    """``n`` token ids drawn from [3, 2000) with ``seed`` (the same ids every run)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 2000, (n,), generator=g).tolist()
+
+
+def tiny_hf(cfg, seed: int):
+    """transformers' causal LM for ``cfg`` (eager attention, float32, eval mode), weights randomised with ``seed``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    randomise_weights(hf, seed)
+    return hf
+
+
+def save_tiny(hf, tokenizer, out: Path) -> Path:
+    """Save ``hf`` and ``tokenizer`` as a Hugging Face folder ``out``; returns ``out``."""
+    hf.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@torch.no_grad()
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' logits of every position of ``ids``: float32, shape (len(ids), vocab)."""
+    return hf(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """transformers' ``n`` greedy tokens after ``ids``, never stopping at EOS (the engine's ``ignore_eos``)."""
+    out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0,
+                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
+
+
+def without_window(hf):
+    """The same weights as ``hf`` (a tiny model from :func:`tiny_hf`) with full attention: its config's
+    ``sliding_window`` set to None (the reference a GGUF without a window key is held to)."""
+    cfg = type(hf.config)(**{**hf.config.to_dict(), "sliding_window": None})
+    full = tiny_hf(cfg, 0)
+    full.load_state_dict(hf.state_dict())
+    return full

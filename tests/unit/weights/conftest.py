@@ -1,5 +1,6 @@
 """Fixtures of the weight-format tests: the tiny synthetic Q4_K_M GGUF (benchmarks/synth_gguf.py), made once."""
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -10,8 +11,10 @@ from tests.utils.paths import ROOT
 _SYNTH = ROOT / "benchmarks" / "synth_gguf.py"
 
 
+@functools.lru_cache(maxsize=1)
 def load_synth():
-    """benchmarks/synth_gguf.py as a module (benchmarks/ is not a package)."""
+    """benchmarks/synth_gguf.py as a module (benchmarks/ is not a package), loaded once per process (its cached
+    tokenizer fields with it)."""
     spec = importlib.util.spec_from_file_location("synth_gguf", _SYNTH)
     mod = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("synth_gguf", mod)  # dataclasses look their module up while the class is made

@@ -259,7 +259,7 @@ def test_fused_decode_over_mapped_k_quants_equals_the_layer_path(tiny_gguf, tmp_
     RMSNorm, RoPE and SiLU: other float rounding) the tokens agree and the logprobs within 1e-3 (bf16 KV) or 2e-2
     (int8 KV, whose rounding steps magnify the difference: measured 0.0066)."""
     from kvkeeper import SamplingParams
-    from tests.utils.engines import make_engine
+    from tests.utils.engines import alone_and_mixed, make_engine
     from tests.utils.kernels import kernels_or_skip
 
     mod = kernels_or_skip()
@@ -272,12 +272,7 @@ def test_fused_decode_over_mapped_k_quants_equals_the_layer_path(tiny_gguf, tmp_
         eng = make_engine(str(tiny_gguf), quantization="gguf", num_kv_blocks=32, kv_dtype=kv, fused_decode=fused,
                           cache_dir=str(tmp_path / "cache"))
         assert (eng.runner.fused_decode is not None) is fused and eng.runner.attention_backend == "cpu"
-        alone = eng.generate([p1], params, namespace=eng.isolated_namespace())[0]
-        s1 = eng.add_request(p1, params, namespace=eng.isolated_namespace())
-        for _ in range(4):
-            eng.step()
-        s2 = eng.add_request(p2, params, namespace=eng.isolated_namespace())
-        eng.run_until_done([s1, s2])
+        alone, s1, s2 = alone_and_mixed(eng, p1, p2, params)
         runs[fused] = (alone.token_ids, [lp["top"] for lp in alone.logprobs], list(s1.output_token_ids),
                        [lp["top"] for lp in s1.logprobs], list(s2.output_token_ids))
     fused, plain = runs[True], runs[False]
