@@ -1,7 +1,7 @@
 """The C++ CPU kernels (``csrc/cpu/*.cpp``, one file per operation): how they are built, found and loaded.
 
-``make setup`` runs ``python -m kvkeeper.kernels.build``, which compiles the sources (every ``csrc/cpu/*.cpp``) with ``torch.utils.cpp_extension`` (g++ and ninja, OpenMP through
-torch's own libgomp) into ``src/kvkeeper/kernels/_ext/`` next to a stamp holding one sha256 over every source
+``make setup`` runs ``python -m kvkeeper.kernels.build``, which compiles the sources (every ``csrc/cpu/*.cpp``) with ``torch.utils.cpp_extension`` (g++ and ninja; the kernels
+parallelize through their own thread pool, ``csrc/cpu/pool.cpp``, with torch's thread count) into ``src/kvkeeper/kernels/_ext/`` next to a stamp holding one sha256 over every source
 and header of ``csrc/cpu``.  :func:`load` imports that
 module; when it is missing, stale (a file of csrc/cpu changed since the build), fails to import, or was
 :func:`disable`-d (the CLI does so for ``KVKEEPER_CPU_KERNELS=0``), :func:`load` returns None, logs one
