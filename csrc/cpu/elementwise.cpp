@@ -63,18 +63,18 @@ KVK_AVX512 void silu_mul_row_avx512(const float* g, int64_t I, float* o) {
                                                    _mm512_maskz_loadu_ps(mk, u + i)));
   }
 }
+// act(gate) * up over M rows of gate_up (M, 2I) -> o (M, I): one row function per ISA.
+using GatedRow = void (*)(const float*, int64_t, float*);
+void gated_rows(const float* g, int64_t M, int64_t I, float* o, GatedRow fast_row, GatedRow generic_row) {
+  const GatedRow row = use_avx512() ? fast_row : generic_row;
+  parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) row(g + r * 2 * I, I, o + r * I);
+  });
+}
 }  // namespace
 
 void silu_mul_rows(const float* g, int64_t M, int64_t I, float* o) {
-  const bool fast = use_avx512();
-  parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if (fast)
-        silu_mul_row_avx512(g + r * 2 * I, I, o + r * I);
-      else
-        silu_mul_row_generic(g + r * 2 * I, I, o + r * I);
-    }
-  });
+  gated_rows(g, M, I, o, silu_mul_row_avx512, silu_mul_row_generic);
 }
 
 // GELU with the tanh approximation (Hendrycks & Gimpel, 2016; PyTorch's approximate="tanh"), times up:
@@ -107,15 +107,7 @@ KVK_AVX512 void gelu_mul_row_avx512(const float* gu, int64_t I, float* o) {
 }  // namespace
 
 void gelu_mul_rows(const float* g, int64_t M, int64_t I, float* o) {
-  const bool fast = use_avx512();
-  parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if (fast)
-        gelu_mul_row_avx512(g + r * 2 * I, I, o + r * I);
-      else
-        gelu_mul_row_generic(g + r * 2 * I, I, o + r * I);
-    }
-  });
+  gated_rows(g, M, I, o, gelu_mul_row_avx512, gelu_mul_row_generic);
 }
 
 // Python-facing versions (the layer-by-layer path of packed models).
@@ -129,25 +121,21 @@ torch::Tensor rmsnorm(const torch::Tensor& x, const torch::Tensor& w, double eps
   return y;
 }
 
-torch::Tensor silu_mul(const torch::Tensor& gu) {
-  TORCH_CHECK(gu.scalar_type() == at::kFloat && gu.dim() == 2 && gu.size(1) % 2 == 0,
-              "silu_mul: gate_up must be (M, 2I) float32");
+namespace {
+torch::Tensor gated(const torch::Tensor& gu, void (*rows)(const float*, int64_t, int64_t, float*), const char* name) {
+  TORCH_CHECK(gu.scalar_type() == at::kFloat && gu.dim() == 2 && gu.size(1) % 2 == 0, name,
+              ": gate_up must be (M, 2I) float32");
   const auto gc = gu.contiguous();
   const int64_t M = gc.size(0), I = gc.size(1) / 2;
   auto o = torch::empty({M, I}, gc.options());
-  silu_mul_rows(gc.data_ptr<float>(), M, I, o.data_ptr<float>());
+  rows(gc.data_ptr<float>(), M, I, o.data_ptr<float>());
   return o;
 }
+}  // namespace
 
-torch::Tensor gelu_mul(const torch::Tensor& gu) {
-  TORCH_CHECK(gu.scalar_type() == at::kFloat && gu.dim() == 2 && gu.size(1) % 2 == 0,
-              "gelu_mul: gate_up must be (M, 2I) float32");
-  const auto gc = gu.contiguous();
-  const int64_t M = gc.size(0), I = gc.size(1) / 2;
-  auto o = torch::empty({M, I}, gc.options());
-  gelu_mul_rows(gc.data_ptr<float>(), M, I, o.data_ptr<float>());
-  return o;
-}
+torch::Tensor silu_mul(const torch::Tensor& gu) { return gated(gu, silu_mul_rows, "silu_mul"); }
+
+torch::Tensor gelu_mul(const torch::Tensor& gu) { return gated(gu, gelu_mul_rows, "gelu_mul"); }
 
 // In place on the first `heads` heads of each row of qkv (T, >= heads * D): q heads then k heads.
 void rope_qk(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,

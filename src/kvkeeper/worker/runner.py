@@ -70,7 +70,7 @@ class ModelRunner:
         this many blocks, addressed through ``window_of`` (block id -> window block id, set by the engine from
         its :class:`~kvkeeper.kvcache.block_pool.BlockPool`); None: every layer has ``num_blocks``.
         max_positions: RoPE tables for positions below this many tokens (the engine's context length: a 4,096-token
-        context of a model made for 128k keeps 4 MB of tables, not 130 MB); a step past them grows the tables.
+        context of a model made for 128k keeps 4 MB of tables, not 134 MB); a step past them grows the tables.
         None: the config's ``max_position_embeddings``."""
         self.cfg = cfg
         self.device = torch.device(device)
