@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from ..errors import ModelFormatError
-from .lazy_tokenizer import LazyTokenizer
+from .lazy_tokenizer import LazyTokenizer, qualifies, record_verification
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,34 @@ def load_tokenizer(model_path: str | os.PathLike, cache: str | os.PathLike | Non
     """
     path = Path(model_path)
     folder = path if path.is_dir() else cache_dir(cache) / "tokenizers" / _gguf_key(path)
-    if lazy and (folder / "tokenizer_config.json").exists():
+    lazy_got = _open_lazy(path, folder, cache) if lazy else None
+    if lazy_got is not None:
+        return lazy_got
+    tok = _load_full(path, folder)
+    if lazy and not path.is_dir() and (folder / "tokenizer_config.json").exists() and not qualifies(folder):
+        try:  # a GGUF file's conversion, checked once: the next load reads it with the tokenizers library alone
+            if record_verification(folder, tok):
+                log.info("tokenizer %s: the tokenizers library alone gives transformers' tokens; later loads "
+                         "skip transformers", folder)
+                return LazyTokenizer(folder, lambda: tok)
+        except Exception as e:  # noqa: BLE001  (an optimisation only: transformers' tokenizer serves)
+            log.warning("tokenizer %s not verified for the tokenizers library (%s)", folder, e)
+    return tok
+
+
+def _open_lazy(path: Path, folder: Path, cache) -> LazyTokenizer | None:
+    if (folder / "tokenizer_config.json").exists():
         try:
             got = LazyTokenizer.open(folder, lambda: load_tokenizer(path, cache))
         except Exception as e:  # noqa: BLE001  (an unreadable tokenizer.json: transformers says why below)
             log.warning("tokenizer %s not read by the tokenizers library (%s); using transformers", folder, e)
             got = None
-        if got is not None:
-            return got
+        return got
+    return None
+
+
+def _load_full(path: Path, folder: Path):
+    """transformers' tokenizer of a folder, or of a GGUF file (its conversion cached in ``folder``)."""
     try:
         from transformers import AutoTokenizer
 

