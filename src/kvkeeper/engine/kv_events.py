@@ -14,6 +14,9 @@ publisher (the batch with seq 0 starts with ``AllBlocksCleared``), ``payload`` t
 gap in ``seq``) sends ``[start_seq]`` (8 bytes, big-endian) to the replay socket and gets ``["", seq, payload]``
 for every kept batch from ``start_seq`` on, then ``["", -1, ""]``.
 
+An idle publisher sends an empty batch (a heartbeat, with its own sequence number) every :data:`HEARTBEAT_S`
+seconds, so a subscriber notices within a second that it missed batches (ZMQ drops what a PUB socket sends
+before a subscriber has reconnected, as after a replica's restart) and asks for a replay.
 Batches are taken from the pool's :class:`~kvkeeper.kvcache.kv_events.EventRecorder` by the publisher's own
 thread as soon as events wait, so a batch holds what happened since the last one (one or a few engine steps).
 pyzmq and msgpack (the ``events`` extra) are imported only when a ``zmq`` publisher starts.
@@ -24,15 +27,18 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, fields
 
 from ..errors import InvalidRequestError
-from ..kvcache.kv_events import EventRecorder, encode_batch
+from ..kvcache.kv_events import EventBatch, EventRecorder, encode_batch
 
 log = logging.getLogger(__name__)
 
 END_SEQ = -1  # the sequence number closing a replay
+HEARTBEAT_S = 1.0  # an idle publisher sends an empty batch this often (seconds): a subscriber that missed the
+# last batches (a replica restarted before its subscribers reconnected) sees the gap within a second
 PUBLISHERS = ("zmq", "null")
 _HINT = ('e.g. --kv-events-config \'{"enable_kv_cache_events": true, "publisher": "zmq", '
          '"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}\'')
@@ -141,6 +147,8 @@ class ZmqEventPublisher:
         self.seq = -1
         self.dropped = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
+        self._last_send = time.monotonic()
+        self._sending = threading.Lock()  # held from taking a batch to sending it (flushed)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
@@ -167,10 +175,21 @@ class ZmqEventPublisher:
     def bound_replay_endpoint(self) -> str | None:
         return self.replay.getsockopt_string(self._zmq.LAST_ENDPOINT) if self.replay is not None else None
 
+    def flushed(self) -> bool:
+        """Whether every event recorded so far went out (has its sequence number in :attr:`seq`)."""
+        with self._sending:
+            return not self.recorder.pending.is_set()
+
     def _send_pending(self) -> None:
+        with self._sending:
+            self._send_batch()
+
+    def _send_batch(self, heartbeat: bool = False) -> None:
         batch = self.recorder.take()
         if batch is None:
-            return
+            if not heartbeat:
+                return
+            batch = EventBatch(time.time(), [])
         if len(batch.events) > self.cfg.max_queue_size:  # keep the newest (vLLM drops when its queue is full)
             self.dropped += len(batch.events) - self.cfg.max_queue_size
             log.warning("KV events: %d events over max_queue_size left out", self.dropped)
@@ -179,6 +198,7 @@ class ZmqEventPublisher:
         payload = encode_batch(batch)
         self._buffer.append((self.seq, payload))
         self.pub.send_multipart([self.topic, self.seq.to_bytes(8, "big", signed=True), payload])
+        self._last_send = time.monotonic()
 
     def _serve_replay(self) -> None:
         ident, *frames = self.replay.recv_multipart()
@@ -202,7 +222,11 @@ class ZmqEventPublisher:
                         self._serve_replay()
                 else:
                     self.recorder.pending.wait(0.05)
-                self._send_pending()
+                if time.monotonic() - self._last_send >= HEARTBEAT_S:
+                    with self._sending:
+                        self._send_batch(heartbeat=True)
+                else:
+                    self._send_pending()
             self._send_pending()
         except Exception:  # events must never take the engine down
             log.exception("the KV event publisher stopped")
