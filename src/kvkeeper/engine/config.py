@@ -33,7 +33,7 @@ def kv_events_arg(raw: str) -> KVEventsConfig:
     try:
         return parse_kv_events_config(raw)
     except InvalidRequestError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-events-config: ")) from None
 
 
 @dataclass

@@ -127,7 +127,12 @@ class ZmqEventPublisher:
     """
 
     def __init__(self, cfg: KVEventsConfig, recorder: EventRecorder):
-        import zmq
+        try:
+            import msgpack  # noqa: F401  (encode_batch's)
+            import zmq
+        except ImportError as e:
+            raise InvalidRequestError(f"--kv-events-config: the zmq publisher needs pyzmq and msgpack ({e}); install "
+                                      f"them with pip install 'kvkeeper[events]'", param="kv_events_config") from None
 
         self.cfg, self.recorder = cfg, recorder
         self._zmq = zmq
