@@ -75,6 +75,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if config.admin_port is not None:
             raise CLIError("--admin-port is not served with --replicas (each replica keeps its admin routes on "
                            "the main port); leave it out")
+        if args.kv_events_config is not None and args.kv_events_config.active:
+            raise CLIError("--kv-events-config is not yet served with --replicas (every replica would bind the one "
+                           "endpoint); run the replicas as separate `kvkeeper serve` processes, each with its own "
+                           "endpoint, or leave it out")
         return _serve_cluster(args, config, sessions, breaker, cluster, health)
     engine = load_engine(args)
     config.served_model_name = config.served_model_name or args.model

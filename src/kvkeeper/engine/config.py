@@ -8,6 +8,7 @@ default is written here and nowhere else.  The engine reads no environment varia
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -22,8 +23,17 @@ from ..models.registry import capabilities, family_options
 from ..weights.formats import QUANTIZATION_CHOICES, weight_format_for
 from ..weights.sources import DEFAULT_MODEL
 from ..options import option
+from .kv_events import KVEventsConfig, parse_kv_events_config
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB
+
+
+def kv_events_arg(raw: str) -> KVEventsConfig:
+    """``--kv-events-config``'s value: argparse's type (ArgumentTypeError saying what was wrong)."""
+    try:
+        return parse_kv_events_config(raw)
+    except InvalidRequestError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-events-config: ")) from None
 
 
 @dataclass
@@ -48,6 +58,8 @@ class EngineConfig:
     max_model_len: cap on the context window (None: the model's own).  num_threads: torch CPU threads.
     validate_every: run the KV integrity validators before every N-th step (0: never).
     cache_dir: folder of the weight and tokenizer caches (None: ``~/.cache/kvkeeper``).
+    kv_events_config: KV event publishing (:class:`~kvkeeper.engine.kv_events.KVEventsConfig`, a dict or its
+    JSON text; None: off).
     memory_check: refuse a model whose estimated memory need exceeds the available memory before loading it
     (:mod:`kvkeeper.engine.memory_fit`; CPU only).
     Raises :class:`InvalidRequestError` for a value out of range.
@@ -120,9 +132,16 @@ class EngineConfig:
         "typed <|im_end|> then ends the turn, as transformers' apply_chat_template tokenizes it; any client can then "
         "forge a system or assistant turn).  Default: that text is tokenized as plain text, control tokens come only "
         "from the template", action="store_true"))
+    kv_events_config: KVEventsConfig | None = field(default=None, metadata=option(
+        "--kv-events-config", "publish the prefix cache's KV events (vLLM's schema, msgpack on ZMQ; needs "
+        "kvkeeper[events]): a JSON object with vLLM's fields, e.g. '{\"enable_kv_cache_events\": true, "
+        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", \"replay_endpoint\": "
+        "\"tcp://127.0.0.1:5558\"}' (default: off)", type=kv_events_arg, metavar="JSON"))
     seed: int = 0  # random weights of load_format "dummy"
 
     def __post_init__(self):
+        if self.kv_events_config is not None:
+            self.kv_events_config = parse_kv_events_config(self.kv_events_config)
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(f"unknown load format {self.load_format!r}; choose auto or dummy")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -37,6 +37,7 @@ from .config import EngineConfig, resolve_device
 from .cpu_threads import choose_threads
 from .input_processor import InputProcessor
 from .kv_access import EngineKV
+from .kv_events import start_kv_events
 from .kv_holders import KVHolder, KVHolders
 from .memory_fit import check_memory_fit
 from .output_processor import OutputProcessor
@@ -53,7 +54,8 @@ class LLMEngine(EngineKV):
     ``LLMEngine(EngineConfig(...), **overrides)`` (the fields of :class:`~kvkeeper.engine.config.EngineConfig`).
 
     Attributes: ``config``, ``model_config`` (the model's shapes), ``tokenizer``, the parts above, ``loras``
-    (name -> loaded adapter), ``namespace`` (the default cache namespace), ``context_length`` (tokens).
+    (name -> loaded adapter), ``namespace`` (the default cache namespace), ``context_length`` (tokens),
+    ``kv_events`` (the KV event publisher of ``kv_events_config``, :mod:`kvkeeper.engine.kv_events`; None when off).
     Raises ModelNotFoundError / ModelFormatError / UnsupportedArchitectureError while loading and
     InvalidRequestError for bad settings.
     """
@@ -79,6 +81,8 @@ class LLMEngine(EngineKV):
         del state
         self.block_size = cfg.block_size
         self._make_parts(cfg, mcfg)
+        # KV events (--kv-events-config): the pool reports to a recorder, a ZMQ publisher sends them; None when off
+        self.kv_events = start_kv_events(self.pool, cfg.kv_events_config, "GPU" if device.type == "cuda" else "CPU")
         self._req_ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.holders = KVHolders()  # what holds KV between requests (kvkeeper.engine.kv_holders)

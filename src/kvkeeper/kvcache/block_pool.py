@@ -37,11 +37,16 @@ class NoFreeBlocksError(RuntimeError):
     """The pool has fewer free blocks than asked for (the scheduler preempts instead of crashing)."""
 
 
-def block_hash(parent: int | None, namespace: Namespace, token_ids) -> int:
-    """Chained 64-bit content hash of one full block."""
+def block_hash(parent: int | None, namespace: "Namespace | str", token_ids) -> int:
+    """Chained 64-bit content hash of one full block (a signed int).
+
+    blake2b (8-byte digest) over the parent block's hash (-1 for the first block), the namespace's
+    :attr:`~kvkeeper.kvcache.namespace.Namespace.digest` (a Namespace or that digest string: a router that
+    learned the digest from KV events computes the same hashes) and the block's token ids (int64 each).
+    """
     h = hashlib.blake2b(digest_size=8)
     h.update(struct.pack("<q", -1 if parent is None else parent))
-    h.update(namespace.key.encode())
+    h.update((namespace if isinstance(namespace, str) else namespace.digest).encode())
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return int.from_bytes(h.digest(), "little", signed=True)
 
@@ -83,6 +88,25 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
         self._by_hash: dict[int, int] = {}
         self.evictions = 0
+        self.events = None  # a kvkeeper.kvcache.kv_events.EventRecorder when KV events are on (attach_events)
+
+    def attach_events(self, recorder) -> None:
+        """Report every prefix-cache store and removal to ``recorder`` (an
+        :class:`~kvkeeper.kvcache.kv_events.EventRecorder`) from now on: first ``AllBlocksCleared``, then one
+        ``BlockStored`` per block the cache holds already (parents before children), so a follower starts exact."""
+        recorder.cleared()
+        held = {b.hash: b for b in self.blocks if b.hash is not None and self._by_hash.get(b.hash) == b.block_id}
+        done: set[int] = set()
+
+        for b in held.values():
+            chain = []  # b and its ancestors not yet emitted, child first
+            while b is not None and b.hash not in done:
+                chain.append(b)
+                b = held.get(b.parent)
+            for c in reversed(chain):
+                recorder.stored(c.hash, c.parent, c.namespace.digest, c.token_ids)
+                done.add(c.hash)
+        self.events = recorder
 
     # ---- sizes -----------------------------------------------------------
     @property
@@ -152,6 +176,8 @@ class BlockPool:
         b = self.blocks[bid]
         if b.hash is not None and self._by_hash.get(b.hash) == bid:
             del self._by_hash[b.hash]
+            if self.events is not None:
+                self.events.removed(b.hash)
         b.hash = b.parent = b.token_ids = b.namespace = None
         self._drop_window(b)
         self.evictions += 1
@@ -240,6 +266,8 @@ class BlockPool:
         if h not in self._by_hash:
             self._by_hash[h] = bid
             b.hash, b.parent, b.token_ids, b.namespace = h, parent, tuple(token_ids), namespace
+            if self.events is not None:
+                self.events.stored(h, parent, namespace.digest, b.token_ids)
         return h
 
     def evict_cached(self, n: int | None = None) -> int:

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 SALT_DOMAIN = b"kvkeeper/cache-namespace/v1\x00"  # domain prefix of every salt hash
+DIGEST_DOMAIN = b"kvkeeper/namespace-digest/v1\x00"  # domain prefix of a namespace's digest
 _HASHED = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
@@ -60,6 +61,17 @@ class Namespace:
     @property
     def key(self) -> str:
         return json.dumps([self.model_revision, self.adapter, self.tenant_salt, self.kv_dtype])
+
+    @property
+    def digest(self) -> str:
+        """The namespace's hashed identity: 16 hex digits (64 bits) of SHA-256 over :data:`DIGEST_DOMAIN` and
+        :attr:`key`.  Block hashes are chained over it (:func:`kvkeeper.kvcache.block_pool.block_hash`), and it is
+        all of a namespace that KV events carry off a replica (no tenant, salt or revision in clear)."""
+        d = self.__dict__.get("_digest")
+        if d is None:
+            d = hashlib.sha256(DIGEST_DOMAIN + self.key.encode()).hexdigest()[:16]
+            object.__setattr__(self, "_digest", d)
+        return d
 
 
 def tenant_namespace(base: Namespace, tenant: str | None, salt: str | None) -> Namespace:
