@@ -346,10 +346,8 @@ def load_model(model: str, load_format: str = "auto", cache=None, dtype: torch.d
         cfg, path = dummy.load_config(model)
         return cfg, dummy.dummy_state(cfg, dtype, device, seed=seed), dummy.load_dummy_tokenizer(path, cfg.vocab_size), path
     path = resolve_model_path(model, cache)
-    # the tokenizer first, its parse's freed heap given back before the weights are read: the peak resident memory
-    # is then the larger of the two, not their sum
+    cfg, state = load_weights(path, cache, in_place)  # first, so a bad weights file is what an error names
+    release_free_heap()
     tokenizer = load_tokenizer(path, cache, lazy=True)
-    release_free_heap()
-    cfg, state = load_weights(path, cache, in_place)
-    release_free_heap()
+    release_free_heap()  # the tokenizer parse's freed heap (about 290 MB for Gemma 3's) given back
     return cfg, state, tokenizer, path
