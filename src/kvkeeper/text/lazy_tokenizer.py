@@ -24,6 +24,7 @@ goes to the full tokenizer.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from importlib import metadata
@@ -49,6 +50,7 @@ def _config(folder: Path) -> dict | None:
         return None
 
 
+@functools.lru_cache(maxsize=1)
 def _versions() -> dict[str, str]:
     return {lib: metadata.version(lib) for lib in ("tokenizers", "transformers")}
 

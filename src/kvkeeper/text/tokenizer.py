@@ -78,14 +78,13 @@ def load_tokenizer(model_path: str | os.PathLike, cache: str | os.PathLike | Non
 
 
 def _open_lazy(path: Path, folder: Path, cache) -> LazyTokenizer | None:
-    if (folder / "tokenizer_config.json").exists():
-        try:
-            got = LazyTokenizer.open(folder, lambda: load_tokenizer(path, cache))
-        except Exception as e:  # noqa: BLE001  (an unreadable tokenizer.json: transformers says why below)
-            log.warning("tokenizer %s not read by the tokenizers library (%s); using transformers", folder, e)
-            got = None
-        return got
-    return None
+    if not (folder / "tokenizer_config.json").exists():
+        return None
+    try:
+        return LazyTokenizer.open(folder, lambda: load_tokenizer(path, cache))
+    except Exception as e:  # noqa: BLE001  (an unreadable tokenizer.json: transformers says why below)
+        log.warning("tokenizer %s not read by the tokenizers library (%s); using transformers", folder, e)
+        return None
 
 
 def _load_full(path: Path, folder: Path):

@@ -165,7 +165,8 @@ def test_gemma_tokenizer_verified_once_then_read_without_transformers():
 
     path = resolve_model_path("gemma-3-270m")
     ref = load_tokenizer(path)
-    folder = next(p for p in (Path(ref.name_or_path),) if (p / "tokenizer.json").exists())
+    folder = Path(ref.name_or_path)
+    assert (folder / "tokenizer.json").exists()
     (folder / MARKER).unlink(missing_ok=True)
     assert not qualifies(folder)
     first = load_tokenizer(path, lazy=True)
