@@ -24,8 +24,11 @@ No Ray, no model: pure Python, one process.  What is real and what is modelled:
   the prefix cache keeps (full blocks), as in ``cluster_bench --pressure`` (no host tier).
 * **Costs (fit on this machine)**: a step with ``b`` decoding sequences and prefill chunks of ``n_i`` new tokens
   over ``c_i`` tokens of context takes ``d0 + d1 * b + p1 * sum(n_i) + p2 * sum(n_i * c_i)`` seconds (plus ``p0 -
-  d0`` when it prefills), the coefficients from ``benchmarks/cluster_sim_costs.py`` (a short real engine run, its
-  JSON in benchmarks/results; ``--costs`` names another).
+  d0`` when it prefills), the coefficients from ``benchmarks/cluster_sim_costs.py`` fit to the engine benchmark's
+  JSON of a quiet run (``engine_bench-smollm2-135m-2026-11-30``, 2 threads; times x 2 for replicas of 1 thread each),
+  in ``benchmarks/results/cluster_sim_costs-engine_bench-2026-12-02.json``; ``--costs`` names another (a short real
+  engine run on this machine writes one, but on a machine busy with other jobs its times are not a cost model:
+  ``cluster_sim_costs-measured-loaded-2026-12-02``, taken at load average 7 to 14 on 2 cores).
 * **Trace (the shipped data)**: conversations from Topical-Chat (all 539, user = agent_1, reply = agent_2's next line
   cut to ``--max-tokens`` tokens) and MT-Bench (80 questions, 2 turns; no answers shipped, so a reply is the
   question's first tokens: only a reply's length and that it is the same on every replay matter to a cache),
@@ -102,15 +105,14 @@ class Costs:
         return t
 
 
+COSTS = RESULTS / "cluster_sim_costs-engine_bench-2026-12-02.json"  # fit from engine_bench's quiet run (x 2)
+
+
 def load_costs(path: Path | None = None) -> Costs:
-    """The fit of ``path`` (default: the newest ``benchmarks/results/cluster_sim_costs-*.json``).
-    Raises FileNotFoundError naming the command that writes one when there is none."""
-    if path is None:
-        found = sorted(RESULTS.glob("cluster_sim_costs-*.json"))
-        if not found:
-            raise FileNotFoundError("no benchmarks/results/cluster_sim_costs-*.json: run "
-                                    "benchmarks/cluster_sim_costs.py first, or give --costs FILE")
-        path = found[-1]
+    """The fit of ``path`` (default :data:`COSTS`).  Raises FileNotFoundError naming the command that writes one."""
+    path = Path(path or COSTS)
+    if not path.exists():
+        raise FileNotFoundError(f"no cost model {path}: run benchmarks/cluster_sim_costs.py, or give --costs FILE")
     f = json.loads(Path(path).read_text())["fit"]
     return Costs(**{k: f[k] for k in ("prefill_s", "prefill_per_token_s", "prefill_per_token_context_s",
                                       "decode_step_s", "decode_per_seq_s")}, source=str(Path(path).name))
@@ -435,14 +437,14 @@ class Replica:
 class Router:
     """One of ROUTERS over the live replicas; ``observe`` is told each step's KV events and each routed prompt."""
 
-    def __init__(self, kind: str, seed: int):
+    def __init__(self, kind: str, seed: int, exact_args: dict | None = None):
         if kind not in ROUTERS:
             raise ValueError(f"unknown router {kind!r}: choose from {', '.join(ROUTERS)}")
         self.kind = kind
         self.rng = random.Random(seed)
         self.policy = Policy(rng=random.Random(seed))
         self.index = KVIndex()
-        self.exact = ExactRouter(self.index, NAMESPACE.digest, BLOCK_SIZE)
+        self.exact = ExactRouter(self.index, NAMESPACE.digest, BLOCK_SIZE, **(exact_args or {}))
         self.summaries: dict[str, PrefixSummary] = {}
 
     def route(self, reps: dict[str, Replica], t: Turn) -> str:

@@ -12,6 +12,14 @@ as each replica of ``cluster_bench`` runs) measures, with greedy decoding and ``
 
 Both fits are non-negative least squares.  ``--refit FILE`` fits the points of an earlier run again.
 
+``--from-engine-bench FILE`` takes the points from an ``engine_bench`` JSON instead of running the engine (a run on a
+quiet machine; a busy shared machine makes the short run's times meaningless): prefill from its multi-turn TTFTs
+(new tokens over a cached history), its single-stream TTFT and its 7,000-token prefill (chunks of 512, each over
+the tokens before it); decode from its single-stream step (batch 1) and its 16-stream decode-only rate (batch
+16).  Those ran 2 threads; ``--scale`` (default 2) multiplies every time, for replicas of 1 thread each as in
+``cluster_bench`` (prefill and batched decode are compute-bound, so about linear in threads: assumed, not
+measured).
+
 Writes ``OUT/cluster_sim_costs-<config>-<date>.json`` (the fit, the raw points and their residuals) and ``.md``.
 
     .venv/bin/python benchmarks/cluster_sim_costs.py [--threads 1] [--repeats 3]
@@ -75,13 +83,31 @@ def measure(threads: int, repeats: int) -> dict:
     return {"prefill": prefill, "decode": decode}
 
 
+def from_engine_bench(path: Path, scale: float) -> dict:
+    """Points from an engine_bench JSON (see the module docstring), times x ``scale``."""
+    d = json.loads(Path(path).read_text())
+    prefill = [{"new": t["prompt_tokens"] - t["cached_tokens"], "cached": t["cached_tokens"],
+                "ttft_s": t["kvkeeper_ttft_s"] * scale} for t in d["multiturn"]["turns"]]
+    ss = d["single_stream"]
+    prefill.append({"new": ss["prompt_tokens"], "cached": 0, "ttft_s": ss["kvkeeper"]["ttft_s"] * scale})
+    lc = d["long_context"]
+    chunks = [(min(512, lc["prompt_tokens"] - c), c) for c in range(0, lc["prompt_tokens"], 512)]
+    prefill.append({"new": lc["prompt_tokens"], "cached": 0, "ttft_s": lc["kvkeeper"]["prefill_s"] * scale,
+                    "steps": len(chunks), "new_x_context": sum(n * c for n, c in chunks)})
+    b16 = d["batched"]
+    decode = [{"batch": 1, "step_s": scale / ss["kvkeeper"]["decode_tok_per_s"]},
+              {"batch": b16["requests"], "step_s": scale * b16["requests"] / b16["kvkeeper"]["decode_only_tok_per_s"]}]
+    return {"prefill": prefill, "decode": decode, "source": f"{Path(path).name} x {scale:g}",
+            "source_machine": d["machine"]}
+
+
 def fit(points: dict) -> dict:
     """Non-negative least-squares fits of the points (see the module docstring; scipy's ``nnls``, Lawson and
     Hanson 1974: a cost coefficient below zero, which a noisy machine can give, means nothing)."""
     from scipy.optimize import nnls
 
     pf = points["prefill"]
-    a = np.array([[1.0, p["new"], p["new"] * p["cached"]] for p in pf])
+    a = np.array([[p.get("steps", 1), p["new"], p.get("new_x_context", p["new"] * p["cached"])] for p in pf])
     y = np.array([p["ttft_s"] for p in pf])
     (p0, p1, p2), _ = nnls(a, y)
     dc = points["decode"]
@@ -99,7 +125,8 @@ def fit(points: dict) -> dict:
 def markdown(res: dict) -> str:
     f = res["fit"]
     lines = [f"# Cluster simulator cost model ({res['date']})", "",
-             f"{res['machine']}; {res['threads']} torch thread(s); load average at the start {res['load_avg']}.", "",
+             f"{res['machine']}; {res['threads']} torch thread(s); load average at the start {res['load_avg']}, at the end "
+             f"{res.get('load_avg_end', 'n/a')}.  Points: {res['points'].get('source', 'a short engine run')}.", "",
              f"prefill(n new, c cached) = {f['prefill_s'] * 1e3:.2f} ms + n x {f['prefill_per_token_s'] * 1e3:.3f} ms"
              f" + n x c x {f['prefill_per_token_context_s'] * 1e9:.2f} ns; "
              f"decode step(batch b) = {f['decode_step_s'] * 1e3:.2f} ms + b x {f['decode_per_seq_s'] * 1e3:.3f} ms", "",
@@ -119,10 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--config", default=MODEL)
+    ap.add_argument("--from-engine-bench", type=Path, default=None, help="take the points from this engine_bench JSON")
+    ap.add_argument("--scale", type=float, default=2.0, help="with --from-engine-bench: times x this (default 2)")
+    ap.add_argument("--name", default=None, help="write OUT/NAME.json and .md (default cluster_sim_costs-CONFIG-DATE)")
     ap.add_argument("--refit", type=Path, default=None, help="fit the points of this earlier JSON (no engine run)")
     a = ap.parse_args(argv)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    if a.refit:
+    if a.from_engine_bench:
+        points = from_engine_bench(a.from_engine_bench, a.scale)
+        load = f"{points['source_machine'].get('loadavg_start')} (the engine_bench run's)"
+        a.threads = f"{points['source_machine'].get('torch_threads')} (costs x {a.scale:g})"
+    elif a.refit:
         old = json.loads(a.refit.read_text())
         points, load, a.threads = old["points"], old["load_avg"], old["threads"]
     else:
@@ -131,8 +165,12 @@ def main(argv: list[str] | None = None) -> int:
            "machine": f"{cpu_model()}, {os.cpu_count()} CPUs", "threads": a.threads, "load_avg": load,
            "points": points, "fit": fit(points),
            "load_avg_end": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+    if "source_machine" in points:
+        m = points["source_machine"]
+        res["load_avg_end"] = f"{m.get('loadavg_end')} (the engine_bench run's)"
+        res["machine"] = f"{m.get('cpu_model')}, {m.get('os_cpu_count')} CPUs (the engine_bench run's, {m.get('date')})"
     a.out.mkdir(parents=True, exist_ok=True)
-    write_report(a.out, result_name("cluster_sim_costs", a.config), res, markdown(res))
+    write_report(a.out, a.name or result_name("cluster_sim_costs", a.config), res, markdown(res))
     return 0
 
 

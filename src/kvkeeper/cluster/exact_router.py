@@ -13,8 +13,13 @@ in blocks to prefill (``kv_usage`` in 0..1), and the request goes to the cheapes
 
 1. ``session`` / ``cache_key`` -- ``X-Session-ID`` or ``prompt_cache_key``: the owner on the consistent-hash ring,
    as :class:`~kvkeeper.cluster.router.Policy` (a session's KV is pinned where its turns went);
-2. ``prefix`` -- some replica holds the prompt's first block: the cheapest replica by the cost above;
-3. ``load`` -- no replica holds any of it: the cheapest by load alone (no random draw: the exact load is known).
+2. ``prefix`` -- the best replica holds at least ``match_threshold`` (0.5) of the prompt's blocks: the cheapest
+   replica by the cost above;
+3. ``load`` -- otherwise (a fresh conversation, which shares at most a short system prompt): the cheapest by load
+   alone, ties to the replica holding the fewest cached blocks (no random draw: the exact load is known).  This is
+   SGLang's cache-aware router's rule (its ``cache_threshold``: below it a request goes to the worker with the
+   smallest cache tree): a small shared prefix must not pull every new conversation onto the replicas that
+   happened to serve the first ones, which would leave the others idle.
 
 Cost per decision: hashing the prompt's blocks (about a microsecond each), one index walk (prompt blocks x
 replicas holding them) and one pass over the replicas; measured by ``benchmarks/router_bench.py``.
@@ -55,14 +60,17 @@ class ExactRouter:
 
     namespace: the replicas' namespace digest for requests without tenant or salt (``engine.namespace.digest``).
     block_size: the replicas' KV block size (tokens).  load_weight: blocks of prefill one queued request weighs;
-    usage_weight: blocks a full KV pool weighs.  Raises ValueError for negative weights or a block size < 1.
+    usage_weight: blocks a full KV pool weighs.  match_threshold: the share of the prompt's blocks the best replica
+    must hold for the prefix to count (rule 2).  Raises ValueError for negative weights, a block size < 1 or a
+    threshold outside 0..1.
     """
 
     def __init__(self, index: KVIndex, namespace: str, block_size: int, load_weight: float = 8.0,
-                 usage_weight: float = 4.0, vnodes: int = 64):
-        if block_size < 1 or load_weight < 0 or usage_weight < 0:
-            raise ValueError(f"block_size must be >= 1 and the weights >= 0 (got {block_size}, {load_weight}, "
-                             f"{usage_weight})")
+                 usage_weight: float = 4.0, vnodes: int = 64, match_threshold: float = 0.5):
+        if block_size < 1 or load_weight < 0 or usage_weight < 0 or not 0 <= match_threshold <= 1:
+            raise ValueError(f"block_size must be >= 1, the weights >= 0 and match_threshold in 0..1 (got "
+                             f"{block_size}, {load_weight}, {usage_weight}, {match_threshold})")
+        self.match_threshold = match_threshold
         self.index = index
         self.namespace = namespace
         self.block_size = block_size
@@ -90,17 +98,24 @@ class ExactRouter:
         return d
 
     def by_cost(self, replicas: Sequence[str], loads: Mapping[str, ReplicaLoad], hashes: Sequence[int]) -> Decision:
-        """The cheapest replica first (ties: the first listed), then the others by cost."""
+        """The cheapest replica first, then the others by cost (rules 2 and 3 of the module docstring).  Ties go to
+        the replica holding the fewest cached blocks, then the first listed: new conversations spread over the
+        replicas whose caches hold the least, so that sticky conversations do not pile onto the first replicas."""
         matched = self.index.match(hashes) if hashes else {}
         n = len(hashes)
+        hit = any(matched.get(r, 0) >= max(1.0, self.match_threshold * n) for r in replicas)
+        if not hit:  # rule 3: a fresh conversation goes by load (module docstring)
+            matched = {}
         idle = ReplicaLoad()
-        best, best_cost, costs = None, float("inf"), {}
+        best, best_key, costs = None, (float("inf"), 0), {}
+        held = self.index.num_blocks
         for r in replicas:
             ld = loads.get(r, idle)
             c = (n - matched.get(r, 0)) + self.load_weight * (ld.running + ld.waiting) + self.usage_weight * ld.kv_usage
             costs[r] = c
-            if c < best_cost:
-                best, best_cost = r, c
-        hit = any(r in matched for r in replicas)
+            if c <= best_key[0]:
+                key = (c, held(r))
+                if key < best_key:
+                    best, best_key = r, key
         rest = sorted((r for r in replicas if r != best), key=costs.__getitem__)
         return Decision([[best], rest], "prefix" if hit else "load")

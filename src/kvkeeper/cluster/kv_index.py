@@ -70,6 +70,10 @@ class KVIndex:
         """``{block hash: parent hash}`` of what ``replica`` holds (a copy)."""
         return dict(self._blocks.get(replica, {}))
 
+    def num_blocks(self, replica: str) -> int:
+        """Block hashes ``replica`` holds (0 for a replica the index has no events of)."""
+        return len(self._blocks.get(replica, ()))
+
     @property
     def replicas(self) -> list[str]:
         return list(self._blocks)
