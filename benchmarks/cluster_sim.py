@@ -647,6 +647,8 @@ def parse_args(argv=None):
     ap.add_argument("--pool-basis", choices=("cluster", "replica"), default="cluster",
                     help="the working set the fraction applies to: cluster = the KV of all live conversations "
                          "(cluster_bench --pressure's reading), replica = that / replicas")
+    ap.add_argument("--report", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="write the table and plots of these runs to --json's stem (.md, .json, -*.png)")
     ap.add_argument("--validate", action="store_true",
                     help="2 replicas against benchmarks/results/cluster_bench-*.json (16 sessions x 8 turns)")
     ap.add_argument("--kv-blocks", type=int, default=None, help="pool per replica in blocks (instead of the fraction)")
@@ -732,12 +734,90 @@ def validation_markdown(v: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+TARGETS = {"hit_vs_ideal": 0.95, "ttft_p99_vs_default": 0.5, "load_max_over_mean": 1.3}
+
+
+def targets_of(res: dict) -> dict:
+    """The issue's targets for the exact router of one run: met or not, with the measured ratios."""
+    ex, de = res["routers"].get("exact"), res["routers"].get("default")
+    if not ex:
+        return {}
+    out = {"hit_vs_ideal": ex["hit_rate"] / res["ideal_hit_rate"], "load_max_over_mean": ex["load_max_over_mean"]}
+    if de:
+        out["ttft_p99_vs_default"] = ex["ttft_p99_s"] / de["ttft_p99_s"]
+    out["met"] = {"hit_vs_ideal": out["hit_vs_ideal"] >= TARGETS["hit_vs_ideal"],
+                  "load_max_over_mean": out["load_max_over_mean"] <= TARGETS["load_max_over_mean"]}
+    if de:
+        out["met"]["ttft_p99_vs_default"] = out["ttft_p99_vs_default"] <= TARGETS["ttft_p99_vs_default"]
+    return out
+
+
+def report(files: list[Path], out: Path) -> str:
+    """A markdown table and two plots (hit rate, TTFT p99 against replicas, per router) of cluster_sim JSON
+    files; writes ``out``.md, ``out``.json and ``out``-hit_rate.png / ``out``-ttft_p99.png."""
+    runs = sorted((json.loads(Path(f).read_text()) for f in files), key=lambda r: r["replicas"])
+    lines = ["| replicas | conversations / requests | pool per replica (blocks) | router | hit rate | ideal | "
+             "TTFT p50 (s) | TTFT p99 (s) | max/mean load | sim wall (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    summary = []
+    for r in runs:
+        for k, v in r["routers"].items():
+            lines.append(f"| {r['replicas']} | {r['conversations']:,} / {v['requests']:,} | {r['pool_blocks_per_replica']:,} "
+                         f"| {k} | {v['hit_rate']:.3f} | {r['ideal_hit_rate']:.3f} | {v['ttft_p50_s']:.3f} | "
+                         f"{v['ttft_p99_s']:.3f} | {v['load_max_over_mean']:.2f} | {v['sim_wall_s']:.0f} |")
+        t = targets_of(r)
+        summary.append({"replicas": r["replicas"], "load_avg": r["load_avg"], "targets": t})
+    lines += ["", "Targets for the exact router (hit rate >= 0.95x ideal, TTFT p99 <= 0.5x default's, max/mean load "
+              "<= 1.3):", ""]
+    for sm in summary:
+        t = sm["targets"]
+        if t:
+            lines.append(f"* {sm['replicas']} replicas: hit rate {t['hit_vs_ideal']:.3f}x ideal "
+                         f"({'met' if t['met']['hit_vs_ideal'] else 'missed'}), TTFT p99 "
+                         f"{t.get('ttft_p99_vs_default', float('nan')):.2f}x default's "
+                         f"({'met' if t['met'].get('ttft_p99_vs_default') else 'missed'}), max/mean load "
+                         f"{t['load_max_over_mean']:.2f} ({'met' if t['met']['load_max_over_mean'] else 'missed'}); "
+                         f"load average at the start {sm['load_avg']}")
+    md = "\n".join(lines) + "\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(md)
+    out.with_suffix(".json").write_text(json.dumps({"runs": [Path(f).name for f in files], "summary": summary}, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the plots extra is not installed: the table stands alone
+        return md
+    for metric, label in (("hit_rate", "prefix hit rate"), ("ttft_p99_s", "TTFT p99 (s)")):
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        xs = [r["replicas"] for r in runs]
+        for k in ROUTERS:
+            ys = [r["routers"][k][metric] if k in r["routers"] else None for r in runs]
+            ax.plot(xs, ys, marker="o", label=k)
+        if metric == "hit_rate":
+            ax.plot(xs, [r["ideal_hit_rate"] for r in runs], "k--", label="ideal (1 server, unbounded KV)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("replicas")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out.parent / f"{out.stem}-{metric.replace('_s', '')}.png", dpi=110)
+        plt.close(fig)
+    return md
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.report:
+        print(report(a.report, a.json))
+        return 0
     if a.validate:
         res = validate(load_costs(a.costs), seed=a.seed)
         res["load_avg"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
         print(validation_markdown(res))
+        if a.json:
+            a.json.with_suffix(".md").write_text(validation_markdown(res))
     else:
         res = run(a)
     if a.json:
