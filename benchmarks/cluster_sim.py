@@ -444,7 +444,7 @@ class Router:
         self.rng = random.Random(seed)
         self.policy = Policy(rng=random.Random(seed))
         self.index = KVIndex()
-        self.exact = ExactRouter(self.index, NAMESPACE.digest, BLOCK_SIZE, **(exact_args or {}))
+        self.exact = ExactRouter(self.index, NAMESPACE.digest, BLOCK_SIZE, rng=random.Random(seed), **(exact_args or {}))
         self.summaries: dict[str, PrefixSummary] = {}
 
     def route(self, reps: dict[str, Replica], t: Turn) -> str:

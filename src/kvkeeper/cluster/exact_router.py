@@ -27,6 +27,7 @@ replicas holding them) and one pass over the replicas; measured by ``benchmarks/
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -62,15 +63,17 @@ class ExactRouter:
     block_size: the replicas' KV block size (tokens).  load_weight: blocks of prefill one queued request weighs;
     usage_weight: blocks a full KV pool weighs.  match_threshold: the share of the prompt's blocks the best replica
     must hold for the prefix to count (rule 2).  Raises ValueError for negative weights, a block size < 1 or a
-    threshold outside 0..1.
+    threshold outside 0..1.  rng: the draw between replicas tied on cost and cached blocks.
     """
 
     def __init__(self, index: KVIndex, namespace: str, block_size: int, load_weight: float = 8.0,
-                 usage_weight: float = 4.0, vnodes: int = 64, match_threshold: float = 0.5):
+                 usage_weight: float = 4.0, vnodes: int = 64, match_threshold: float = 0.5,
+                 rng: random.Random | None = None):
         if block_size < 1 or load_weight < 0 or usage_weight < 0 or not 0 <= match_threshold <= 1:
             raise ValueError(f"block_size must be >= 1, the weights >= 0 and match_threshold in 0..1 (got "
                              f"{block_size}, {load_weight}, {usage_weight}, {match_threshold})")
         self.match_threshold = match_threshold
+        self.rng = rng or random.Random()
         self.index = index
         self.namespace = namespace
         self.block_size = block_size
@@ -99,22 +102,23 @@ class ExactRouter:
 
     def by_cost(self, replicas: Sequence[str], loads: Mapping[str, ReplicaLoad], hashes: Sequence[int]) -> Decision:
         """The cheapest replica first, then the others by cost (rules 2 and 3 of the module docstring).  Ties go to
-        the replica holding the fewest cached blocks, then the first listed: new conversations spread over the
-        replicas whose caches hold the least, so that sticky conversations do not pile onto the first replicas."""
+        the replica holding the fewest cached blocks, then to a random one of those (``rng``): new conversations
+        spread over the replicas whose caches hold the least, and over all of them when every pool is full, so that
+        sticky conversations do not pile onto the first replicas listed."""
         matched = self.index.match(hashes) if hashes else {}
         n = len(hashes)
         hit = any(matched.get(r, 0) >= max(1.0, self.match_threshold * n) for r in replicas)
         if not hit:  # rule 3: a fresh conversation goes by load (module docstring)
             matched = {}
         idle = ReplicaLoad()
-        best, best_key, costs = None, (float("inf"), 0), {}
-        held = self.index.num_blocks
+        best, best_key, costs = None, (float("inf"), 0, 0.0), {}
+        held, draw = self.index.num_blocks, self.rng.random
         for r in replicas:
             ld = loads.get(r, idle)
             c = (n - matched.get(r, 0)) + self.load_weight * (ld.running + ld.waiting) + self.usage_weight * ld.kv_usage
             costs[r] = c
             if c <= best_key[0]:
-                key = (c, held(r))
+                key = (c, held(r), draw())
                 if key < best_key:
                     best, best_key = r, key
         rest = sorted((r for r in replicas if r != best), key=costs.__getitem__)
