@@ -37,8 +37,12 @@ No Ray, no model: pure Python, one process.  What is real and what is modelled:
   (``--rate`` per replica per second), each a draw from the data (a distinct "(Conversation i.)" tag when drawn
   again), the next turn sent an exponential think time (``--think-s`` mean) after the previous reply.
 * **Pool per replica**: ``--pool-fraction`` (0.5) x the working set, the time-averaged KV of the live
-  conversations per replica by Little's law: ``rate x sum over a conversation's turns of (think time x blocks held
-  after the turn)`` (service time left out: the working set is slightly understated).
+  conversations by Little's law: ``rate x mean over conversations of the sum over turns of (think time x blocks
+  held after the turn)`` (service time left out: the working set is slightly understated).  ``--pool-basis
+  cluster`` (the default) takes the working set of all conversations, as ``cluster_bench --pressure`` sizes each
+  replica's pool from the KV all sessions hold; ``replica`` divides it by the replica count (every pool under
+  pressure at any scale).  A replica's pool is the real ``BlockPool`` grown on demand up to that capacity
+  (:meth:`Replica._grow`: it acts as the full-size pool, so 256 pools of 45k blocks cost only what they hold).
 
 Outputs per router: ``hit_rate`` (prompt tokens from the prefix cache / prompt tokens), ``ideal_hit_rate`` (one
 server with unbounded KV on the same trace), ``ttft_p50_s`` / ``ttft_p99_s`` (arrival to first token),
