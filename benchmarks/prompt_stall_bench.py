@@ -12,7 +12,10 @@ Per phase: the gaps' p50, p99 and max (s) and the p99's ratio to the quiet p99 (
 issue 31 the prompts were tokenized on the engine thread and a 4 MB one froze every stream for seconds.
 
     .venv/bin/python benchmarks/prompt_stall_bench.py [--max-tokens 96] [--streams 3] [--senders 2]
-        [--out benchmarks/results] [--config NAME]
+        [--out benchmarks/results] [--config NAME] [--baseline-src DIR]
+
+``--baseline-src DIR``: also measure the server of another copy of kvkeeper's ``src`` folder (``PYTHONPATH=DIR``,
+e.g. ``git archive main src | tar -x -C /tmp/main``) in the same run, before this one: a before / after table.
 
 Writes ``OUT/prompt_stall_bench-<config>-<date>.json`` (config default smollm2-135m) and ``.md`` and prints the markdown.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -76,14 +80,30 @@ async def phase(base: str, size: int | None, streams: int, senders: int, max_tok
 
 
 def markdown(res: dict) -> str:
-    rows = ["| phase | gaps | p50 (s) | p99 (s) | max (s) | p99 / quiet p99 | huge requests (codes) |",
-            "|---|---|---|---|---|---|---|"]
-    for name, p in res["phases"].items():
-        rows.append(f"| {name} | {p['gaps']} | {p['p50_s']:.4f} | {p['p99_s']:.4f} | {p['max_s']:.4f} | "
-                    f"{p['p99_ratio']:.2f} | {p['huge_requests']} ({', '.join(map(str, p['huge_codes'])) or '-'}) |")
+    rows = ["| code | phase | gaps | p50 (s) | p99 (s) | max (s) | p99 / quiet p99 | huge requests (codes) |",
+            "|---|---|---|---|---|---|---|---|"]
+    for code, phases in res["runs"].items():
+        for name, p in phases.items():
+            rows.append(f"| {code} | {name} | {p['gaps']} | {p['p50_s']:.4f} | {p['p99_s']:.4f} | {p['max_s']:.4f} | "
+                        f"{p['p99_ratio']:.2f} | {p['huge_requests']} ({', '.join(map(str, p['huge_codes'])) or '-'}) |")
     return (f"# Inter-chunk gaps while huge prompts arrive ({res['config']}, {res['date']})\n\n{res['cpu']}; embedded model, "
             f"{res['max_tokens']} tokens per stream, {res['streams']} streams per phase, {res['senders']} senders of "
-            f"huge prompts.  Target: p99 below 3x the quiet p99.\n\n" + "\n".join(rows) + "\n")
+            f"huge prompts; load average {res['load_avg']} at the start.  Target: p99 below 3x the quiet p99.\n\n"
+            + "\n".join(rows) + "\n")
+
+
+def measure(src: Path | None, args) -> dict:
+    """The phases against one server (``src``: the PYTHONPATH of the kvkeeper it runs; None: this process's)."""
+    env = None if src is None else {**os.environ, "PYTHONPATH": str(src)}
+    with tempfile.TemporaryDirectory() as tmp, server_process(Path(tmp) / "server.log", env=env) as (base, _):
+        asyncio.run(phase(base, None, 1, 0, 8))  # warm-up
+        phases = {"quiet": asyncio.run(phase(base, None, args.streams, 0, args.max_tokens))}
+        for name, size in PROMPTS.items():
+            phases[name] = asyncio.run(phase(base, size, args.streams, args.senders, args.max_tokens))
+    quiet = phases["quiet"]["p99_s"]
+    for p in phases.values():
+        p["p99_ratio"] = p["p99_s"] / quiet
+    return phases
 
 
 def main() -> None:
@@ -93,17 +113,17 @@ def main() -> None:
     ap.add_argument("--senders", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--config", default=MODEL, help="the result's config name (e.g. the code measured)")
+    ap.add_argument("--baseline-src", type=Path, default=None,
+                    help="another kvkeeper src folder to measure first, in the same run (before / after)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, server_process(Path(tmp) / "server.log") as (base, _):
-        asyncio.run(phase(base, None, 1, 0, 8))  # warm-up
-        phases = {"quiet": asyncio.run(phase(base, None, args.streams, 0, args.max_tokens))}
-        for name, size in PROMPTS.items():
-            phases[name] = asyncio.run(phase(base, size, args.streams, args.senders, args.max_tokens))
-    quiet = phases["quiet"]["p99_s"]
-    for p in phases.values():
-        p["p99_ratio"] = p["p99_s"] / quiet
-    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
-           "max_tokens": args.max_tokens, "streams": args.streams, "senders": args.senders, "phases": phases}
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    runs = {}
+    if args.baseline_src is not None:
+        runs[f"baseline ({args.baseline_src})"] = measure(args.baseline_src.resolve(), args)
+    runs["this"] = measure(None, args)
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(), "load_avg": load,
+           "max_tokens": args.max_tokens, "streams": args.streams, "senders": args.senders, "runs": runs,
+           "phases": runs["this"]}
     args.out.mkdir(parents=True, exist_ok=True)
     res["config"] = args.config
     write_report(args.out, result_name("prompt_stall_bench", args.config), res, markdown(res))

@@ -245,6 +245,13 @@ class AsyncEngine:
             return await self.call(lambda eng: eng.encode_chat(messages, **chat))
         return await self._off_thread(lambda: self._inputs.encode_chat(messages, **chat))
 
+    async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt (``tokenizer.encode``, as ``/tokenize`` gives them), computed in a worker thread
+        (on the engine thread for an engine without an input processor)."""
+        if self._inputs is None:
+            return await self.call(lambda eng: eng.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return await self._off_thread(lambda: self._inputs.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
     async def submit(self, req: GenerationRequest) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it.
 

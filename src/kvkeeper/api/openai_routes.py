@@ -90,7 +90,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
         ids = await engine.encode_chat(msgs, **chat)  # as a chat request gets them, off the engine thread
     else:
         text, special = body.prompt, body.add_special_tokens is not False  # vLLM's default for a prompt: true
-        ids = await engine.call(lambda eng: eng.tokenizer.encode(text, add_special_tokens=special))
+        ids = await engine.encode_text(text, special)  # off the engine thread too
     return {"tokens": ids, "count": len(ids), "max_model_len": ctx.served.max_model_len}
 
 

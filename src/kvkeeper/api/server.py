@@ -159,4 +159,5 @@ def run_server(app, config: ServerConfig) -> None:
         server = uvicorn.Server(uvicorn.Config(admin, host=ADMIN_HOST, port=config.admin_port, log_level=level,
                                                access_log=level in ("info", "debug"), lifespan="off"))
         threading.Thread(target=server.run, name="kvkeeper-admin", daemon=True).start()
-    uvicorn.run(app, host=config.host, port=config.port, log_level=level, access_log=level in ("info", "debug"))
+    uvicorn.run(app, host=config.host, port=config.port, log_level=level, access_log=level in ("info", "debug"),
+                ws="none")  # no websocket routes: uvicorn's websocket protocols are not imported

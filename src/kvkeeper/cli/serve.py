@@ -15,6 +15,7 @@ from ..engine.breaker import BreakerConfig
 from ..errors import KVKeeperError
 from ..options import add_options, from_args
 from ..sessions.manager import SessionConfig
+from ..startup import paused_gc
 from .common import EXIT_ERROR, EXIT_OK, CLIError, command, load_engine, stderr
 
 
@@ -80,14 +81,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            "endpoint); run the replicas as separate `kvkeeper serve` processes, each with its own "
                            "endpoint, or leave it out")
         return _serve_cluster(args, config, sessions, breaker, cluster, health)
-    engine = load_engine(args)
-    config.served_model_name = config.served_model_name or args.model
-    try:
-        app = build_server(engine, config, sessions, breaker if config.breaker else None,
-                           from_args(AuditConfig, args), health)
-    except (ValueError, KVKeeperError) as e:  # a malformed or unloadable --lora-modules entry
-        stderr(f"error: {e}", None)
-        return EXIT_ERROR
+    with paused_gc():  # the model, FastAPI and uvicorn: start-up objects, kept for the process's life
+        engine = load_engine(args)
+        config.served_model_name = config.served_model_name or args.model
+        try:
+            app = build_server(engine, config, sessions, breaker if config.breaker else None,
+                               from_args(AuditConfig, args), health)
+        except (ValueError, KVKeeperError) as e:  # a malformed or unloadable --lora-modules entry
+            stderr(f"error: {e}", None)
+            return EXIT_ERROR
+        import uvicorn  # noqa: F401  (imported by run_server; here, under the paused collector)
     stderr(f"serving {config.served_model_name} on http://{config.host}:{config.port}/v1")
     if config.admin_port is not None:
         stderr(f"admin routes on http://127.0.0.1:{config.admin_port}/admin/kv")

@@ -94,7 +94,7 @@ def model_weights(cfg: EngineConfig, path: Path | None, device: torch.device,
         if not any(t.name == "lm_head.weight" for t in tensors):
             mcfg.tie_word_embeddings = True
     else:
-        reader = GGUFFile(path)
+        reader = GGUFFile.open(path)
         mcfg, family, _ = gguf_model_config(path, reader)
         tensors, source = fp.gguf_tensors(reader, family), "gguf"
         extra = dict(mapped=family.capabilities.gguf_in_place, gguf_types=fp.gguf_projection_types(reader))

@@ -18,7 +18,8 @@ when the spans cannot be found at all, a content holding a special token's text 
 (:class:`~kvkeeper.errors.InvalidRequestError`) rather than tokenized into a control token.
 
 Thread-safe: :class:`ChatEncoder` keeps its own ``tokenizers.Tokenizer`` copies, never changed after they are
-built, whose ``encode`` runs without Python's GIL (the server tokenizes in worker threads).
+built, tokenizing through :func:`kvkeeper.text.gil_free.encode`, without Python's GIL (the server tokenizes in
+worker threads).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import InvalidRequestError
+from .gil_free import encode
 
 __all__ = ["ChatEncoder", "RenderedChat", "longest_token_bytes", "render_with_spans"]
 
@@ -124,7 +126,7 @@ class ChatEncoder:
         Raises :class:`InvalidRequestError` when the spans are unknown and a content holds a special token's text.
         """
         text = rendered.text[start:]
-        enc = self._normal.encode(text, add_special_tokens=False)
+        enc = encode(self._normal, text)
         if not rendered.located:
             self._refuse_unlocated(rendered)
             return list(enc.ids)
@@ -146,11 +148,11 @@ class ChatEncoder:
             if i not in self.special_ids or k in forged:
                 continue
             if a > pos:
-                ids += self._plain.encode(text[pos:a], add_special_tokens=False).ids
+                ids += encode(self._plain, text[pos:a]).ids
             ids.append(i)
             pos = b
         if pos < len(text):
-            ids += self._plain.encode(text[pos:], add_special_tokens=False).ids
+            ids += encode(self._plain, text[pos:]).ids
         return ids
 
     def _refuse_unlocated(self, rendered: RenderedChat) -> None:
@@ -165,7 +167,7 @@ class ChatEncoder:
 
     def plain_ids(self, text: str) -> list[int]:
         """``text``'s ids with special tokens' text tokenized as plain text (no BOS/EOS)."""
-        return list(self._plain.encode(text, add_special_tokens=False).ids)
+        return list(encode(self._plain, text).ids)
 
 
 

@@ -31,6 +31,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
+from .gil_free import encode
+
 __all__ = ["LazyTokenizer", "qualifies", "record_verification", "verify"]
 
 _GENERIC = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -124,8 +126,9 @@ class LazyTokenizer:
     pad_token_id = property(lambda self: self._id(self.pad_token), doc="The padding token's id (None: none).")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` (``add_special_tokens``: the post-processor's, e.g. a BOS)."""
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text`` (``add_special_tokens``: the post-processor's, e.g. a BOS), computed without holding
+        Python's GIL (:func:`kvkeeper.text.gil_free.encode`)."""
+        return encode(self.backend_tokenizer, text, add_special_tokens).ids
 
     def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
         """The text of ``token_ids`` (an int or a sequence of ints)."""

@@ -11,6 +11,7 @@ for ``GGUFReader`` (``reader.fields[key].contents()``, ``len(field.data)``, ``re
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from pathlib import Path
@@ -29,6 +30,11 @@ _SCALARS = {0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("
 _STRING, _ARRAY = 8, 9
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _DEFAULT_ALIGNMENT = 32
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: Path, size: int, mtime_ns: int) -> "GGUFFile":
+    return GGUFFile(path)
 
 
 class MetaField:
@@ -75,6 +81,19 @@ class GGUFFile:
             self._parse()
         except (struct.error, ValueError, IndexError, UnicodeDecodeError, OSError) as e:
             raise ModelFormatError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
+
+    @classmethod
+    def open(cls, path: str | Path) -> "GGUFFile":
+        """The file's header, read once per process while the file stays the same (its resolved path, size and
+        modification time): the memory-fit check and the loader read the same header at every start (its
+        vocabulary's 49,152 strings are walked one by one).  The object is shared: treat it as read-only.
+        Raises as the constructor."""
+        p = Path(path).resolve()
+        try:
+            st = p.stat()
+        except OSError as e:
+            raise ModelFormatError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
+        return _open_cached(p, st.st_size, st.st_mtime_ns)
 
     def _parse(self) -> None:
         import gguf

@@ -71,7 +71,7 @@ def gguf_model_config(path: Path, reader: GGUFFile | None = None):
     """(ModelConfig, model family class, ``field(key, default)``) of a GGUF file from its metadata and tensor
     table alone (no tensor data is read; ``reader``: the file's :class:`GGUFFile`, read when None).
     Raises :class:`ModelFormatError` and :class:`UnsupportedArchitectureError` as :func:`load_gguf`."""
-    reader = reader if reader is not None else GGUFFile(path)
+    reader = reader if reader is not None else GGUFFile.open(path)
 
     def field(key, default=None):
         f = reader.fields.get(key)
@@ -137,7 +137,7 @@ def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str
     """
     import gguf
 
-    reader = GGUFFile(path)  # the header only (raises ModelFormatError); tensor data stays in the file's map
+    reader = GGUFFile.open(path)  # the header only (raises ModelFormatError); tensor data stays in the file's map
     cfg, family, field = gguf_model_config(path, reader)
     p = field("general.architecture")
     n_heads = int(field(f"{p}.attention.head_count"))

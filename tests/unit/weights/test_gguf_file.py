@@ -62,3 +62,19 @@ def test_damaged_files_are_format_errors(tiny_gguf, tmp_path, cut):
     bad.write_bytes({"tensor": raw[:-100], "header": raw[: header_end // 2], "magic": b"GGUX" + raw[4:]}[cut])
     with pytest.raises(ModelFormatError, match=bad.name):
         GGUFFile(bad)
+
+
+def test_open_reads_a_header_once_while_the_file_stays_the_same(tiny_gguf, tmp_path):
+    """The memory-fit check and the loader both read the header at start-up: ``GGUFFile.open`` parses it once per
+    process, and again when the file changes (size or modification time), never serving a stale header."""
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(tiny_gguf.read_bytes())
+    first = GGUFFile.open(copy)
+    assert GGUFFile.open(str(copy)) is first  # str or Path, the same file
+    assert list(first.fields) == list(GGUFFile(copy).fields)
+    raw = copy.read_bytes()
+    copy.write_bytes(raw[: first.data_offset // 2])  # now cut inside the header: the new contents are read
+    with pytest.raises(ModelFormatError, match=copy.name):
+        GGUFFile.open(copy)
+    with pytest.raises(ModelFormatError, match="missing"):
+        GGUFFile.open(tmp_path / "missing.gguf")
