@@ -30,7 +30,8 @@ A signal's **excess** is how far its EWMA has moved in the bad direction, in uni
 control-limit distance (0 at the baseline, 1 on the limit).  A signal only counts once it is
 also past its **gate**, an absolute level that makes a shift matter (usage and fragmentation:
 60% of the circuit breaker's trip thresholds; TTFT: twice its baseline; the others: any
-level), so that a server going from idle to busy is not a fault.  The **health score** is
+level), so that a server going from idle to busy is not a fault; fragmentation counts only while KV usage is
+at least ``frag_min_usage`` (the breaker's, default 0.5).  The **health score** is
 ``1 - min(1, max excess / 2)`` over the counting signals: 1 healthy, 0.5 on a control limit,
 0 at twice the limit.  A **warning** opens when some counting signal's excess reaches 1; it
 lists the reasons (signal, value, EWMA, baseline, limit) and closes after ``clear_after``
@@ -86,7 +87,9 @@ class HealthConfig:
     """The detector's settings: ``interval_s`` between samples (seconds), ``warmup`` samples of baseline,
     ``lam`` the EWMA weight in (0, 1], ``limit_sigmas`` L (control-limit width), ``clear_after`` calm samples
     that close a warning; ``usage_gate`` / ``frag_gate``: usage and fragmentation levels below which a shift
-    does not count (set from the breaker's thresholds by :func:`gates_from_breaker`).
+    does not count (set from the breaker's thresholds by :func:`gates_from_breaker`); ``frag_min_usage``: the KV
+    usage (0..1) below which fragmentation never counts, as the breaker's own ``frag_min_usage`` (on a pool mostly
+    free, scattered blocks cost nothing: issue 29's warning at 1% usage).
     Raises ValueError for values out of range."""
 
     interval_s: float = 1.0
@@ -100,18 +103,23 @@ class HealthConfig:
     clear_after: int = 10
     usage_gate: float = 0.57
     frag_gate: float = 0.41
+    frag_min_usage: float = 0.5
 
     def __post_init__(self):
         if not 0.0 < self.lam <= 1.0:
             raise ValueError(f"lam must be in (0, 1], got {self.lam}")
+        if not 0.0 <= self.frag_min_usage <= 1.0:
+            raise ValueError(f"frag_min_usage must be in [0, 1], got {self.frag_min_usage}")
         if self.limit_sigmas <= 0 or self.interval_s < 0 or self.warmup < 2 or self.clear_after < 1:
             raise ValueError("limit_sigmas must be > 0, interval_s >= 0, warmup >= 2 and clear_after >= 1")
 
 
 def gates_from_breaker(config: HealthConfig, breaker_config) -> HealthConfig:
-    """``config`` with its usage and fragmentation gates at 60% of the breaker's trip thresholds."""
+    """``config`` with its usage and fragmentation gates at 60% of the breaker's trip thresholds and the
+    breaker's minimum usage for fragmentation."""
     config.usage_gate = 0.6 * breaker_config.usage_threshold
     config.frag_gate = 0.6 * breaker_config.frag_threshold
+    config.frag_min_usage = breaker_config.frag_min_usage
     return config
 
 
@@ -269,7 +277,10 @@ class HealthMonitor:
         self.samples += 1
         for name, x in signals.items():
             self.charts[name].update(float(x))
-        counting = [ch for ch in self.charts.values() if ch.ready and ch.n > 0 and ch.gated()]
+        usage = self.charts["usage"].value
+        frag_counts = usage is not None and usage >= self.config.frag_min_usage
+        counting = [ch for ch in self.charts.values() if ch.ready and ch.n > 0 and ch.gated()
+                    and (frag_counts or ch.spec.name != "pool_rate")]
         worst = max((ch.excess() for ch in counting), default=0.0)
         self.score = 1.0 - min(1.0, worst / 2.0)
         out = [ch for ch in counting if ch.excess() >= 1.0]

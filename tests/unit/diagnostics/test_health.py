@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvkeeper.diagnostics.health import (SIGNALS, CounterDeltas, EwmaChart, HealthConfig, HealthMonitor,
-                                         SignalSpec)
+                                         SignalSpec, gates_from_breaker)
 from kvkeeper.engine.breaker import BreakerConfig, CircuitBreaker
 
 
@@ -171,3 +171,19 @@ def test_a_fault_during_warm_up_does_not_become_the_baseline():
     late[0]["audit_mismatches"] = 1.0
     _feed(mon, late, t0=60)
     assert mon.warnings == 2
+
+
+def test_fragmentation_at_one_percent_usage_raises_no_warning():
+    """Issue 29's false alarm: light traffic on a near-empty pool scatters its few blocks (pool_rate 0.48 at 1%
+    usage); like the breaker (frag_min_usage 0.5), the detector ignores fragmentation below half usage."""
+    rng = random.Random(4)
+    mon = HealthMonitor(gates_from_breaker(HealthConfig(warmup=20), BreakerConfig()))
+    _feed(mon, _flat(40, rng, usage=0.01, frag=0.0))
+    _feed(mon, _flat(40, rng, usage=0.01, frag=0.48), t0=40)
+    assert mon.charts["pool_rate"].excess() > 1.0  # the chart sees the shift ...
+    assert mon.warnings == 0 and "pool_rate" not in mon.active_signals()  # ... but it does not count
+    # the same shift at 70% usage does count
+    mon = HealthMonitor(gates_from_breaker(HealthConfig(warmup=20), BreakerConfig()))
+    _feed(mon, _flat(40, rng, usage=0.7, frag=0.0))
+    _feed(mon, _flat(40, rng, usage=0.7, frag=0.48), t0=40)
+    assert mon.warnings == 1 and mon.events[0]["reasons"][0]["signal"] == "pool_rate"
