@@ -92,15 +92,23 @@ class HealthConfig:
     free, scattered blocks cost nothing: issue 29's warning at 1% usage).
     Raises ValueError for values out of range."""
 
-    interval_s: float = 1.0
+    interval_s: float = field(default=1.0, metadata=option(
+        "--health-interval", "seconds between the health detector's samples", type=float, metavar="S"))
     warmup: int = field(default=20, metadata=option(
-        "--health-warmup", "samples (one a second) of the health detector's baseline before it can warn",
+        "--health-warmup", "samples (one each --health-interval) of the health detector's baseline before it can warn",
         type=positive_int, metavar="N"))
     lam: float = 0.3
     limit_sigmas: float = field(default=3.0, metadata=option(
         "--health-limit-sigmas", "width L of the health detector's EWMA control limits, in standard deviations",
         type=float, metavar="L"))
     clear_after: int = 10
+    predictor: str = field(default="trend", metadata=option(
+        "--health-predictor", "what forecasts a breach (kvkeeper:kv_health_breach_eta_seconds, the warnings' "
+        "predicted breach): trend (time to breach from a fitted slope), lstm (the learned model), none",
+        choices=("trend", "lstm", "none")))
+    ttft_objective_s: float = field(default=3.0, metadata=option(
+        "--ttft-objective", "the TTFT objective (seconds) the forecast measures a breach against", type=float,
+        metavar="S"))
     usage_gate: float = 0.57
     frag_gate: float = 0.41
     frag_min_usage: float = 0.5
@@ -110,6 +118,8 @@ class HealthConfig:
             raise ValueError(f"lam must be in (0, 1], got {self.lam}")
         if not 0.0 <= self.frag_min_usage <= 1.0:
             raise ValueError(f"frag_min_usage must be in [0, 1], got {self.frag_min_usage}")
+        if self.ttft_objective_s <= 0:
+            raise ValueError(f"ttft_objective_s must be > 0 seconds, got {self.ttft_objective_s}")
         if self.limit_sigmas <= 0 or self.interval_s < 0 or self.warmup < 2 or self.clear_after < 1:
             raise ValueError("limit_sigmas must be > 0, interval_s >= 0, warmup >= 2 and clear_after >= 1")
 
@@ -244,7 +254,14 @@ class HealthMonitor:
 
     Call :meth:`observe` with cumulative counters (see :class:`CounterDeltas`) as often as you like;
     it samples every ``config.interval_s`` seconds (``clock``: monotonic seconds).  ``events``: the last
-    200 warning open/close events, each with ``t`` (wall time), ``t_mono``, ``score`` and ``reasons``.
+    200 warning open/close events, each with ``t`` (wall time), ``t_mono``, ``score``, ``reasons`` and the
+    forecast's ``breach_eta_s`` and ``breach_reason`` (None when none is forecast).
+
+    ``forecaster``: None, or an object whose ``update(sample) -> Forecast`` (:mod:`kvkeeper.diagnostics.
+    health_predict`) is fed each sample (``t``, ``usage``, ``pool_rate``, ``eviction_rate``,
+    ``preemption_rate``, ``hit_rate``, ``ttft_mean``: the interval's mean TTFT, s); a forecast that warns opens a
+    ``forecast`` event (logged: "breach in about N s", the reason), closed after ``clear_after`` samples without
+    one; :meth:`breach_eta` is its predicted seconds to the breach (inf when none is forecast).
     """
 
     def __init__(self, config: HealthConfig | None = None, clock=time.monotonic):
@@ -261,6 +278,11 @@ class HealthMonitor:
         self._calm = 0
         self._next = -math.inf
         self._active: list[str] = []
+        self.forecaster = None
+        self.forecast = None  # the forecaster's latest Forecast
+        self.forecasting = False
+        self.forecasts = 0  # forecast warnings opened
+        self._fc_calm = 0
 
     def observe(self, counters: dict, now: float | None = None) -> bool:
         """Take a sample if ``interval_s`` has passed since the last one; returns whether it did."""
@@ -277,6 +299,8 @@ class HealthMonitor:
         self.samples += 1
         for name, x in signals.items():
             self.charts[name].update(float(x))
+        if self.forecaster is not None:
+            self._forecast(signals, now)
         usage = self.charts["usage"].value
         frag_counts = usage is not None and usage >= self.config.frag_min_usage
         counting = [ch for ch in self.charts.values() if ch.ready and ch.n > 0 and ch.gated()
@@ -296,6 +320,28 @@ class HealthMonitor:
                 self.warning = False
                 self._event("clear", now, [])
 
+    def _forecast(self, signals: dict[str, float], now: float) -> None:
+        names = {"usage": "usage", "pool_rate": "pool_rate", "eviction_rate": "eviction_rate",
+                 "preemption_rate": "preemption_rate", "prefix_hit_rate": "hit_rate", "ttft": "ttft_mean"}
+        sample = {"t": now, **{names[k]: v for k, v in signals.items() if k in names}}
+        fc = self.forecast = self.forecaster.update(sample)
+        if fc.warn:
+            self._fc_calm = 0
+            if not self.forecasting:
+                self.forecasting = True
+                self.forecasts += 1
+                self._event("forecast", now, [{"signal": fc.signal, "text": fc.reason}])
+        elif self.forecasting:
+            self._fc_calm += 1
+            if self._fc_calm >= self.config.clear_after:
+                self.forecasting = False
+                self._event("forecast_clear", now, [])
+
+    def breach_eta(self) -> float:
+        """Predicted seconds to the breach (the forecaster's, while it warns); inf when none is forecast."""
+        fc = self.forecast
+        return fc.eta_s if fc is not None and fc.warn and fc.eta_s is not None else math.inf
+
     def _reason(self, ch: EwmaChart) -> dict:
         s = ch.spec
         word = "above" if s.direction > 0 else "below"
@@ -305,9 +351,18 @@ class HealthMonitor:
                 "excess": ch.excess(), "text": text}
 
     def _event(self, kind: str, now: float, reasons: list[dict]) -> None:
-        ev = {"t": time.time(), "t_mono": now, "event": kind, "score": round(self.score, 4), "reasons": reasons}
+        fc = self.forecast
+        warn = fc is not None and fc.warn
+        ev = {"t": time.time(), "t_mono": now, "event": kind, "score": round(self.score, 4), "reasons": reasons,
+              "breach_eta_s": (round(fc.eta_s, 1) if fc.eta_s is not None else None) if warn else None,
+              "breach_reason": fc.reason if warn else None}
         self.events.append(ev)
-        if kind == "warning":
+        if kind == "forecast":
+            eta = "an unknown time" if ev["breach_eta_s"] is None else f"about {ev['breach_eta_s']:.0f} s"
+            log.warning("KV cache health forecast: breach in %s (%s)", eta, fc.reason)
+        elif kind == "forecast_clear":
+            log.warning("KV cache health forecast cleared")
+        elif kind == "warning":
             log.warning("KV cache health warning (score %.2f): %s", self.score, "; ".join(r["text"] for r in reasons))
         else:
             log.warning("KV cache health warning cleared (score %.2f)", self.score)
@@ -319,6 +374,9 @@ class HealthMonitor:
     def snapshot(self) -> dict:
         """JSON-able state: score, warning, counts, each chart, recent events, config."""
         return {"score": self.score, "warning": self.warning, "warnings": self.warnings, "samples": self.samples,
+                "breach_eta_s": None if math.isinf(self.breach_eta()) else self.breach_eta(),
+                "breach_reason": self.forecast.reason if self.forecast is not None and self.forecast.warn else None,
+                "predictor": getattr(self.forecaster, "name", None),
                 "active": self.active_signals(), "signals": [ch.describe() for ch in self.charts.values()],
                 "events": list(self.events), "config": asdict(self.config),
                 "method": "EWMA control charts (Roberts 1959; NIST/SEMATECH e-Handbook 6.3.2.4)"}

@@ -102,13 +102,15 @@ class EwmaPredictor(Predictor):
 class TrendConfig:
     """The trend forecast's settings: ``window`` samples fitted, ``horizon_s`` (warn when the breach is this
     close, seconds), ``min_t`` (each half-window slope at least this many standard errors above 0), ``gate``
-    (the level must be past this fraction of its limit)."""
+    (the level must be past this fraction of its limit); ``ttft_field``: the sample field held against the TTFT
+    limit (the scenarios' ``ttft_p99``; the server's detector has the interval's mean, ``ttft_mean``)."""
 
     window: int = 20
     horizon_s: float = 90.0
     min_t: float = 2.0
     gate: float = 0.5
     limits: Limits = field(default_factory=Limits)
+    ttft_field: str = "ttft_p99"
 
     def __post_init__(self):
         if self.window < 6 or self.horizon_s <= 0 or self.min_t < 0 or not 0 <= self.gate < 1:
@@ -136,7 +138,7 @@ class TrendPredictor(Predictor):
 
     def __init__(self, config: TrendConfig | None = None):
         self.config = c = config or TrendConfig()
-        self.signals = {"usage": c.limits.usage, "ttft_p99": c.limits.ttft_p99}
+        self.signals = {"usage": c.limits.usage, c.ttft_field: c.limits.ttft_p99}
         self.hist: dict[str, deque] = {k: deque(maxlen=c.window) for k in self.signals}
 
     def _eta(self, name: str, limit: float) -> tuple[float, float] | None:

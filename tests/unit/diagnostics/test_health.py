@@ -187,3 +187,40 @@ def test_fragmentation_at_one_percent_usage_raises_no_warning():
     _feed(mon, _flat(40, rng, usage=0.7, frag=0.0))
     _feed(mon, _flat(40, rng, usage=0.7, frag=0.48), t0=40)
     assert mon.warnings == 1 and mon.events[0]["reasons"][0]["signal"] == "pool_rate"
+
+
+class _OffloadingSessions(_Sessions):
+    def __init__(self):
+        self.asked = []
+
+    def offload_idle(self, n_blocks, tier="host"):
+        self.asked.append((n_blocks, tier))
+        return n_blocks
+
+
+def test_breaker_offloads_ahead_of_a_forecast_usage_breach():
+    from kvkeeper.diagnostics.health_predict import Forecast
+
+    eng, ss = _Engine(), _OffloadingSessions()
+    eng.num_blocks = 100
+    eng.pool = type("P", (), {"num_blocks": 100})()
+    eng.st = _Stats(0.9, 0.1)
+    eng.st.owned = 90
+    br = CircuitBreaker(eng, ss, BreakerConfig(act_ahead_s=60.0), clock=lambda: 0.0)
+    fc = [Forecast(True, 120.0, "usage rising", "usage")]
+    br.forecast = lambda: fc[0]
+    br.evaluate(now=0.0, force=True)  # the breach is 120 s away: not yet
+    assert ss.asked == [] and eng.compactions == 0
+    fc[0] = Forecast(True, 40.0, "usage 0.9 rising toward its limit 0.95", "usage")
+    br.evaluate(now=1.0, force=True)
+    # down to the recovery level: usage 0.80 -> at most 79 owned blocks of 100
+    assert ss.asked == [(90 - 79, "host")] and eng.compactions == 1 and br.trips == 0 and br.tier == 0
+    assert br.events[-1]["action"] == "ahead_offload" and br.events[-1]["eta_s"] == 40.0
+    br.evaluate(now=2.0, force=True)  # within cooldown_s: once
+    fc[0] = Forecast(True, 10.0, "ttft rising", "ttft_p99")  # a TTFT forecast: offloading would not help
+    br.evaluate(now=10.0, force=True)
+    assert len(ss.asked) == 1
+    br.config.act_ahead_s = 0.0
+    fc[0] = Forecast(True, 10.0, "usage", "usage")
+    br.evaluate(now=20.0, force=True)
+    assert len(ss.asked) == 1
