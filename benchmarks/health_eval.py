@@ -2,16 +2,16 @@
 
     python benchmarks/health_eval.py --seeds 100-119 --json OUT.json [--kinds flood,leak,...]
         [--predictors ewma,trend,lstm] [--traces TRACES.jsonl.gz] [--from-traces TRACES.jsonl.gz]
-        [--soak-s 3600] [--proactive]
+        [--soak-s 3600 --soak-seeds 200-201] [--proactive]
 
 One episode per kind and seed (:mod:`kvkeeper.eval.health_scenarios`: a tiny random engine on a simulated
 clock, so the figures do not depend on this machine's load), each recorded as a trace; every predictor
 (:mod:`kvkeeper.diagnostics.health_predict`) is replayed on the same traces and scored
 (:mod:`kvkeeper.eval.health_score`).  OUT's top level holds ``precision``, ``recall``, ``median_lead_s`` and
 ``false_alarms_per_hour`` of the server's default predictor, and ``predictors``: a table per predictor (with
-its per-kind results).  ``--traces`` saves the traces (gzip JSON lines); ``--from-traces`` scores saved traces
-without running an engine.  ``--soak-s S``: one fault-free episode of S simulated seconds per seed (the
-``swings`` kind, its false alarms reported apart).  ``--proactive``: every incident episode again with the
+its per-kind results).  Seeds 0-11 trained and tuned the predictors; evaluate on seeds from 100.  ``--traces`` saves the traces (gzip JSON lines); ``--from-traces`` scores saved traces
+without running an engine.  ``--soak-s S``: one fault-free episode of S simulated seconds per ``--soak-seeds`` seed
+(the ``swings`` kind, its false alarms reported apart).  ``--proactive``: every incident episode again with the
 breaker acting on the default predictor's forecast (:attr:`CircuitBreaker.forecast`), and the breaches of
 both runs side by side.  A markdown table is written beside OUT.
 """
@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", required=True, help="write the results here (and a .md beside it)")
     ap.add_argument("--traces", help="save the generated traces (gzip JSON lines)")
     ap.add_argument("--from-traces", help="score saved traces instead of generating episodes")
-    ap.add_argument("--soak-s", type=float, default=0.0, help="a fault-free soak of S simulated s per seed")
+    ap.add_argument("--soak-s", type=float, default=0.0, help="a fault-free soak of S simulated s per soak seed")
+    ap.add_argument("--soak-seeds", default="200", help="seeds of the soak (default %(default)s)")
     ap.add_argument("--proactive", action="store_true", help="also run the breaker acting on the forecast")
     args = ap.parse_args(argv)
     import torch
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                episodes_scored={n: t["rows"] for n, t in tabs.items()})
     if args.soak_s > 0 and not args.from_traces:
         soak_cfg = ScenarioConfig(duration_s=args.soak_s)
-        soak = generate(["swings"], seeds, soak_cfg)
+        soak = generate(["swings"], parse_seeds(args.soak_seeds), soak_cfg)
         st = tables(soak, names)
         res["soak"] = {"simulated_s": args.soak_s, "episodes": len(soak), "breaches": sum(
             t["breach_s"] is not None for t in soak), "predictors": {n: {"false_alarms": t["false_alarms"],

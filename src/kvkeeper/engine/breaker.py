@@ -47,7 +47,8 @@ compacts ahead of a trip (action
 is closed: when it forecasts that usage reaches its threshold within ``act_ahead_s`` seconds, the breaker
 compacts the pool and offloads idle sessions (least recently used first) until usage would fall to
 ``recover_usage`` (action ``ahead_offload``, at most every ``cooldown_s``), before the trip that would have
-escalated to the offload tier.  A forecast of TTFT (not KV memory) is left to the operator: offloading would
+escalated to the offload tier; it stays armed for ``act_ahead_s`` after the last such forecast, offloading
+again whenever usage is back at ``recover_usage``.  A forecast of TTFT (not KV memory) is left to the operator: offloading would
 not shorten a prefill queue.
 """
 
@@ -149,6 +150,7 @@ class CircuitBreaker:
         self.early_warning = None  # () -> list of signal names; see the module docstring
         self.forecast = None  # () -> Forecast | None; see the module docstring
         self._ahead_at = -math.inf
+        self._armed_until = -math.inf
         self.evicted_blocks = 0  # cached blocks its compactions evicted (not allocation pressure)
         self._early_on = False
         self._early_at = -math.inf
@@ -239,18 +241,27 @@ class CircuitBreaker:
             self._event(0, "early_compact", st, self.engine.pool_stats(), evicted=res["evicted"], moved=res["moved"])
 
     def _act_on_forecast(self, st, now: float) -> None:
-        """Closed: offload ahead of a forecast usage breach (see the module docstring)."""
+        """Closed: offload ahead of a forecast usage breach (see the module docstring).  Once a forecast has put
+        the breach within ``act_ahead_s``, the breaker stays armed for ``act_ahead_s`` seconds after the last
+        such forecast (acting changes the very trend the forecast reads) and offloads again whenever usage is
+        back at ``recover_usage``."""
         fc = self.forecast() if self.forecast is not None else None
         c = self.config
-        if (fc is None or not fc.warn or fc.signal != "usage" or fc.eta_s is None or fc.eta_s > c.act_ahead_s
-                or now - self._ahead_at < c.cooldown_s or st.owned <= self._calm_owned()):
+        if (fc is not None and fc.warn and fc.signal == "usage" and fc.eta_s is not None
+                and fc.eta_s <= c.act_ahead_s):
+            self._armed_until = now + c.act_ahead_s
+            why, eta = fc.reason, round(fc.eta_s, 1)
+        elif now < self._armed_until:
+            why, eta = "armed by an earlier forecast", None
+        else:
+            return
+        if now - self._ahead_at < c.cooldown_s or st.owned <= self._calm_owned():
             return
         self._ahead_at = now
         res = self.engine.compact()
         self.evicted_blocks += res["evicted"]
         freed = self.sessions.offload_idle(st.owned - self._calm_owned(), tier="host")
-        self._event(0, "ahead_offload", st, self.engine.pool_stats(), blocks=freed, eta_s=round(fc.eta_s, 1),
-                    reason=fc.reason)
+        self._event(0, "ahead_offload", st, self.engine.pool_stats(), blocks=freed, eta_s=eta, reason=why)
 
     def _relieve(self, st, now: float) -> None:
         """Tripped but not yet calm (between the recovery and trip levels, or degraded): every

@@ -217,10 +217,13 @@ def test_breaker_offloads_ahead_of_a_forecast_usage_breach():
     assert ss.asked == [(90 - 79, "host")] and eng.compactions == 1 and br.trips == 0 and br.tier == 0
     assert br.events[-1]["action"] == "ahead_offload" and br.events[-1]["eta_s"] == 40.0
     br.evaluate(now=2.0, force=True)  # within cooldown_s: once
-    fc[0] = Forecast(True, 10.0, "ttft rising", "ttft_p99")  # a TTFT forecast: offloading would not help
-    br.evaluate(now=10.0, force=True)
     assert len(ss.asked) == 1
+    fc[0] = Forecast(True, 10.0, "ttft rising", "ttft_p99")  # a TTFT forecast: offloading would not help, but
+    br.evaluate(now=10.0, force=True)  # the breaker is armed for act_ahead_s after the usage forecast
+    assert len(ss.asked) == 2 and br.events[-1]["reason"] == "armed by an earlier forecast"
+    br.evaluate(now=100.0, force=True)  # 60 s after the last usage forecast: disarmed, and TTFT is not its business
+    assert len(ss.asked) == 2
     br.config.act_ahead_s = 0.0
     fc[0] = Forecast(True, 10.0, "usage", "usage")
-    br.evaluate(now=20.0, force=True)
-    assert len(ss.asked) == 1
+    br.evaluate(now=200.0, force=True)
+    assert len(ss.asked) == 2
