@@ -33,7 +33,7 @@ def _first_warning(pred, stream):
     return None, None
 
 
-NAMES = [n for n in PREDICTORS if n != "lstm"]  # the learned model: once its weights are trained and shipped
+NAMES = list(PREDICTORS)  # the learned model with its shipped weights (benchmarks/train_health_lstm.py)
 
 
 @pytest.fixture(params=NAMES)
@@ -58,7 +58,10 @@ def test_a_ramp_is_forecast_before_it_crosses(predictor):
         assert fc.eta_s == pytest.approx(cross - t, abs=15)  # the fitted line knows when it will cross
 
 
-def test_a_flat_noisy_stream_raises_no_warning(predictor):
+def test_a_flat_noisy_stream_raises_no_warning(predictor, request):
+    if predictor.name == "lstm":  # a defect of the learned model, kept visible (strict: a retrained model that
+        # passes shows): on its training traces a pool 70% full was mostly on the way to a breach
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the LSTM warns on a flat stream at usage 0.7"))
     rng = random.Random(1)
     stream = [_sample(t, rng, usage=0.7) for t in range(600)]
     assert _first_warning(predictor, stream) == (None, None)
@@ -70,6 +73,8 @@ def test_a_step_from_an_admitted_burst_that_does_not_breach_raises_none(predicto
     if predictor.name == "ewma":  # the baseline's known defect, kept visible: its TTFT chart (gate: twice the
         # baseline) flags the burst's tripled TTFT although nothing nears a limit; strict, so a fix shows
         request.applymarker(pytest.mark.xfail(strict=True, reason="EWMA charts warn on a burst that does not breach"))
+    if predictor.name == "lstm":
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the LSTM warns on a burst that does not breach"))
     rng = random.Random(2)
     stream = [_sample(t, rng, usage=0.75 if 100 <= t < 130 else 0.3, ttft=1.2 if 100 <= t < 110 else 0.4)
               for t in range(300)]
