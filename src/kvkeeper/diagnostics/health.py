@@ -89,7 +89,8 @@ class HealthConfig:
     that close a warning; ``usage_gate`` / ``frag_gate``: usage and fragmentation levels below which a shift
     does not count (set from the breaker's thresholds by :func:`gates_from_breaker`); ``frag_min_usage``: the KV
     usage (0..1) below which fragmentation never counts, as the breaker's own ``frag_min_usage`` (on a pool mostly
-    free, scattered blocks cost nothing: issue 29's warning at 1% usage).
+    free, scattered blocks cost nothing: issue 29's warning at 1% usage); ``predictor``: the breach forecaster
+    the server builds (trend, lstm, none) and ``ttft_objective_s`` (s) the TTFT limit it forecasts against.
     Raises ValueError for values out of range."""
 
     interval_s: float = field(default=1.0, metadata=option(
@@ -118,6 +119,8 @@ class HealthConfig:
             raise ValueError(f"lam must be in (0, 1], got {self.lam}")
         if not 0.0 <= self.frag_min_usage <= 1.0:
             raise ValueError(f"frag_min_usage must be in [0, 1], got {self.frag_min_usage}")
+        if self.predictor not in ("trend", "lstm", "none"):
+            raise ValueError(f"predictor must be trend, lstm or none, got {self.predictor!r}")
         if self.ttft_objective_s <= 0:
             raise ValueError(f"ttft_objective_s must be > 0 seconds, got {self.ttft_objective_s}")
         if self.limit_sigmas <= 0 or self.interval_s < 0 or self.warmup < 2 or self.clear_after < 1:
