@@ -400,6 +400,7 @@ class AsyncEngine:
                              "actions": [{"tier": t, "action": a, "count": n} for (t, a), n in br.actions.items()]}
         if self.health is not None:
             st["kv_health_score"], st["kv_health_warnings"] = self.health.score, self.health.warnings
+            st["kv_health_breach_eta_seconds"] = self.health.breach_eta()
         st.update(self._frag)  # fragmentation windows and block states of the latest sample
         pool = getattr(self.engine, "pool", None)
         if pool is not None and "kv_block_states" in st:  # the block counts are O(1): current, not sampled

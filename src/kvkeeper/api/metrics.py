@@ -29,6 +29,8 @@ kvkeeper:kv_health_score                  gauge      KV cache health score of th
                                                       (kvkeeper.diagnostics.health): 1 healthy, 0.5 on a
                                                       control limit, 0 at twice the limit (0..1)
 kvkeeper:kv_health_warnings_total          counter    health warnings opened (warnings)
+kvkeeper:kv_health_breach_eta_seconds      gauge      predicted seconds to a breach (--health-predictor); +Inf
+                                                      when none is forecast (s)
 kvkeeper:time_to_first_token_seconds       histogram  arrival to first token (s)
 kvkeeper:time_per_output_token_seconds     histogram  mean gap between output tokens of a request (s)
 kvkeeper:e2e_request_latency_seconds       histogram  arrival to finish (s)
@@ -57,6 +59,8 @@ thread samples them at most every 0.1 s (see :mod:`kvkeeper.api.async_engine`).
 """
 
 from __future__ import annotations
+
+import math
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -93,6 +97,9 @@ _FROM_SNAPSHOT = {
     "kv_health_score": ("kvkeeper:kv_health_score", "gauge", "KV cache health score of the EWMA detector: 1 "
                         "healthy, 0.5 on a control limit, 0 at twice the limit (0..1)."),
     "kv_health_warnings": ("kvkeeper:kv_health_warnings", "counter", "KV cache health warnings opened (warnings)."),
+    "kv_health_breach_eta_seconds": ("kvkeeper:kv_health_breach_eta_seconds", "gauge",
+                                     "Predicted seconds until the server breaches (usage past the breaker's "
+                                     "threshold, TTFT over its objective); +Inf when no breach is forecast (s)."),
     # the offload tiers (snapshot["offload"]); a dict value is one sample per tier (label ``tier``)
     "offload.offload_total": ("kvkeeper:kv_offload", "counter", "Idle sessions offloaded to the tier (sessions)."),
     "offload.offload_bytes_total": ("kvkeeper:kv_offload_bytes", "counter", "KV bytes written to the tier (bytes)."),
@@ -111,12 +118,15 @@ _PER_TIER = {"offload.offload_total", "offload.offload_bytes_total", "offload.re
 TIERS = ("host", "disk")
 
 
+_ABSENT = {"kv_health_breach_eta_seconds": math.inf}  # what an absent key reads as, when not 0
+
+
 def _lookup(snap: dict, key: str):
-    """The snapshot's value at a dotted key (0 when absent)."""
+    """The snapshot's value at a dotted key (0 when absent, or its :data:`_ABSENT` value)."""
     v = snap
     for k in key.split("."):
         v = v.get(k) if isinstance(v, dict) else None
-    return 0 if v is None else v
+    return _ABSENT.get(key, 0) if v is None else v
 
 
 class _SnapshotCollector:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from ..argtypes import port as port_number, positive_int, size
 from ..diagnostics.audit import AuditConfig, ReuseAuditor
 from ..diagnostics.health import HealthConfig, HealthMonitor, gates_from_breaker
+from ..diagnostics.health_predict import Limits, LstmPredictor, TrendConfig, TrendPredictor
 from ..engine.breaker import BreakerConfig, CircuitBreaker
 from ..options import option
 from ..sessions.manager import SessionConfig, SessionManager
@@ -89,6 +90,17 @@ class ServerConfig:
         return KeyRing(keys) if keys else None
 
 
+def breach_forecaster(health: HealthConfig, breaker: BreakerConfig):
+    """The server's breach forecaster (``--health-predictor``): the trend forecast against the breaker's usage
+    threshold and the TTFT objective (on the detector's interval mean TTFT), the learned model, or None."""
+    if health.predictor == "none":
+        return None
+    if health.predictor == "lstm":
+        return LstmPredictor()
+    limits = Limits(usage=breaker.usage_threshold, ttft_p99=health.ttft_objective_s)
+    return TrendPredictor(TrendConfig(limits=limits, ttft_field="ttft_mean"))
+
+
 def build_server(engine, config: ServerConfig | None = None, sessions: SessionConfig | None = None,
                  breaker: BreakerConfig | None = None, audit: AuditConfig | None = None,
                  health: HealthConfig | None = None):
@@ -128,8 +140,10 @@ def build_server(engine, config: ServerConfig | None = None, sessions: SessionCo
     breaker = breaker or BreakerConfig()
     br = CircuitBreaker(engine, manager, breaker) if config.breaker else None
     monitor = HealthMonitor(gates_from_breaker(health or HealthConfig(), breaker))
+    monitor.forecaster = breach_forecaster(monitor.config, breaker)
     if br is not None:
         br.early_warning = monitor.active_signals
+        br.forecast = lambda: monitor.forecast
     auditor = ReuseAuditor.from_config(audit or AuditConfig()).attach(engine)
     tracer = configure_tracing(config.trace_exporter, config.otlp_traces_endpoint)
     aeng = AsyncEngine(engine, manager, max_queue=config.max_queue, max_new_tokens=config.max_new_tokens,

@@ -30,7 +30,8 @@ A signal's **excess** is how far its EWMA has moved in the bad direction, in uni
 control-limit distance (0 at the baseline, 1 on the limit).  A signal only counts once it is
 also past its **gate**, an absolute level that makes a shift matter (usage and fragmentation:
 60% of the circuit breaker's trip thresholds; TTFT: twice its baseline; the others: any
-level), so that a server going from idle to busy is not a fault.  The **health score** is
+level), so that a server going from idle to busy is not a fault; fragmentation counts only while KV usage is
+at least ``frag_min_usage`` (the breaker's, default 0.5).  The **health score** is
 ``1 - min(1, max excess / 2)`` over the counting signals: 1 healthy, 0.5 on a control limit,
 0 at twice the limit.  A **warning** opens when some counting signal's excess reaches 1; it
 lists the reasons (signal, value, EWMA, baseline, limit) and closes after ``clear_after``
@@ -86,32 +87,52 @@ class HealthConfig:
     """The detector's settings: ``interval_s`` between samples (seconds), ``warmup`` samples of baseline,
     ``lam`` the EWMA weight in (0, 1], ``limit_sigmas`` L (control-limit width), ``clear_after`` calm samples
     that close a warning; ``usage_gate`` / ``frag_gate``: usage and fragmentation levels below which a shift
-    does not count (set from the breaker's thresholds by :func:`gates_from_breaker`).
+    does not count (set from the breaker's thresholds by :func:`gates_from_breaker`); ``frag_min_usage``: the KV
+    usage (0..1) below which fragmentation never counts, as the breaker's own ``frag_min_usage`` (on a pool mostly
+    free, scattered blocks cost nothing: issue 29's warning at 1% usage); ``predictor``: the breach forecaster
+    the server builds (trend, lstm, none) and ``ttft_objective_s`` (s) the TTFT limit it forecasts against.
     Raises ValueError for values out of range."""
 
-    interval_s: float = 1.0
+    interval_s: float = field(default=1.0, metadata=option(
+        "--health-interval", "seconds between the health detector's samples", type=float, metavar="S"))
     warmup: int = field(default=20, metadata=option(
-        "--health-warmup", "samples (one a second) of the health detector's baseline before it can warn",
+        "--health-warmup", "samples (one each --health-interval) of the health detector's baseline before it can warn",
         type=positive_int, metavar="N"))
     lam: float = 0.3
     limit_sigmas: float = field(default=3.0, metadata=option(
         "--health-limit-sigmas", "width L of the health detector's EWMA control limits, in standard deviations",
         type=float, metavar="L"))
     clear_after: int = 10
+    predictor: str = field(default="trend", metadata=option(
+        "--health-predictor", "what forecasts a breach (kvkeeper:kv_health_breach_eta_seconds, the warnings' "
+        "predicted breach): trend (time to breach from a fitted slope), lstm (the learned model), none",
+        choices=("trend", "lstm", "none")))
+    ttft_objective_s: float = field(default=3.0, metadata=option(
+        "--ttft-objective", "the TTFT objective (seconds) the forecast measures a breach against", type=float,
+        metavar="S"))
     usage_gate: float = 0.57
     frag_gate: float = 0.41
+    frag_min_usage: float = 0.5
 
     def __post_init__(self):
         if not 0.0 < self.lam <= 1.0:
             raise ValueError(f"lam must be in (0, 1], got {self.lam}")
+        if not 0.0 <= self.frag_min_usage <= 1.0:
+            raise ValueError(f"frag_min_usage must be in [0, 1], got {self.frag_min_usage}")
+        if self.predictor not in ("trend", "lstm", "none"):
+            raise ValueError(f"predictor must be trend, lstm or none, got {self.predictor!r}")
+        if self.ttft_objective_s <= 0:
+            raise ValueError(f"ttft_objective_s must be > 0 seconds, got {self.ttft_objective_s}")
         if self.limit_sigmas <= 0 or self.interval_s < 0 or self.warmup < 2 or self.clear_after < 1:
             raise ValueError("limit_sigmas must be > 0, interval_s >= 0, warmup >= 2 and clear_after >= 1")
 
 
 def gates_from_breaker(config: HealthConfig, breaker_config) -> HealthConfig:
-    """``config`` with its usage and fragmentation gates at 60% of the breaker's trip thresholds."""
+    """``config`` with its usage and fragmentation gates at 60% of the breaker's trip thresholds and the
+    breaker's minimum usage for fragmentation."""
     config.usage_gate = 0.6 * breaker_config.usage_threshold
     config.frag_gate = 0.6 * breaker_config.frag_threshold
+    config.frag_min_usage = breaker_config.frag_min_usage
     return config
 
 
@@ -236,7 +257,14 @@ class HealthMonitor:
 
     Call :meth:`observe` with cumulative counters (see :class:`CounterDeltas`) as often as you like;
     it samples every ``config.interval_s`` seconds (``clock``: monotonic seconds).  ``events``: the last
-    200 warning open/close events, each with ``t`` (wall time), ``t_mono``, ``score`` and ``reasons``.
+    200 warning open/close events, each with ``t`` (wall time), ``t_mono``, ``score``, ``reasons`` and the
+    forecast's ``breach_eta_s`` and ``breach_reason`` (None when none is forecast).
+
+    ``forecaster``: None, or an object whose ``update(sample) -> Forecast`` (:mod:`kvkeeper.diagnostics.
+    health_predict`) is fed each sample (``t``, ``usage``, ``pool_rate``, ``eviction_rate``,
+    ``preemption_rate``, ``hit_rate``, ``ttft_mean``: the interval's mean TTFT, s); a forecast that warns opens a
+    ``forecast`` event (logged: "breach in about N s", the reason), closed after ``clear_after`` samples without
+    one; :meth:`breach_eta` is its predicted seconds to the breach (inf when none is forecast).
     """
 
     def __init__(self, config: HealthConfig | None = None, clock=time.monotonic):
@@ -253,6 +281,11 @@ class HealthMonitor:
         self._calm = 0
         self._next = -math.inf
         self._active: list[str] = []
+        self.forecaster = None
+        self.forecast = None  # the forecaster's latest Forecast
+        self.forecasting = False
+        self.forecasts = 0  # forecast warnings opened
+        self._fc_calm = 0
 
     def observe(self, counters: dict, now: float | None = None) -> bool:
         """Take a sample if ``interval_s`` has passed since the last one; returns whether it did."""
@@ -269,7 +302,12 @@ class HealthMonitor:
         self.samples += 1
         for name, x in signals.items():
             self.charts[name].update(float(x))
-        counting = [ch for ch in self.charts.values() if ch.ready and ch.n > 0 and ch.gated()]
+        if self.forecaster is not None:
+            self._forecast(signals, now)
+        usage = self.charts["usage"].value
+        frag_counts = usage is not None and usage >= self.config.frag_min_usage
+        counting = [ch for ch in self.charts.values() if ch.ready and ch.n > 0 and ch.gated()
+                    and (frag_counts or ch.spec.name != "pool_rate")]
         worst = max((ch.excess() for ch in counting), default=0.0)
         self.score = 1.0 - min(1.0, worst / 2.0)
         out = [ch for ch in counting if ch.excess() >= 1.0]
@@ -285,6 +323,28 @@ class HealthMonitor:
                 self.warning = False
                 self._event("clear", now, [])
 
+    def _forecast(self, signals: dict[str, float], now: float) -> None:
+        names = {"usage": "usage", "pool_rate": "pool_rate", "eviction_rate": "eviction_rate",
+                 "preemption_rate": "preemption_rate", "prefix_hit_rate": "hit_rate", "ttft": "ttft_mean"}
+        sample = {"t": now, **{names[k]: v for k, v in signals.items() if k in names}}
+        fc = self.forecast = self.forecaster.update(sample)
+        if fc.warn:
+            self._fc_calm = 0
+            if not self.forecasting:
+                self.forecasting = True
+                self.forecasts += 1
+                self._event("forecast", now, [{"signal": fc.signal, "text": fc.reason}])
+        elif self.forecasting:
+            self._fc_calm += 1
+            if self._fc_calm >= self.config.clear_after:
+                self.forecasting = False
+                self._event("forecast_clear", now, [])
+
+    def breach_eta(self) -> float:
+        """Predicted seconds to the breach (the forecaster's, while it warns); inf when none is forecast."""
+        fc = self.forecast
+        return fc.eta_s if fc is not None and fc.warn and fc.eta_s is not None else math.inf
+
     def _reason(self, ch: EwmaChart) -> dict:
         s = ch.spec
         word = "above" if s.direction > 0 else "below"
@@ -294,9 +354,18 @@ class HealthMonitor:
                 "excess": ch.excess(), "text": text}
 
     def _event(self, kind: str, now: float, reasons: list[dict]) -> None:
-        ev = {"t": time.time(), "t_mono": now, "event": kind, "score": round(self.score, 4), "reasons": reasons}
+        fc = self.forecast
+        warn = fc is not None and fc.warn
+        ev = {"t": time.time(), "t_mono": now, "event": kind, "score": round(self.score, 4), "reasons": reasons,
+              "breach_eta_s": (round(fc.eta_s, 1) if fc.eta_s is not None else None) if warn else None,
+              "breach_reason": fc.reason if warn else None}
         self.events.append(ev)
-        if kind == "warning":
+        if kind == "forecast":
+            eta = "an unknown time" if ev["breach_eta_s"] is None else f"about {ev['breach_eta_s']:.0f} s"
+            log.warning("KV cache health forecast: breach in %s (%s)", eta, fc.reason)
+        elif kind == "forecast_clear":
+            log.warning("KV cache health forecast cleared")
+        elif kind == "warning":
             log.warning("KV cache health warning (score %.2f): %s", self.score, "; ".join(r["text"] for r in reasons))
         else:
             log.warning("KV cache health warning cleared (score %.2f)", self.score)
@@ -308,6 +377,9 @@ class HealthMonitor:
     def snapshot(self) -> dict:
         """JSON-able state: score, warning, counts, each chart, recent events, config."""
         return {"score": self.score, "warning": self.warning, "warnings": self.warnings, "samples": self.samples,
+                "breach_eta_s": None if math.isinf(self.breach_eta()) else self.breach_eta(),
+                "breach_reason": self.forecast.reason if self.forecast is not None and self.forecast.warn else None,
+                "predictor": getattr(self.forecaster, "name", None),
                 "active": self.active_signals(), "signals": [ch.describe() for ch in self.charts.values()],
                 "events": list(self.events), "config": asdict(self.config),
                 "method": "EWMA control charts (Roberts 1959; NIST/SEMATECH e-Handbook 6.3.2.4)"}

@@ -41,6 +41,15 @@ closed: when it first names a pool signal (usage, fragmentation, evictions, pree
 ``health_warning`` event, and while it names ``pool_rate`` (and usage is at least ``frag_min_usage``) it
 compacts ahead of a trip (action
 ``early_compact``, at most every ``cooldown_s``), without tripping or refusing anything.
+
+**Acting on a forecast.** ``forecast`` (a callable returning the latest
+:class:`~kvkeeper.diagnostics.health_predict.Forecast` of a breach predictor, or None) is read while the breaker
+is closed: when it forecasts that usage reaches its threshold within ``act_ahead_s`` seconds, the breaker
+compacts the pool and offloads idle sessions (least recently used first) until usage would fall to
+``recover_usage`` (action ``ahead_offload``, at most every ``cooldown_s``), before the trip that would have
+escalated to the offload tier; it stays armed for ``act_ahead_s`` after the last such forecast, offloading
+again whenever usage is back at ``recover_usage``.  A forecast of TTFT (not KV memory) is left to the operator: offloading would
+not shorten a prefill queue.
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ log = logging.getLogger(__name__)
 
 TIER_NAMES = ("closed", "compaction", "offload", "degrade")
 # every (tier name, action) the breaker counts in CircuitBreaker.actions: /metrics exports each from start-up (at 0)
-ACTIONS = (("closed", "health_warning"), ("closed", "early_compact"), ("closed", "close"), ("compaction", "compact"),
+ACTIONS = (("closed", "health_warning"), ("closed", "early_compact"), ("closed", "ahead_offload"), ("closed", "close"), ("compaction", "compact"),
            ("offload", "offload_idle_sessions"), ("degrade", "refuse_new_sessions"), ("degrade", "trim_session"),
            ("degrade", "refused_session"))
 EARLY_SIGNALS = ("usage", "pool_rate", "eviction_rate", "preemption_rate")  # the pool's signals of a health detector
@@ -88,6 +97,9 @@ class BreakerConfig:
     escalate_after_s: float = 0.5
     cooldown_s: float = 2.0
     retry_after_s: int = 2
+    act_ahead_s: float = field(default=60.0, metadata=option(
+        "--breaker-act-ahead", "offload idle sessions when the health forecast puts the usage breach within S "
+        "seconds (0: never act on a forecast)", type=float, metavar="S"))
     degrade_budget_tokens: int = field(default=512, metadata=option(
         "--degrade-budget-tokens", "while degraded, the lowest-priority sessions' prompts keep only their newest "
         "turns that fit N tokens", type=positive_int, metavar="N"))
@@ -105,7 +117,7 @@ class BreakerConfig:
             raise ValueError(f"frag_min_usage must be in [0, 1], got {self.frag_min_usage}")
         if self.recover_usage > self.usage_threshold or self.recover_frag > self.frag_threshold:
             raise ValueError("recovery thresholds must not exceed the trip thresholds")
-        for k in ("interval_s", "escalate_after_s", "cooldown_s"):
+        for k in ("interval_s", "escalate_after_s", "cooldown_s", "act_ahead_s"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be >= 0 seconds, got {getattr(self, k)}")
         if self.retry_after_s < 1 or self.degrade_budget_tokens < 1:
@@ -136,6 +148,9 @@ class CircuitBreaker:
         self._calm_since: float | None = None
         self.last_stats = None
         self.early_warning = None  # () -> list of signal names; see the module docstring
+        self.forecast = None  # () -> Forecast | None; see the module docstring
+        self._ahead_at = -math.inf
+        self._armed_until = -math.inf
         self.evicted_blocks = 0  # cached blocks its compactions evicted (not allocation pressure)
         self._early_on = False
         self._early_at = -math.inf
@@ -194,6 +209,7 @@ class CircuitBreaker:
                 self._relieve(st, now)
         elif self.tier == 0:
             self._heed_early_warning(st, now)
+            self._act_on_forecast(st, now)
         else:
             if self._calm(st):
                 if self._calm_since is None:
@@ -223,6 +239,29 @@ class CircuitBreaker:
             res = self.engine.compact()
             self.evicted_blocks += res["evicted"]
             self._event(0, "early_compact", st, self.engine.pool_stats(), evicted=res["evicted"], moved=res["moved"])
+
+    def _act_on_forecast(self, st, now: float) -> None:
+        """Closed: offload ahead of a forecast usage breach (see the module docstring).  Once a forecast has put
+        the breach within ``act_ahead_s``, the breaker stays armed for ``act_ahead_s`` seconds after the last
+        such forecast (acting changes the very trend the forecast reads) and offloads again whenever usage is
+        back at ``recover_usage``."""
+        fc = self.forecast() if self.forecast is not None else None
+        c = self.config
+        if (fc is not None and fc.warn and fc.signal == "usage" and fc.eta_s is not None
+                and fc.eta_s <= c.act_ahead_s):
+            self._armed_until = now + c.act_ahead_s
+            why, eta = fc.reason, round(fc.eta_s, 1)
+        elif now < self._armed_until:
+            why, eta = "armed by an earlier forecast", None
+        else:
+            return
+        if now - self._ahead_at < c.cooldown_s or st.owned <= self._calm_owned():
+            return
+        self._ahead_at = now
+        res = self.engine.compact()
+        self.evicted_blocks += res["evicted"]
+        freed = self.sessions.offload_idle(st.owned - self._calm_owned(), tier="host")
+        self._event(0, "ahead_offload", st, self.engine.pool_stats(), blocks=freed, eta_s=eta, reason=why)
 
     def _relieve(self, st, now: float) -> None:
         """Tripped but not yet calm (between the recovery and trip levels, or degraded): every

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvkeeper.diagnostics.health import (SIGNALS, CounterDeltas, EwmaChart, HealthConfig, HealthMonitor,
-                                         SignalSpec)
+                                         SignalSpec, gates_from_breaker)
 from kvkeeper.engine.breaker import BreakerConfig, CircuitBreaker
 
 
@@ -171,3 +171,59 @@ def test_a_fault_during_warm_up_does_not_become_the_baseline():
     late[0]["audit_mismatches"] = 1.0
     _feed(mon, late, t0=60)
     assert mon.warnings == 2
+
+
+def test_fragmentation_at_one_percent_usage_raises_no_warning():
+    """Issue 29's false alarm: light traffic on a near-empty pool scatters its few blocks (pool_rate 0.48 at 1%
+    usage); like the breaker (frag_min_usage 0.5), the detector ignores fragmentation below half usage."""
+    rng = random.Random(4)
+    mon = HealthMonitor(gates_from_breaker(HealthConfig(warmup=20), BreakerConfig()))
+    _feed(mon, _flat(40, rng, usage=0.01, frag=0.0))
+    _feed(mon, _flat(40, rng, usage=0.01, frag=0.48), t0=40)
+    assert mon.charts["pool_rate"].excess() > 1.0  # the chart sees the shift ...
+    assert mon.warnings == 0 and "pool_rate" not in mon.active_signals()  # ... but it does not count
+    # the same shift at 70% usage does count
+    mon = HealthMonitor(gates_from_breaker(HealthConfig(warmup=20), BreakerConfig()))
+    _feed(mon, _flat(40, rng, usage=0.7, frag=0.0))
+    _feed(mon, _flat(40, rng, usage=0.7, frag=0.48), t0=40)
+    assert mon.warnings == 1 and mon.events[0]["reasons"][0]["signal"] == "pool_rate"
+
+
+class _OffloadingSessions(_Sessions):
+    def __init__(self):
+        self.asked = []
+
+    def offload_idle(self, n_blocks, tier="host"):
+        self.asked.append((n_blocks, tier))
+        return n_blocks
+
+
+def test_breaker_offloads_ahead_of_a_forecast_usage_breach():
+    from kvkeeper.diagnostics.health_predict import Forecast
+
+    eng, ss = _Engine(), _OffloadingSessions()
+    eng.num_blocks = 100
+    eng.pool = type("P", (), {"num_blocks": 100})()
+    eng.st = _Stats(0.9, 0.1)
+    eng.st.owned = 90
+    br = CircuitBreaker(eng, ss, BreakerConfig(act_ahead_s=60.0), clock=lambda: 0.0)
+    fc = [Forecast(True, 120.0, "usage rising", "usage")]
+    br.forecast = lambda: fc[0]
+    br.evaluate(now=0.0, force=True)  # the breach is 120 s away: not yet
+    assert ss.asked == [] and eng.compactions == 0
+    fc[0] = Forecast(True, 40.0, "usage 0.9 rising toward its limit 0.95", "usage")
+    br.evaluate(now=1.0, force=True)
+    # down to the recovery level: usage 0.80 -> at most 79 owned blocks of 100
+    assert ss.asked == [(90 - 79, "host")] and eng.compactions == 1 and br.trips == 0 and br.tier == 0
+    assert br.events[-1]["action"] == "ahead_offload" and br.events[-1]["eta_s"] == 40.0
+    br.evaluate(now=2.0, force=True)  # within cooldown_s: once
+    assert len(ss.asked) == 1
+    fc[0] = Forecast(True, 10.0, "ttft rising", "ttft_p99")  # a TTFT forecast: offloading would not help, but
+    br.evaluate(now=10.0, force=True)  # the breaker is armed for act_ahead_s after the usage forecast
+    assert len(ss.asked) == 2 and br.events[-1]["reason"] == "armed by an earlier forecast"
+    br.evaluate(now=100.0, force=True)  # 60 s after the last usage forecast: disarmed, and TTFT is not its business
+    assert len(ss.asked) == 2
+    br.config.act_ahead_s = 0.0
+    fc[0] = Forecast(True, 10.0, "usage", "usage")
+    br.evaluate(now=200.0, force=True)
+    assert len(ss.asked) == 2

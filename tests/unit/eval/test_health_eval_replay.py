@@ -1,0 +1,60 @@
+"""benchmarks/health_eval.py recomputes its table from saved traces, without an engine, in seconds: 14 traces
+(seeds 0-1 of the training seeds, every kind) shipped beside this test, scored by every predictor."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from kvkeeper.eval import health_scenarios
+from kvkeeper.eval.health_score import score
+from tests.utils.paths import ROOT
+
+TRACES = ROOT / "tests" / "unit" / "eval" / "data" / "health_traces.jsonl.gz"
+
+
+@pytest.fixture()
+def health_eval(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+
+    def no_engine(*a, **k):
+        raise AssertionError("scoring saved traces must not build an engine")
+
+    monkeypatch.setattr(health_scenarios, "LLMEngine", no_engine)
+    monkeypatch.setattr(health_scenarios, "run_episode", no_engine)
+    import health_eval
+
+    monkeypatch.setattr(health_eval, "run_episode", no_engine)
+    yield health_eval
+    sys.modules.pop("health_eval", None)
+
+
+def test_the_table_is_recomputed_from_saved_traces(health_eval, tmp_path):
+    out = tmp_path / "eval.json"
+    assert health_eval.main(["--from-traces", str(TRACES), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    traces = health_eval.read_traces(TRACES)
+    assert res["episodes"] == len(traces) == 14 and res["seeds"] == "0-1"
+    assert res["default_predictor"] == "trend" and set(res["predictors"]) == {"ewma", "trend", "lstm"}
+    for name, table in res["predictors"].items():
+        again = score(traces, name)
+        for k in ("precision", "recall", "median_lead_s", "false_alarms_per_hour", "true_positives",
+                  "false_alarms", "breaching_episodes"):
+            assert table[k] == again[k], (name, k)
+        assert set(table["per_kind"]) == set(health_scenarios.KINDS)
+    for k in ("precision", "recall", "median_lead_s", "false_alarms_per_hour"):
+        assert res[k] == res["predictors"]["trend"][k]
+    # the traces breach where they say: every incident breached, no fault-free episode did
+    assert res["predictors"]["trend"]["breaching_episodes"] == sum(t["breach_s"] is not None for t in traces)
+    assert all(t["breach_s"] is None for t in traces if t["kind"] in health_scenarios.FAULT_FREE)
+    md = out.with_suffix(".md").read_text()
+    assert "| trend |" in md and "| ewma |" in md
+
+
+def test_seeds_are_parsed_or_refused(health_eval):
+    assert health_eval.parse_seeds("100-103") == [100, 101, 102, 103]
+    assert health_eval.parse_seeds("1,5") == [1, 5]
+    with pytest.raises(ValueError, match="A-B"):
+        health_eval.parse_seeds("a-b")
