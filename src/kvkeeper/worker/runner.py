@@ -110,12 +110,13 @@ class ModelRunner:
         self.graphs = None  # a cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
         self.kv_store = KVStore.allocate(cfg, num_blocks, block_size, self.kv_format, self.device, self.window_blocks)
         # one C++ call per decode step when the weights are packed (kvkeeper.worker.fused_decode); the
-        # layer-by-layer path then uses the same C++ element-wise routines
-        self.fused_decode = (FusedDecode.build(self.model, self.kv_store) if fused_decode and
-                             self.attention_backend == "cpu" and self.weight_format != "none"
-                             and self.capabilities.fused_decode else None)
-        if self.fused_decode is not None:
-            self.model.use_cpu_kernels(self.fused_decode.kernels)
+        # layer-by-layer path then uses the same C++ element-wise routines, also with fused_decode off, so that
+        # --no-fused-decode computes every token bit for bit as the default does
+        fusable = (FusedDecode.build(self.model, self.kv_store) if self.attention_backend == "cpu" and
+                   self.weight_format != "none" and self.capabilities.fused_decode else None)
+        if fusable is not None:
+            self.model.use_cpu_kernels(fusable.kernels)
+        self.fused_decode = fusable if fused_decode else None
         self.lora: LoRAHooks | None = None  # installed by enable_lora() (kvkeeper.layers.lora)
 
     def enable_lora(self) -> LoRAHooks:
