@@ -173,10 +173,11 @@ KVK_AVX512 inline void transpose16(__m512* r) {
 // Invariant decode (see the top of this file): one query token of row b, the G query heads of KV head h, with
 // extend_item_avx512's operations for one query lane, keys in 16-key chunks from an absolute multiple of 16.
 // q (B, H, D) is multiplied by a.qscale here (as extend multiplies its q by the softmax scale); writes out (B, H, D).
-template <int DV>
+template <int G_, int DV>
 KVK_AVX512 void decode_item_invariant(const AttnArgs& a, int64_t b, int64_t h, float* out) {
   constexpr int64_t D = 16 * DV;
-  const int64_t G = a.G, H = a.H;
+  constexpr int64_t G = G_;
+  const int64_t H = a.H;
   const int64_t ctx = a.ctx[b];
   float* dst = out + (b * H + h * G) * D;
   if (ctx <= 0) {
@@ -186,12 +187,12 @@ KVK_AVX512 void decode_item_invariant(const AttnArgs& a, int64_t b, int64_t h, f
   const int64_t lo = first_key(a, ctx), kbeg = lo - lo % 16;
   const int64_t* bt = a.bt + b * a.W;
   const float ninf = -std::numeric_limits<float>::infinity();
-  alignas(64) float qs[MAXG][D];
-  alignas(64) float O[MAXG][D];
-  alignas(64) float Kf[16][D];
-  alignas(64) float Vf[16][D];
+  alignas(64) float qs[G_][D];
+  alignas(64) float O[G_][D];
+  alignas(64) float Kf[2][16][D];  // two chunks at a time: their 2G score chains interleave
+  alignas(64) float Vf[2][16][D];
   alignas(64) float P[16];
-  float m[MAXG], l[MAXG];
+  float m[G_], l[G_];
   for (int64_t g = 0; g < G; ++g) {
     const float* src = a.q + (b * H + h * G + g) * D;
     for (int64_t d = 0; d < D; ++d) qs[g][d] = src[d] * a.qscale;
@@ -199,47 +200,66 @@ KVK_AVX512 void decode_item_invariant(const AttnArgs& a, int64_t b, int64_t h, f
     m[g] = ninf, l[g] = 0.f;
   }
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t k0 = kbeg; k0 < ctx; k0 += 16) {
-    const int64_t n = std::min<int64_t>(16, ctx - k0);
-    kv_chunk_to_f32(a.k, a.v, a.ks, a.vs, a.kind, bt, a.BS, a.KVH, h, D, k0, n, &Kf[0][0], &Vf[0][0]);
-    for (int64_t t = n; t < 16; ++t)
-      for (int64_t d = 0; d < D; ++d) Kf[t][d] = 0.f;
-    // K transposed: Kt[d] holds dimension d of the chunk's 16 keys
-    __m512 Kt[D];
-    for (int dv = 0; dv < DV; ++dv) {
-      __m512* r = Kt + 16 * dv;
-      for (int t = 0; t < 16; ++t) r[t] = _mm512_load_ps(&Kf[t][16 * dv]);
-      transpose16(r);
-    }
-    // visible keys: t < n and position >= lo
-    const __mmask16 vis = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(n))) &
-                          _mm512_cmpge_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0))),
-                                                  _mm512_set1_epi32(static_cast<int>(lo)));
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; ++d) acc = _mm512_fmadd_ps(_mm512_set1_ps(qs[g][d]), Kt[d], acc);
-      const __m512 S = _mm512_mask_mov_ps(_mm512_set1_ps(ninf), vis, acc);
-      alignas(64) float s[16];
-      _mm512_store_ps(s, S);
-      float bm = s[0];  // MAXPS order, as extend's running maximum over the chunk's keys
-      for (int64_t t = 1; t < n; ++t) bm = bm > s[t] ? bm : s[t];
-      const float mnew = m[g] > bm ? m[g] : bm;
-      const float msafe = mnew != ninf ? mnew : 0.f;
-      const float alpha = m[g] != ninf ? _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[g] - msafe))) : 0.f;
-      const __mmask16 live = _mm512_cmp_ps_mask(S, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
-      _mm512_store_ps(P, _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(S, _mm512_set1_ps(msafe)))));
-      float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) sum = sum + P[t];
-      l[g] = l[g] * alpha + sum;
-      m[g] = mnew;
-      __m512 o[DV];
-      const __m512 av = _mm512_set1_ps(alpha);
-      for (int dv = 0; dv < DV; ++dv) o[dv] = _mm512_mul_ps(_mm512_load_ps(&O[g][16 * dv]), av);
-      for (int64_t t = 0; t < n; ++t) {
-        const __m512 pt = _mm512_set1_ps(P[t]);
-        for (int dv = 0; dv < DV; ++dv) o[dv] = _mm512_fmadd_ps(pt, _mm512_load_ps(&Vf[t][16 * dv]), o[dv]);
+  for (int64_t k00 = kbeg; k00 < ctx; k00 += 32) {
+    const int nc = k00 + 16 < ctx ? 2 : 1;
+    int64_t n[2];
+    __m512 Kt[2][D];  // K transposed: Kt[c][d] holds dimension d of chunk c's 16 keys
+    for (int c = 0; c < nc; ++c) {
+      const int64_t k0 = k00 + 16 * c;
+      n[c] = std::min<int64_t>(16, ctx - k0);
+      kv_chunk_to_f32(a.k, a.v, a.ks, a.vs, a.kind, bt, a.BS, a.KVH, h, D, k0, n[c], &Kf[c][0][0], &Vf[c][0][0]);
+      for (int64_t t = n[c]; t < 16; ++t)
+        for (int64_t d = 0; d < D; ++d) Kf[c][t][d] = 0.f;
+      for (int dv = 0; dv < DV; ++dv) {
+        __m512* r = Kt[c] + 16 * dv;
+        for (int t = 0; t < 16; ++t) r[t] = _mm512_load_ps(&Kf[c][t][16 * dv]);
+        transpose16(r);
       }
-      for (int dv = 0; dv < DV; ++dv) _mm512_store_ps(&O[g][16 * dv], o[dv]);
+    }
+    __m512 acc[2][G_];  // each score chain still in the order d = 0 .. D-1
+    for (int c = 0; c < 2; ++c)
+      for (int g = 0; g < G_; ++g) acc[c][g] = _mm512_setzero_ps();
+    if (nc == 2) {
+      for (int64_t d = 0; d < D; ++d)
+        for (int g = 0; g < G_; ++g) {
+          const __m512 qv = _mm512_set1_ps(qs[g][d]);
+          acc[0][g] = _mm512_fmadd_ps(qv, Kt[0][d], acc[0][g]);
+          acc[1][g] = _mm512_fmadd_ps(qv, Kt[1][d], acc[1][g]);
+        }
+    } else {
+      for (int64_t d = 0; d < D; ++d)
+        for (int g = 0; g < G_; ++g) acc[0][g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g][d]), Kt[0][d], acc[0][g]);
+    }
+    for (int c = 0; c < nc; ++c) {  // the chunks' softmax updates in key order
+      const int64_t k0 = k00 + 16 * c;
+      // visible keys: t < n and position >= lo
+      const __mmask16 vis = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(n[c]))) &
+                            _mm512_cmpge_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0))),
+                                                    _mm512_set1_epi32(static_cast<int>(lo)));
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 S = _mm512_mask_mov_ps(_mm512_set1_ps(ninf), vis, acc[c][g]);
+        alignas(64) float sc[16];
+        _mm512_store_ps(sc, S);
+        float bm = sc[0];  // MAXPS order, as extend's running maximum over the chunk's keys
+        for (int64_t t = 1; t < n[c]; ++t) bm = bm > sc[t] ? bm : sc[t];
+        const float mnew = m[g] > bm ? m[g] : bm;
+        const float msafe = mnew != ninf ? mnew : 0.f;
+        const float alpha = m[g] != ninf ? _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[g] - msafe))) : 0.f;
+        const __mmask16 live = _mm512_cmp_ps_mask(S, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
+        _mm512_store_ps(P, _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(S, _mm512_set1_ps(msafe)))));
+        float sum = 0.f;
+        for (int64_t t = 0; t < n[c]; ++t) sum = sum + P[t];
+        l[g] = l[g] * alpha + sum;
+        m[g] = mnew;
+        __m512 o[DV];
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int dv = 0; dv < DV; ++dv) o[dv] = _mm512_mul_ps(_mm512_load_ps(&O[g][16 * dv]), av);
+        for (int64_t t = 0; t < n[c]; ++t) {
+          const __m512 pt = _mm512_set1_ps(P[t]);
+          for (int dv = 0; dv < DV; ++dv) o[dv] = _mm512_fmadd_ps(pt, _mm512_load_ps(&Vf[c][t][16 * dv]), o[dv]);
+        }
+        for (int dv = 0; dv < DV; ++dv) _mm512_store_ps(&O[g][16 * dv], o[dv]);
+      }
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -249,13 +269,13 @@ KVK_AVX512 void decode_item_invariant(const AttnArgs& a, int64_t b, int64_t h, f
 }
 
 KVK_AVX512 void decode_item_invariant_dispatch(const AttnArgs& a, int64_t b, int64_t h, float* out) {
-  switch (a.D / 16) {
-    case 2: decode_item_invariant<2>(a, b, h, out); break;
-    case 4: decode_item_invariant<4>(a, b, h, out); break;
-    case 8: decode_item_invariant<8>(a, b, h, out); break;
-    default: decode_item_invariant<16>(a, b, h, out); break;
-  }
-}
+#define KVK_DEC_CASE(GG, DDV) if (a.G == GG && a.D == 16 * DDV) return decode_item_invariant<GG, DDV>(a, b, h, out);
+  KVK_DEC_CASE(1, 4) KVK_DEC_CASE(2, 4) KVK_DEC_CASE(3, 4) KVK_DEC_CASE(4, 4)
+  KVK_DEC_CASE(1, 8) KVK_DEC_CASE(2, 8) KVK_DEC_CASE(4, 8) KVK_DEC_CASE(8, 8)
+  KVK_DEC_CASE(1, 2) KVK_DEC_CASE(2, 2) KVK_DEC_CASE(4, 2) KVK_DEC_CASE(5, 4) KVK_DEC_CASE(6, 4)
+  KVK_DEC_CASE(1, 16) KVK_DEC_CASE(2, 16) KVK_DEC_CASE(4, 16)
+#undef KVK_DEC_CASE
+}  // the cases of extend_fast (the caller checks it)
 
 bool extend_fast(int64_t G, int64_t D);
 
@@ -398,7 +418,11 @@ struct AttnScratch {
 void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* out) {
   if (g_invariant) {  // one task per (row, KV head), the prefill kernel's arithmetic (see the top of this file)
     const bool fast = use_avx512() && extend_fast(a.G, a.D) && a.G <= MAXG;
-    parallel_tasks(B * a.KVH, [&](int64_t i) {
+    // a short step runs on the calling thread (waking the pool costs more than it saves there); either way each
+    // (row, KV head) is computed whole by one thread, so the result does not depend on this choice
+    int64_t keys = 0;
+    for (int64_t b = 0; b < B; ++b) keys += a.ctx[b];
+    const auto task = [&](int64_t i) {
       const int64_t b = i / a.KVH, h = i % a.KVH;
       if (fast) {
         decode_item_invariant_dispatch(a, b, h, out);
@@ -410,7 +434,12 @@ void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* ou
         attend_query_generic(a.q + (b * a.H + hq) * a.D, a.qscale, a.k, a.v, a.ks, a.vs, a.kind, a.bt + b * a.W,
                              a.BS, a.KVH, h, a.D, first_key(a, ctx), ctx, out + (b * a.H + hq) * a.D);
       }
-    });
+    };
+    if (keys * a.H < 8192) {
+      for (int64_t i = 0; i < B * a.KVH; ++i) task(i);
+    } else {
+      parallel_tasks(B * a.KVH, task);
+    }
     return;
   }
   thread_local AttnScratch s;

@@ -169,3 +169,42 @@ def test_random_splits_and_companions_give_bitwise_equal_kv(eng, data):
         for name, a, b in zip("kv", whole.layer(layer).gather(table, len(ids), torch.float32),
                               split.layer(layer).gather(table, len(ids), torch.float32)):
             assert torch.equal(a, b), f"layer {layer} {name}: max difference {float((a - b).abs().max())}"
+
+
+def test_exact_audit_names_one_flipped_bit_and_passes_clean_traffic(eng):
+    """On the invariant path the reuse audit's tolerance is 0: clean turns of a session report no mismatch, and
+    one flipped bit (the lowest mantissa bit of one bf16 K value of a cached block) is reported with its layer
+    and token."""
+    from kvkeeper.diagnostics.audit import EXACT, ReuseAuditor, default_tolerance
+
+    r = eng.runner
+    assert default_tolerance(r.dtype, r.kv_format, r.weight_format, r.invariant) == (
+        EXACT if not OLD else default_tolerance(r.dtype, r.kv_format, r.weight_format))
+    auditor = ReuseAuditor(1.0).attach(eng)
+    try:
+        sessions = SessionManager(eng)
+        s = sessions.open()
+        for q in QUESTIONS[:3]:
+            s.send(q, SamplingParams(max_tokens=8, temperature=0.0))
+        s.close()
+        assert auditor.total == 3 and auditor.mismatches == 0, [x.summary() for x in auditor.reports]
+        ids = eng.encode_chat([{"role": "user", "content": QUESTIONS[6] * 3}])
+        ns = eng.isolated_namespace("flip")
+        eng.generate([ids], SamplingParams(max_tokens=1), namespace=ns)  # its full blocks stay cached
+        b0, h0 = eng.pool.lookup(None, ns, ids[:16])
+        b1, _ = eng.pool.lookup(h0, ns, ids[16:32])
+        assert b0 is not None and b1 is not None
+        layer, token, head, dim = 7, 16 + 5, 1, 3
+        k = eng.kv_store.layer(layer).k.view(torch.int16)
+        k[b1, token - 16, head, dim] ^= 1  # one bit of one cached K value
+        try:
+            seq = eng.add_request(ids + ids[-3:], SamplingParams(max_tokens=2), namespace=ns)
+            eng.run_until_done([seq])
+        finally:
+            k[b1, token - 16, head, dim] ^= 1
+        rep = next(x for x in auditor.reports if x.request_id == seq.request_id)
+        assert seq.num_cached_tokens >= 32
+        assert not rep.ok and (rep.layer, rep.token, rep.tensor) == (layer, token, "k"), rep.summary()
+        assert 0 < rep.kv_max_abs_diff < 0.1  # one step of the last bf16 mantissa bit
+    finally:
+        eng.first_token_hooks.remove(auditor.on_first_token)
