@@ -5,9 +5,28 @@
 //    of a fixed number of blocks whose partial results are combined at the end (flash-decoding, Dao et
 //    al., 2023).  K/V storage: float32, bfloat16, float16, int8 or float8 e4m3 with float16 per-token
 //    per-head scales (kvkeeper.kvcache.quant).
+//
+//    Invariant mode (the default, set_invariant_attention): a decode query is computed with exactly the
+//    floating-point operations, in exactly the order, that extend_attention (2b) applies to a query lane of a
+//    prefill tile: keys in chunks of 16 starting at absolute positions that are multiples of 16, each score a
+//    sequential fused multiply-add over the head dimension, the chunk's softmax update and its value sums in key
+//    order, no split of the context (one (row, KV head) is one task, computed by one thread).  A token's attention
+//    output then depends only on the keys before it, not on whether it was prefilled (in which tile, chunk or
+//    batch) or decoded, nor on the thread count: the batch-invariant approach of vLLM's batch-invariant mode and of
+//    He et al., "Defeating Nondeterminism in LLM Inference" (Thinking Machines, 2025), on CPU.  The previous
+//    kernel (flash-decoding splits combined at the end, scores summed by a lane tree) stays available with
+//    set_invariant_attention(false): faster at long contexts, but a decoded token's K/V then differs in the last
+//    bits from the same token prefilled.
 #include "common.h"
 
 namespace kvk {
+
+namespace {
+bool g_invariant = true;
+}  // namespace
+
+bool invariant_attention() { return g_invariant; }
+void set_invariant_attention(bool on) { g_invariant = on; }
 
 namespace {
 struct WorkItem {
@@ -83,6 +102,182 @@ KVK_AVX512 inline __m512 transpose_reduce16(const __m512* a) {
 }
 
 constexpr int MAXG = 16;   // query heads per KV head
+
+// One query (D floats, not scaled) over keys [lo, hi) of KV head h, portable code: an online softmax key by key
+// (Milakov & Gimelshein, 2018) in key order.  Both kernels' portable paths call it, so that a token's result does
+// not depend on whether it was decoded or prefilled.
+void attend_query_generic(const float* qr, float scale, const void* k, const void* v, const uint16_t* ks,
+                          const uint16_t* vs, int64_t kind, const int64_t* bt, int64_t BS, int64_t KVH, int64_t h,
+                          int64_t D, int64_t lo, int64_t hi, float* dst) {
+  std::vector<float> o(D, 0.f);
+  float mx = -std::numeric_limits<float>::infinity(), sm = 0.f;
+  for (int64_t p = lo; p < hi; ++p) {
+    const int64_t row = (bt[p / BS] * BS + p % BS) * KVH + h;
+    const float kscale = ks ? half_to_float(ks[row]) : 1.f;
+    const float vscale = vs ? half_to_float(vs[row]) : 1.f;
+    float dot = 0.f;
+    for (int64_t d = 0; d < D; ++d) dot += qr[d] * scale * (load_scalar(k, row * D + d, kind) * kscale);
+    const float mnew = std::max(mx, dot);
+    const float alpha = std::exp(mx - mnew), pw = std::exp(dot - mnew);
+    sm = sm * alpha + pw;
+    for (int64_t d = 0; d < D; ++d) o[d] = o[d] * alpha + pw * (load_scalar(v, row * D + d, kind) * vscale);
+    mx = mnew;
+  }
+  for (int64_t d = 0; d < D; ++d) dst[d] = hi > lo ? o[d] / sm : 0.f;
+}
+
+// Convert n tokens (from slot `slot0` on, within one block) of KV head h to float32 rows (n, D), scaled.
+KVK_AVX512 inline void kv_rows_to_f32(const void* base, const uint16_t* scales, int64_t kind, int64_t slot0,
+                                      int64_t n, int64_t KVH, int64_t h, int64_t D, float* dst) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t row = (slot0 + t) * KVH + h;
+    const __m512 sc = _mm512_set1_ps(scales ? half_to_float(scales[row]) : 1.f);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(dst + t * D + d, _mm512_mul_ps(load16(base, row * D + d, kind), sc));
+  }
+}
+
+// Keys [k0, k0 + n) of one sequence (block table bt) as float32 rows (n, D) of K and of V, scaled.
+KVK_AVX512 inline void kv_chunk_to_f32(const void* k, const void* v, const uint16_t* ks, const uint16_t* vs,
+                                       int64_t kind, const int64_t* bt, int64_t BS, int64_t KVH, int64_t h, int64_t D,
+                                       int64_t k0, int64_t n, float* kf, float* vf) {
+  for (int64_t t = 0; t < n;) {
+    const int64_t pos = k0 + t, off = pos % BS;
+    const int64_t take = std::min<int64_t>(n - t, BS - off);
+    const int64_t slot = bt[pos / BS] * BS + off;
+    kv_rows_to_f32(k, ks, kind, slot, take, KVH, h, D, kf + t * D);
+    kv_rows_to_f32(v, vs, kind, slot, take, KVH, h, D, vf + t * D);
+    t += take;
+  }
+}
+
+// Transposes 16 rows of 16 floats in place (r[i] lane j <-> r[j] lane i): four stages, each swapping the
+// off-diagonal b x b sub-blocks of every 2b x 2b block (b = 8, 4, 2, 1).
+KVK_AVX512 inline void transpose16(__m512* r) {
+  for (int b = 8; b >= 1; b /= 2) {
+    alignas(64) int32_t i1[16], i2[16];
+    for (int j = 0; j < 16; ++j) {
+      i1[j] = (j & b) == 0 ? j : 16 + j - b;
+      i2[j] = (j & b) == 0 ? j + b : 16 + j;
+    }
+    const __m512i x1 = _mm512_load_si512(i1), x2 = _mm512_load_si512(i2);
+    for (int i = 0; i < 16; ++i) {
+      if (i & b) continue;
+      const __m512 lo = _mm512_permutex2var_ps(r[i], x1, r[i + b]);
+      const __m512 hi = _mm512_permutex2var_ps(r[i], x2, r[i + b]);
+      r[i] = lo, r[i + b] = hi;
+    }
+  }
+}
+
+// Invariant decode (see the top of this file): one query token of row b, the G query heads of KV head h, with
+// extend_item_avx512's operations for one query lane, keys in 16-key chunks from an absolute multiple of 16.
+// q (B, H, D) is multiplied by a.qscale here (as extend multiplies its q by the softmax scale); writes out (B, H, D).
+template <int G_, int DV>
+KVK_AVX512 void decode_item_invariant(const AttnArgs& a, int64_t b, int64_t h, float* out) {
+  constexpr int64_t D = 16 * DV;
+  constexpr int64_t G = G_;
+  const int64_t H = a.H;
+  const int64_t ctx = a.ctx[b];
+  float* dst = out + (b * H + h * G) * D;
+  if (ctx <= 0) {
+    std::fill(dst, dst + G * D, 0.f);
+    return;
+  }
+  const int64_t lo = first_key(a, ctx), kbeg = lo - lo % 16;
+  const int64_t* bt = a.bt + b * a.W;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  alignas(64) float qs[G_][D];
+  alignas(64) float O[G_][D];
+  alignas(64) float Kf[2][16][D];  // two chunks at a time: their 2G score chains interleave
+  alignas(64) float Vf[2][16][D];
+  alignas(64) float P[16];
+  float m[G_], l[G_];
+  for (int64_t g = 0; g < G; ++g) {
+    const float* src = a.q + (b * H + h * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) qs[g][d] = src[d] * a.qscale;
+    for (int64_t d = 0; d < D; ++d) O[g][d] = 0.f;
+    m[g] = ninf, l[g] = 0.f;
+  }
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t k00 = kbeg; k00 < ctx; k00 += 32) {
+    const int nc = k00 + 16 < ctx ? 2 : 1;
+    int64_t n[2];
+    __m512 Kt[2][D];  // K transposed: Kt[c][d] holds dimension d of chunk c's 16 keys
+    for (int c = 0; c < nc; ++c) {
+      const int64_t k0 = k00 + 16 * c;
+      n[c] = std::min<int64_t>(16, ctx - k0);
+      kv_chunk_to_f32(a.k, a.v, a.ks, a.vs, a.kind, bt, a.BS, a.KVH, h, D, k0, n[c], &Kf[c][0][0], &Vf[c][0][0]);
+      for (int64_t t = n[c]; t < 16; ++t)
+        for (int64_t d = 0; d < D; ++d) Kf[c][t][d] = 0.f;
+      for (int dv = 0; dv < DV; ++dv) {
+        __m512* r = Kt[c] + 16 * dv;
+        for (int t = 0; t < 16; ++t) r[t] = _mm512_load_ps(&Kf[c][t][16 * dv]);
+        transpose16(r);
+      }
+    }
+    __m512 acc[2][G_];  // each score chain still in the order d = 0 .. D-1
+    for (int c = 0; c < 2; ++c)
+      for (int g = 0; g < G_; ++g) acc[c][g] = _mm512_setzero_ps();
+    if (nc == 2) {
+      for (int64_t d = 0; d < D; ++d)
+        for (int g = 0; g < G_; ++g) {
+          const __m512 qv = _mm512_set1_ps(qs[g][d]);
+          acc[0][g] = _mm512_fmadd_ps(qv, Kt[0][d], acc[0][g]);
+          acc[1][g] = _mm512_fmadd_ps(qv, Kt[1][d], acc[1][g]);
+        }
+    } else {
+      for (int64_t d = 0; d < D; ++d)
+        for (int g = 0; g < G_; ++g) acc[0][g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g][d]), Kt[0][d], acc[0][g]);
+    }
+    for (int c = 0; c < nc; ++c) {  // the chunks' softmax updates in key order
+      const int64_t k0 = k00 + 16 * c;
+      // visible keys: t < n and position >= lo
+      const __mmask16 vis = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(n[c]))) &
+                            _mm512_cmpge_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0))),
+                                                    _mm512_set1_epi32(static_cast<int>(lo)));
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 S = _mm512_mask_mov_ps(_mm512_set1_ps(ninf), vis, acc[c][g]);
+        alignas(64) float sc[16];
+        _mm512_store_ps(sc, S);
+        float bm = sc[0];  // MAXPS order, as extend's running maximum over the chunk's keys
+        for (int64_t t = 1; t < n[c]; ++t) bm = bm > sc[t] ? bm : sc[t];
+        const float mnew = m[g] > bm ? m[g] : bm;
+        const float msafe = mnew != ninf ? mnew : 0.f;
+        const float alpha = m[g] != ninf ? _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[g] - msafe))) : 0.f;
+        const __mmask16 live = _mm512_cmp_ps_mask(S, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
+        _mm512_store_ps(P, _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(S, _mm512_set1_ps(msafe)))));
+        float sum = 0.f;
+        for (int64_t t = 0; t < n[c]; ++t) sum = sum + P[t];
+        l[g] = l[g] * alpha + sum;
+        m[g] = mnew;
+        __m512 o[DV];
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int dv = 0; dv < DV; ++dv) o[dv] = _mm512_mul_ps(_mm512_load_ps(&O[g][16 * dv]), av);
+        for (int64_t t = 0; t < n[c]; ++t) {
+          const __m512 pt = _mm512_set1_ps(P[t]);
+          for (int dv = 0; dv < DV; ++dv) o[dv] = _mm512_fmadd_ps(pt, _mm512_load_ps(&Vf[c][t][16 * dv]), o[dv]);
+        }
+        for (int dv = 0; dv < DV; ++dv) _mm512_store_ps(&O[g][16 * dv], o[dv]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / l[g];
+    for (int64_t d = 0; d < D; ++d) dst[g * D + d] = O[g][d] * inv;
+  }
+}
+
+KVK_AVX512 void decode_item_invariant_dispatch(const AttnArgs& a, int64_t b, int64_t h, float* out) {
+#define KVK_DEC_CASE(GG, DDV) if (a.G == GG && a.D == 16 * DDV) return decode_item_invariant<GG, DDV>(a, b, h, out);
+  KVK_DEC_CASE(1, 4) KVK_DEC_CASE(2, 4) KVK_DEC_CASE(3, 4) KVK_DEC_CASE(4, 4)
+  KVK_DEC_CASE(1, 8) KVK_DEC_CASE(2, 8) KVK_DEC_CASE(4, 8) KVK_DEC_CASE(8, 8)
+  KVK_DEC_CASE(1, 2) KVK_DEC_CASE(2, 2) KVK_DEC_CASE(4, 2) KVK_DEC_CASE(5, 4) KVK_DEC_CASE(6, 4)
+  KVK_DEC_CASE(1, 16) KVK_DEC_CASE(2, 16) KVK_DEC_CASE(4, 16)
+#undef KVK_DEC_CASE
+}  // the cases of extend_fast (the caller checks it)
+
+bool extend_fast(int64_t G, int64_t D);
 
 constexpr int MAXDV = 16;  // head_dim / 16
 constexpr int TCH = 16;    // tokens per score chunk
@@ -221,6 +416,32 @@ struct AttnScratch {
 
 // Decode attention of B sequences (a.q pre-scaled) into out (B, H, D) float32.
 void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* out) {
+  if (g_invariant) {  // one task per (row, KV head), the prefill kernel's arithmetic (see the top of this file)
+    const bool fast = use_avx512() && extend_fast(a.G, a.D) && a.G <= MAXG;
+    // a short step runs on the calling thread (waking the pool costs more than it saves there); either way each
+    // (row, KV head) is computed whole by one thread, so the result does not depend on this choice
+    int64_t keys = 0;
+    for (int64_t b = 0; b < B; ++b) keys += a.ctx[b];
+    const auto task = [&](int64_t i) {
+      const int64_t b = i / a.KVH, h = i % a.KVH;
+      if (fast) {
+        decode_item_invariant_dispatch(a, b, h, out);
+        return;
+      }
+      const int64_t ctx = a.ctx[b];
+      for (int64_t g = 0; g < a.G; ++g) {
+        const int64_t hq = h * a.G + g;
+        attend_query_generic(a.q + (b * a.H + hq) * a.D, a.qscale, a.k, a.v, a.ks, a.vs, a.kind, a.bt + b * a.W,
+                             a.BS, a.KVH, h, a.D, first_key(a, ctx), ctx, out + (b * a.H + hq) * a.D);
+      }
+    };
+    if (keys * a.H < 8192) {
+      for (int64_t i = 0; i < B * a.KVH; ++i) task(i);
+    } else {
+      parallel_tasks(B * a.KVH, task);
+    }
+    return;
+  }
   thread_local AttnScratch s;
   const int64_t D = a.D, H = a.H, BS = a.BS;
   s.items.clear();
@@ -294,7 +515,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), BS = k.size(1), KVH = k.size(2);
   TORCH_CHECK(k.size(3) == D && H % KVH == 0, "decode_attention: head_dim or head counts do not match");
   const int64_t G = H / KVH;
-  const auto qs = (q.contiguous() * scale).contiguous();
+  // the invariant kernel scales q itself (as extend_attention does), the previous one reads it pre-scaled
+  const auto qs = g_invariant ? q.contiguous() : (q.contiguous() * scale).contiguous();
   const auto bt = block_tables.contiguous();
   const auto ctx = context_lens.contiguous();
   const int64_t W = bt.size(1);
@@ -305,7 +527,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   AttnArgs a{qs.data_ptr<float>(), k.data_ptr(), v.data_ptr(),
              quant ? reinterpret_cast<const uint16_t*>(k_scale.data_ptr<at::Half>()) : nullptr,
              quant ? reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>()) : nullptr,
-             bt.data_ptr<int64_t>(), ctxp, kind, H, KVH, D, BS, W, G, std::max<int64_t>(0, window)};
+             bt.data_ptr<int64_t>(), ctxp, kind, H, KVH, D, BS, W, G, std::max<int64_t>(0, window),
+             g_invariant ? static_cast<float>(scale) : 1.f};
   auto out = torch::empty({B, H, D}, q.options());
   attention_raw(a, B, split_blocks, out.data_ptr<float>());
   return out;
@@ -339,17 +562,6 @@ struct ExtendArgs {
   int64_t window = 0;  // > 0: a query at KV index i sees keys (i - window, i] only
 };
 
-// Convert n tokens (from slot `slot0` on, within one block) of KV head h to float32 rows (n, D), scaled.
-KVK_AVX512 inline void kv_rows_to_f32(const void* base, const uint16_t* scales, int64_t kind, int64_t slot0,
-                                      int64_t n, int64_t KVH, int64_t h, int64_t D, float* dst) {
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t row = (slot0 + t) * KVH + h;
-    const __m512 sc = _mm512_set1_ps(scales ? half_to_float(scales[row]) : 1.f);
-    for (int64_t d = 0; d < D; d += 16)
-      _mm512_storeu_ps(dst + t * D + d, _mm512_mul_ps(load16(base, row * D + d, kind), sc));
-  }
-}
-
 template <int G_, int DV>
 KVK_AVX512 void extend_item_avx512(const ExtendArgs& a, const ExtendItem& it) {
   constexpr int D = 16 * DV;
@@ -358,7 +570,9 @@ KVK_AVX512 void extend_item_avx512(const ExtendArgs& a, const ExtendItem& it) {
   const int64_t nq = std::min<int64_t>(16, qlen - it.i0);      // queries in this tile
   const int64_t qpos0 = ctx - qlen + it.i0;                    // position of the tile's first query
   const int64_t kend = qpos0 + nq;                             // keys [kbeg, kend) are visible to some query
-  const int64_t kbeg = a.window > 0 ? std::max<int64_t>(0, qpos0 - a.window + 1) : 0;
+  // keys in chunks of 16 from an absolute multiple of 16 (not from the tile's first visible key), so that a query's
+  // chunks, and thus its result, do not depend on which tile or prefill chunk it falls in
+  const int64_t kfirst = a.window > 0 ? std::max<int64_t>(0, qpos0 - a.window + 1) : 0, kbeg = kfirst - kfirst % 16;
   const __mmask16 qmask = static_cast<__mmask16>((1u << nq) - 1u);
   alignas(64) float Qt[G_][D][16];   // transposed, scaled queries
   alignas(64) float Ot[G_][D][16];   // transposed unnormalized outputs
@@ -384,14 +598,7 @@ KVK_AVX512 void extend_item_avx512(const ExtendArgs& a, const ExtendItem& it) {
   for (int64_t k0 = kbeg; k0 < kend; k0 += 16) {
     // 16 keys (or fewer) from one or two blocks
     const int64_t n = std::min<int64_t>(16, kend - k0);
-    for (int64_t t = 0; t < n;) {
-      const int64_t pos = k0 + t, blk = pos / BS, off = pos % BS;
-      const int64_t take = std::min<int64_t>(n - t, BS - off);
-      const int64_t slot = bt[blk] * BS + off;
-      kv_rows_to_f32(a.k, a.ks, a.kind, slot, take, KVH, it.h, D, &Kf[t][0]);
-      kv_rows_to_f32(a.v, a.vs, a.kind, slot, take, KVH, it.h, D, &Vf[t][0]);
-      t += take;
-    }
+    kv_chunk_to_f32(a.k, a.v, a.ks, a.vs, a.kind, bt, BS, KVH, it.h, D, k0, n, &Kf[0][0], &Vf[0][0]);
     // scores, transposed: S[g][t] = sum_d Qt[g][d] * K[t][d]
     __m512 S[G_][16];
     for (int64_t t = 0; t < n; t += 4) {
@@ -470,33 +677,19 @@ KVK_AVX512 void extend_item_avx512(const ExtendArgs& a, const ExtendItem& it) {
   }
 }
 
-// Portable version: one query at a time, online softmax over its visible keys.
+// Portable version: one query at a time, online softmax over its visible keys (the decode kernel's portable routine).
 void extend_item_generic(const ExtendArgs& a, const ExtendItem& it) {
-  const int64_t G = a.G, D = a.D, H = a.H, BS = a.BS;
+  const int64_t G = a.G, D = a.D, H = a.H;
   const int64_t qlen = a.qlens[it.span], ctx = a.ctxs[it.span], start = a.starts[it.span];
   const int64_t nq = std::min<int64_t>(16, qlen - it.i0);
   const int64_t* bt = a.bt + it.span * a.W;
-  std::vector<float> kf(D), vf(D), o(D);
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t qpos = ctx - qlen + it.i0 + j;
+    const int64_t lo = a.window > 0 ? std::max<int64_t>(0, qpos - a.window + 1) : 0;
     for (int64_t g = 0; g < G; ++g) {
-      const float* qr = a.q + ((start + it.i0 + j) * H + it.h * G + g) * D;
-      float mx = -std::numeric_limits<float>::infinity(), sm = 0.f;
-      std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t p = a.window > 0 ? std::max<int64_t>(0, qpos - a.window + 1) : 0; p <= qpos; ++p) {
-        const int64_t row = (bt[p / BS] * BS + p % BS) * a.KVH + it.h;
-        const float kscale = a.ks ? half_to_float(a.ks[row]) : 1.f;
-        const float vscale = a.vs ? half_to_float(a.vs[row]) : 1.f;
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qr[d] * a.scale * (load_scalar(a.k, row * D + d, a.kind) * kscale);
-        const float mnew = std::max(mx, dot);
-        const float alpha = std::exp(mx - mnew), pw = std::exp(dot - mnew);
-        sm = sm * alpha + pw;
-        for (int64_t d = 0; d < D; ++d) o[d] = o[d] * alpha + pw * (load_scalar(a.v, row * D + d, a.kind) * vscale);
-        mx = mnew;
-      }
-      float* dst = a.out + ((start + it.i0 + j) * H + it.h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = o[d] / sm;
+      const int64_t r = (start + it.i0 + j) * H + it.h * G + g;
+      attend_query_generic(a.q + r * D, a.scale, a.k, a.v, a.ks, a.vs, a.kind, bt, a.BS, a.KVH, it.h, D, lo,
+                           qpos + 1, a.out + r * D);
     }
   }
 }
@@ -511,7 +704,7 @@ KVK_AVX512 void extend_item_avx512_dispatch(const ExtendArgs& a, const ExtendIte
   extend_item_generic(a, it);
 }
 
-inline bool extend_fast(int64_t G, int64_t D) {
+bool extend_fast(int64_t G, int64_t D) {
   const int combos[][2] = {{1, 64}, {2, 64}, {3, 64}, {4, 64}, {1, 128}, {2, 128}, {4, 128}, {8, 128},
                            {1, 32}, {2, 32}, {4, 32}, {5, 64}, {6, 64}, {1, 256}, {2, 256}, {4, 256}};
   for (auto& c : combos)

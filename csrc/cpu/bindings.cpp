@@ -18,6 +18,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "x (M, K) float32 -> (codes int32 (M, K), dx, sx (M, K/32))");
   m.def("activation_bits", &activation_bits, "bits of the activation codes in qmm: 16 (default) or 8");
   m.def("set_activation_bits", &set_activation_bits, "16 (default) or 8: llama.cpp's Q8_1 precision (measurements)");
+  m.def("invariant_attention", &invariant_attention,
+        "whether decode attention runs the invariant kernel (the prefill kernel's arithmetic, no context splits)");
+  m.def("set_invariant_attention", &set_invariant_attention,
+        "True (default): invariant decode attention; False: the previous flash-decoding kernel (faster at long "
+        "contexts, a decoded token's K/V then differs in the last bits from the same token prefilled)");
   m.def("extend_attention", &extend_attention, "paged causal attention of prefill spans, read in place",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_scale"), py::arg("v_scale"), py::arg("starts"),
         py::arg("q_lens"), py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("kind"),

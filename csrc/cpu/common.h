@@ -193,7 +193,13 @@ struct AttnArgs {
   const int64_t* ctx;  // (B,)
   int64_t kind, H, KVH, D, BS, W, G;
   int64_t window = 0;  // > 0: a row attends to its last `window` keys only (sliding-window layers)
+  float qscale = 1.f;  // invariant kernel: q is multiplied by this (the softmax scale) as extend_attention does
 };
+
+// Invariant decode attention (attention.cpp; on by default): a decode token's output computed with the prefill
+// kernel's operations in its order, so it does not depend on prefill vs decode, the batch or the thread count.
+bool invariant_attention();
+void set_invariant_attention(bool on);
 
 // Decode attention of B sequences (a.q pre-scaled) into out (B, H, D) float32; split_blocks: blocks per work item.
 void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* out);

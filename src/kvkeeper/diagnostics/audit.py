@@ -17,7 +17,15 @@ the prefix cache or handed over by a session.  The audit then
 
 A token of a layer diverges when ``max|a - b| > kv_atol + kv_rtol * max|b|``
 over its heads and head dimension (a = stored, b = recomputed); the logits
-diverge when ``max|a - b| > logits_atol``.  Default tolerances
+diverge when ``max|a - b| > logits_atol``.
+
+On an invariant path (``ModelRunner.invariant``: the default CPU engine, quantized
+weights through the C++ kernels, a bf16/fp16/fp32 cache; issue 26) reuse equals
+recompute bit for bit, so the audit is exact: every tolerance is 0 and a single
+flipped bit of one cached value is reported with its layer and token.  The
+tolerances below stay only for the paths that cannot be invariant: the float32
+path (torch's GEMMs block their sums by the batch's shape), the PyTorch reference
+attention, CUDA, int8/fp8 KV, LoRA adapters and ``--no-invariant-kernels``.  Default tolerances
 (:func:`default_tolerance`) sit above the numerical noise between a chunked or
 prefix-reusing prefill and a one-piece recompute (GEMMs of other shapes round
 differently): for fp32 weights and KV, measured on SmolLM2-135M over MT-Bench
@@ -63,8 +71,14 @@ class AuditTolerance:
     logits_atol: float
 
 
-def default_tolerance(compute_dtype: torch.dtype, kv_format, weight_format: str = "none") -> AuditTolerance:
+EXACT = AuditTolerance(kv_atol=0.0, kv_rtol=0.0, logits_atol=0.0)  # an invariant path: bit for bit
+
+
+def default_tolerance(compute_dtype: torch.dtype, kv_format, weight_format: str = "none",
+                      invariant: bool = False) -> AuditTolerance:
     """Tolerances for a compute dtype and a :class:`~kvkeeper.kvcache.quant.KVFormat`.
+
+    invariant: the engine's path is invariant (``ModelRunner.invariant``): :data:`EXACT`, every tolerance 0.
 
     fp32 weights and fp32 KV: about ten times the largest fp32 noise measured (1.5e-5 of a token's largest
     value, 7.6e-5 on the logits; the module docstring), far below a wrong block.  An rtol of 1e-5 sat
@@ -87,6 +101,8 @@ def default_tolerance(compute_dtype: torch.dtype, kv_format, weight_format: str 
     by 0.438 on a token whose largest V value is about 5 (0.086: a prefill resumed after a 16-token prefix hit
     against a one-piece recompute); tolerance 0.15 and 0.5 (a wrong block differs by the order of the values).
     """
+    if invariant:
+        return EXACT
     if kv_format.quantized:
         rtol = 10.0 / kv_format.qmax if kv_format.storage == torch.int8 else 0.3
         return AuditTolerance(kv_atol=1e-3, kv_rtol=rtol, logits_atol=1.5)
@@ -156,7 +172,9 @@ def recompute_prompt(runner, token_ids: list[int], chunk: int = 512, lora=None) 
     for c in range(0, P, chunk):
         n = min(chunk, P - c)
         pos = torch.arange(c, c + n, dtype=torch.int64, device=runner.device)
-        meta = AttentionMetadata(slot_mapping=pos.clone(), prefills=[PrefillSpan(0, n, c + n, table)])
+        # the engine's own attention kernels (the C++ ones on CPU), so that an invariant path compares bit for bit
+        meta = AttentionMetadata(slot_mapping=pos.clone(), prefills=[PrefillSpan(0, n, c + n, table)],
+                                 backend=getattr(runner, "attention_backend", "torch"))
         last = c + n == P  # only the final chunk's last row needs logits
         batch = StepBatch(ids[c : c + n], pos, meta, [n - 1] if last else [], [])
         with runner.lora_scope([(SimpleNamespace(lora=lora), n)]) as adapted:
@@ -181,7 +199,7 @@ def audit_sequence(engine, seq, logits: torch.Tensor | None = None, tolerance: A
     seq: a :class:`~kvkeeper.engine.sequence.Sequence` (or a session's state) whose first
     ``num_tokens`` positions (default ``seq.num_computed``) have KV in its block table.
     logits: (vocab,) float32 logits the engine computed after those tokens (None: not compared).
-    tolerance: default :func:`default_tolerance` for the engine's dtypes.
+    tolerance: default :func:`default_tolerance` for the engine's dtypes (exact on an invariant path).
     Raises ValueError for a compressed sequence (``kv_offset > 0``) or one with no KV.
     """
     t0 = time.perf_counter()
@@ -194,7 +212,9 @@ def audit_sequence(engine, seq, logits: torch.Tensor | None = None, tolerance: A
     P = seq.num_computed if num_tokens is None else num_tokens
     if P < 1 or P > seq.num_computed:
         raise ValueError(f"{seq.request_id}: {P} tokens to audit, {seq.num_computed} have KV")
-    tol = tolerance or default_tolerance(runner.dtype, runner.kv_format, getattr(runner, "weight_format", "none"))
+    invariant = bool(getattr(runner, "invariant", False)) and getattr(seq, "lora", None) is None
+    tol = tolerance or default_tolerance(runner.dtype, runner.kv_format, getattr(runner, "weight_format", "none"),
+                                         invariant)
     chunk = getattr(getattr(engine, "scheduler", None), "max_num_batched_tokens", 512)
     ref_logits, ref_store = recompute_prompt(runner, list(seq.token_ids[:P]), chunk, getattr(seq, "lora", None))
     bs = runner.block_size

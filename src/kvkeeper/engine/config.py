@@ -48,6 +48,8 @@ class EngineConfig:
     ``kvkeeper.weights.formats``; ``runner.weight_format`` says which runs).
     attention_backend: "auto", "torch" (the reference), "cpu" (C++ kernels) or "triton" (CUDA).
     fused_decode: a decode-only step as one C++ call over packed weights (CPU, quantized weights).
+    invariant_kernels: the C++ decode attention computes a token as the prefill kernel does (issue 26; False: the
+    previous flash-decoding kernel, see ``ModelRunner.invariant``); a process-wide switch of the kernels.
     cuda_graphs: replay decode steps as CUDA graphs (CUDA only; a no-op on CPU).
     kv_dtype: KV cache storage "fp32", "bf16", "fp16", "int8" or "fp8" (None: bf16 with quantized weights,
     else the ``dtype``).
@@ -86,6 +88,10 @@ class EngineConfig:
     fused_decode: bool = field(default=True, metadata=option(
         "--no-fused-decode", "run decode steps layer by layer instead of one C++ call over packed weights "
         "(default: fused, unless $KVKEEPER_FUSED_DECODE=0)", action="store_true", negate=True))
+    invariant_kernels: bool = field(default=True, metadata=option(
+        "--no-invariant-kernels", "CPU: decode attention by the previous flash-decoding kernel instead of the invariant "
+        "one (default: invariant, a token's KV and logits the same bit for bit however the work was split; "
+        "process-wide)", action="store_true", negate=True))
     cuda_graphs: bool = field(default=True, metadata=option(
         "--enforce-eager", "CUDA: no decode CUDA graphs", action="store_true", negate=True))
     kv_dtype: str | None = field(default=None, metadata=option(
@@ -208,6 +214,7 @@ class EngineConfig:
         num_blocks, window_blocks = self.kv_pool_blocks(mcfg, kv)
         return dict(num_blocks=num_blocks, block_size=self.block_size, dtype=dtype, device=device, kv_dtype=kv,
                     attention_backend=attention, quantization=weights, fused_decode=self.fused_decode,
+                    invariant_kernels=self.invariant_kernels,
                     cache_dir=self.cache_dir, window_blocks=window_blocks,
                     # RoPE tables for the context served; CUDA graphs capture the tables: full size there
                     max_positions=None if device.type == "cuda" else min(mcfg.context_length,

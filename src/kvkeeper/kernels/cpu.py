@@ -30,7 +30,9 @@ EXT_NAME = "kvk_cpu"
 EXT_DIR = Path(__file__).resolve().parent / "_ext"
 SOURCE_DIR = Path(__file__).resolve().parents[3] / "csrc" / "cpu"  # repository checkout (src layout)
 STAMP = EXT_DIR / "source.sha256"
-CFLAGS = ["-O3", "-fopenmp", "-std=c++17", "-Wno-unused-function"]
+# -ffp-contract=off: no multiply-add is fused unless the source says so (_mm512_fmadd_ps), so the decode and prefill
+# kernels that must agree bit for bit (csrc/cpu/attention.cpp) round the same way wherever the compiler inlines them
+CFLAGS = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off", "-Wno-unused-function"]
 
 _log = logging.getLogger(__name__)
 _module: ModuleType | None = None

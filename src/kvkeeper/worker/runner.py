@@ -17,6 +17,7 @@ import torch
 
 from ..kvcache.quant import KVFormat, parse_kv_format
 from ..kvcache.store import KVStore
+from ..kernels import cpu as cpu_kernels
 from . import kernel_check
 from ..attention.selector import resolve_attention_backend, triton_available  # noqa: F401  (re-exported)
 from ..attention.metadata import AttentionMetadata, PrefillSpan
@@ -55,7 +56,7 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  kv_dtype: str | torch.dtype | KVFormat | None = None, transposed_weights: bool | None = None,
                  attention_backend: str = "auto", quantization: str | None = None, fused_decode: bool = True,
-                 cache_dir=None, window_blocks: int | None = None, max_positions: int | None = None):
+                 invariant_kernels: bool = True, cache_dir=None, window_blocks: int | None = None, max_positions: int | None = None):
         """kv_dtype: KV storage format (fp32, bf16, fp16, int8, fp8; default: the model dtype).
         transposed_weights: keep W^T copies for fast few-row products (default: on for fp32 on CPU with
         unquantized weights).
@@ -65,6 +66,7 @@ class ModelRunner:
         quantization: weight format, None/"auto" for the model file's default (see
         kvkeeper.weights.formats); raises QuantizationError (a ValueError) for one the file cannot run.
         fused_decode: run a decode-only step as one C++ call when the weights are packed (False: layer by layer).
+        invariant_kernels: the kernels' decode attention in invariant mode (see :attr:`invariant`; process-wide).
         cache_dir: where packed weights are cached (default: kvkeeper.text.tokenizer.cache_dir()).
         window_blocks: hybrid KV cache (a model with sliding-window layers): the sliding layers' caches hold
         this many blocks, addressed through ``window_of`` (block id -> window block id, set by the engine from
@@ -106,16 +108,21 @@ class ModelRunner:
         if self.attention_backend == "triton" and self.device.type == "cuda":
             self._check_kernels()
         if self.attention_backend == "cpu":
+            mod = cpu_kernels.load()
+            if mod is not None and hasattr(mod, "set_invariant_attention"):
+                mod.set_invariant_attention(bool(invariant_kernels))
             self._check_cpu_kernels()
         self.graphs = None  # a cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
         self.kv_store = KVStore.allocate(cfg, num_blocks, block_size, self.kv_format, self.device, self.window_blocks)
         # one C++ call per decode step when the weights are packed (kvkeeper.worker.fused_decode); the
-        # layer-by-layer path then uses the same C++ element-wise routines
-        self.fused_decode = (FusedDecode.build(self.model, self.kv_store) if fused_decode and
-                             self.attention_backend == "cpu" and self.weight_format != "none"
-                             and self.capabilities.fused_decode else None)
-        if self.fused_decode is not None:
-            self.model.use_cpu_kernels(self.fused_decode.kernels)
+        # layer-by-layer path then uses the same C++ element-wise routines, also with fused_decode off, so that
+        # --no-fused-decode computes every token bit for bit as the default does
+        fusable = (FusedDecode.build(self.model, self.kv_store) if self.attention_backend == "cpu" and
+                   self.weight_format != "none" and self.capabilities.fused_decode else None)
+        if fusable is not None:
+            self.model.use_cpu_kernels(fusable.kernels)
+        self.fused_decode = fusable if fused_decode else None
+        self._elementwise_kernels = fusable is not None
         self.lora: LoRAHooks | None = None  # installed by enable_lora() (kvkeeper.layers.lora)
 
     def enable_lora(self) -> LoRAHooks:
@@ -161,6 +168,19 @@ class ModelRunner:
             self.attention_backend = "torch"
 
     kernel_check_error: float | None = None  # relative error of the start-up kernel check (CUDA), None if not run
+
+    @property
+    def invariant(self) -> bool:
+        """Whether a token's K/V and logits depend only on the token ids before it (bit for bit), not on how the
+        engine split the work (prefill chunks, prefix-cache hits, session hand-overs, decode vs prefill, the batch,
+        fused vs layer-by-layer step, thread count): the C++ kernels with invariant decode attention
+        (csrc/cpu/attention.cpp), quantized weights through their block kernels (integer sums, row-independent
+        activation codes), the kernels' element-wise routines on every path, and a 16- or 32-bit float KV cache.
+        Not invariant: the float32 path (torch's GEMMs block their sums by the batch's shape), the PyTorch
+        reference attention, CUDA, int8/fp8 KV (not verified), LoRA adapters (torch matmuls)."""
+        mod = cpu_kernels.load() if self.attention_backend == "cpu" else None
+        return (mod is not None and bool(getattr(mod, "invariant_attention", lambda: False)()) and self._elementwise_kernels
+                and self.weight_format != "none" and not self.kv_format.quantized and self.lora is None)
 
     @property
     def kv_bytes_per_token(self) -> int:
