@@ -7,12 +7,14 @@ after each run, so a cut-short run still leaves the runs it finished.  The per-q
 included) go to ``--records DIR``.
 
     python benchmarks/context_memory.py [--conversations 20] [--min-tokens 6000] [--only hybrid:2048 last:2048]
+        [--harder] [--out PATH]   # --harder: facts said in passing, paraphrases, corrections, distractors
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -32,18 +34,18 @@ FIGS = ["turns", "answer_in_prompt", "evidence_in_prompt", "answer_in_reply", "m
 
 
 def table(results: list[dict], meta: dict) -> str:
-    lines = [f"Recall of planted facts: {meta['conversations']} conversations of >= {meta['min_tokens']} tokens "
+    lines = [f"Recall of planted facts ({meta.get('set', 'easy')} set): {meta['conversations']} conversations of >= {meta['min_tokens']} tokens "
              f"(mean {meta['mean_tokens']:.0f}), {meta['questions']} questions, seed {meta['seed']}; "
              f"{meta['model']} ({meta['weights']}), greedy, {meta['max_tokens']} tokens per answer, "
              f"context every {meta['every']}, replay {meta['replay']}; {meta['machine']}.", "",
              "| policy | budget | answer in prompt | evidence in prompt | answer in reply | mean question prompt "
-             "tokens | cached share (all prompts) | cached share (questions) | memory ms/request | seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens | cached share (all prompts) | cached share (questions) | memory ms/request | seconds | load average |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['answer_in_prompt']:.2f} | "
                      f"{r['evidence_in_prompt']:.2f} | {r['answer_in_reply']:.2f} | {r['mean_prompt_tokens']:.0f} | "
                      f"{r['cached_share']:.2f} | {r['cached_share_questions']:.2f} | {r['memory_ms_per_turn']:.0f} | "
-                     f"{r['seconds']:.0f} |")
+                     f"{r['seconds']:.0f} | {r.get('load_average', float('nan')):.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -60,15 +62,18 @@ def main() -> int:
     ap.add_argument("--out", default=str(result_path("context_memory", suffix="")), help="OUT.json and OUT.md")
     ap.add_argument("--records", default=None, metavar="DIR")
     ap.add_argument("--replay", choices=("turns", "questions"), default="turns")
+    ap.add_argument("--harder", action="store_true", help="the harder set (`kvkeeper eval memory-data --harder`)")
     args = ap.parse_args()
     eng = LLMEngine()
     count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
-    convs = generate(load_dialogues(SOURCE), args.conversations, args.min_tokens, count, args.seed)
+    convs = generate(load_dialogues(SOURCE), args.conversations, args.min_tokens, count, args.seed,
+                     harder=args.harder)
     toks = [len(eng.encode_chat(c["messages"])) for c in convs]
     meta = {"conversations": len(convs), "min_tokens": args.min_tokens, "mean_tokens": sum(toks) / len(toks),
             "min_chat_tokens": min(toks), "questions": sum(len(c["questions"]) for c in convs), "seed": args.seed,
             "model": eng.model_name, "weights": eng.runner.weight_description, "max_tokens": args.max_tokens,
-            "every": args.every, "replay": args.replay, "machine": f"{platform.machine()}, 2 cores shared with other jobs"}
+            "every": args.every, "replay": args.replay, "set": "harder" if args.harder else "easy",
+            "load_average_start": os.getloadavg()[0], "machine": f"{platform.machine()}, 2 cores shared with other jobs"}
     results = []
     for spec in args.only:
         policy, budget = spec.split(":")
@@ -80,7 +85,7 @@ def main() -> int:
         if args.records:
             Path(args.records).mkdir(parents=True, exist_ok=True)
             Path(args.records, f"{policy}_{budget}.json").write_text(json.dumps({**r, "per_question": per, "per_turn": turns}))
-        results.append({k: r[k] for k in ("policy", "budget", "questions", *FIGS)})
+        results.append({k: r[k] for k in ("policy", "budget", "questions", *FIGS)} | {"load_average": os.getloadavg()[0]})
         print(f"{spec}: {json.dumps(results[-1])} ({time.perf_counter() - t0:.0f} s)", flush=True)
         Path(args.out + ".json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
         Path(args.out + ".md").write_text(table(results, meta))

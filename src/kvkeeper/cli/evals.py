@@ -80,6 +80,9 @@ def _add_memory_parsers(esub, parent: argparse.ArgumentParser) -> None:
                    help="tokens per conversation at least (default: 6000)")
     g.add_argument("--facts", type=positive_int, default=3, metavar="N", help="planted facts each (default: 3)")
     g.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    g.add_argument("--harder", action="store_true",
+                   help="the harder set: facts said in passing at the end of longer real messages (one in an "
+                        "assistant message), paraphrased questions, a corrected fact, a distractor, several depths")
 
 
 def cmd_eval_perplexity(args: argparse.Namespace) -> int:
@@ -138,8 +141,13 @@ def cmd_eval_memory_data(args: argparse.Namespace) -> int:
         stderr(f"error: cannot read the Topical-Chat file {args.source}: {e}", None)
         return EXIT_ERROR
     tok = load_tokenizer(resolve_model_path(args.model))
-    convs = generate(dialogues, args.conversations, args.min_tokens,
-                     lambda t: len(tok.encode(t, add_special_tokens=False)), args.seed, args.facts)
+    try:
+        convs = generate(dialogues, args.conversations, args.min_tokens,
+                         lambda t: len(tok.encode(t, add_special_tokens=False)), args.seed, args.facts,
+                         harder=args.harder)
+    except ValueError as e:
+        stderr(f"error: {e}", None)
+        return EXIT_ERROR
     with open(args.out, "w") as f:
         for c in convs:
             f.write(json.dumps(c) + "\n")

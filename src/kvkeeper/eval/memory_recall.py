@@ -73,9 +73,16 @@ def _fact(rng: random.Random, kind: str) -> tuple[str, str, str]:
 
 
 def generate(dialogues: list[list[str]], n: int, min_tokens: int, count: Callable[[str], int], seed: int = 0,
-             facts: int = 3, plant_within: float = 0.15) -> list[dict]:
+             facts: int = 3, plant_within: float = 0.15, harder: bool = False) -> list[dict]:
     """``n`` conversations of at least ``min_tokens`` tokens (``count``: tokens of a text, plus 5 per message for
-    the chat template), each with ``facts`` planted facts asked about after 60%..100% of the conversation."""
+    the chat template), each with ``facts`` planted facts asked about after 60%..100% of the conversation.
+
+    ``harder`` (issue 32): each fact is said in passing at the end of a longer real message (one of them in an
+    assistant message), asked with a paraphrase sharing few words with it, one fact corrected later ("Actually,
+    ..."; the answer is the new value, the old one is kept as ``corrected``), one with a distractor (the same kind
+    of fact about another person); planted within the first 30%, asked at depths spread over the second half
+    (``depth``: the question's place as a share of the conversation).  Raises ValueError when a conversation is too
+    short to host the facts."""
     rng = random.Random(seed)
     out = []
     for c in range(n):
@@ -85,6 +92,10 @@ def generate(dialogues: list[list[str]], n: int, min_tokens: int, count: Callabl
                 texts.append(t)
                 total += count(t) + 5
         msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+        if harder:
+            questions = _plant_harder(rng, msgs, facts, max(plant_within, 0.3))
+            out.append({"id": f"memhard-{seed}-{c}", "system": SYSTEM, "messages": msgs, "questions": questions})
+            continue
         kinds = rng.sample(["name", "number", "date", "place"], facts)
         slots = sorted(rng.sample(range(0, max(2, int(len(msgs) * plant_within)) // 2), facts))
         planted = []
@@ -100,6 +111,123 @@ def generate(dialogues: list[list[str]], n: int, min_tokens: int, count: Callabl
                      for a, (at, q, ans) in zip(asks, planted)]
         out.append({"id": f"memconv-{seed}-{c}", "system": SYSTEM, "messages": msgs, "questions": questions})
     return out
+
+
+# ---- the harder set (issue 32): facts said in passing, paraphrased questions, distractors, corrections ----------
+LEVELS = ["P3", "P7", "P11", "B2", "B4", "L5", "G9", "P14"]
+LOCKS = ["locker", "bike lock", "garden gate", "safe", "storage unit"]
+RESTAURANTS = ["Luigi's", "the Blue Lantern", "Casa Mora", "the Old Mill", "Sakura House", "the Green Fig"]
+TIMES = ["7:30 pm", "8:15 pm", "6:45 pm", "9:00 pm", "7:00 am", "6:20 am"]
+USER_KINDS = ("parking", "name", "code", "date", "place")
+ASSISTANT_KINDS = ("table", "reminder")
+
+
+def _value(rng: random.Random, kind: str, avoid: str = "") -> str:
+    """A fresh answer of ``kind`` (other than ``avoid``)."""
+    pools = {"parking": LEVELS, "name": NAMES, "place": PLACES, "table": TIMES, "reminder": TIMES}
+    while True:
+        if kind == "code":
+            v = str(rng.randint(1000, 99999))
+        elif kind == "date":
+            v = f"{rng.choice(MONTHS)} {rng.randint(2, 28)}"
+        else:
+            v = rng.choice(pools[kind])
+        if v != avoid:
+            return v
+
+
+def _hard_fact(kind: str, subject: str, value: str, who: str = "my") -> tuple[str, str]:
+    """(statement said in passing, a paraphrased question sharing few words with it) of a fact of ``kind``
+    about ``subject`` (a relation, a lock, an event or a restaurant) of ``who`` ("my", or "my cousin's": a
+    distractor's owner)."""
+    if kind == "parking":
+        return (f"I parked the car on level {value} of the garage." if who == "my" else
+                f"{who.capitalize()} car is on level {value} of the garage.",
+                "Which floor did I leave my vehicle on?")
+    if kind == "name":
+        return f"{who.capitalize()} {subject} goes by {value}.", f"How do people call my {subject}?"
+    if kind == "code":
+        return (f"The code to {who} {subject} is {value}.",
+                f"Which digits open my {subject}?")
+    if kind == "date":
+        return f"{who.capitalize()} {subject} got scheduled for {value}.", f"When is my {subject} happening?"
+    if kind == "place":
+        return f"{who.capitalize()} {subject} moved to {value} last spring.", f"Where is my {subject} based these days?"
+    if kind == "table":
+        return (f"I have booked your table at {subject} for {value}.",
+                "At what hour is our dinner reservation?")
+    return f"Your reminder is set for {value}, as you asked.", "When will you nudge me?"
+
+
+def _correction(kind: str, subject: str, value: str) -> str:
+    """The sentence that corrects a fact of ``kind`` to ``value``."""
+    return {"parking": f"Actually, I moved the car to level {value}.",
+            "name": f"Actually, my {subject} now goes by {value}.",
+            "code": f"Actually, the code to my {subject} changed to {value}.",
+            "date": f"Actually, my {subject} is now on {value}.",
+            "place": f"Actually, my {subject} now lives in {value}."}[kind]
+
+
+def _subject(rng: random.Random, kind: str) -> str:
+    return {"parking": "car", "name": rng.choice(RELATIONS), "code": rng.choice(LOCKS),
+            "date": rng.choice(EVENTS), "place": rng.choice(RELATIONS),
+            "table": rng.choice(RESTAURANTS), "reminder": "reminder"}[kind]
+
+
+def _host(rng: random.Random, msgs: list[dict], role: str, lo: float, hi: float, used: set[int]) -> int:
+    """A message of ``role`` in the ``[lo, hi)`` share of the conversation, not yet used, the longest of a few
+    drawn (a fact is said at the end of a longer message)."""
+    n = len(msgs)
+    pool = [i for i in range(int(n * lo), max(int(n * lo) + 1, int(n * hi)))
+            if i < n and msgs[i]["role"] == role and i not in used]
+    if not pool:
+        raise ValueError(f"no free {role} message in the {lo:.0%}..{hi:.0%} share of a conversation of {n} messages;"
+                         " raise --min-tokens")
+    pick = max(rng.sample(pool, min(4, len(pool))), key=lambda i: len(msgs[i]["content"]))
+    used.add(pick)
+    return pick
+
+
+def _plant_harder(rng: random.Random, msgs: list[dict], facts: int, plant_within: float) -> list[dict]:
+    """Plants ``facts`` facts in ``msgs`` (in place) the harder way; returns the questions.  The facts: all but
+    one in user messages, one in an assistant message; the first user fact corrected later (its question's
+    answer is the new value), the second with a distractor (the same kind of fact about someone else)."""
+    used: set[int] = set()
+    kinds = rng.sample(USER_KINDS, max(1, facts - 1)) + ([rng.choice(ASSISTANT_KINDS)] if facts > 1 else [])
+    rng.shuffle(kinds)
+    users = [k for k in kinds if k in USER_KINDS]
+    plan = []
+    for kind in kinds:
+        subject, value = _subject(rng, kind), _value(rng, kind)
+        role = "user" if kind in USER_KINDS else "assistant"
+        at = _host(rng, msgs, role, 0.02, plant_within, used)
+        statement, question = _hard_fact(kind, subject, value)
+        msgs[at] = {**msgs[at], "content": f"{msgs[at]['content']} {statement}"}
+        q = {"question": question, "answer": value, "evidence": [at], "fact": statement, "kind": kind, "role": role}
+        if users and kind == users[0] and kind in ("parking", "name", "code", "date", "place"):
+            new = _value(rng, kind, avoid=value)
+            fix = _host(rng, msgs, "user", plant_within, 0.5, used)
+            sent = _correction(kind, subject, new)
+            msgs[fix] = {**msgs[fix], "content": f"{msgs[fix]['content']} {sent}"}
+            q.update(answer=new, evidence=[fix], fact=sent, corrected=value)
+        elif len(users) > 1 and kind == users[1]:
+            other = rng.choice([r for r in RELATIONS if r != subject])
+            d_at = _host(rng, msgs, "user", 0.02, 0.5, used)
+            d_sent, _ = _hard_fact(kind, subject if kind != "parking" else "car", _value(rng, kind, avoid=value),
+                                   who=f"my {other}'s")
+            msgs[d_at] = {**msgs[d_at], "content": f"{msgs[d_at]['content']} {d_sent}"}
+            q["distractor"] = d_sent
+        plan.append(q)
+    # asked at several depths: spread over the second half of the conversation, each after its evidence
+    n = len(msgs)
+    depths = [0.55 + 0.45 * k / max(1, len(plan) - 1) for k in range(len(plan))]
+    rng.shuffle(depths)
+    for q, d in zip(plan, depths):
+        after = max(int(round((n - 1) * d)), q["evidence"][0] + 2)
+        after = min(n - 1, after + (after % 2 == 0))  # end on an assistant message: the question is the next user turn
+        q["after"], q["depth"] = after, round(d, 2)
+    return [{k: q[k] for k in ("after", "question", "answer", "evidence", "fact", "kind", "role", "depth")
+             if k in q} | {k: q[k] for k in ("corrected", "distractor") if k in q} for q in plan]
 
 
 def question_messages(conv: dict, q: dict) -> list[dict]:
@@ -120,7 +248,8 @@ def figures(conversations: list[dict], per_question: list[dict], per_turn: list[
         q = conv["questions"][r["question_index"]]
         prompt, ans = r["prompt"].lower(), q["answer"].lower()
         a_p += ans in prompt
-        e_p += all(conv["messages"][i]["content"].lower() in prompt for i in q["evidence"])
+        e_p += (q["fact"].lower() in prompt if q.get("fact") else
+                all(conv["messages"][i]["content"].lower() in prompt for i in q["evidence"]))
         a_r += ans in r["reply"].lower()
     sent = per_question + list(per_turn or [])
     qtok = sum(r["prompt_tokens"] for r in per_question)

@@ -11,10 +11,11 @@ the messages after it up to the next user message: the reply, tool calls and the
   latest turn alone exceed the budget :class:`ContextBudgetError` says both numbers;
 * ``summary``: as ``last``, plus a summary of the turns that left, written by the engine itself and
   placed right after the system message (appended to its text, or as a system message of its own);
-* ``memory``: as ``last``; turns that leave are stored in the session's vector memory
-  (:mod:`kvkeeper.sessions.memory`) and, for each new user message, the most similar stored turns
-  (cosine similarity of sentence embeddings at or above a threshold, plus the best lexical BM25 match
-  for names and numbers) are placed in a memory block at the head of the latest user message;
+* ``memory``: as ``last``; turns that leave are stored sentence by sentence in the session's memory
+  (:mod:`kvkeeper.sessions.memory`) and, for each new user message, the best stored sentences (embedding
+  similarity and BM25 fused by reciprocal rank; a correction ahead of what it corrects) are placed in a
+  memory block at the head of the latest user message, one ``[turn N] role: sentence`` line each, in the
+  order they were said;
 * ``hybrid``: summary plus memory plus the turns that fit, chosen by *semantic pruning*: when the prompt would
   exceed the budget, the middle turns least similar to the latest user message (cosine of their embeddings)
   leave first, ``every`` at a time, never the latest turn nor a turn with an unanswered tool call; those that
@@ -72,8 +73,9 @@ class ContextSpec:
 
     policy: one of :data:`POLICIES`.  budget: prompt tokens (None only with ``full``).  every: turns leave
     at least this many at a time (1: exactly as many as must).  summary_tokens: the longest summary
-    (tokens).  memory_top_k: stored turns retrieved by similarity; memory_threshold: the least cosine
-    similarity (-1..1) a retrieved turn needs; memory_share: the fraction of the budget the memory block
+    (tokens).  memory_top_k: stored sentences retrieved (the best of the fused ranking, as many as fit the
+    memory block); memory_threshold: the cosine floor (-1..1) below which a sentence is clearly unrelated for the
+    embedding ranking (BM25 matches still count); memory_share: the fraction of the budget the memory block
     may take.  Raises :class:`InvalidRequestError` (``param`` ``context_policy`` or ``context_budget``).
     """
 
@@ -81,8 +83,8 @@ class ContextSpec:
     budget: int | None = None
     every: int = 4
     summary_tokens: int = 96
-    memory_top_k: int = 3
-    memory_threshold: float = 0.35
+    memory_top_k: int = 8
+    memory_threshold: float = 0.25
     memory_share: float = 0.25
 
     def __post_init__(self):
@@ -221,6 +223,11 @@ def with_summary(head: list[dict], summary: str) -> list[dict]:
         first = head[0]
         return [{**first, "content": f"{first.get('content') or ''}\n\n{block}"}] + list(head[1:])
     return [{"role": "system", "content": block}] + list(head)
+
+
+def memory_lines(hits: list[tuple[int, str]]) -> str:
+    """The memory block's lines, ``[turn N] role: sentence`` for each (turn index, ``"role: sentence"``) hit."""
+    return "\n".join(f"[turn {i}] {text}" for i, text in hits)
 
 
 def with_memory(turn: list[dict], block: str) -> list[dict]:
@@ -372,15 +379,14 @@ class ContextPlanner:
         if self.memory is None or not query.strip():
             return "", []
         hits = self._timed(self.memory.search, query, self.tenant, sp.memory_top_k, sp.memory_threshold)
-        hits.sort()
-        lines, idx = [], []
+        chosen: list[tuple[int, str]] = []  # best first, while the block fits its share of the budget
         cap = int(sp.budget * sp.memory_share)
-        for i, text in hits:
-            cand = lines + [text]
-            if self.count([{"role": "user", "content": "\n---\n".join(cand)}]) > cap:
+        for hit in hits:
+            if self.count([{"role": "user", "content": memory_lines(chosen + [hit])}]) > cap:
                 break
-            lines, idx = cand, idx + [i]
-        return "\n---\n".join(lines), idx
+            chosen.append(hit)
+        chosen.sort(key=lambda h: h[0])  # in the order they were said, each line naming its turn
+        return memory_lines(chosen), sorted({i for i, _ in chosen})
 
     def _assemble(self, head, summary, kept, block) -> tuple[list[dict], int, str, str]:
         """Head + summary + kept turns (memory block in the newest); drops the block, then the summary, when

