@@ -52,16 +52,23 @@ def _spin(cpu: int) -> None:
         pass
 
 
-def _measure(eng, threads: int, n_decode: int, prompt: list[int]) -> dict:
+def _decode_tok_s(eng, n_decode: int) -> float:
+    """Single-stream greedy decode speed (tokens/s) after a short warm-up, each in its own namespace."""
     from kvkeeper import SamplingParams
 
-    torch.set_num_threads(threads)
     greedy = SamplingParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True)
     eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                  namespace=eng.isolated_namespace())  # warm
     t = time.perf_counter()
     eng.generate([[11, 12, 13]], greedy, namespace=eng.isolated_namespace())
-    decode = n_decode / (time.perf_counter() - t)
+    return n_decode / (time.perf_counter() - t)
+
+
+def _measure(eng, threads: int, n_decode: int, prompt: list[int]) -> dict:
+    from kvkeeper import SamplingParams
+
+    torch.set_num_threads(threads)
+    decode = _decode_tok_s(eng, n_decode)
     t = time.perf_counter()
     eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), namespace=eng.isolated_namespace())
     prefill = len(prompt) / (time.perf_counter() - t)
@@ -109,16 +116,11 @@ def _one_cpu_child(model: str | None, threads: int | None, n_decode: int, reps: 
     """In a spawned child pinned to CPU 0 before torch is imported: decode and turn-10 TTFT (``threads``: the
     engine's ``num_threads``; None: its own choice)."""
     os.sched_setaffinity(0, {0})
-    from kvkeeper import LLMEngine, SamplingParams
+    from kvkeeper import LLMEngine
 
     eng = LLMEngine(model, max_model_len=4096, num_kv_blocks=256, num_threads=threads)
     chosen = torch.get_num_threads()
-    greedy = SamplingParams(max_tokens=n_decode, temperature=0.0, ignore_eos=True)
-    eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                 namespace=eng.isolated_namespace())  # warm
-    t = time.perf_counter()
-    eng.generate([[11, 12, 13]], greedy, namespace=eng.isolated_namespace())
-    decode = n_decode / (time.perf_counter() - t)
+    decode = _decode_tok_s(eng, n_decode)
     turns = _demo_turns()
     sessions, s = _session_to_turn9(eng, turns)
     q.put({"threads_requested": threads, "threads_chosen": chosen, "decode_tok_s": decode,
