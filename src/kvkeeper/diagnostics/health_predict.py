@@ -235,7 +235,7 @@ class LstmPredictor(Predictor):
     def __init__(self, model: LstmAttention | None = None, info: dict | None = None, confirm: int = 2):
         if model is None:
             model, info = load_lstm()
-        self.model, self.info, self.confirm = model, info, confirm
+        self.net, self.info, self.confirm = model, info, confirm
         self.window: deque = deque(maxlen=info["window"])
         self._run = 0
 
@@ -244,7 +244,7 @@ class LstmPredictor(Predictor):
             return None
         with torch.inference_mode():
             x = torch.tensor([list(self.window)], dtype=torch.float32)
-            return float(torch.sigmoid(self.model(x))[0])
+            return float(torch.sigmoid(self.net(x))[0])
 
     def update(self, sample: dict) -> Forecast:
         self.window.append(features(sample, self.info["ttft_objective_s"]))

@@ -19,7 +19,9 @@ order, giving each ``escalate_after_s`` seconds to work before the next:
 
 Fragmentation alone (usage below its threshold) never escalates past compaction: the
 breaker compacts again every ``escalate_after_s`` instead, since offloading sessions or
-refusing new ones would not defragment anything.
+refusing new ones would not defragment anything.  Usage still at ``recover_usage`` or more
+``escalate_after_s`` after compaction (idle sessions hold it) moves on to the offload tier, never
+further, so that the breaker can close.
 
 The breaker closes (back to tier 0: new sessions admitted, no trimming) once usage is
 below ``recover_usage`` and the fragmentation rate below ``recover_frag`` for
@@ -219,7 +221,12 @@ class CircuitBreaker:
             else:
                 self._calm_since = None
                 if now - self._tier_at >= self.config.escalate_after_s:
-                    self._relieve(st, now)
+                    if self.tier == 1 and st.usage >= self.config.recover_usage:
+                        # compaction frees no owned block: idle sessions' KV keeps usage over the recovery
+                        # level, and without the offload tier the breaker would stay tripped for as long as they do
+                        self._apply(2, st, now)
+                    else:
+                        self._relieve(st, now)
         return st
 
     def _heed_early_warning(self, st, now: float) -> None:

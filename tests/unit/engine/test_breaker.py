@@ -348,3 +348,58 @@ def test_fragmentation_alone_recompacts_and_never_escalates():
         assert br.tier == 1 and not br.degraded
     assert calls == ["compact"] * 4
     br.check_new_session("new")  # admitted
+
+
+def test_tier_one_moves_on_to_offload_when_idle_sessions_hold_usage_over_recovery():
+    """Tripped at tier 1 with usage between the recovery and trip levels (idle sessions hold it, compaction frees
+    nothing): after ``escalate_after_s`` the breaker offloads (tier 2), never degrades, and closes once usage is
+    calm (a scripted engine; before, it stayed at tier 1 for as long as the sessions held their KV)."""
+    from types import SimpleNamespace
+
+    from kvkeeper.kvcache.telemetry import PoolStats
+
+    def stats(owned):
+        return PoolStats(num_blocks=100, block_size=16, free=100 - owned, cached=0, owned=owned, offloaded=0,
+                         owned_slots=owned * 16, used_slots=owned * 16, largest_free_run=100 - owned,
+                         largest_owned_run=owned, internal=0.0, external=0.0, pool_rate=0.0, usage=owned / 100)
+
+    state = {"owned": 88}
+    calls = []
+
+    class Scripted:
+        pool = SimpleNamespace(num_blocks=100)
+        step_hooks: list = []
+
+        def pool_stats(self):
+            return stats(state["owned"])
+
+        def compact(self):
+            calls.append("compact")
+            return {"evicted": 0, "moved": 0}
+
+    class ScriptedSessions:
+        admission = None
+        store = SimpleNamespace(stats=lambda: {"offloaded_bytes": {"host": 1}})
+
+        def __iter__(self):
+            return iter([])
+
+        def offload_idle(self, n, tier="host"):
+            calls.append(("offload", n))
+            state["owned"] -= n
+            return n
+
+    clock = Clock()
+    br = CircuitBreaker(Scripted(), ScriptedSessions(), BreakerConfig(escalate_after_s=1.0, cooldown_s=1.0,
+                                                                      recover_usage=0.8), clock=clock)
+    br.tier, br.trips, br._tier_at = 1, 1, 0.0  # tripped earlier; usage has since fallen under the trip level
+    clock.t = 0.5
+    br.evaluate(force=True)
+    assert br.tier == 1 and calls == []  # compaction gets its escalate_after_s
+    clock.t = 1.0
+    br.evaluate(force=True)
+    assert br.tier == 2 and calls == [("offload", 88 - 79)] and state["owned"] == 79
+    for t in (2.0, 3.0, 4.0):
+        clock.t = t
+        br.evaluate(force=True)
+    assert br.tier == 0 and not br.degraded and [e["action"] for e in br.events][-1] == "close"

@@ -82,8 +82,10 @@ def test_figures_recomputed_from_the_saved_prompts(engine, conversations, tmp_pa
         assert saved["answer_in_prompt"] == 0.0 and saved["memory_ms_per_turn"] == 0.0
     else:  # the memory finds at least one of them
         assert saved["answer_in_prompt"] > 0.0
-    # a live conversation's turns extend each other: most prompt tokens come from the cache
-    assert saved["cached_share"] > 0.5
+    # a live conversation's turns extend each other: most prompt tokens come from the cache (measured 0.72 with
+    # "last").  The memory's block rides in the newest user message only, so the next turn, where that message is
+    # history without it, re-prefills from there (measured 0.48): a price the evaluation reports, bounded here
+    assert saved["cached_share"] > (0.6 if policy == "last" else 0.4)
 
 
 def test_cli_memory_data_and_eval(tmp_path, capsys):
