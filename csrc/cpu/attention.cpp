@@ -10,13 +10,15 @@
 //    floating-point operations, in exactly the order, that extend_attention (2b) applies to a query lane of a
 //    prefill tile: keys in chunks of 16 starting at absolute positions that are multiples of 16, each score a
 //    sequential fused multiply-add over the head dimension, the chunk's softmax update and its value sums in key
-//    order, no split of the context (one (row, KV head) is one task, computed by one thread).  A token's attention
+//    order, the context split only at fixed absolute positions (every kSegKeys = 512 keys: each segment's online
+//    softmax runs alone, the segments are combined in order by combine_segments, in both kernels).  Decode runs
+//    one task per (row, KV head, segment), so a long context still uses every thread.  A token's attention
 //    output then depends only on the keys before it, not on whether it was prefilled (in which tile, chunk or
 //    batch) or decoded, nor on the thread count: the batch-invariant approach of vLLM's batch-invariant mode and of
-//    He et al., "Defeating Nondeterminism in LLM Inference" (Thinking Machines, 2025), on CPU.  The previous
-//    kernel (flash-decoding splits combined at the end, scores summed by a lane tree) stays available with
-//    set_invariant_attention(false): faster at long contexts, but a decoded token's K/V then differs in the last
-//    bits from the same token prefilled.
+//    He et al., "Defeating Nondeterminism in LLM Inference" (Thinking Machines, 2025), on CPU, with
+//    flash-decoding's split (Dao et al., 2023) at fixed points.  The previous kernel (splits every split_blocks
+//    blocks, scores summed by a lane tree) stays available with set_invariant_attention(false); a decoded token's
+//    K/V then differs in the last bits from the same token prefilled.
 #include "common.h"
 
 namespace kvk {
@@ -102,6 +104,11 @@ KVK_AVX512 inline __m512 transpose_reduce16(const __m512* a) {
 }
 
 constexpr int MAXG = 16;   // query heads per KV head
+constexpr int MAXDV_DEC = 16;  // head_dim / 16 at most
+// Invariant attention splits a query's keys at these absolute positions (multiples of 16): each segment's online
+// softmax runs alone and the segments are combined in order (flash-decoding's split, at fixed points, so that decode
+// can run a long context's segments in parallel and still match prefill bit for bit).
+constexpr int64_t kSegKeys = 512;
 
 // One query (D floats, not scaled) over keys [lo, hi) of KV head h, portable code: an online softmax key by key
 // (Milakov & Gimelshein, 2018) in key order.  Both kernels' portable paths call it, so that a token's result does
@@ -151,16 +158,29 @@ KVK_AVX512 inline void kv_chunk_to_f32(const void* k, const void* v, const uint1
   }
 }
 
+// Permute indices of transpose16's four stages (b = 8, 4, 2, 1), computed at compile time.
+struct TransposeIdx {
+  alignas(64) int32_t lo[4][16];
+  alignas(64) int32_t hi[4][16];
+};
+constexpr TransposeIdx make_transpose_idx() {
+  TransposeIdx t{};
+  int s = 0;
+  for (int b = 8; b >= 1; b /= 2, ++s)
+    for (int j = 0; j < 16; ++j) {
+      t.lo[s][j] = (j & b) == 0 ? j : 16 + j - b;
+      t.hi[s][j] = (j & b) == 0 ? j + b : 16 + j;
+    }
+  return t;
+}
+constexpr TransposeIdx kTransposeIdx = make_transpose_idx();
+
 // Transposes 16 rows of 16 floats in place (r[i] lane j <-> r[j] lane i): four stages, each swapping the
 // off-diagonal b x b sub-blocks of every 2b x 2b block (b = 8, 4, 2, 1).
 KVK_AVX512 inline void transpose16(__m512* r) {
-  for (int b = 8; b >= 1; b /= 2) {
-    alignas(64) int32_t i1[16], i2[16];
-    for (int j = 0; j < 16; ++j) {
-      i1[j] = (j & b) == 0 ? j : 16 + j - b;
-      i2[j] = (j & b) == 0 ? j + b : 16 + j;
-    }
-    const __m512i x1 = _mm512_load_si512(i1), x2 = _mm512_load_si512(i2);
+  int s = 0;
+  for (int b = 8; b >= 1; b /= 2, ++s) {
+    const __m512i x1 = _mm512_load_si512(kTransposeIdx.lo[s]), x2 = _mm512_load_si512(kTransposeIdx.hi[s]);
     for (int i = 0; i < 16; ++i) {
       if (i & b) continue;
       const __m512 lo = _mm512_permutex2var_ps(r[i], x1, r[i + b]);
@@ -170,28 +190,25 @@ KVK_AVX512 inline void transpose16(__m512* r) {
   }
 }
 
-// Invariant decode (see the top of this file): one query token of row b, the G query heads of KV head h, with
-// extend_item_avx512's operations for one query lane, keys in 16-key chunks from an absolute multiple of 16.
-// q (B, H, D) is multiplied by a.qscale here (as extend multiplies its q by the softmax scale); writes out (B, H, D).
+// Invariant decode (see the top of this file): one query token of row b, the G query heads of KV head h, over
+// the keys [k_from, k_to) of one segment (k_from a multiple of 16), with extend_item_avx512's operations for one
+// query lane, keys in 16-key chunks from an absolute multiple of 16.  q (B, H, D) is multiplied by a.qscale here
+// (as extend multiplies its q by the softmax scale).  Writes the segment's unnormalized outputs po (G, D), running
+// maxima pm (G) and sums pl (G) for combine_segments.
 template <int G_, int DV>
-KVK_AVX512 void decode_item_invariant(const AttnArgs& a, int64_t b, int64_t h, float* out) {
+KVK_AVX512 void decode_item_invariant(const AttnArgs& a, int64_t b, int64_t h, int64_t k_from, int64_t k_to,
+                                      float* pm, float* pl, float* po) {
   constexpr int64_t D = 16 * DV;
   constexpr int64_t G = G_;
   const int64_t H = a.H;
-  const int64_t ctx = a.ctx[b];
-  float* dst = out + (b * H + h * G) * D;
-  if (ctx <= 0) {
-    std::fill(dst, dst + G * D, 0.f);
-    return;
-  }
-  const int64_t lo = first_key(a, ctx), kbeg = lo - lo % 16;
+  const int64_t ctx = k_to;
+  const int64_t lo = first_key(a, a.ctx[b]), kbeg = k_from;
   const int64_t* bt = a.bt + b * a.W;
   const float ninf = -std::numeric_limits<float>::infinity();
   alignas(64) float qs[G_][D];
   alignas(64) float O[G_][D];
   alignas(64) float Kf[2][16][D];  // two chunks at a time: their 2G score chains interleave
   alignas(64) float Vf[2][16][D];
-  alignas(64) float P[16];
   float m[G_], l[G_];
   for (int64_t g = 0; g < G; ++g) {
     const float* src = a.q + (b * H + h * G + g) * D;
@@ -236,40 +253,76 @@ KVK_AVX512 void decode_item_invariant(const AttnArgs& a, int64_t b, int64_t h, f
       const __mmask16 vis = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(n[c]))) &
                             _mm512_cmpge_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0))),
                                                     _mm512_set1_epi32(static_cast<int>(lo)));
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 S = _mm512_mask_mov_ps(_mm512_set1_ps(ninf), vis, acc[c][g]);
-        alignas(64) float sc[16];
-        _mm512_store_ps(sc, S);
-        float bm = sc[0];  // MAXPS order, as extend's running maximum over the chunk's keys
-        for (int64_t t = 1; t < n[c]; ++t) bm = bm > sc[t] ? bm : sc[t];
-        const float mnew = m[g] > bm ? m[g] : bm;
-        const float msafe = mnew != ninf ? mnew : 0.f;
-        const float alpha = m[g] != ninf ? _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[g] - msafe))) : 0.f;
+      // The G heads' chains are independent: each loop below runs them side by side (t outer, g inner) so that
+      // their latencies overlap; every chain keeps extend's operations in extend's order (key order), so the
+      // result is the same bit for bit as one head at a time.
+      alignas(64) float sc[G_][16];
+      for (int g = 0; g < G_; ++g) _mm512_store_ps(sc[g], _mm512_mask_mov_ps(_mm512_set1_ps(ninf), vis, acc[c][g]));
+      float bm[G_];  // MAXPS order, as extend's running maximum over the chunk's keys
+      for (int g = 0; g < G_; ++g) bm[g] = sc[g][0];
+      for (int64_t t = 1; t < n[c]; ++t)
+        for (int g = 0; g < G_; ++g) bm[g] = bm[g] > sc[g][t] ? bm[g] : sc[g][t];
+      alignas(64) float dm[16] = {0.f};
+      float msafe[G_], alpha[G_];
+      for (int g = 0; g < G_; ++g) {
+        const float mnew = m[g] > bm[g] ? m[g] : bm[g];
+        msafe[g] = mnew != ninf ? mnew : 0.f;
+        dm[g] = m[g] - msafe[g];
+      }
+      alignas(64) float ex[16];  // exp512 works lane by lane: one call gives every head's alpha
+      _mm512_store_ps(ex, exp512(_mm512_load_ps(dm)));
+      alignas(64) float PP[G_][16];
+      for (int g = 0; g < G_; ++g) {
+        alpha[g] = m[g] != ninf ? ex[g] : 0.f;
+        const __m512 S = _mm512_load_ps(sc[g]);
         const __mmask16 live = _mm512_cmp_ps_mask(S, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
-        _mm512_store_ps(P, _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(S, _mm512_set1_ps(msafe)))));
-        float sum = 0.f;
-        for (int64_t t = 0; t < n[c]; ++t) sum = sum + P[t];
-        l[g] = l[g] * alpha + sum;
-        m[g] = mnew;
-        __m512 o[DV];
-        const __m512 av = _mm512_set1_ps(alpha);
-        for (int dv = 0; dv < DV; ++dv) o[dv] = _mm512_mul_ps(_mm512_load_ps(&O[g][16 * dv]), av);
-        for (int64_t t = 0; t < n[c]; ++t) {
-          const __m512 pt = _mm512_set1_ps(P[t]);
-          for (int dv = 0; dv < DV; ++dv) o[dv] = _mm512_fmadd_ps(pt, _mm512_load_ps(&Vf[c][t][16 * dv]), o[dv]);
+        _mm512_store_ps(PP[g], _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(S, _mm512_set1_ps(msafe[g])))));
+      }
+      float sum[G_];
+      for (int g = 0; g < G_; ++g) sum[g] = 0.f;
+      for (int64_t t = 0; t < n[c]; ++t)
+        for (int g = 0; g < G_; ++g) sum[g] = sum[g] + PP[g][t];
+      for (int g = 0; g < G_; ++g) {
+        l[g] = l[g] * alpha[g] + sum[g];
+        m[g] = m[g] > bm[g] ? m[g] : bm[g];
+      }
+      // O[g] = O[g] * alpha + sum_t P[g][t] V[t], in groups of heads x dims that fit the registers
+      constexpr int VB = (G_ * DV <= 24) ? DV : (24 / G_ >= 1 ? 24 / G_ : 1);
+      for (int dv0 = 0; dv0 < DV; dv0 += VB) {
+        constexpr int NB = VB;
+        const int nb = dv0 + NB <= DV ? NB : DV - dv0;
+        __m512 o[G_][NB];
+        for (int g = 0; g < G_; ++g) {
+          const __m512 av = _mm512_set1_ps(alpha[g]);
+          for (int j = 0; j < NB; ++j)
+            if (j < nb) o[g][j] = _mm512_mul_ps(_mm512_load_ps(&O[g][16 * (dv0 + j)]), av);
         }
-        for (int dv = 0; dv < DV; ++dv) _mm512_store_ps(&O[g][16 * dv], o[dv]);
+        for (int64_t t = 0; t < n[c]; ++t) {
+          __m512 vv[NB];
+          for (int j = 0; j < NB; ++j)
+            if (j < nb) vv[j] = _mm512_load_ps(&Vf[c][t][16 * (dv0 + j)]);
+          for (int g = 0; g < G_; ++g) {
+            const __m512 pt = _mm512_set1_ps(PP[g][t]);
+            for (int j = 0; j < NB; ++j)
+              if (j < nb) o[g][j] = _mm512_fmadd_ps(pt, vv[j], o[g][j]);
+          }
+        }
+        for (int g = 0; g < G_; ++g)
+          for (int j = 0; j < NB; ++j)
+            if (j < nb) _mm512_store_ps(&O[g][16 * (dv0 + j)], o[g][j]);
       }
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.f / l[g];
-    for (int64_t d = 0; d < D; ++d) dst[g * D + d] = O[g][d] * inv;
+    pm[g] = m[g], pl[g] = l[g];
+    for (int64_t d = 0; d < D; ++d) po[g * D + d] = O[g][d];
   }
 }
 
-KVK_AVX512 void decode_item_invariant_dispatch(const AttnArgs& a, int64_t b, int64_t h, float* out) {
-#define KVK_DEC_CASE(GG, DDV) if (a.G == GG && a.D == 16 * DDV) return decode_item_invariant<GG, DDV>(a, b, h, out);
+KVK_AVX512 void decode_item_invariant_dispatch(const AttnArgs& a, int64_t b, int64_t h, int64_t k_from,
+                                               int64_t k_to, float* pm, float* pl, float* po) {
+#define KVK_DEC_CASE(GG, DDV) \
+  if (a.G == GG && a.D == 16 * DDV) return decode_item_invariant<GG, DDV>(a, b, h, k_from, k_to, pm, pl, po);
   KVK_DEC_CASE(1, 4) KVK_DEC_CASE(2, 4) KVK_DEC_CASE(3, 4) KVK_DEC_CASE(4, 4)
   KVK_DEC_CASE(1, 8) KVK_DEC_CASE(2, 8) KVK_DEC_CASE(4, 8) KVK_DEC_CASE(8, 8)
   KVK_DEC_CASE(1, 2) KVK_DEC_CASE(2, 2) KVK_DEC_CASE(4, 2) KVK_DEC_CASE(5, 4) KVK_DEC_CASE(6, 4)
@@ -407,6 +460,56 @@ KVK_AVX512 void attn_item_avx512_dispatch(const AttnArgs& a, const WorkItem& it,
   }
 }
 
+// A segment's weight per lane in the combine: exp(m_s - M), 0 where the segment saw no key (m_s = -inf).
+KVK_AVX512 inline __m512 seg_weight(__m512 ms, __m512 M, __m512 ninf) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ms, ninf, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(ms, M)));
+}
+
+struct InvItem {
+  int64_t b, h, k_from, k_to;  // batch row, KV head, keys [k_from, k_to) of one segment
+};
+
+struct InvScratch {
+  std::vector<InvItem> items;
+  std::vector<int64_t> first;  // (B * KVH + 1): the first item of each (row, KV head)
+  std::vector<float> pm, pl, po;
+};
+
+// One query head's result from its ns segments' partials (maxima pm, sums pl, unnormalized outputs po (D) at
+// strides sm, so): extend_item_avx512's combine for one query lane, the same operations in the same order (weights
+// exp(m_s - M), zero for a segment without a visible key; sums and outputs accumulated in segment order from zero;
+// one reciprocal of the sum).  A single segment is normalized directly: its weight exp512(0) is exactly 1, so the
+// combine would give the same bits.
+KVK_AVX512 void combine_segments(int64_t ns, const float* pm, const float* pl, const float* po, int64_t sm,
+                                 int64_t so, int64_t D, float* dst) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  if (ns == 1) {
+    const float inv = 1.f / pl[0];
+    for (int64_t d = 0; d < D; ++d) dst[d] = po[d] * inv;
+    return;
+  }
+  float M = ninf;
+  for (int64_t i = 0; i < ns; ++i) M = M > pm[i * sm] ? M : pm[i * sm];
+  __m512 L = _mm512_setzero_ps();
+  __m512 O[MAXDV_DEC];
+  const int64_t DV = D / 16;
+  for (int64_t dv = 0; dv < DV; ++dv) O[dv] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < ns; ++i) {
+    const float m = pm[i * sm];
+    const float w = m != ninf ? _mm512_cvtss_f32(exp512(_mm512_set1_ps(m - M))) : 0.f;
+    const __m512 wv = _mm512_set1_ps(w);
+    L = _mm512_add_ps(L, _mm512_mul_ps(_mm512_set1_ps(pl[i * sm]), wv));
+    for (int64_t dv = 0; dv < DV; ++dv)
+      O[dv] = _mm512_add_ps(O[dv], _mm512_mul_ps(_mm512_loadu_ps(po + i * so + 16 * dv), wv));
+  }
+  const float inv = 1.f / _mm512_cvtss_f32(L);
+  alignas(64) float tmp[16];
+  for (int64_t dv = 0; dv < DV; ++dv) {
+    _mm512_store_ps(tmp, O[dv]);
+    for (int d = 0; d < 16; ++d) dst[16 * dv + d] = tmp[d] * inv;
+  }
+}
+
 struct AttnScratch {
   std::vector<WorkItem> items;
   std::vector<int64_t> first;
@@ -416,29 +519,67 @@ struct AttnScratch {
 
 // Decode attention of B sequences (a.q pre-scaled) into out (B, H, D) float32.
 void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* out) {
-  if (g_invariant) {  // one task per (row, KV head), the prefill kernel's arithmetic (see the top of this file)
+  if (g_invariant) {  // one task per (row, KV head, segment), the prefill kernel's arithmetic (top of this file)
     const bool fast = use_avx512() && extend_fast(a.G, a.D) && a.G <= MAXG;
-    // a short step runs on the calling thread (waking the pool costs more than it saves there); either way each
-    // (row, KV head) is computed whole by one thread, so the result does not depend on this choice
     int64_t keys = 0;
     for (int64_t b = 0; b < B; ++b) keys += a.ctx[b];
+    if (!fast) {  // portable: one (row, KV head) a task, key by key (the prefill kernel's portable routine)
+      const auto task = [&](int64_t i) {
+        const int64_t b = i / a.KVH, h = i % a.KVH, ctx = a.ctx[b];
+        for (int64_t g = 0; g < a.G; ++g) {
+          const int64_t hq = h * a.G + g;
+          attend_query_generic(a.q + (b * a.H + hq) * a.D, a.qscale, a.k, a.v, a.ks, a.vs, a.kind, a.bt + b * a.W,
+                               a.BS, a.KVH, h, a.D, first_key(a, ctx), ctx, out + (b * a.H + hq) * a.D);
+        }
+      };
+      if (keys * a.H < 8192) {
+        for (int64_t i = 0; i < B * a.KVH; ++i) task(i);
+      } else {
+        parallel_tasks(B * a.KVH, task);
+      }
+      return;
+    }
+    thread_local InvScratch scratch;
+    InvScratch& s = scratch;  // the calling thread's (a thread_local named in the task would be the worker's own)
+    const int64_t G = a.G, D = a.D, KVH = a.KVH;
+    s.items.clear();
+    s.first.assign(B * KVH + 1, 0);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t ctx = a.ctx[b], lo = first_key(a, ctx), kbeg = lo - lo % 16;
+      for (int64_t h = 0; h < KVH; ++h) {
+        s.first[b * KVH + h] = static_cast<int64_t>(s.items.size());
+        for (int64_t k0 = kbeg; k0 < ctx; k0 = (k0 / kSegKeys + 1) * kSegKeys)
+          s.items.push_back({b, h, k0, std::min(ctx, (k0 / kSegKeys + 1) * kSegKeys)});
+      }
+    }
+    s.first[B * KVH] = static_cast<int64_t>(s.items.size());
+    const int64_t NI = static_cast<int64_t>(s.items.size());
+    s.pm.resize(NI * G);
+    s.pl.resize(NI * G);
+    s.po.resize(NI * G * D);
     const auto task = [&](int64_t i) {
-      const int64_t b = i / a.KVH, h = i % a.KVH;
-      if (fast) {
-        decode_item_invariant_dispatch(a, b, h, out);
-        return;
-      }
-      const int64_t ctx = a.ctx[b];
-      for (int64_t g = 0; g < a.G; ++g) {
-        const int64_t hq = h * a.G + g;
-        attend_query_generic(a.q + (b * a.H + hq) * a.D, a.qscale, a.k, a.v, a.ks, a.vs, a.kind, a.bt + b * a.W,
-                             a.BS, a.KVH, h, a.D, first_key(a, ctx), ctx, out + (b * a.H + hq) * a.D);
-      }
+      const InvItem& it = s.items[i];
+      decode_item_invariant_dispatch(a, it.b, it.h, it.k_from, it.k_to, s.pm.data() + i * G, s.pl.data() + i * G,
+                                     s.po.data() + i * G * D);
     };
+    // a short step runs on the calling thread (waking the pool costs more than it saves there); the segments are
+    // fixed by absolute key positions, so the result does not depend on this choice nor on the thread count
     if (keys * a.H < 8192) {
-      for (int64_t i = 0; i < B * a.KVH; ++i) task(i);
+      for (int64_t i = 0; i < NI; ++i) task(i);
     } else {
-      parallel_tasks(B * a.KVH, task);
+      parallel_tasks(NI, task);
+    }
+    for (int64_t bh = 0; bh < B * KVH; ++bh) {
+      const int64_t b = bh / KVH, h = bh % KVH, i0 = s.first[bh], ns = s.first[bh + 1] - i0;
+      for (int64_t g = 0; g < G; ++g) {
+        float* dst = out + (b * a.H + h * G + g) * D;
+        if (ns == 0) {
+          std::fill(dst, dst + D, 0.f);
+          continue;
+        }
+        combine_segments(ns, s.pm.data() + i0 * G + g, s.pl.data() + i0 * G + g, s.po.data() + (i0 * G + g) * D,
+                         G, G * D, D, dst);
+      }
     }
     return;
   }
@@ -595,7 +736,24 @@ KVK_AVX512 void extend_item_avx512(const ExtendArgs& a, const ExtendItem& it) {
   const __m512i qposv = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(qpos0)), lane);
   const int64_t* bt = a.bt + it.span * a.W;
   const __m512i lastv = _mm512_add_epi32(qposv, _mm512_set1_epi32(static_cast<int>(1 - a.window)));  // window
+  // the finished segments' states (kSegKeys, see combine_segments): per segment m (G, 16), l (G, 16), Ot (G, D, 16)
+  thread_local std::vector<float> segs;
+  constexpr int64_t PER = G_ * (2 + D) * 16;
+  int64_t nseg = 0;
   for (int64_t k0 = kbeg; k0 < kend; k0 += 16) {
+    if (k0 > kbeg && k0 % kSegKeys == 0) {  // a segment ends: keep its state, start the next from scratch
+      segs.resize((nseg + 1) * PER);
+      float* sp = segs.data() + nseg * PER;
+      for (int g = 0; g < G_; ++g) {
+        _mm512_storeu_ps(sp + g * 16, m[g]);
+        _mm512_storeu_ps(sp + (G_ + g) * 16, l[g]);
+        std::memcpy(sp + 2 * G_ * 16 + g * D * 16, &Ot[g][0][0], sizeof(float) * D * 16);
+        m[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        l[g] = _mm512_setzero_ps();
+        for (int d = 0; d < D; ++d) _mm512_store_ps(Ot[g][d], _mm512_setzero_ps());
+      }
+      ++nseg;
+    }
     // 16 keys (or fewer) from one or two blocks
     const int64_t n = std::min<int64_t>(16, kend - k0);
     kv_chunk_to_f32(a.k, a.v, a.ks, a.vs, a.kind, bt, BS, KVH, it.h, D, k0, n, &Kf[0][0], &Vf[0][0]);
@@ -664,6 +822,31 @@ KVK_AVX512 void extend_item_avx512(const ExtendArgs& a, const ExtendItem& it) {
       }
       for (int g = 0; g < G_; ++g)
         for (int dd = 0; dd < 8; ++dd) _mm512_store_ps(Ot[g][d0 + dd], o[g][dd]);
+    }
+  }
+  if (nseg > 0) {  // combine the segments per query lane, in segment order (decode's combine_segments, lane by lane)
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int g = 0; g < G_; ++g) {
+      __m512 M = m[g];
+      for (int64_t i = 0; i < nseg; ++i) M = _mm512_max_ps(M, _mm512_loadu_ps(segs.data() + i * PER + g * 16));
+      __m512 L = _mm512_setzero_ps();
+      for (int64_t i = 0; i < nseg; ++i) {
+        const float* sp = segs.data() + i * PER;
+        L = _mm512_add_ps(L, _mm512_mul_ps(_mm512_loadu_ps(sp + (G_ + g) * 16),
+                                           seg_weight(_mm512_loadu_ps(sp + g * 16), M, ninf)));
+      }
+      const __m512 wcur = seg_weight(m[g], M, ninf);
+      L = _mm512_add_ps(L, _mm512_mul_ps(l[g], wcur));
+      for (int d = 0; d < D; ++d) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nseg; ++i) {
+          const float* sp = segs.data() + i * PER;
+          acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(sp + 2 * G_ * 16 + (g * D + d) * 16),
+                                                 seg_weight(_mm512_loadu_ps(sp + g * 16), M, ninf)));
+        }
+        _mm512_store_ps(Ot[g][d], _mm512_add_ps(acc, _mm512_mul_ps(_mm512_load_ps(Ot[g][d]), wcur)));
+      }
+      l[g] = L;
     }
   }
   // normalize and write the tile's rows back

@@ -296,6 +296,36 @@ def test_decode_attention_is_batch_invariant(kernels):
     assert torch.equal(cpu_attention.decode_attention(q[:1], c_k, m_one, 0.125)[0], whole[0])
 
 
+@pytest.mark.parametrize("kv", ["bfloat16", "float32"])
+@pytest.mark.parametrize("window", [0, 100, 512, 700])
+@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (4, 1, 256), (8, 2, 128)], ids=["G3-D64", "G4-D256", "G4-D128"])
+def test_invariant_decode_equals_prefill_bit_for_bit_across_segments(kernels, H, KVH, D, window, kv):
+    """Issue 26: a query decoded over its cached keys gives the bits the prefill kernel gave the same query in a
+    1,100-token span, at positions on and around the fixed split points (every 512 keys), with and without a
+    sliding window, and whether the decode runs on one thread or on the pool (one row vs a batch of them)."""
+    assert kernels.invariant_attention()
+    n, bs = 1100, 16
+    q, k, v, _, cache, _, meta = kernel_check.random_step([(n, n)], H, KVH, D, bs, kv, torch.float32, "cpu",
+                                                          seed=H + D + window)
+    meta.window = window or None
+    pre = cpu_attention.paged_attention(q, k, v, cache, meta, D**-0.5)  # writes the span's K/V, then attends
+    table = meta.prefills[0].block_table
+    positions = [0, 15, 16, 500, 511, 512, 513, 700, 1023, 1024, 1025, 1099]
+    rows = torch.tensor(positions)
+    batch = kernel_check.AttentionMetadata(slot_mapping=torch.zeros(len(rows), dtype=torch.int64),
+                                           decode_indices=torch.arange(len(rows)),
+                                           decode_block_tables=table.expand(len(rows), -1).contiguous(),
+                                           decode_context_lens=rows + 1, window=window or None)
+    together = cpu_attention.decode_attention(q[rows], cache, batch, D**-0.5)
+    for i, p in enumerate(positions):
+        one = kernel_check.AttentionMetadata(slot_mapping=torch.zeros(1, dtype=torch.int64),
+                                             decode_indices=torch.tensor([0]), decode_block_tables=table[None],
+                                             decode_context_lens=torch.tensor([p + 1]), window=window or None)
+        alone = cpu_attention.decode_attention(q[p: p + 1], cache, one, D**-0.5)[0]
+        assert torch.equal(alone, pre[p]), f"position {p}: max difference {float((alone - pre[p]).abs().max())}"
+        assert torch.equal(together[i], pre[p]), f"position {p} in a batch"
+
+
 def test_start_up_check_catches_a_wrong_kernel(kernels, monkeypatch):
     """The mixed step of the check goes through the prefill kernel, the decode-only one through decode."""
     err = kernel_check.self_check(9, 3, 64, "int8", torch.float32, "cpu", 16, backend="cpu")

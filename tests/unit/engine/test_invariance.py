@@ -113,6 +113,35 @@ def test_turns_equal_recompute_whatever_the_split(eng, chunk, threads, companion
         _conversation(other, eng, 3, companions)
 
 
+LONG = ("The archive keeps every letter the harbour master wrote between 1881 and 1907, sorted by ship and by "
+        "cargo, with a note on the weather of each day. ") * 25
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_across_segment_boundaries_equals_prefill(eng, threads):
+    """A turn whose decode crosses the invariant kernels' fixed split points (every 512 keys: decode runs a long
+    context's segments in parallel and combines them, prefill combines the same segments) keeps the KV and logprobs
+    of the same ids prefilled, bit for bit: the prompt ends a few tokens before 1,024 keys, 24 tokens are decoded."""
+    sessions = SessionManager(eng)
+    s = sessions.open()
+    ids = eng.encode_chat([{"role": "user", "content": LONG}])
+    assert 1024 - 40 < len(ids) < 1024 - 4, len(ids)  # the decoded tokens cross key 1,024
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    try:
+        with _threads(threads):
+            seq = s.begin_turn(messages=[{"role": "user", "content": LONG}], params=params)
+            eng.run_until_done([seq])
+        out = eng.generate([list(seq.token_ids[: seq.num_prompt_tokens])], params,
+                           namespace=eng.isolated_namespace())[0]
+        assert list(seq.output_token_ids) == out.token_ids and seq.logprobs == out.logprobs
+        kept, _ = dump_session(sessions, s.id)
+        fresh, _ = dump_prompt(eng, list(s.kv.token_ids[: s.kv.num_computed]), namespace=eng.isolated_namespace())
+        assert s.kv.num_computed > 1024
+        _equal_dumps(kept, fresh)
+    finally:
+        s.close()
+
+
 def test_fused_and_layer_by_layer_decode_equal(eng):
     other = _engine(fused_decode=False)
     assert other.runner.fused_decode is None
