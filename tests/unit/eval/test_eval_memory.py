@@ -22,17 +22,17 @@ KEYS = {"policy", "budget", "replay", "questions", "turns", "answer_in_prompt", 
 @pytest.fixture(scope="module")
 def conversations(engine):
     count = lambda t: len(engine.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
-    return generate(load_dialogues(SOURCE), 2, 1500, count, seed=7, facts=2)
+    return generate(load_dialogues(SOURCE), 1, 1200, count, seed=7, facts=2)
 
 
 def test_generator_is_seeded_and_plants_answerable_facts(engine, conversations):
     count = lambda t: len(engine.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
-    assert generate(load_dialogues(SOURCE), 2, 1500, count, seed=7, facts=2) == conversations
-    assert generate(load_dialogues(SOURCE), 2, 1500, count, seed=8, facts=2) != conversations
+    assert generate(load_dialogues(SOURCE), 1, 1200, count, seed=7, facts=2) == conversations
+    assert generate(load_dialogues(SOURCE), 1, 1200, count, seed=8, facts=2) != conversations
     for c in conversations:
         msgs = c["messages"]
         assert [m["role"] for m in msgs] == ["user", "assistant"] * (len(msgs) // 2)
-        assert len(engine.encode_chat(msgs)) >= 1500
+        assert len(engine.encode_chat(msgs)) >= 1200
         for q in c["questions"]:
             ev = msgs[q["evidence"][0]]
             assert ev["role"] == "user" and q["answer"] in ev["content"]

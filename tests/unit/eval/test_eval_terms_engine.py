@@ -17,7 +17,7 @@ from tests.utils import paths
 pytestmark = pytest.mark.slow
 
 DATA = paths.DATA / "wmt21_terminology_enfr" / "dev.en-fr.terms.jsonl"
-MAX_TOKENS = 20
+MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
