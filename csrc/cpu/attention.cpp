@@ -287,9 +287,8 @@ KVK_AVX512 void decode_item_invariant(const AttnArgs& a, int64_t b, int64_t h, i
         m[g] = m[g] > bm[g] ? m[g] : bm[g];
       }
       // O[g] = O[g] * alpha + sum_t P[g][t] V[t], in groups of heads x dims that fit the registers
-      constexpr int VB = (G_ * DV <= 24) ? DV : (24 / G_ >= 1 ? 24 / G_ : 1);
-      for (int dv0 = 0; dv0 < DV; dv0 += VB) {
-        constexpr int NB = VB;
+      constexpr int NB = (G_ * DV <= 24) ? DV : 24 / G_;  // G_ <= 8: at least 3 dims at a time
+      for (int dv0 = 0; dv0 < DV; dv0 += NB) {
         const int nb = dv0 + NB <= DV ? NB : DV - dv0;
         __m512 o[G_][NB];
         for (int g = 0; g < G_; ++g) {
@@ -495,9 +494,8 @@ KVK_AVX512 void combine_segments(int64_t ns, const float* pm, const float* pl, c
   const int64_t DV = D / 16;
   for (int64_t dv = 0; dv < DV; ++dv) O[dv] = _mm512_setzero_ps();
   for (int64_t i = 0; i < ns; ++i) {
-    const float m = pm[i * sm];
-    const float w = m != ninf ? _mm512_cvtss_f32(exp512(_mm512_set1_ps(m - M))) : 0.f;
-    const __m512 wv = _mm512_set1_ps(w);
+    const __m512 wv = _mm512_set1_ps(
+        _mm512_cvtss_f32(seg_weight(_mm512_set1_ps(pm[i * sm]), _mm512_set1_ps(M), _mm512_set1_ps(ninf))));
     L = _mm512_add_ps(L, _mm512_mul_ps(_mm512_set1_ps(pl[i * sm]), wv));
     for (int64_t dv = 0; dv < DV; ++dv)
       O[dv] = _mm512_add_ps(O[dv], _mm512_mul_ps(_mm512_loadu_ps(po + i * so + 16 * dv), wv));
@@ -507,6 +505,18 @@ KVK_AVX512 void combine_segments(int64_t ns, const float* pm, const float* pl, c
   for (int64_t dv = 0; dv < DV; ++dv) {
     _mm512_store_ps(tmp, O[dv]);
     for (int d = 0; d < 16; ++d) dst[16 * dv + d] = tmp[d] * inv;
+  }
+}
+
+// The invariant decode's n tasks: on the calling thread for a short step (work: keys x query heads under 8192;
+// waking the pool costs more than it saves there), else on the pool.  Each task's result is fixed by absolute key
+// positions, so it does not depend on this choice nor on the thread count.
+template <class F>
+void run_invariant_tasks(int64_t work, int64_t n, F&& task) {
+  if (work < 8192) {
+    for (int64_t i = 0; i < n; ++i) task(i);
+  } else {
+    parallel_tasks(n, task);
   }
 }
 
@@ -532,11 +542,7 @@ void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* ou
                                a.BS, a.KVH, h, a.D, first_key(a, ctx), ctx, out + (b * a.H + hq) * a.D);
         }
       };
-      if (keys * a.H < 8192) {
-        for (int64_t i = 0; i < B * a.KVH; ++i) task(i);
-      } else {
-        parallel_tasks(B * a.KVH, task);
-      }
+      run_invariant_tasks(keys * a.H, B * a.KVH, task);
       return;
     }
     thread_local InvScratch scratch;
@@ -562,13 +568,7 @@ void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* ou
       decode_item_invariant_dispatch(a, it.b, it.h, it.k_from, it.k_to, s.pm.data() + i * G, s.pl.data() + i * G,
                                      s.po.data() + i * G * D);
     };
-    // a short step runs on the calling thread (waking the pool costs more than it saves there); the segments are
-    // fixed by absolute key positions, so the result does not depend on this choice nor on the thread count
-    if (keys * a.H < 8192) {
-      for (int64_t i = 0; i < NI; ++i) task(i);
-    } else {
-      parallel_tasks(NI, task);
-    }
+    run_invariant_tasks(keys * a.H, NI, task);
     for (int64_t bh = 0; bh < B * KVH; ++bh) {
       const int64_t b = bh / KVH, h = bh % KVH, i0 = s.first[bh], ns = s.first[bh + 1] - i0;
       for (int64_t g = 0; g < G; ++g) {
@@ -826,23 +826,25 @@ KVK_AVX512 void extend_item_avx512(const ExtendArgs& a, const ExtendItem& it) {
   }
   if (nseg > 0) {  // combine the segments per query lane, in segment order (decode's combine_segments, lane by lane)
     const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    thread_local std::vector<float> w;  // each finished segment's weight (16 lanes), computed once per head
+    w.resize(nseg * 16);
     for (int g = 0; g < G_; ++g) {
       __m512 M = m[g];
       for (int64_t i = 0; i < nseg; ++i) M = _mm512_max_ps(M, _mm512_loadu_ps(segs.data() + i * PER + g * 16));
       __m512 L = _mm512_setzero_ps();
       for (int64_t i = 0; i < nseg; ++i) {
         const float* sp = segs.data() + i * PER;
-        L = _mm512_add_ps(L, _mm512_mul_ps(_mm512_loadu_ps(sp + (G_ + g) * 16),
-                                           seg_weight(_mm512_loadu_ps(sp + g * 16), M, ninf)));
+        const __m512 wi = seg_weight(_mm512_loadu_ps(sp + g * 16), M, ninf);
+        _mm512_storeu_ps(w.data() + i * 16, wi);
+        L = _mm512_add_ps(L, _mm512_mul_ps(_mm512_loadu_ps(sp + (G_ + g) * 16), wi));
       }
       const __m512 wcur = seg_weight(m[g], M, ninf);
       L = _mm512_add_ps(L, _mm512_mul_ps(l[g], wcur));
       for (int d = 0; d < D; ++d) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t i = 0; i < nseg; ++i) {
-          const float* sp = segs.data() + i * PER;
-          acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(sp + 2 * G_ * 16 + (g * D + d) * 16),
-                                                 seg_weight(_mm512_loadu_ps(sp + g * 16), M, ninf)));
+          const float* ot = segs.data() + i * PER + 2 * G_ * 16 + (g * D + d) * 16;
+          acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(ot), _mm512_loadu_ps(w.data() + i * 16)));
         }
         _mm512_store_ps(Ot[g][d], _mm512_add_ps(acc, _mm512_mul_ps(_mm512_load_ps(Ot[g][d]), wcur)));
       }

@@ -97,6 +97,41 @@ class Clock:
         return self.t
 
 
+def _scripted(stats, calls: list, moved: int = 0, on_offload=None):
+    """A scripted engine and session manager for the breaker: ``stats()`` -> the PoolStats each check reads;
+    compaction and offloads are recorded in ``calls`` ("compact", then ("offload", n) or "offload" without
+    ``on_offload``); ``on_offload(n)`` applies an offload of n blocks to the script."""
+    from types import SimpleNamespace
+
+    class Scripted:
+        pool = SimpleNamespace(num_blocks=100)
+        step_hooks: list = []
+
+        def pool_stats(self):
+            return stats()
+
+        def compact(self):
+            calls.append("compact")
+            return {"evicted": 0, "moved": moved}
+
+    class ScriptedSessions:
+        admission = None
+        store = SimpleNamespace(stats=lambda: {"offloaded_bytes": {"host": 1}})
+
+        def __iter__(self):
+            return iter([])
+
+        def offload_idle(self, n, tier="host"):
+            if on_offload is None:
+                calls.append("offload")
+            else:
+                calls.append(("offload", n))
+                on_offload(n)
+            return n
+
+    return Scripted(), ScriptedSessions()
+
+
 def test_tiers_trip_in_order_refuse_sessions_and_close_again(folder):
     eng = make_engine(str(folder), num_kv_blocks=40, block_size=4, validate_every=1, max_num_batched_tokens=64)
     low = sessions_of(eng).open(system="Low priority.")
@@ -305,43 +340,18 @@ def test_tripped_breaker_compacts_again_when_fragmentation_sits_between_its_leve
 def test_fragmentation_alone_recompacts_and_never_escalates():
     """A pool that churn keeps fragmenting at low usage gets compaction again, never offload or refusals
     (a scripted engine: the pool reads fragmented at every check)."""
-    from types import SimpleNamespace
-
     from kvkeeper.kvcache.telemetry import PoolStats
 
     frag = PoolStats(num_blocks=100, block_size=16, free=60, cached=0, owned=40, offloaded=0, owned_slots=640,
                      used_slots=600, largest_free_run=10, largest_owned_run=8, internal=0.06, external=0.8,
                      pool_rate=0.8, usage=0.4)
     calls = []
-
-    class Scripted:
-        pool = SimpleNamespace(num_blocks=100)
-        step_hooks: list = []
-
-        def pool_stats(self):
-            return frag
-
-        def compact(self):
-            calls.append("compact")
-            return {"evicted": 0, "moved": 30}
-
-    class ScriptedSessions:
-        admission = None
-
-        def __iter__(self):
-            return iter([])
-
-        def offload_idle(self, n, tier="host"):
-            calls.append("offload")
-            return n
-
     clock = Clock()
-    idle = CircuitBreaker(Scripted(), ScriptedSessions(), BreakerConfig(escalate_after_s=1.0), clock=clock)
+    idle = CircuitBreaker(*_scripted(lambda: frag, calls, moved=30), BreakerConfig(escalate_after_s=1.0), clock=clock)
     idle.evaluate(force=True)  # usage 0.4, under the default frag_min_usage (0.5): fragmentation does not count
     assert idle.tier == 0 and idle.trips == 0 and calls == []
-    Scripted.step_hooks = []
-    br = CircuitBreaker(Scripted(), ScriptedSessions(), BreakerConfig(escalate_after_s=1.0, frag_min_usage=0.3),
-                        clock=clock)
+    br = CircuitBreaker(*_scripted(lambda: frag, calls, moved=30), BreakerConfig(escalate_after_s=1.0,
+                                                                                  frag_min_usage=0.3), clock=clock)
     for t in (0.0, 1.0, 2.0, 3.0):
         clock.t = t
         br.evaluate(force=True)
@@ -354,11 +364,10 @@ def test_tier_one_moves_on_to_offload_when_idle_sessions_hold_usage_over_recover
     """Tripped at tier 1 with usage between the recovery and trip levels (idle sessions hold it, compaction frees
     nothing): after ``escalate_after_s`` the breaker offloads (tier 2), never degrades, and closes once usage is
     calm (a scripted engine; before, it stayed at tier 1 for as long as the sessions held their KV)."""
-    from types import SimpleNamespace
-
     from kvkeeper.kvcache.telemetry import PoolStats
 
-    def stats(owned):
+    def stats():
+        owned = state["owned"]
         return PoolStats(num_blocks=100, block_size=16, free=100 - owned, cached=0, owned=owned, offloaded=0,
                          owned_slots=owned * 16, used_slots=owned * 16, largest_free_run=100 - owned,
                          largest_owned_run=owned, internal=0.0, external=0.0, pool_rate=0.0, usage=owned / 100)
@@ -366,32 +375,12 @@ def test_tier_one_moves_on_to_offload_when_idle_sessions_hold_usage_over_recover
     state = {"owned": 88}
     calls = []
 
-    class Scripted:
-        pool = SimpleNamespace(num_blocks=100)
-        step_hooks: list = []
-
-        def pool_stats(self):
-            return stats(state["owned"])
-
-        def compact(self):
-            calls.append("compact")
-            return {"evicted": 0, "moved": 0}
-
-    class ScriptedSessions:
-        admission = None
-        store = SimpleNamespace(stats=lambda: {"offloaded_bytes": {"host": 1}})
-
-        def __iter__(self):
-            return iter([])
-
-        def offload_idle(self, n, tier="host"):
-            calls.append(("offload", n))
-            state["owned"] -= n
-            return n
+    def offload(n):
+        state["owned"] -= n
 
     clock = Clock()
-    br = CircuitBreaker(Scripted(), ScriptedSessions(), BreakerConfig(escalate_after_s=1.0, cooldown_s=1.0,
-                                                                      recover_usage=0.8), clock=clock)
+    br = CircuitBreaker(*_scripted(stats, calls, on_offload=offload),
+                        BreakerConfig(escalate_after_s=1.0, cooldown_s=1.0, recover_usage=0.8), clock=clock)
     br.tier, br.trips, br._tier_at = 1, 1, 0.0  # tripped earlier; usage has since fallen under the trip level
     clock.t = 0.5
     br.evaluate(force=True)
