@@ -425,28 +425,34 @@ def test_each_logprobs_field_keeps_its_own_count(client):
     assert all(t in top and len(top) <= 2 for t, top in zip(s.tokens, s.top_logprobs))
 
 
-def test_prompt_logprobs_independent_of_the_cache(client):
-    prompt = "The history of cartography spans many centuries, from clay tablets to satellite images. " * 3
-    salt = {"cache_salt": f"plp-{uuid.uuid4().hex}"}
+def test_prompt_logprobs_independent_of_the_cache(tmp_path):
+    # On the default path (GGUF blocks in place, bf16 KV) every kernel route is batch invariant, so the logprobs of
+    # a prompt are equal bit for bit cold, after a prefix hit and batched with other prompts.  The module's server
+    # runs the float32 path (the suite's default), whose GEMM is torch's: its rounding depends on the number of
+    # rows in the batch on some CPUs (seen on an Intel Xeon with MKL: 3.05e-5 on these logprobs), as documented.
+    with running_server(tmp_path / "server.log", "--threads", "2", "--max-model-len", "1024",
+                        "--quantization", "gguf") as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+        prompt = "The history of cartography spans many centuries, from clay tablets to satellite images. " * 3
+        salt = {"cache_salt": f"plp-{uuid.uuid4().hex}"}
 
-    def score():
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
-                                      extra_body={"prompt_logprobs": 2, **salt})
-        plp = r.choices[0].model_extra["prompt_logprobs"]
-        assert plp[0] is None and len(plp) == r.usage.prompt_tokens
-        return [(k, v["logprob"], v["rank"]) for d in plp[1:] for k, v in sorted(d.items())]
+        def score():
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 2, **salt})
+            plp = r.choices[0].model_extra["prompt_logprobs"]
+            assert plp[0] is None and len(plp) == r.usage.prompt_tokens
+            return [(k, v["logprob"], v["rank"]) for d in plp[1:] for k, v in sorted(d.items())]
 
-    cold = score()
-    warm_up = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=salt)
-    assert warm_up.usage.prompt_tokens_details.cached_tokens > 0  # the prefix is in the cache now
-    warm = score()
-    with cf.ThreadPoolExecutor(4) as ex:  # batched with each other and with another prompt, in any order
-        other = ex.submit(lambda: client.completions.create(model=MODEL, prompt="Other words " * 40, max_tokens=8))
-        batched = list(ex.map(lambda _: score(), range(3)))
-        other.result()
+        cold = score()
+        warm_up = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=salt)
+        assert warm_up.usage.prompt_tokens_details.cached_tokens > 0  # the prefix is in the cache now
+        warm = score()
+        with cf.ThreadPoolExecutor(4) as ex:  # batched with each other and with another prompt, in any order
+            other = ex.submit(lambda: client.completions.create(model=MODEL, prompt="Other words " * 40, max_tokens=8))
+            batched = list(ex.map(lambda _: score(), range(3)))
+            other.result()
     for got in [warm] + batched:
-        assert [x[0] for x in got] == [x[0] for x in cold] and [x[2] for x in got] == [x[2] for x in cold]
-        assert max(abs(a[1] - b[1]) for a, b in zip(got, cold)) <= 1e-5
+        assert got == cold  # token ids, logprobs (bit for bit) and ranks
 
 
 # ---- access log, gauges ---------------------------------------------------------------------------------
