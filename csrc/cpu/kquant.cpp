@@ -34,12 +34,13 @@
 // unpacked ("KU" below: codes as unsigned bytes 0..63, the scales spread to 16-bit lanes, the mins, d and
 // dmin) into a per-thread scratch in L1.  For Q4_K/Q5_K the activation bytes are stored in the order the
 // nibbles come out of a 64-byte load (sub-blocks 0,2 | 1,3 | 4,6 | 5,7), so unpacking is a mask and a shift.
-//  * decode (a task with fewer than 16 activation rows): row by row, each super-block unpacked into registers,
-//    VPMADDUBSW (u8 codes x s8 activations
-//    -> int16 pairs, no saturation since 2 * 63 * 127 < 32767) then VPDPWSSD (AVX512-VNNI: the pairs times
-//    the 16-bit scales, summed in int32), one integer horizontal sum per super-block, whose float step
-//    (d, dmin, the activation scale) is the one the prefill tiles take in their lanes; up to 4 activation rows
-//    share each unpacked block.
+//  * decode (a task with at most 4 activation rows): the task's 16 weight rows in lanes (kq_rows16_t): each row's
+//    super-block unpacked into registers, VPMADDUBSW (u8 codes x s8 activations -> int16 pairs, no saturation
+//    since 2 * 63 * 127 < 32767) then VPDPWSSD (AVX512-VNNI: the pairs times the 16-bit scales, summed in int32),
+//    and one transpose-and-add tree per super-block gives the 16 rows' exact integer sums in lanes, whose float
+//    step (d, dmin, the activation scale) is the prefill tiles' own, lane for lane.  Against the earlier row by
+//    row kernel (two horizontal sums and a scalar float step per row and super-block) a Q4_K GEMV of 8192 x 2048
+//    in cache went from 10.9 to 14.0 GB/s on one thread (Intel Xeon, 2026-12-06).
 //  * prefill: the unpacked rows of a 16-row tile are interleaved per 4 positions ("KT"), so that one
 //    VPDPBUSD multiplies 4 codes of each of the 16 rows by 4 activation bytes broadcast from memory, the 16
 //    int32 lanes being the 16 output rows: a scale group (32 positions for Q4_K/Q5_K, 16 for Q6_K) sums in
@@ -515,71 +516,11 @@ KQ_AVX512 void ku_dot_avx512(const KU* w, int64_t nsb, const Act& a, int64_t m0,
   }
 }
 
-// Decode: a weight row's super-blocks unpacked into registers and used at once against R activation rows (the
-// integers and float steps of unpack_avx512 + ku_dot_avx512, without the trip through the scratch).
-template <int R, int64_t TYPE>
-KQ_AVX512 void row_dot_avx512_t(const uint8_t* row, const SbConst& k, int64_t nsb, const Act& a, int64_t m0,
-                                float* out) {
-  const int64_t K = a.K, nb = K / QK_K;
-  __m128 acc[R];
-  for (int m = 0; m < R; ++m) acc[m] = _mm_setzero_ps();
-  const int8_t* xq = a.q.data() + m0 * K;
-  const int16_t* bs = a.bs.data() + m0 * (K / 16);
-  const float* dx = a.d.data() + m0 * nb;
-  SbRegs u;
-  for (int64_t s = 0; s < nsb; ++s) {
-    sb_regs_t<TYPE>(row + s * k.sbb, k, u);
-#pragma GCC unroll 4
-    for (int m = 0; m < R; ++m) {
-      const int8_t* x = xq + m * K + s * QK_K;
-      __m512i P = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c)
-        P = _mm512_dpwssd_epi32(P, _mm512_maddubs_epi16(u.q[c], _mm512_loadu_si512(x + 64 * c)), u.sc[c]);
-      const __m256i mi = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + m * (K / 16) + s * 16)), u.mn);
-      acc[m] = sb_step(acc[m], _mm512_reduce_add_epi32(P), _mm512_reduce_add_epi32(_mm512_zextsi256_si512(mi)),
-                       u.d, u.dmin, dx[m * nb + s]);
-    }
-  }
-  for (int m = 0; m < R; ++m) out[m] = _mm_cvtss_f32(acc[m]);
-}
-
 // Software prefetch distance of decode, in weight rows: the mapped file's pages are 4 KB, at whose boundaries the
-// hardware prefetcher stops; 32 rows ahead (36 KB of Q4_K at K = 2,048; the next tasks' rows, which the other
+// hardware prefetcher stops; 32 rows ahead (spread over the task's super-blocks) (36 KB of Q4_K at K = 2,048; the next tasks' rows, which the other
 // threads take, included) measured best with 2 threads on the 1.7B shape: a decode step's products 58-82 -> 35-41 ms
 // (16 rows: 35-72, 64: 35-37, none: 48-82 ms; one thread: no change, it is compute-bound there).
 constexpr int64_t KQ_PF_ROWS = 32;
-
-template <int64_t TYPE>
-KQ_AVX512 void row_dot_task_t(const uint8_t* w, int64_t rb, const SbConst& k, int64_t n0, int64_t n1, const Act& a,
-                              int64_t m0, int mr, float* y, int64_t N) {
-  const int64_t nsb = a.K / QK_K;
-  float out[MR];
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * rb;
-    {  // the row KQ_PF_ROWS ahead (past the matrix's end a prefetch is a no-op hint, never a fault)
-      const uint8_t* pf = row + KQ_PF_ROWS * rb;
-      for (int64_t off = 0; off < rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + off), _MM_HINT_T0);
-    }
-    switch (mr) {
-      case 1: row_dot_avx512_t<1, TYPE>(row, k, nsb, a, m0, out); break;
-      case 2: row_dot_avx512_t<2, TYPE>(row, k, nsb, a, m0, out); break;
-      case 3: row_dot_avx512_t<3, TYPE>(row, k, nsb, a, m0, out); break;
-      default: row_dot_avx512_t<4, TYPE>(row, k, nsb, a, m0, out); break;
-    }
-    for (int i = 0; i < mr; ++i) y[(m0 + i) * N + n] = out[i];
-  }
-}
-
-// Rows n0..n1 of W against activation rows m0..m0+mr (mr <= MR) into y (M, N).
-KQ_AVX512 void row_dot_task_avx512(const uint8_t* w, int64_t rb, int64_t type, int64_t n0, int64_t n1, const Act& a,
-                                   int64_t m0, int mr, float* y, int64_t N) {
-  const SbConst k = sb_const(type);
-  switch (type) {
-    case T_Q4_K: row_dot_task_t<T_Q4_K>(w, rb, k, n0, n1, a, m0, mr, y, N); break;
-    case T_Q5_K: row_dot_task_t<T_Q5_K>(w, rb, k, n0, n1, a, m0, mr, y, N); break;
-    default: row_dot_task_t<T_Q6_K>(w, rb, k, n0, n1, a, m0, mr, y, N); break;
-  }
-}
 
 // ---------------------------------------------------------------------------------------------------
 // Prefill tiles (AVX-512): 16 weight rows interleaved per 4 positions, so that one VPDPBUSD multiplies 4
@@ -922,6 +863,150 @@ KQ_AVX512 void rows16_dot_avx512(const uint8_t* w, int64_t rb, int nrows, int64_
   }
 }
 
+// Decode over K-quants (AVX-512), 16 weight rows in lanes, as the Q8_0 rows above: per super-block each row is
+// unpacked into registers (sb_regs_t) and meets the activation rows; its 16 int32 lanes of VPDPWSSD sums are folded
+// to 8 and put beside the 8 lanes of its min products, and one transpose-and-add tree (sum16_halves) turns the 16
+// rows' vectors into the rows' exact integer sums (lane r = row r): `tot` and `mins`, the same integers as the
+// row path's horizontal sums.  The float step is then the prefill tiles' (tile_dot_avx512_t), lane for lane, so the
+// outputs are those of the tiles bit for bit.  Against the row path this drops two horizontal sums and the scalar
+// float step per row and super-block, the mins' permute (Q4_K/Q5_K: m_j against the pair sums of the bsums) and
+// the scalar unpacking of the 6-bit scales.  d and dmin of the 16 rows come through one gather per super-block.
+//
+// The scales and mins of a Q4_K/Q5_K super-block as 16-bit lanes: 0-7 the sub-blocks' scales, 8-15 their mins
+// (scale_min_words in SIMD: the 12 bytes at b + 4 loaded with 4 more, which are codes and ignored).
+KQ_AVX512 inline __m256i k4_scales16(const uint8_t* b) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // dwords a0, a1, a2, (codes)
+  const __m128i t = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+  const __m128i lo = _mm_and_si128(t, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i u = _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2);
+  const __m128i hi = _mm_and_si128(u, _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  // dwords: scales 0-3, scales 4-7, mins 0-3, mins 4-7
+  return _mm256_cvtepu8_epi16(_mm_or_si128(lo, hi));
+}
+
+template <int R, int64_t TYPE>
+KQ_AVX512 void kq_rows16_t(const uint8_t* w, int64_t rb, int nrows, const SbConst& k, const Act& a, int64_t m0,
+                           float* y, int64_t N, int64_t n0, const uint8_t* pf, int64_t pf_bytes) {
+  constexpr bool K4 = TYPE == T_Q4_K || TYPE == T_Q5_K;
+  const int64_t K = a.K, nsb = K / QK_K, sbb = k.sbb;
+  const __mmask16 live = static_cast<__mmask16>((1u << nrows) - 1u);
+  const __m512i ridx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int32_t>(rb)));
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  // Q4_K/Q5_K: d and dmin are the block's first dword; Q6_K: d is the high half of the dword at 206
+  constexpr int64_t doff = K4 ? 0 : 206;
+  const int8_t* xq = a.q.data() + m0 * K;
+  const int16_t* bs = a.bs.data() + m0 * (K / 16);
+  const float* dx = a.d.data() + m0 * nsb;
+  __m512 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();
+  alignas(64) __m512i V[R][16];
+  for (int m = 0; m < R; ++m)
+    for (int r = nrows; r < 16; ++r) V[m][r] = _mm512_setzero_si512();
+  // the rows the next tasks take, a share per super-block
+  const int64_t lines = pf_bytes / 64, per = (lines + nsb - 1) / nsb;
+  for (int64_t s = 0; s < nsb; ++s) {
+    for (int64_t l = s * per; l < std::min(lines, (s + 1) * per); ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(pf + 64 * l), _MM_HINT_T0);
+    // per activation row: its 16 bsums (Q6_K: against the 16 groups' mins) or, for Q4_K/Q5_K, the 8 pair sums in
+    // lanes 8-15 beside zeros (madd with the scales|mins vector: lanes 4-7 are the mins' products)
+    __m256i B[R];
+    for (int m = 0; m < R; ++m) {
+      const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + m * (K / 16) + s * 16));
+      if constexpr (K4) {
+        const __m256i pairs = _mm256_madd_epi16(b16, _mm256_set1_epi16(1));  // 8 int32, |.| <= 4064
+        const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+        B[m] = _mm256_inserti128_si256(_mm256_setzero_si256(), p16, 1);
+      } else {
+        B[m] = b16;
+      }
+    }
+    for (int r = 0; r < nrows; ++r) {
+      const uint8_t* b = w + r * rb + s * sbb;
+      __m512i q[4], sc[4];
+      __m256i mn;
+      if constexpr (K4) {
+        const __m256i v16 = k4_scales16(b);
+        const __m512i v = _mm512_zextsi256_si512(v16);
+        for (int c = 0; c < 4; ++c) sc[c] = _mm512_permutexvar_epi16(k.ix[c], v);
+        mn = v16;
+        constexpr int64_t qoff = TYPE == T_Q4_K ? 16 : 48;
+        const __m512i a0 = _mm512_loadu_si512(b + qoff), a1 = _mm512_loadu_si512(b + qoff + 64);
+        q[0] = _mm512_and_si512(a0, k.low4);
+        q[1] = _mm512_and_si512(_mm512_srli_epi16(a0, 4), k.low4);
+        q[2] = _mm512_and_si512(a1, k.low4);
+        q[3] = _mm512_and_si512(_mm512_srli_epi16(a1, 4), k.low4);
+        if constexpr (TYPE == T_Q5_K) {
+          const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+          for (int c = 0; c < 4; ++c)
+            q[c] = _mm512_mask_add_epi8(q[c], _mm512_test_epi8_mask(H, k.hb[c]), q[c], k.sixteen);
+        }
+      } else {
+        SbRegs u;
+        sb_regs_t<T_Q6_K>(b, k, u);
+        for (int c = 0; c < 4; ++c) q[c] = u.q[c], sc[c] = u.sc[c];
+        mn = u.mn;
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < R; ++m) {
+        const int8_t* x = xq + m * K + s * QK_K;
+        __m512i P0 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(q[0], _mm512_loadu_si512(x)), sc[0]);
+        __m512i P1 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(q[1], _mm512_loadu_si512(x + 64)), sc[1]);
+        P0 = _mm512_dpwssd_epi32(P0, _mm512_maddubs_epi16(q[2], _mm512_loadu_si512(x + 128)), sc[2]);
+        P1 = _mm512_dpwssd_epi32(P1, _mm512_maddubs_epi16(q[3], _mm512_loadu_si512(x + 192)), sc[3]);
+        const __m512i P = _mm512_add_epi32(P0, P1);
+        const __m256i P8 = _mm256_add_epi32(_mm512_castsi512_si256(P), _mm512_extracti64x4_epi64(P, 1));
+        const __m256i mi = _mm256_madd_epi16(mn, B[m]);
+        V[m][r] = _mm512_inserti64x4(_mm512_castsi256_si512(P8), mi, 1);
+      }
+    }
+    const __m512i dw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, ridx, w + s * sbb + doff, 1);
+    __m512 D, DM;
+    if constexpr (K4) {
+      D = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(dw, low16)));
+      DM = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw, 16)));
+    } else {
+      D = DM = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw, 16)));
+    }
+    for (int m = 0; m < R; ++m) {
+      __m512i tot, mins;
+      sum16_halves(V[m], tot, mins);
+      __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(tot), D);
+      f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), DM, f);
+      acc[m] = _mm512_fmadd_ps(f, _mm512_set1_ps(dx[m * nsb + s]), acc[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, live, acc[m]);
+}
+
+template <int64_t TYPE>
+KQ_AVX512 void kq_rows16_mr(const uint8_t* w, int64_t rb, int nrows, const SbConst& k, const Act& a, int64_t m0,
+                            int mr, float* y, int64_t N, int64_t n0, const uint8_t* pf, int64_t pf_bytes) {
+  switch (mr) {
+    case 1: kq_rows16_t<1, TYPE>(w, rb, nrows, k, a, m0, y, N, n0, pf, pf_bytes); break;
+    case 2: kq_rows16_t<2, TYPE>(w, rb, nrows, k, a, m0, y, N, n0, pf, pf_bytes); break;
+    case 3: kq_rows16_t<3, TYPE>(w, rb, nrows, k, a, m0, y, N, n0, pf, pf_bytes); break;
+    default: kq_rows16_t<4, TYPE>(w, rb, nrows, k, a, m0, y, N, n0, pf, pf_bytes); break;
+  }
+}
+
+// Rows n0..n1 (at most 16) of a K-quant W against activation rows m0..m0+mr (mr <= MR) into y (M, N); the rows
+// KQ_PF_ROWS further on (the next tasks') are prefetched, within the matrix.
+KQ_AVX512 void kq_rows16_avx512(const uint8_t* w, int64_t rb, int64_t type, int64_t n0, int64_t n1, int64_t N_all,
+                                const Act& a, int64_t m0, int mr, float* y, int64_t N) {
+  const SbConst k = sb_const(type);
+  const int nrows = static_cast<int>(n1 - n0);
+  const int64_t p0 = std::min(N_all, n0 + KQ_PF_ROWS), p1 = std::min(N_all, n1 + KQ_PF_ROWS);
+  const uint8_t* pf = w + p0 * rb;
+  const int64_t pf_bytes = (p1 - p0) * rb;
+  const uint8_t* wr = w + n0 * rb;
+  switch (type) {
+    case T_Q4_K: kq_rows16_mr<T_Q4_K>(wr, rb, nrows, k, a, m0, mr, y, N, n0, pf, pf_bytes); break;
+    case T_Q5_K: kq_rows16_mr<T_Q5_K>(wr, rb, nrows, k, a, m0, mr, y, N, n0, pf, pf_bytes); break;
+    default: kq_rows16_mr<T_Q6_K>(wr, rb, nrows, k, a, m0, mr, y, N, n0, pf, pf_bytes); break;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // F16 (float fallback: no activation quantization)
 // ---------------------------------------------------------------------------------------------------
@@ -1019,7 +1104,7 @@ void run_task(const Product& p, int64_t t) {
   if (m1 - m0 <= MR) {  // decode: each super-block unpacked into registers and used at once
     const int mr = static_cast<int>(m1 - m0);
     if (fast) {
-      row_dot_task_avx512(w, rb, type, n0, n1, a, m0, mr, y, N);
+      kq_rows16_avx512(w, rb, type, n0, n1, p.N, a, m0, mr, y, N);
       return;
     }
     KU* u = room(s.ku, nsb);
