@@ -75,7 +75,9 @@ def _with_reply(messages: list[dict], reply: str, continues: bool) -> list[dict]
 class Session:
     """A multi-turn conversation on an engine, opened by :meth:`SessionManager.open`.
 
-    reuse=False makes every turn recompute the whole conversation (a baseline for tests and benchmarks).
+    reuse=False makes every turn recompute the whole conversation (a baseline for tests and benchmarks): from the
+    same prompt ids the reuse rule gives (the session's own ids plus the new text's), in a namespace of its own, so
+    that reuse on and off differ only in where the KV comes from.
     ``tenant``: the tenant owning it (None: no tenant); ``name``: its id as the tenant's client knows it
     (``id`` is the manager's key, :func:`session_key`).
     Attributes: ``messages`` (the conversation), ``turns`` (a :class:`TurnResult` per finished turn),
@@ -240,7 +242,9 @@ class Session:
         st, eng = self.kv, self.engine
         if text is None:
             return prompt  # token ids: the hand-over keeps the longest common prefix
-        extends = self.reuse and st is not None and self.text and text.startswith(self.text)
+        # the same ids with reuse off (only the KV is not handed over): re-tokenizing the history as text could give
+        # other ids than the generated ones, and "reuse off" would then compute another prompt
+        extends = st is not None and self.text and text.startswith(self.text)
         start = len(self.text) if extends else 0
         if rendered is not None:
             new = eng.encode_rendered(rendered, start)

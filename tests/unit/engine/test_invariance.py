@@ -104,6 +104,31 @@ def test_eight_turns_through_a_session_equal_recompute_bit_for_bit(eng):
     assert reused > 0  # the later turns really took the earlier turns' KV from the session
 
 
+def test_reuse_off_recomputes_the_same_ids(eng):
+    """A session with reuse=False (the baseline of the terminology evaluation) prompts each turn with the ids of
+    the reuse rule, recomputed from scratch: the same prompts, tokens and logprobs as the reusing session, turn by
+    turn (its history is not re-tokenized from text, which can split the generated tokens differently)."""
+    (a_id,) = eng.tokenizer.encode("a", add_special_tokens=False)
+    # the first reply is "a" eight times, one token each: as text, "aaaaaaaa" tokenizes into fewer, longer tokens
+    first = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, logit_bias={a_id: 100.0})
+    sessions = SessionManager(eng)
+    on, off = sessions.open(), sessions.open(reuse=False)
+    try:
+        for i, q in enumerate(QUESTIONS[:4]):
+            p = first if i == 0 else GREEDY
+            a = on.begin_turn(messages=on.messages + [{"role": "user", "content": q}], params=p)
+            b = off.begin_turn(messages=off.messages + [{"role": "user", "content": q}], params=p)
+            eng.run_until_done([a, b])
+            assert list(a.token_ids[: a.num_prompt_tokens]) == list(b.token_ids[: b.num_prompt_tokens]), f"turn {i + 1}"
+            assert list(a.output_token_ids) == list(b.output_token_ids) and a.logprobs == b.logprobs, f"turn {i + 1}"
+            assert not b.num_cached_tokens and (i == 0 or a.num_cached_tokens)
+            if i == 0:
+                assert list(a.output_token_ids) == [a_id] * 8
+    finally:
+        on.close()
+        off.close()
+
+
 @pytest.mark.parametrize("chunk,threads,companions", [(1, 2, 0), (7, 2, 0), (16, 1, 0), (512, 1, 8), (7, 2, 8)])
 def test_turns_equal_recompute_whatever_the_split(eng, chunk, threads, companions):
     """Chunked prefill of 1, 7, 16, 512 tokens, a batch of 1 or of 9 (8 other requests beside the turn), 1 or 2
