@@ -227,7 +227,8 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """Ray Serve routing stats: the prompt-block summary (at most ``summary_size`` hashes); with KV events, the
-        event endpoints, block size, base namespace and load (:func:`~kvkeeper.cluster.exact_router.replica_routing_stats`)."""
+        event endpoints, block size, base namespace and load
+        (:func:`~kvkeeper.cluster.exact_router.replica_routing_stats`)."""
         self._ensure_pusher()
         snap = getattr(self.aeng.metrics, "snapshot", None) or {}
         load = {"running": int(snap.get("num_running", 0)), "waiting": int(snap.get("num_waiting", 0)),

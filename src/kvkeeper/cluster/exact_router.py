@@ -237,7 +237,8 @@ class ClusterExactRouter:
         if d is None:
             from ..kvcache.namespace import Namespace
 
-            d = self._digests[key] = Namespace(base["model_revision"], tenant_salt=salt, kv_dtype=base["kv_dtype"]).digest
+            ns = Namespace(base["model_revision"], tenant_salt=salt, kv_dtype=base["kv_dtype"])
+            d = self._digests[key] = ns.digest
         return d
 
     def choose(self, candidates: Sequence[tuple[str, dict, int | None]], hint: dict) -> Decision | None:
