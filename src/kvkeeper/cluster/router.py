@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 TEXT_BLOCK_CHARS = 256  # characters of prompt text per routing block
 MAX_PROMPT_BLOCKS = 16  # the first blocks of a prompt that are hashed (4,096 characters)
@@ -43,6 +43,9 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 DECISIONS = Counter("kvkeeper:cluster_routing_decisions", "Requests routed to a replica, by reason: session "
                     "(consistent hash of X-Session-ID), prefix (longest cached prompt prefix), load (less loaded "
                     "of two random replicas).", ["reason"], registry=REGISTRY)
+INDEX_BLOCKS = Gauge("kvkeeper:cluster_kv_index_blocks", "KV blocks each replica's prefix cache holds as the "
+                     "token-exact router's index knows them from the replica's KV events (--kv-events-config).",
+                     ["replica"], registry=REGISTRY)
 
 
 def _h(data: bytes) -> int:
