@@ -45,9 +45,10 @@ def _unescape(field: str) -> str:
     return field
 
 
-def _own_cgroups(proc_cgroup: Path, mountinfo: Path) -> list[tuple[str, Path, Path]]:
+def own_cgroups(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO,
+                controller: str = "cpu") -> list[tuple[str, Path, Path]]:
     """(``"v2"`` or ``"v1"``, this process's cgroup folder, the hierarchy's mount point) for the unified (v2)
-    hierarchy and a v1 one with the ``cpu`` controller, each mount once.  The folder is the cgroup's path from
+    hierarchy and a v1 one with ``controller`` (``cpu``, ``memory``), each mount once.  The folder is the cgroup's path from
     ``/proc/self/cgroup`` under the mount point, less the mount's own root (a container sees its cgroup mounted
     as ``/``; a path outside the mount's root: the mount point).  Empty where the files cannot be read."""
     try:
@@ -56,7 +57,7 @@ def _own_cgroups(proc_cgroup: Path, mountinfo: Path) -> list[tuple[str, Path, Pa
     except OSError:
         return []
     v2_path = next((path for hid, ctrl, path in own if hid == "0" and ctrl == ""), None)
-    v1_path = next((path for _, ctrl, path in own if "cpu" in ctrl.split(",")), None)
+    v1_path = next((path for _, ctrl, path in own if controller in ctrl.split(",")), None)
     found: dict[Path, tuple[str, Path, Path]] = {}
     for line in mounts:  # proc(5): ID parent major:minor root mount-point options [optional...] - fstype source super
         left, sep, right = line.partition(" - ")
@@ -66,7 +67,7 @@ def _own_cgroups(proc_cgroup: Path, mountinfo: Path) -> list[tuple[str, Path, Pa
         root, point = Path(_unescape(fields[3])), Path(_unescape(fields[4]))
         if tail[0] == "cgroup2" and v2_path is not None:
             version, path = "v2", Path(v2_path)
-        elif tail[0] == "cgroup" and "cpu" in tail[2].split(",") and v1_path is not None:
+        elif tail[0] == "cgroup" and controller in tail[2].split(",") and v1_path is not None:
             version, path = "v1", Path(v1_path)
         else:
             continue
@@ -75,10 +76,18 @@ def _own_cgroups(proc_cgroup: Path, mountinfo: Path) -> list[tuple[str, Path, Pa
     return list(found.values())
 
 
+def up_to(folder: Path, top: Path) -> list[Path]:
+    """``folder`` and its ancestors up to the mount point ``top`` (a limit on any of them binds the process)."""
+    out = [folder]
+    while out[-1] != top and out[-1].parent != out[-1]:
+        out.append(out[-1].parent)
+    return out
+
+
 def cpu_cgroup_folders(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> list[tuple[str, Path]]:
     """(``"v2"`` or ``"v1"``, folder) of this process's own cgroup in each mounted hierarchy that can hold a CPU
     quota (see :func:`cgroup_cpu_limit`); empty where ``/proc`` cannot be read (not Linux)."""
-    return [(version, folder) for version, folder, _ in _own_cgroups(proc_cgroup, mountinfo)]
+    return [(version, folder) for version, folder, _ in own_cgroups(proc_cgroup, mountinfo)]
 
 
 def cgroup_cpu_limit(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> int | None:
@@ -87,16 +96,9 @@ def cgroup_cpu_limit(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = MOUNTINF
     quota or the files cannot be read.  cgroup v2 ``cpu.max`` and v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``
     alike (``docker --cpus``, systemd's ``CPUQuota=``); the JVM and Go's automaxprocs read the same files."""
     limits = []
-    for version, folder, top in _own_cgroups(proc_cgroup, mountinfo):
+    for version, folder, top in own_cgroups(proc_cgroup, mountinfo):
         read = _v2_cpus if version == "v2" else _v1_cpus
-        d = folder
-        while True:
-            cpus = read(d)
-            if cpus is not None:
-                limits.append(cpus)
-            if d == top or d.parent == d:
-                break
-            d = d.parent
+        limits += [cpus for cpus in map(read, up_to(folder, top)) if cpus is not None]
     return max(1, math.ceil(min(limits))) if limits else None
 
 
