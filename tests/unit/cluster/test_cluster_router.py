@@ -223,3 +223,23 @@ def test_affinity_waits_for_its_replica_then_offers_the_others():
     load = Decision([["a", "b"], ["c"]], "load")
     assert router._ranks(load, req, now=100.0) == [["a", "b"], ["c"]]
     assert router._ranks(Decision([["a"], ["b"]], "session"), None) == [["a"], ["b"]]
+
+
+def test_a_session_stays_home_when_a_replica_joins():
+    """Seen in CI and reproduced: the first turn reached the router while it knew one replica, the second went to
+    the ring's owner among two.  A key keeps its first replica while that replica is a candidate; the ring places
+    it again when its replica leaves; the memory is bounded."""
+    policy = Policy(max_homes=16)
+    both = [Candidate("a"), Candidate("b")]
+    keys = [k for k in (f"s{i}" for i in range(200)) if policy.ring(["a", "b"]).owner(k) == "b"][:5]
+    assert keys, "no key owned by b on the two-replica ring"
+    for k in keys:
+        assert policy.choose([Candidate("a")], session_id=k).ranks[0] == ["a"]
+    for k in keys:
+        assert policy.choose(both, session_id=k).ranks[0] == ["a"]
+        assert policy.choose(both, cache_key=k).ranks[0] == [policy.ring(["a", "b"]).owner(f"pck:{k}")]
+    assert policy.choose([Candidate("b"), Candidate("c")], session_id=keys[0]).ranks[0] == \
+        [policy.ring(["b", "c"]).owner(keys[0])]
+    for i in range(40):
+        policy.choose(both, session_id=f"other-{i}")
+    assert len(policy._homes) == 16
