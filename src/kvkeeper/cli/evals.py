@@ -52,7 +52,7 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
 
 
 def _add_intervene_parser(esub, parent: argparse.ArgumentParser) -> None:
-    from ..kvcache.intervention import POLICIES
+    from ..eval.intervention import POLICIES
 
     iv = command(esub, cmd_eval_intervene, "intervene", parents=[parent],
                  help="the published cache hotfixes (layer reset, gated refresh, LayerNorm-aware reset) measured",
@@ -223,7 +223,7 @@ def cmd_eval_intervene(args: argparse.Namespace) -> int:
     from ..eval import term_translate as TT
     from ..eval import terms as T
     from ..eval.perplexity import read_text_tokens
-    from ..kvcache.intervention import KVIntervention
+    from ..eval.intervention import KVIntervention
     from .eval_terms import DEFAULT_TERMS
 
     if args.skip_perplexity and args.skip_terms:

@@ -24,7 +24,7 @@ import torch
 
 from ..engine.sequence import Sequence
 from ..errors import InvalidRequestError
-from ..kvcache.intervention import KVIntervention, intervene
+from .intervention import KVIntervention, intervene
 from ..sampling.params import SamplingParams
 
 _CLOSERS = "\"')]\u201d\u2019"

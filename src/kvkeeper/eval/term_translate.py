@@ -172,7 +172,7 @@ class LocalTranslator:
     def _intervene(self, session, anchor: int, start: int) -> float:
         """Apply the intervention to the session's KV of ``[start, num_computed)`` (the turn just finished), the
         first ``anchor`` tokens as the fresh context; returns its milliseconds."""
-        from ..kvcache.intervention import intervene
+        from .intervention import intervene
 
         st = session.kv
         if st.num_computed <= start:

@@ -259,15 +259,20 @@ class KVStore:
 
     @classmethod
     def allocate(cls, cfg, num_blocks: int, block_size: int, fmt: KVFormat, device: torch.device | str = "cpu",
-                 window_blocks: int | None = None) -> "KVStore":
+                 window_blocks: int | None = None, num_layers: int | None = None) -> "KVStore":
         """Zeroed caches for a model: cfg a :class:`~kvkeeper.model_config.ModelConfig` (``num_layers``,
         ``kv_layout``: K and V heads, or one MLA latent row), ``num_blocks`` blocks of ``block_size`` tokens
         per layer; with ``window_blocks`` the sliding layers (``cfg.is_sliding_layer``) get that many window
-        blocks instead.  Raises ValueError for a non-positive block count or size."""
+        blocks instead.  ``num_layers``: only the model's first layers (a private cache for a forward that stops
+        there; default all).  Raises ValueError for a non-positive block count or size, or a layer count outside
+        1..cfg.num_layers."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV store needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        n = cfg.num_layers if num_layers is None else num_layers
+        if not 1 <= n <= cfg.num_layers:
+            raise ValueError(f"num_layers must be in 1..{cfg.num_layers}, got {num_layers}")
         parts, heads, dim = cfg.kv_layout
-        windowed = [bool(window_blocks) and cfg.is_sliding_layer(i) for i in range(cfg.num_layers)]
+        windowed = [bool(window_blocks) and cfg.is_sliding_layer(i) for i in range(n)]
         layers = [PagedKV(window_blocks if w else num_blocks, block_size, heads, dim, fmt, device, layer_idx=i,
                           values=parts == 2) for i, w in enumerate(windowed)]
         return cls(layers, windowed)

@@ -3,7 +3,7 @@
 Both move raw K/V between blocks through the :class:`~kvkeeper.kvcache.store.KVStore`
 (every layer) and rewrite block tables; neither changes a value (quantized blocks move with their scales).
 Call them between engine steps only.  The surgery that does change values, the cache "hotfixes" (a layer's KV of a
-finished sentence reset, refreshed or rescaled), is :mod:`kvkeeper.kvcache.intervention`.
+finished sentence reset, refreshed or rescaled), is :mod:`kvkeeper.eval.intervention`.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ import torch
 
 from ..attention.metadata import AttentionMetadata, PrefillSpan
 from ..errors import InvalidRequestError
-from .store import KVStore, PagedKV
+from ..kvcache.store import KVStore
 
 POLICIES = ("layer_reset", "gated_refresh", "ln_reset")
 
@@ -114,14 +114,13 @@ def fresh_span_kv(runner, token_ids: list[int], anchor: int, start: int, end: in
     pos = torch.cat([torch.arange(anchor), torch.arange(start, end)]).to(dev)
     P, bs = ids.numel(), runner.block_size
     nb = -(-P // bs)
-    parts, heads, dim = runner.cfg.kv_layout
+    parts = runner.cfg.kv_layout[0]
     if parts != 2:
         raise ValueError("an MLA latent cache has no separate K and V to intervene on")
     wanted = list(range(runner.cfg.num_layers)) if layers is None else sorted(layers)
     # a cache for the layers up to the deepest one wanted: the model's forward runs one layer per cache it is
     # given (zip over the layers and the caches), so the layers past it are not computed at all
-    store = KVStore([PagedKV(nb, bs, heads, dim, runner.kv_format, dev, layer_idx=i)
-                     for i in range(wanted[-1] + 1)])
+    store = KVStore.allocate(runner.cfg, nb, bs, runner.kv_format, dev, num_layers=wanted[-1] + 1)
     table = torch.arange(nb, dtype=torch.int64, device=dev)
     from ..worker.runner import StepBatch
 

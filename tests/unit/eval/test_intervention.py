@@ -1,4 +1,4 @@
-"""The cache "hotfixes" of issue 26 (kvkeeper.kvcache.intervention) on the real embedded model, default path (GGUF
+"""The cache "hotfixes" of issue 26 (kvkeeper.eval.intervention) on the real embedded model, default path (GGUF
 blocks in place, bf16 KV, the invariant C++ kernels): what each policy writes into the KV of a span, and what it
 leaves alone; the fresh recompute's positions; ``kvkeeper eval intervene`` on a tiny input."""
 
@@ -15,7 +15,7 @@ from kvkeeper.cli import main
 from kvkeeper.errors import InvalidRequestError
 from kvkeeper.eval.intervene import document_perplexity, sentence_ends
 from kvkeeper.kernels import cpu as cpu_kernels
-from kvkeeper.kvcache.intervention import KVIntervention, fresh_span_kv, intervene
+from kvkeeper.eval.intervention import KVIntervention, fresh_span_kv, intervene
 
 from tests.utils.engines import make_engine
 
