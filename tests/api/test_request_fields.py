@@ -112,9 +112,10 @@ def test_every_field_is_applied_or_refused(server):
             if name in IMPLEMENTED:
                 continue
             assert name in REFUSED, f"{name} is neither implemented nor refused"
-            err = _error(httpx.post(server + path, json={**base, name: NOT_NOOP[name]}, timeout=30))
+            err = _error(httpx.post(server + path, json={**base, name: NOT_NOOP[name]}, timeout=120))
             assert err["param"] == name and "not supported" in err["message"], err
-            assert httpx.post(server + path, json={**base, name: REFUSED[name][0][-1]}, timeout=60).status_code == 200
+            assert httpx.post(server + path, json={**base, name: REFUSED[name][0][-1]},
+                              timeout=180).status_code == 200  # bounds, not timings: a loaded CI machine
     err = _error(httpx.post(server + "/v1/completions", json={"prompt": "hi", "best_of": 2}))
     assert err["param"] == "best_of"
 
