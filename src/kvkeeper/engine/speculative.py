@@ -228,7 +228,7 @@ class Drafter:
         if st is None or seq.num_uncomputed != 1 or not seq.num_output_tokens:
             return []
         gate = self.config.disable_by_batch_size if self.config is not None else None
-        room = min(st.k, budget - 1, seq.max_total_tokens - len(seq.token_ids) - 1)
+        room = min(st.k, budget - 1, seq.max_total_tokens - len(seq.token_ids))  # (a draft may be the last token)
         if (gate is not None and batch > gate) or room < 1 or seq.num_output_tokens < st.paused_until:
             return []
         drafts = self._from_prediction(seq, st, room)
