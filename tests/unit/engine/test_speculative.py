@@ -56,9 +56,16 @@ def ref():
 
 @pytest.fixture(scope="module")
 def spec():
-    """Speculation on every step (8 drafts, 1-token n-grams, no batch gate), the KV validators before every step."""
+    """Speculation on every step (8 drafts, 1-token n-grams, no batch gate), the KV validators before every step and a
+    check that no running sequence holds a block past its computed tokens (a rejected draft's)."""
     eng = make_engine(quantization="gguf", validate_every=1, num_kv_blocks=256, speculative_config=SPEC)
     assert eng.runner.invariant
+
+    def no_draft_blocks_left():  # stricter than the validators' one block of slack: none before a step
+        for seq in eng.scheduler.running:
+            need = -(-(seq.num_computed - seq.kv_offset) // eng.block_size)
+            assert len(seq.block_table) == need, f"{seq.request_id}: {len(seq.block_table)} blocks for {need}"
+    eng.step_hooks.append(no_draft_blocks_left)
     return eng
 
 
