@@ -210,7 +210,10 @@ class LLMEngine(EngineKV):
             if seq.compression is not None and seq.observer is None and not seq.compressed:
                 seq.observer = PrefillObserver(seq.compression, len(seq.token_ids) - seq.kv_offset,
                                                self.model_config.num_layers, self.model_config.num_kv_heads)
+        t0 = time.perf_counter()
         logits, seqs = self._execute(out.scheduled)
+        if all(s.num_output_tokens and n == 1 + len(s.spec_tokens) for s, n in out.scheduled):  # decode rows only
+            self.drafter.cost.observe(out.num_tokens, time.perf_counter() - t0)  # speculation's cost model
         for seq, n in out.scheduled:
             seq.num_computed += 1 if seq.spec_tokens else n  # drafts count once verified (_verify)
             self.kv.commit(seq)

@@ -18,7 +18,6 @@ if TYPE_CHECKING:  # annotations only: the engine sets these from lower layers
     from ..layers.lora import LoRAAdapter
     from ..sampling.processors import RequestProcessors
     from ..text.detokenizer import IncrementalDetokenizer
-    from .speculative import SpecState
 
 _ids = itertools.count()
 
@@ -83,7 +82,7 @@ class Sequence:
     compressed: bool = False  # compression was applied to the current KV
     num_kv_dropped: int = 0  # tokens dropped by compression over the request's life
     num_preemptions: int = 0
-    spec: SpecState | None = None
+    spec: "SpecState | None" = None  # kvkeeper.engine.speculative.SpecState (not imported: no cycle)
     spec_tokens: list[int] = field(default_factory=list)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_scheduled: float | None = None  # first admission by the scheduler (perf_counter s)

@@ -23,29 +23,37 @@ row (or the bonus row after the last draft) are emitted.  With temperature > 0 a
 standard speculative-sampling rule (:func:`kvkeeper.sampling.sampler.speculative_sample`), so the output
 distribution is the target model's.
 
-Adaptive (:class:`Drafter`): each sequence's draft length starts at ``num_speculative_tokens``, grows by 2 after
-a fully accepted draft and shrinks to one past the accepted count otherwise (transformers' "heuristic" schedule);
-after ``MISSES_TO_PAUSE`` drafts in a row with nothing accepted the sequence drafts nothing for a pause that doubles
-each time (``PAUSE_TOKENS`` output tokens, then 2x, up to ``MAX_PAUSE_TOKENS``); a step with more than
-``disable_by_batch_size`` running sequences drafts nothing (vLLM's setting: a large batch is compute-bound).
+Adaptive (:class:`Drafter`), from a cost model: a step of R decode rows takes about ``base + per_row * R`` seconds
+(:class:`StepCost`, fitted online to the engine's decode-only steps: on this CPU a row's quantized matmuls make
+``per_row`` a large share of a step, on a GPU it is small).  Each sequence keeps a decayed estimate ``a`` of the chance
+that its next draft token is accepted given the previous one was (:attr:`SpecState.rate`; prior 1/2, 4/5 for a
+prediction).  Draft position i is worth drafting while its expected token, a^i, pays for its row: a^i > lambda,
+lambda = S * per_row / (base + per_row * S) for a step of S sequences (the tokens per second the step makes without
+it, per row added), so the draft length is the largest such i, at most ``num_speculative_tokens``; a large batch
+(compute-bound: lambda near 1) drafts nothing, a single stream whose drafts are accepted drafts long ones.  A
+sequence whose estimate admits no draft pauses drafting for ``PAUSE_TOKENS`` output tokens (doubling each time, up
+to ``MAX_PAUSE_TOKENS``), then tries again from the prior.  vLLM's
+``disable_by_batch_size`` stays as a hard gate.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import InvalidRequestError
 from ..sampling.sampler import NO_TOKEN, sample, speculative_sample
+from .json_config import parse_json_config
 from .sequence import Sequence
 
 METHODS = ("ngram",)
-MISSES_TO_PAUSE = 3  # drafts in a row with nothing accepted before a sequence pauses drafting
 PAUSE_TOKENS = 16  # output tokens of the first pause (doubling each time)
 MAX_PAUSE_TOKENS = 512
+DECAY = 0.85  # weight of a sequence's earlier acceptance counts at each verify step
+PRIOR = {"lookup": (1.0, 1.0), "prediction": (4.0, 1.0)}  # (accepted, rejected) pseudo-counts of a new estimate
+ROW_COST = 0.3  # per_row / (base + per_row) until the step timings tell it
 PREDICTION_TOKENS = 8  # draft length for a request's prediction when the engine runs without --speculative-config
 _HINT = ("e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
          "\"prompt_lookup_min\": 2}'")
@@ -58,7 +66,7 @@ class SpeculativeConfig:
     method: "ngram" (the only one; vLLM's draft-model, EAGLE, MTP and suffix methods are refused by name).
     num_speculative_tokens: draft tokens per step at most (k >= 1).  prompt_lookup_max / prompt_lookup_min: the
     longest and shortest suffix n-gram looked up (tokens, max >= min >= 1).  disable_by_batch_size: a step with
-    more running sequences than this drafts nothing (None: always draft).
+    more running sequences than this drafts nothing (None: the cost model alone decides, see the module docstring).
     Raises :class:`InvalidRequestError` naming the field.
     """
 
@@ -66,7 +74,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    disable_by_batch_size: int | None = 8
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -87,30 +95,16 @@ class SpeculativeConfig:
     def describe(self) -> str:
         """One line for the load line: what runs."""
         gate = "" if self.disable_by_batch_size is None else f", off above {self.disable_by_batch_size} sequences"
-        return (f"ngram speculation (k <= {self.num_speculative_tokens}, n-grams {self.prompt_lookup_min}-"
-                f"{self.prompt_lookup_max}{gate})")
+        return (f"ngram speculation (up to {self.num_speculative_tokens} draft tokens, adaptive, n-grams "
+                f"{self.prompt_lookup_min}-{self.prompt_lookup_max}{gate})")
 
 
 def parse_speculative_config(raw) -> SpeculativeConfig | None:
     """A :class:`SpeculativeConfig` from JSON text, a dict or a config (None stays None).  Raises
     :class:`InvalidRequestError` naming an unknown field or a wrong value, or saying the text is not a JSON object."""
-    if raw is None or isinstance(raw, SpeculativeConfig):
-        return raw
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError as e:
-            raise InvalidRequestError(f"--speculative-config must be a JSON object: {e} ({_HINT})",
-                                      param="speculative_config") from None
-    if not isinstance(raw, dict):
-        raise InvalidRequestError(f"--speculative-config must be a JSON object, got {type(raw).__name__} ({_HINT})",
-                                  param="speculative_config")
-    known = [f.name for f in fields(SpeculativeConfig)]
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise InvalidRequestError(f"--speculative-config: unknown field(s) {', '.join(unknown)}; known fields: "
-                                  f"{', '.join(known)}", param="speculative_config")
-    return SpeculativeConfig(**raw)
+    if raw is None:
+        return None
+    return parse_json_config(raw, SpeculativeConfig, "--speculative-config", _HINT, "speculative_config")
 
 
 class NgramIndex:
@@ -154,22 +148,22 @@ class NgramIndex:
 
 @dataclass
 class SpecState:
-    """One sequence's speculation: its indexes, adaptive draft length and counters (tokens).
+    """One sequence's speculation: its indexes, acceptance estimate and counters (tokens).
 
-    k: the draft length now; misses: drafts in a row with nothing accepted; paused_until: output tokens before
-    drafting resumes; pause: the next pause's length.  drafted / accepted: draft tokens scored and accepted;
-    prediction_accepted / prediction_rejected: of those, the ones taken from the request's prediction
-    (OpenAI's ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``).  source: where the drafts
-    scheduled now came from ("prediction" or "lookup").
+    hits / misses: decayed counts of draft tokens accepted and of first rejections (:attr:`rate`); paused_until:
+    output tokens before drafting resumes; pause: the next pause's length.  drafted / accepted: draft tokens scored
+    and accepted; prediction_accepted / prediction_rejected: of those, the ones taken from the request's prediction
+    (OpenAI's ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``).  source: where the drafts scheduled
+    now came from ("prediction" or "lookup").
     """
 
-    k: int
+    hits: float = 1.0
+    misses: float = 1.0
     lookup: NgramIndex | None = None
     prediction: list[int] | None = None
     pred_index: NgramIndex | None = None
     pred_ptr: int | None = 0  # prediction position aligned with the output's end (None: lost until a resync)
     pred_seen: int = 0  # output tokens the pointer has followed
-    misses: int = 0
     paused_until: int = 0
     pause: int = PAUSE_TOKENS
     drafted: int = 0
@@ -177,6 +171,38 @@ class SpecState:
     prediction_accepted: int = 0
     prediction_rejected: int = 0
     source: str = ""
+
+    @property
+    def rate(self) -> float:
+        """The estimated chance that a draft token is accepted when the one before it was (0..1)."""
+        return self.hits / (self.hits + self.misses)
+
+
+class StepCost:
+    """The time of a decode-only step as ``base + per_row * rows`` (seconds), by least squares over the recent steps
+    (sums decayed by ``decay`` per step); until steps of two sizes were seen, ``per_row / (base + per_row)`` is
+    :data:`ROW_COST`."""
+
+    def __init__(self, decay: float = 0.98):
+        self.decay = decay
+        self.sums = [0.0] * 5  # weight, rows, seconds, rows^2, rows * seconds
+        self.base, self.per_row = 1.0 - ROW_COST, ROW_COST
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """Count one decode-only step of ``rows`` rows that ran in ``seconds``."""
+        w, x, y, xx, xy = (v * self.decay for v in self.sums)
+        self.sums = [w + 1, x + rows, y + seconds, xx + rows * rows, xy + rows * seconds]
+        w, x, y, xx, xy = self.sums
+        var = xx * w - x * x
+        if var > 1e-6 * w * w:  # steps of several sizes: a fit
+            slope = (xy * w - x * y) / var
+            base = (y - slope * x) / w
+            if slope > 0 and base > 0:
+                self.base, self.per_row = base, slope
+
+    def threshold(self, seqs: int) -> float:
+        """lambda: the expected tokens a draft row must bring to pay for itself in a step of ``seqs`` sequences."""
+        return seqs * self.per_row / (self.base + self.per_row * seqs)
 
 
 @dataclass
@@ -203,6 +229,7 @@ class Drafter:
         self.n_min = config.prompt_lookup_min if config is not None else 2
         self.n_max = config.prompt_lookup_max if config is not None else 4
         self.stats = SpecStats(accepted_per_position=[0] * self.max_k)
+        self.cost = StepCost()
 
     def start(self, seq: Sequence, prediction: list[int] | None, supported: bool) -> None:
         """Give ``seq`` its :class:`SpecState` when it will draft: its request did not opt out
@@ -210,7 +237,7 @@ class Drafter:
         config, or a non-empty prediction)."""
         if not (seq.params.speculative and supported) or (self.config is None and not prediction):
             return
-        st = SpecState(k=self.max_k)
+        st = SpecState(*PRIOR["prediction" if prediction else "lookup"])
         if self.config is not None:
             st.lookup = NgramIndex(self.n_min, self.n_max)
         if prediction:
@@ -220,16 +247,19 @@ class Drafter:
         seq.spec = st
 
     def propose(self, seq: Sequence, budget: int, batch: int) -> list[int]:
-        """Draft tokens for ``seq``'s next decode row (``[]``: plain decode): at most its adaptive length, what
-        ``budget`` tokens of the step allow beside its own and what its ``max_tokens`` leaves room for.  batch:
-        running sequences this step (none drafts above ``disable_by_batch_size``)."""
+        """Draft tokens for ``seq``'s next decode row (``[]``: plain decode): as many as its acceptance estimate makes
+        worth their rows in a step of ``batch`` running sequences (:meth:`length`), what ``budget`` tokens of the step
+        allow beside its own and what its ``max_tokens`` leaves room for."""
         st = seq.spec
         seq.spec_tokens = []
         if st is None or seq.num_uncomputed != 1 or not seq.num_output_tokens:
             return []
         gate = self.config.disable_by_batch_size if self.config is not None else None
-        room = min(st.k, budget - 1, seq.max_total_tokens - len(seq.token_ids))  # (a draft may be the last token)
-        if (gate is not None and batch > gate) or room < 1 or seq.num_output_tokens < st.paused_until:
+        if (gate is not None and batch > gate) or seq.num_output_tokens < st.paused_until:
+            return []
+        room = min(self.length(st, batch), budget - 1, seq.max_total_tokens - len(seq.token_ids))  # (may end it)
+        if room < 1:
+            self._pause(seq, st)
             return []
         drafts = self._from_prediction(seq, st, room)
         st.source = "prediction" if drafts else ""
@@ -240,6 +270,20 @@ class Drafter:
             drafts = toks[end:end + room] if end is not None else []
             st.source = "lookup" if drafts else ""
         return drafts
+
+    def length(self, st: SpecState, batch: int) -> int:
+        """The draft length worth its rows: the largest i <= ``max_k`` with rate^i > lambda (see the module docstring)."""
+        a, lam = st.rate, self.cost.threshold(max(1, batch))
+        k = 0
+        while k < self.max_k and a ** (k + 1) > lam:
+            k += 1
+        return k
+
+    def _pause(self, seq: Sequence, st: SpecState) -> None:
+        """No draft is worth its row now: none for a pause (doubling), then a fresh start from the prior."""
+        st.paused_until = seq.num_output_tokens + st.pause
+        st.pause = min(MAX_PAUSE_TOKENS, 2 * st.pause)
+        st.hits, st.misses = PRIOR["prediction" if st.prediction else "lookup"]
 
     def _from_prediction(self, seq: Sequence, st: SpecState, room: int) -> list[int]:
         """The next tokens of the prediction after the output's end (following the output through it)."""
@@ -260,7 +304,8 @@ class Drafter:
         return pred[st.pred_ptr: st.pred_ptr + room]
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """Count one verified draft and adapt the sequence's draft length (see the module docstring)."""
+        """Count one verified draft: the engine's counters, the sequence's, and its acceptance estimate (``accepted``
+        successes, then one failure unless every draft was accepted)."""
         st, s = seq.spec, self.stats
         st.drafted += drafted
         st.accepted += accepted
@@ -272,14 +317,8 @@ class Drafter:
         s.num_accepted_tokens += accepted
         for i in range(accepted):
             s.accepted_per_position[i] += 1
-        if accepted == drafted:
-            st.k, st.misses = min(self.max_k, st.k + 2), 0
-            return
-        st.k = max(1, accepted + 1)
-        st.misses = 0 if accepted else st.misses + 1
-        if st.misses >= MISSES_TO_PAUSE:
-            st.paused_until = seq.num_output_tokens + st.pause
-            st.pause, st.misses = min(MAX_PAUSE_TOKENS, 2 * st.pause), 0
+        st.hits = DECAY * st.hits + accepted
+        st.misses = DECAY * st.misses + (accepted < drafted)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pytest
 from kvkeeper import SamplingParams
 from kvkeeper.engine import llm_engine as llm_engine_mod
 from kvkeeper.engine.config import EngineConfig, speculative_arg
-from kvkeeper.engine.speculative import (MISSES_TO_PAUSE, Drafter, NgramIndex, SpeculativeConfig,
+from kvkeeper.engine.speculative import (Drafter, NgramIndex, SpeculativeConfig, StepCost,
                                          parse_speculative_config)
 from kvkeeper.engine.sequence import Sequence
 from kvkeeper.errors import InvalidRequestError
@@ -174,6 +174,7 @@ def test_stop_inside_an_accepted_draft(ref, spec, monkeypatch, kind):
     that accepted that draft."""
     rec = _Recorder(llm_engine_mod.verify)
     monkeypatch.setattr(llm_engine_mod, "verify", rec)
+    monkeypatch.setattr(spec.drafter.cost, "observe", lambda rows, s: None)  # the same drafts in both runs
     full = spec.generate([spec.encode_chat(COPY)], _greedy(32))[0]
     accepted = [b + i for b, _, got in rec.calls for i in range(got.accepted) if b + i >= 12]
     kw = next(kw for p in accepted if (kw := _ends_at(full.token_ids, spec.tokenizer, kind, p)) is not None)
@@ -263,25 +264,47 @@ def test_drafter_follows_the_prediction_and_resynchronises():
     d = Drafter(None)
     seq = _seq([50, 51, 10], 2)
     d.start(seq, [10, 11, 12, 13, 20, 21, 22, 23, 24], supported=True)
-    assert d.propose(seq, 64, 1) == [11, 12, 13, 20, 21, 22, 23, 24]
+    assert d.propose(seq, 64, 1) == [11, 12, 13, 20, 21]  # prior 4/5 against a row cost of 0.3: five tokens
     seq.token_ids += [11, 99, 21]  # diverged at 12, back on the prediction at 21 (a 1-token n-gram)
     seq.num_computed = len(seq.token_ids) - 1
     assert d.propose(seq, 64, 1) == [22, 23, 24]
     assert d.propose(seq, 3, 1) == [22, 23]  # the step's budget: the row's own token plus two drafts
 
 
-def test_drafter_adapts_and_pauses():
+def test_step_cost_fits_rows():
+    cost = StepCost()
+    for _ in range(4):
+        cost.observe(1, 0.010)
+        cost.observe(5, 0.030)
+    assert cost.base == pytest.approx(0.005) and cost.per_row == pytest.approx(0.005)
+    assert cost.threshold(1) == pytest.approx(0.5) and cost.threshold(16) == pytest.approx(0.08 / 0.085)
+
+
+def test_drafter_adapts_to_acceptance_and_batch():
     d = Drafter(SpeculativeConfig(num_speculative_tokens=6, prompt_lookup_min=1, disable_by_batch_size=4))
     seq = _seq([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1], 4)
     d.start(seq, None, supported=True)
     assert d.propose(seq, 64, 5) == []  # more running sequences than disable_by_batch_size: plain decode
-    assert d.propose(seq, 64, 4) == [2, 3, 4, 1]  # what followed the latest earlier [2, 3, 4, 1]
-    d.record(seq, 4, 1)
-    assert seq.spec.k == 2
-    for _ in range(MISSES_TO_PAUSE):
-        d.record(seq, 2, 0)
-    assert seq.spec.k == 1 and d.propose(seq, 64, 1) == []  # paused: its drafts kept failing
-    seq.token_ids += [2] * 16
+    assert d.propose(seq, 64, 1) == [2]  # prior 1/2 against a row cost of 0.3: one draft token
+    for _ in range(5):
+        d.record(seq, 1, 1)
+    assert seq.spec.rate > 0.85 and d.length(seq.spec, 1) == 6  # accepted: long drafts
+    assert d.propose(seq, 64, 1) == [2, 3, 4, 1]  # what followed the latest earlier [2, 3, 4, 1]
+    for _ in range(3):
+        d.cost.observe(1, 0.010)
+        d.cost.observe(9, 0.090)  # compute-bound: a row costs as much as a step
+    assert d.length(seq.spec, 4) == 0 and d.propose(seq, 64, 4) == []  # no row pays for itself: a pause
+    assert seq.spec.paused_until == seq.num_output_tokens + 16
+    assert d.stats.num_drafts == 5 and d.stats.accepted_per_position[:2] == [5, 0]
+
+
+def test_drafter_pauses_a_sequence_whose_drafts_fail():
+    d = Drafter(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    seq = _seq([5, 6, 7, 5, 6, 7, 5], 3)
+    d.start(seq, None, supported=True)
+    for _ in range(3):
+        d.record(seq, 1, 0)
+    assert d.propose(seq, 64, 1) == [] and seq.spec.paused_until == seq.num_output_tokens + 16
+    seq.token_ids += [6] * 16
     seq.num_computed = len(seq.token_ids) - 1
-    assert d.propose(seq, 64, 1) == [2]  # the pause is over
-    assert d.stats.num_drafts == 1 + MISSES_TO_PAUSE and d.stats.accepted_per_position[:2] == [1, 0]
+    assert d.propose(seq, 64, 1) == [6]  # the pause is over: one draft, from the prior again
