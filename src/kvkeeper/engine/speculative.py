@@ -27,13 +27,13 @@ Adaptive (:class:`Drafter`), from a cost model: a step of R decode rows takes ab
 (:class:`StepCost`, fitted online to the engine's decode-only steps: on this CPU a row's quantized matmuls make
 ``per_row`` a large share of a step, on a GPU it is small).  Each sequence keeps a decayed estimate ``a`` of the chance
 that its next draft token is accepted given the previous one was (:attr:`SpecState.rate`; prior 1/2, 4/5 for a
-prediction).  Draft position i is worth drafting while its expected token, a^i, pays for its row: a^i > lambda,
-lambda = S * per_row / (base + per_row * S) for a step of S sequences (the tokens per second the step makes without
-it, per row added), so the draft length is the largest such i, at most ``num_speculative_tokens``; a large batch
-(compute-bound: lambda near 1) drafts nothing, a single stream whose drafts are accepted drafts long ones.  A
-sequence whose estimate admits no draft pauses drafting for ``PAUSE_TOKENS`` output tokens (doubling each time, up
-to ``MAX_PAUSE_TOKENS``), then tries again from the prior.  vLLM's
-``disable_by_batch_size`` stays as a hard gate.
+prediction), so k drafts bring E(k) = 1 + a + ... + a^k tokens.  Its draft length is the k (at most
+``num_speculative_tokens``) that makes the step's tokens per second highest, the other S - 1 sequences of the step
+making one token each: (S - 1 + E(k)) / (base + per_row * (S + k)) (:meth:`Drafter.length`).  A single stream whose
+drafts are accepted drafts long ones; a large batch is compute-bound (its step time grows with every row) and drafts
+nothing.  A sequence whose estimate admits no draft pauses drafting for ``PAUSE_TOKENS`` output tokens (doubling
+each time, up to ``MAX_PAUSE_TOKENS``), then tries again from the prior.  vLLM's ``disable_by_batch_size`` stays as
+a hard gate.
 """
 
 from __future__ import annotations
@@ -200,10 +200,6 @@ class StepCost:
             if slope > 0 and base > 0:
                 self.base, self.per_row = base, slope
 
-    def threshold(self, seqs: int) -> float:
-        """lambda: the expected tokens a draft row must bring to pay for itself in a step of ``seqs`` sequences."""
-        return seqs * self.per_row / (self.base + self.per_row * seqs)
-
 
 @dataclass
 class SpecStats:
@@ -247,9 +243,9 @@ class Drafter:
         seq.spec = st
 
     def propose(self, seq: Sequence, budget: int, batch: int) -> list[int]:
-        """Draft tokens for ``seq``'s next decode row (``[]``: plain decode): as many as its acceptance estimate makes
-        worth their rows in a step of ``batch`` running sequences (:meth:`length`), what ``budget`` tokens of the step
-        allow beside its own and what its ``max_tokens`` leaves room for."""
+        """Draft tokens for ``seq``'s next decode row (``[]``: plain decode): as many as make a step of ``batch``
+        running sequences fastest in tokens per second (:meth:`length`), what ``budget`` tokens of the step allow
+        beside its own and what its ``max_tokens`` leaves room for."""
         st = seq.spec
         seq.spec_tokens = []
         if st is None or seq.num_uncomputed != 1 or not seq.num_output_tokens:
@@ -272,12 +268,19 @@ class Drafter:
         return drafts
 
     def length(self, st: SpecState, batch: int) -> int:
-        """The draft length worth its rows: the largest i <= ``max_k`` with rate^i > lambda (see the module docstring)."""
-        a, lam = st.rate, self.cost.threshold(max(1, batch))
-        k = 0
-        while k < self.max_k and a ** (k + 1) > lam:
-            k += 1
-        return k
+        """The draft length that makes the step's tokens per second highest (see the module docstring): k in
+        0..``max_k`` maximising (S - 1 + E(k)) / (base + per_row * (S + k)), E(k) = 1 + a + ... + a^k the expected
+        tokens of this row with k drafts, S = ``batch`` sequences each making at least one token."""
+        a, c, n = st.rate, self.cost, max(1, batch)
+        best_k, best = 0, n / (c.base + c.per_row * n)
+        e = term = 1.0
+        for k in range(1, self.max_k + 1):
+            term *= a
+            e += term
+            v = (n - 1 + e) / (c.base + c.per_row * (n + k))
+            if v > best:
+                best_k, best = k, v
+        return best_k
 
     def _pause(self, seq: Sequence, st: SpecState) -> None:
         """No draft is worth its row now: none for a pause (doubling), then a fresh start from the prior."""
