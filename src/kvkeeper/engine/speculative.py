@@ -10,7 +10,8 @@ cache namespace):
 * **Prompt lookup** (``method: "ngram"``, as vLLM's n-gram proposer and transformers' prompt lookup decoding,
   Saxena 2023): the longest suffix n-gram of the sequence's own tokens (prompt, which holds the session's earlier
   turns, plus output), ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens, looked up among its earlier
-  occurrences (the latest one); the tokens that followed it are the draft.  An incremental index keeps this
+  occurrences (the latest one followed by a whole draft's worth of tokens, else the latest); the tokens that followed
+  it are the draft.  An incremental index keeps this
   O(n-gram sizes) per token.
 
 Verification (:func:`verify`): a decode row carrying k drafts is scored in one step as k + 1 decode rows of the
@@ -127,11 +128,17 @@ class NgramIndex:
                 self.ends.setdefault(tuple(tokens[end - n:end]), []).append(end)
         self.upto = max(self.upto, upto)
 
-    def latest(self, key_tokens: list[int]) -> int | None:
-        """End of the latest indexed occurrence of the longest suffix n-gram of ``key_tokens`` (None: none)."""
+    def latest(self, key_tokens: list[int], room: int = 0) -> int | None:
+        """End of the latest indexed occurrence of the longest suffix n-gram of ``key_tokens`` (None: none); with
+        ``room``, the latest one followed by ``room`` tokens of ``key_tokens`` when there is one (an occurrence just
+        before the end leaves a short continuation)."""
         for n in range(min(self.n_max, len(key_tokens)), self.n_min - 1, -1):
             hit = self.ends.get(tuple(key_tokens[len(key_tokens) - n:]))
             if hit:
+                limit = len(key_tokens) - room
+                for end in reversed(hit[-4:]):  # a few of the latest: the lookup stays O(1) per token
+                    if end <= limit:
+                        return end
                 return hit[-1]
         return None
 
@@ -262,7 +269,7 @@ class Drafter:
         if not drafts and st.lookup is not None:
             toks = seq.token_ids
             st.lookup.sync(toks, len(toks) - 1)
-            end = st.lookup.latest(toks)
+            end = st.lookup.latest(toks, room)
             drafts = toks[end:end + room] if end is not None else []
             st.source = "lookup" if drafts else ""
         return drafts

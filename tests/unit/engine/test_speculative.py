@@ -255,6 +255,7 @@ def test_ngram_index_finds_the_latest_earlier_occurrence():
     assert idx.latest(toks) == 7  # [1, 2, 3] last ended at 7 (followed by 8): the end of toks itself is not indexed
     assert idx.first_from(toks, 0) == 3 and idx.first_from(toks, 5) == 7
     assert idx.latest([5, 6]) is None
+    assert idx.latest(toks, room=5) == 7 and idx.latest(toks, room=6) == 3  # followed by 5 tokens: the one before
 
 
 def _seq(tokens, prompt_len, **params) -> Sequence:
@@ -292,7 +293,7 @@ def test_drafter_adapts_to_acceptance_and_batch():
     for _ in range(5):
         d.record(seq, 1, 1)
     assert seq.spec.rate > 0.85 and d.length(seq.spec, 1) == 5  # accepted: long drafts (6: 5.28 / 2.8 < 4.73 / 2.5)
-    assert d.propose(seq, 64, 1) == [2, 3, 4, 1]  # what followed the latest earlier [2, 3, 4, 1]
+    assert d.propose(seq, 64, 1) == [2, 3, 4, 1, 2]  # after the latest [2, 3, 4, 1] that 5 tokens follow
     for _ in range(3):
         d.cost.observe(1, 0.011)
         d.cost.observe(9, 0.091)  # compute-bound: a row costs ten times the rest of a step
