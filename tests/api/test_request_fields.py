@@ -84,11 +84,12 @@ IMPLEMENTED = {
     "context_policy": "test_context_server.py::test_last_policy_header_body_400_and_metrics",
     "context_budget": "test_context_server.py::test_last_policy_header_body_400_and_metrics",
     "prompt_cache_key": "test_responses_api.py::test_prompt_cache_key_scopes_the_cache",
+    "prediction": "test_speculative_server.py::test_prediction_is_used_and_counted_and_changes_nothing",
+    "speculative_decoding": "test_speculative_server.py::test_prediction_is_used_and_counted_and_changes_nothing",
 }
 # a value that is not the field's no-op, for each refused field
-NOT_NOOP = {"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "prediction": {
-    "type": "content", "content": "x"}, "function_call": "auto", "functions": [{"name": "f"}], "reasoning_effort": "low",
-    "verbosity": "low", "web_search_options": {}, "service_tier": "flex", "store": True, "metadata": {"k": "v"},
+NOT_NOOP = {"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "function_call": "auto",
+    "functions": [{"name": "f"}], "reasoning_effort": "low", "verbosity": "low", "web_search_options": {}, "service_tier": "flex", "store": True, "metadata": {"k": "v"},
     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {"x": 1}, "moderation": {"x": 1},
     "suffix": "end"}
 

@@ -11,15 +11,16 @@ from kvkeeper.engine.sequence import Sequence
 
 
 def tiny_llama_folder(out: Path, *, hidden_size: int = 32, head_dim: int = 8, num_layers: int = 2,
-                      num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0) -> Path:
-    """Write config.json + safetensors + tokenizer to ``out`` (intermediate size 2 x hidden); returns ``out``."""
+                      num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0, vocab_size: int | None = None) -> Path:
+    """Write config.json + safetensors + tokenizer to ``out`` (intermediate size 2 x hidden); returns ``out``.
+    vocab_size: the model's (default: the tokenizer's; a smaller one makes sampling cheap, ids below it decode)."""
     import torch
     import transformers
     from kvkeeper.weights.sources import resolve_model_path
     from kvkeeper.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path())
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size or len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                                    head_dim=head_dim, num_hidden_layers=num_layers, num_attention_heads=num_heads,
                                    num_key_value_heads=num_kv_heads)
     torch.manual_seed(seed)

@@ -20,7 +20,7 @@ from .access_log import record_usage
 from .auth import Caller, caller
 from .errors import APIError
 from .messages import messages_of
-from .protocol import check_body, generation_fields, sampling_params, structured_output
+from .protocol import check_body, generation_fields, prediction_text, sampling_params, structured_output
 from .request_parsing import RequestContext, request_context
 from .responses import (Collected, Renderer, continuous_usage, finish_reason, include_usage, respond, usage_of,
                         vllm_prompt_logprobs)
@@ -45,7 +45,7 @@ def chat_request(body: ChatCompletionRequest, ctx: RequestContext, request_id: s
     tools = tool_use_of(body)
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens,
                              (body.top_logprobs or 0) if body.logprobs else None, _constraint(body, tools),
-                             body.prompt_logprobs)
+                             body.prompt_logprobs, prediction_text(body))
     chat = dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
                 tools=tools.tools if tools is not None else None)
     policy = body.context_policy or ctx.context_policy  # the body wins over the headers

@@ -52,6 +52,11 @@ kvkeeper:kv_offloaded_blocks               gauge      blocks' worth of KV held i
 kvkeeper:context_turns_total               counter    session turns by context ``policy`` and ``kind``: kept,
                                                       dropped, summarized, retrieved, over the session turns (turns)
 kvkeeper:context_memory_seconds            histogram  time a turn spent storing and retrieving memory (s)
+kvkeeper:spec_decode_num_drafts_total      counter    decode rows that carried draft tokens (speculative decoding)
+kvkeeper:spec_decode_num_draft_tokens_total counter   draft tokens scored (tokens)
+kvkeeper:spec_decode_num_accepted_tokens_total counter draft tokens accepted (tokens)
+kvkeeper:spec_decode_num_accepted_tokens_per_pos_total counter  accepted draft tokens by ``position`` in the draft
+                                                      (0 = first); per-position acceptance rate = this / drafts
 =========================================  =========  =====================================================
 
 The fragmentation figures are defined in :mod:`kvkeeper.kvcache.telemetry`; the engine
@@ -94,6 +99,12 @@ _FROM_SNAPSHOT = {
     "kv_audit_skipped_total": ("kvkeeper:kv_audit_skipped", "counter",
                                "Requests sampled for the audit but not audited: compressed KV or an audit "
                                "error (requests)."),
+    "spec_decode.num_drafts": ("kvkeeper:spec_decode_num_drafts", "counter",
+                               "Decode rows that carried draft tokens (speculative decoding)."),
+    "spec_decode.num_draft_tokens": ("kvkeeper:spec_decode_num_draft_tokens", "counter",
+                                     "Draft tokens scored by speculative decoding (tokens)."),
+    "spec_decode.num_accepted_tokens": ("kvkeeper:spec_decode_num_accepted_tokens", "counter",
+                                        "Draft tokens accepted by speculative decoding (tokens)."),
     "kv_health_score": ("kvkeeper:kv_health_score", "gauge", "KV cache health score of the EWMA detector: 1 "
                         "healthy, 0.5 on a control limit, 0 at twice the limit (0..1)."),
     "kv_health_warnings": ("kvkeeper:kv_health_warnings", "counter", "KV cache health warnings opened (warnings)."),
@@ -148,6 +159,13 @@ class _SnapshotCollector:
                                   "(--quantization: none, gguf, int8, int4); value 1.", labels=["format"])
             w.add_metric([snap["weight_format"]], 1.0)
             yield w
+        per_pos = (snap.get("spec_decode") or {}).get("accepted_per_position")
+        if per_pos:
+            c = CounterMetricFamily("kvkeeper:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by "
+                                    "position in the draft (0 = first) (tokens).", labels=["position"])
+            for i, n in enumerate(per_pos):
+                c.add_metric([str(i)], float(n))
+            yield c
         br = snap.get("breaker")
         if br is not None:
             g = GaugeMetricFamily("kvkeeper:breaker_tier",

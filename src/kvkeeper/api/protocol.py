@@ -71,6 +71,21 @@ def generation_fields(body: _SamplingFields, ctx: RequestContext, lora: str | No
                 quota=ctx.quota)
 
 
+def prediction_text(body) -> str | None:
+    """The text of chat's ``prediction`` (OpenAI's Predicted Outputs; its text parts joined), None without one;
+    400 for a part that is not text."""
+    pred = getattr(body, "prediction", None)
+    if pred is None:
+        return None
+    if isinstance(pred.content, str):
+        return pred.content
+    for i, part in enumerate(pred.content):
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"prediction.content.{i}: only text parts are supported (type \"text\" with its "
+                                "\"text\")", param=f"prediction.content.{i}")
+    return "".join(part.text for part in pred.content)
+
+
 def logit_bias_of(body: _SamplingFields) -> dict[int, float]:
     """``{token id: bias}`` from OpenAI's ``{"id as a string": bias}``; 400 for other keys or out-of-range biases."""
     out = {}
@@ -154,10 +169,11 @@ def _guided(body: _SamplingFields) -> list[StructuredOutput]:
 
 
 def sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    structured: StructuredOutput | None = None, prompt_logprobs: int | None = None
-                    ) -> list[SamplingParams]:
+                    structured: StructuredOutput | None = None, prompt_logprobs: int | None = None,
+                    prediction: str | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice; seeds seed, seed+1, ... when a seed is given.  Prompt logprobs go to the
-    first choice only (the others share its prompt)."""
+    first choice only (the others share its prompt).  prediction: the text of chat's ``prediction`` (every choice
+    drafts from it); ``speculative_decoding`` false opts out of speculative decoding."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 16:
         raise APIError(400, f"at most 16 stop strings, got {len(stop)}", param="stop")
@@ -167,7 +183,8 @@ def sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: int
               logprobs=logprobs, presence_penalty=body.presence_penalty or 0.0,
               frequency_penalty=body.frequency_penalty or 0.0,
               repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-              logit_bias=logit_bias_of(body), bad_words=body.bad_words or [], structured=structured)
+              logit_bias=logit_bias_of(body), bad_words=body.bad_words or [], structured=structured,
+              prediction=prediction or None, speculative=body.speculative_decoding)
     if body.seed is not None and body.seed + body.n - 1 > 2**63 - 1:
         raise APIError(400, f"seed + n - 1 must fit in 64 bits (choice i uses seed + i): seed {body.seed}, n {body.n}",
                        param="seed")

@@ -122,6 +122,15 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
+class PredictionContent(BaseModel):
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": text or text parts}``, the text the reply is
+    expected to repeat; the engine drafts from it (speculative decoding) and the reply is unchanged."""
+
+    model_config = _OPEN
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+
 class KVCompressionSpec(BaseModel):
     """Extension: compress the prompt's KV after prefill (see kvkeeper.kvcache.compression)."""
 
@@ -177,6 +186,7 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # extension (vLLM): tenant isolation
     kv_compression: KVCompressionSpec | None = None  # extension: drop prompt KV after prefill
     return_token_ids: bool = False  # extension (vLLM): prompt and output token ids in the response
+    speculative_decoding: bool = True  # extension: false opts the request out of speculative decoding
     # OpenAI fields refused unless they hold their no-op value (see REFUSED)
     service_tier: str | None = _only(None, "auto", "default")
     store: bool | None = _only(None, False)
@@ -203,7 +213,7 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = _only(None)
     functions: Any = _only(None)
     modalities: list[str] | None = _only(None, ["text"])
-    prediction: Any = _only(None)
+    prediction: PredictionContent | None = None  # drafts for speculative decoding (kvkeeper.engine.speculative)
     reasoning_effort: Any = _only(None)
     verbosity: Any = _only(None)
     web_search_options: Any = _only(None)
@@ -243,7 +253,6 @@ _NOT_STORED = "this server keeps no stored completions"
 REFUSED: dict[str, tuple[tuple, str]] = {
     "audio": ((None,), "audio output is not supported; this server generates text"),
     "modalities": ((None, ["text"]), "only the text modality is supported"),
-    "prediction": ((None,), "predicted outputs are not supported"),
     "function_call": ((None,), "the deprecated functions API is not supported; use tools and tool_choice"),
     "functions": ((None,), "the deprecated functions API is not supported; use tools and tool_choice"),
     "reasoning_effort": ((None,), "this model has no reasoning mode"),

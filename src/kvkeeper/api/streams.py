@@ -57,16 +57,24 @@ class ChoiceDelta:
 
 @dataclass
 class Usage:
-    """Token counts of a whole request (the prompt counted once whatever ``n``)."""
+    """Token counts of a whole request (the prompt counted once whatever ``n``).  accepted_prediction_tokens /
+    rejected_prediction_tokens: with a ``prediction`` (OpenAI's Predicted Outputs), the draft tokens taken from it
+    that verification accepted / rejected, over all choices (None without a prediction)."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     def to_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.accepted_prediction_tokens is not None:
+            out["completion_tokens_details"] = {"accepted_prediction_tokens": self.accepted_prediction_tokens,
+                                                "rejected_prediction_tokens": self.rejected_prediction_tokens}
+        return out
 
 
 @dataclass

@@ -222,6 +222,9 @@ class RequestTracker:
     def _retire(self, rid: str, t: Tracked) -> Usage:
         lead = t.seqs[0]
         usage = Usage(lead.num_prompt_tokens, sum(s.num_output_tokens for s in t.seqs), lead.num_cached_tokens or 0)
+        if lead.params.prediction:  # OpenAI's completion_tokens_details of Predicted Outputs
+            usage.accepted_prediction_tokens = sum(s.spec.prediction_accepted for s in t.seqs if s.spec is not None)
+            usage.rejected_prediction_tokens = sum(s.spec.prediction_rejected for s in t.seqs if s.spec is not None)
         del self.tracked[rid]
         sid = None if t.req.session_id is None else session_key(t.req.tenant, t.req.session_id)
         if t.opened_session and lead.finish_reason == "error" and sid in self.sessions \

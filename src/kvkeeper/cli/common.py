@@ -126,7 +126,8 @@ def load_engine(args: argparse.Namespace):
     stderr(f"loaded {engine.model_name} ({str(r.dtype).removeprefix('torch.')} on {r.device}, weights "
            f"{r.weight_description}, KV {r.kv_format.name} at "
            f"{engine.kv_bytes_per_token:,} bytes/token, {engine.pool.num_blocks} KV blocks of {engine.block_size} "
-           f"tokens{windows}, context {engine.context_length}) in {time.perf_counter() - t0:.1f} s")
+           f"tokens{windows}, context {engine.context_length}, {engine.speculation}) in "
+           f"{time.perf_counter() - t0:.1f} s")
     return engine
 
 

@@ -24,16 +24,26 @@ from ..weights.formats import QUANTIZATION_CHOICES, weight_format_for
 from ..weights.sources import DEFAULT_MODEL
 from ..options import option
 from .kv_events import KVEventsConfig, parse_kv_events_config
+from .speculative import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB
 
 
 def kv_events_arg(raw: str) -> KVEventsConfig:
     """``--kv-events-config``'s value: argparse's type (ArgumentTypeError saying what was wrong)."""
+    return _json_arg(parse_kv_events_config, raw, "--kv-events-config: ")
+
+
+def speculative_arg(raw: str) -> SpeculativeConfig:
+    """``--speculative-config``'s value: argparse's type (ArgumentTypeError saying what was wrong)."""
+    return _json_arg(parse_speculative_config, raw, "--speculative-config: ")
+
+
+def _json_arg(parse, raw: str, prefix: str):
     try:
-        return parse_kv_events_config(raw)
+        return parse(raw)
     except InvalidRequestError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-events-config: ")) from None
+        raise argparse.ArgumentTypeError(str(e).removeprefix(prefix)) from None
 
 
 @dataclass
@@ -64,6 +74,8 @@ class EngineConfig:
     JSON text; None: off).
     memory_check: refuse a model whose estimated memory need exceeds the available memory before loading it
     (:mod:`kvkeeper.engine.memory_fit`; CPU only).
+    speculative_config: n-gram speculative decoding (:class:`~kvkeeper.engine.speculative.SpeculativeConfig`, a dict
+    or its JSON text, vLLM's fields; None: off, requests that send a prediction still draft from it).
     Raises :class:`InvalidRequestError` for a value out of range.
     """
 
@@ -143,11 +155,17 @@ class EngineConfig:
         "kvkeeper[events]): a JSON object with vLLM's fields, e.g. '{\"enable_kv_cache_events\": true, "
         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", \"replay_endpoint\": "
         "\"tcp://127.0.0.1:5558\"}' (default: off)", type=kv_events_arg, metavar="JSON"))
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata=option(
+        "--speculative-config", "speculative decoding from the conversation's own tokens, lossless (vLLM's "
+        "fields): a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (also disable_by_batch_size, default 8; "
+        "default: off, a request's prediction is still used)", type=speculative_arg, metavar="JSON"))
     seed: int = 0  # random weights of load_format "dummy"
 
     def __post_init__(self):
         if self.kv_events_config is not None:
             self.kv_events_config = parse_kv_events_config(self.kv_events_config)
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(f"unknown load format {self.load_format!r}; choose auto or dummy")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

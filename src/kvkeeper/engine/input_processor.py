@@ -239,6 +239,21 @@ class InputProcessor(ChatRenderer):
             seq.prompt_logprobs = [None] * len(ids)
         return seq
 
+    def prediction_ids(self, params: SamplingParams) -> list[int] | None:
+        """The token ids of a request's prediction (OpenAI's Predicted Outputs; its text tokenized without special
+        tokens), at most a context window of them; None without one.  Raises :class:`InvalidRequestError` for a token
+        id outside the vocabulary."""
+        pred = params.prediction
+        if not pred:
+            return None
+        ids = self.tokenizer.encode(pred, add_special_tokens=False) if isinstance(pred, str) else list(pred)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prediction: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                                      param="prediction")
+        return ids[: self.context_length]
+
     # ---- logits processors ------------------------------------------------------
     def processors(self, params: SamplingParams, prompt_ids: list[int]):
         """The request's logits processors (None without any); checks token ids against the vocabulary.

@@ -24,14 +24,14 @@ pyzmq and msgpack (the ``events`` extra) are imported only when a ``zmq`` publis
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from ..errors import InvalidRequestError
+from .json_config import parse_json_config
 from ..kvcache.kv_events import EventBatch, EventRecorder, encode_batch
 
 log = logging.getLogger(__name__)
@@ -98,23 +98,7 @@ def _check(cfg: KVEventsConfig) -> None:
 def parse_kv_events_config(raw) -> KVEventsConfig:
     """A :class:`KVEventsConfig` from JSON text, a dict or a config.  Raises InvalidRequestError naming the field
     that is unknown or wrong (or saying the text is not a JSON object)."""
-    if isinstance(raw, KVEventsConfig):
-        return raw
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError as e:
-            raise InvalidRequestError(f"--kv-events-config must be a JSON object: {e} ({_HINT})",
-                                      param="kv_events_config") from None
-    if not isinstance(raw, dict):
-        raise InvalidRequestError(f"--kv-events-config must be a JSON object, got {type(raw).__name__} ({_HINT})",
-                                  param="kv_events_config")
-    known = [f.name for f in fields(KVEventsConfig)]
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise InvalidRequestError(f"--kv-events-config: unknown field(s) {', '.join(unknown)}; known fields: "
-                                  f"{', '.join(known)}", param="kv_events_config")
-    return KVEventsConfig(**raw)
+    return parse_json_config(raw, KVEventsConfig, "--kv-events-config", _HINT, "kv_events_config")
 
 
 class ZmqEventPublisher:

@@ -13,6 +13,7 @@ run before each step (a circuit breaker), ``first_token_hooks`` at each request'
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import uuid
@@ -45,6 +46,7 @@ from .outputs import RequestOutput
 from ..sampling.params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .speculative import Drafter, verify
 
 __all__ = ["LLMEngine", "EngineConfig", "KVHolder", "RequestOutput", "resolve_device"]
 
@@ -100,8 +102,10 @@ class LLMEngine(EngineKV):
         self.pool = BlockPool(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching, window_blocks)
         self.kv = KVCacheManager(self.pool, mcfg.sliding_window if window_blocks else None)
         self.runner.window_of = self.pool.window_id if window_blocks else None
+        # speculative decoding: n-gram drafts (cfg.speculative_config) and requests' predictions, verified in the step
+        self.drafter = Drafter(cfg.speculative_config)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
-                                   reclaim=self.reclaim)
+                                   reclaim=self.reclaim, drafter=self.drafter.propose)
         self.context_length = min(mcfg.context_length, cfg.max_model_len or mcfg.context_length)
         self.namespace = Namespace(mcfg.revision, kv_dtype=self.runner.kv_format.name)
         self.adapters = AdapterRegistry(self.model_name, self.runner)
@@ -144,6 +148,7 @@ class LLMEngine(EngineKV):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seq = self.inputs.sequence(request_id, ids, params, namespace or self.namespace, compression, lora,
                                    max_new_tokens)
+        self.drafter.start(seq, self.inputs.prediction_ids(params), self.speculation_supported)
         self.processor.start(seq)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -205,9 +210,12 @@ class LLMEngine(EngineKV):
             if seq.compression is not None and seq.observer is None and not seq.compressed:
                 seq.observer = PrefillObserver(seq.compression, len(seq.token_ids) - seq.kv_offset,
                                                self.model_config.num_layers, self.model_config.num_kv_heads)
+        t0 = time.perf_counter()
         logits, seqs = self._execute(out.scheduled)
+        if all(s.num_output_tokens and n == 1 + len(s.spec_tokens) for s, n in out.scheduled):  # decode rows only
+            self.drafter.cost.observe(out.num_tokens, time.perf_counter() - t0)  # speculation's cost model
         for seq, n in out.scheduled:
-            seq.num_computed += n
+            seq.num_computed += 1 if seq.spec_tokens else n  # drafts count once verified (_verify)
             self.kv.commit(seq)
         if logits is not None:
             finished += self._take_samples(logits, seqs)
@@ -246,7 +254,26 @@ class LLMEngine(EngineKV):
             return logits.index_select(0, torch.tensor(rows, device=logits.device)), seqs
 
     def _take_samples(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sequence]:
-        """Sample one token per sequence, run the first-token hooks, post-process; returns the finished ones."""
+        """Sample one token per sequence (a sequence verifying drafts: its verified run, :meth:`_verify`), run the
+        first-token hooks, post-process; returns the finished ones.  logits: (rows, vocab), one row per sequence
+        and 1 + k rows for one carrying k drafts, in ``seqs`` order."""
+        if not any(s.spec_tokens for s in seqs):
+            return self._sample_rows(logits, seqs)
+        plain_rows, plain, finished, row = [], [], [], 0
+        for seq in seqs:
+            k = len(seq.spec_tokens)
+            if k:
+                finished += self._verify(seq, logits[row: row + k + 1])
+            else:
+                plain_rows.append(row)
+                plain.append(seq)
+            row += k + 1
+        if plain:
+            finished += self._sample_rows(logits[torch.tensor(plain_rows, device=logits.device)], plain)
+        return finished
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sequence]:
+        """One token per sequence from its row of ``logits`` (B, vocab); returns the finished sequences."""
         ids, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
                             [s.processors for s in seqs])
         for row, seq in enumerate(seqs):
@@ -259,6 +286,35 @@ class LLMEngine(EngineKV):
         for seq in done:
             self._finish(seq)
         return done
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[Sequence]:
+        """Take a verify row's tokens (:func:`~kvkeeper.engine.speculative.verify`), then count as computed the
+        K/V of the tokens emitted but the last (the accepted drafts'), give back the blocks only the rejected drafts
+        used and register the blocks that became full; returns ``[seq]`` when it finished."""
+        drafts, c = seq.spec_tokens, seq.num_computed - 1
+        seq.spec_tokens = []
+        got = verify(seq, logits, drafts, self.processor)
+        self.drafter.record(seq, len(drafts), got.accepted)
+        seq.num_computed = c + max(1, got.emitted)
+        self.kv.trim_to_computed(seq)
+        self.kv.commit(seq)
+        for s in got.finished:
+            self._finish(s)
+        return got.finished
+
+    @property
+    def speculation(self) -> str:
+        """What speculative decoding runs, in words (the load line's)."""
+        if not self.speculation_supported:
+            return "no speculative decoding (hybrid KV cache)"
+        cfg = self.config.speculative_config
+        return cfg.describe() if cfg is not None else "speculative decoding from predictions only"
+
+    @property
+    def speculation_supported(self) -> bool:
+        """Whether sequences may verify drafts here: not with a hybrid KV cache (sliding-window layers' window
+        blocks are not trimmed after a rejection)."""
+        return not self.pool.hybrid
 
     def run_until_done(self, seqs: list[Sequence]) -> None:
         while any(not s.finished for s in seqs):
@@ -294,5 +350,5 @@ class LLMEngine(EngineKV):
                 "num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "kv_bytes_per_token": self.kv_bytes_per_token, "kv_cache_bytes": r.kv_cache_bytes,
                 "kv_window_blocks_total": pool.window_blocks or 0, "kv_window_blocks_free": pool.num_window_free,
-                "weight_format": r.weight_format}
+                "weight_format": r.weight_format, "spec_decode": dataclasses.asdict(self.drafter.stats)}
 

@@ -35,16 +35,20 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool, reclaim: Callable[[int], int] | None = None):
+                 enable_chunked_prefill: bool, reclaim: Callable[[int], int] | None = None,
+                 drafter: Callable[[Sequence, int, int], list[int]] | None = None):
         """Settings as in :class:`~kvkeeper.engine.config.EngineConfig`.  reclaim(n_blocks) is called when admission
-        lacks blocks; it may release idle sessions' blocks and returns how many it freed."""
+        lacks blocks; it may release idle sessions' blocks and returns how many it freed.  drafter(seq, budget,
+        running): draft tokens for a decode row (speculative decoding, :meth:`Drafter.propose
+        <kvkeeper.engine.speculative.Drafter.propose>`); they ride with the row when their blocks can be had
+        without taking the one free block each later running sequence may need."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.reclaim = reclaim
+        self.reclaim, self.drafter = reclaim, drafter
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -102,6 +106,7 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            n = self._with_drafts(seq, n, budget, len(self.running) - i - 1)
             while not self.kv.allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -111,6 +116,19 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _with_drafts(self, seq: Sequence, n: int, budget: int, later: int) -> int:
+        """``n``, or 1 + the drafts of a decode row whose blocks are allocated now (``seq.spec_tokens`` set);
+        ``later``: running sequences after it, each keeping one free block to grow into."""
+        seq.spec_tokens = []
+        if self.drafter is None or n != 1:
+            return n
+        drafts = self.drafter(seq, budget, len(self.running))
+        if not drafts or self.kv.blocks_needed(seq, 1 + len(drafts)) + later > self.kv.pool.num_free:
+            return n
+        self.kv.allocate(seq, 1 + len(drafts))
+        seq.spec_tokens = drafts
+        return 1 + len(drafts)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences, oldest first, while the budget, ``max_num_seqs`` and the pool allow."""

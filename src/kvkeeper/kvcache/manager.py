@@ -99,6 +99,17 @@ class KVCacheManager:
             seq.block_table.extend(self.pool.allocate(need))
         return True
 
+    def trim_to_computed(self, seq) -> int:
+        """Give back the blocks past those holding the sequence's ``num_computed - kv_offset`` computed tokens (blocks
+        a speculative step allocated for draft tokens that were rejected: never full, never registered, held by
+        this sequence alone); returns how many."""
+        keep = -(-(seq.num_computed - seq.kv_offset) // self.block_size)
+        extra = seq.block_table[keep:]
+        if extra:
+            self.pool.free_all(extra)
+            del seq.block_table[keep:]
+        return len(extra)
+
     def commit(self, seq) -> None:
         """Register blocks that became full and computed in the prefix cache."""
         if seq.kv_offset:  # compressed KV is never shared

@@ -37,6 +37,9 @@ class SamplingParams:
     tokens may not be generated (vLLM); structured: a grammar the output must follow (JSON schema,
     regex, choice, Lark; see :mod:`kvkeeper.sampling.structured`).  See
     :mod:`kvkeeper.sampling.processors` for each algorithm and its source.
+    prediction: the text (or token ids) the output is expected to repeat (OpenAI's Predicted Outputs): the engine
+    drafts from it and verifies the drafts, the output is unchanged (:mod:`kvkeeper.engine.speculative`).
+    speculative: False opts the request out of speculative decoding (n-gram drafts and the prediction alike).
     Raises :class:`InvalidRequestError` (with ``param``, the field) on out-of-range values.
     """
 
@@ -58,6 +61,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     bad_words: list[str] = field(default_factory=list)
     structured: StructuredOutput | None = None
+    prediction: str | list[int] | None = None
+    speculative: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -101,6 +106,12 @@ class SamplingParams:
                                                       f"got {bias} for token {tok}")
         _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
                "bad_words must be non-empty strings")
+        pred = self.prediction
+        _check(pred is None or isinstance(pred, str) or all(type(t) is int and t >= 0 for t in pred), "prediction",
+               "prediction must be a text or a list of token ids (integers >= 0)")
+        _check(not (pred and not self.speculative), "prediction",
+               "a prediction is used by speculative decoding, which this request turns off (speculative false): "
+               "send one or the other")
         _check(not (self.structured is not None and self.ignore_eos), "ignore_eos",
                "ignore_eos cannot be combined with structured output: the grammar ends the output with EOS")
 

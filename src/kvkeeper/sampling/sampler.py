@@ -85,12 +85,46 @@ def sample(
         if p.greedy:
             out.append(int(greedy_ids[i]))
             continue
-        row = processed.get(i, raw)
-        # shifted by the max first: a tiny temperature (1e-270) sends the others to -inf, never to inf/NaN
-        filt = _filter((row - row.max()) / p.temperature, p.top_k, p.top_p, p.min_p)
-        probs = filt.softmax(-1)
+        probs = _probs(processed.get(i, raw), p)
         out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
     return out, logps
+
+
+def _probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampling request draws from: row (V,) float32 logits (processed) -> (V,) probabilities
+    after the temperature, min-p, top-k and top-p."""
+    # shifted by the max first: a tiny temperature (1e-270) sends the others to -inf, never to inf/NaN
+    return _filter((row - row.max()) / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
+
+
+def speculative_sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
+                       processors: RequestProcessors | None, draft: int) -> tuple[int, torch.Tensor | None]:
+    """One token of a sampling request at a position where ``draft`` was proposed: the speculative sampling rule of
+    Leviathan, Kalman and Matias, "Fast Inference from Transformers via Speculative Decoding" (ICML 2023,
+    Algorithm 1) and Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampling" (2023):
+    accept a draft x drawn from q with probability min(1, p(x) / q(x)), else draw from norm(max(0, p - q)).  Drafts
+    here are deterministic (n-gram lookup, a prediction): q is one-hot at ``draft``, so the draft is accepted with
+    probability p(draft) and a rejection draws from p with the draft removed and renormalised; either way the
+    token is distributed as p, the distribution :func:`sample` draws from (processors, temperature, min-p, top-k,
+    top-p).
+
+    logits: (V,) float32, the row's raw logits; generator: the request's.  Returns (token id, (V,) log-softmax of
+    the raw logits when the request asked for logprobs, else None); :data:`NO_TOKEN` when the processors allow
+    no token.
+    """
+    raw = logits.cpu()
+    row = apply_processors(raw[None], [processors])[0] if processors is not None else raw
+    logp = torch.log_softmax(raw, -1) if p.logprobs is not None else None
+    if not bool(torch.isfinite(row.max())):
+        return NO_TOKEN, None
+    probs = _probs(row, p)
+    if float(torch.rand((), generator=generator)) < float(probs[draft]):
+        return draft, logp
+    residual = probs.clone()
+    residual[draft] = 0.0
+    if not float(residual.sum()) > 0:  # p(draft) == 1 up to rounding: the draft is the only token
+        return draft, logp
+    return int(torch.multinomial(residual, 1, generator=generator).item()), logp
 
 
 def prompt_logprob_entries(logits: torch.Tensor, targets: list[int], k: int) -> list[dict]:

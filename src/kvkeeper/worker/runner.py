@@ -200,7 +200,13 @@ class ModelRunner:
 
     def build_batch(self, scheduled) -> "StepBatch":
         """scheduled: list of (seq, num_new_tokens).  Returns a :class:`StepBatch` (a tuple: input_ids,
-        positions, meta, logit_rows, seqs)."""
+        positions, meta, logit_rows, seqs).
+
+        A decode row carrying k draft tokens (speculative decoding: ``seq.spec_tokens``, scheduled with
+        ``num_new_tokens`` = 1 + k) is packed as 1 + k decode rows of the sequence, the i-th attending to the cache
+        through its own position (every row's K/V is written before attention reads any), each with a logits row:
+        the rows a verification reads (:func:`kvkeeper.engine.speculative.verify`); its sequence is in ``seqs``
+        once.  A decode-only step of such rows still runs as one fused decode call."""
         bs = self.block_size
         ids, pos, slots = [], [], []
         prefills = []
@@ -210,19 +216,24 @@ class ModelRunner:
         for seq, n in scheduled:
             c = seq.num_computed  # token index of the first new token (its RoPE position)
             off = seq.kv_offset  # tokens dropped by KV compression: KV index = token index - off
-            ids.extend(seq.token_ids[c : c + n])
+            drafts = getattr(seq, "spec_tokens", None) if n > 1 else None
+            drafts = drafts if drafts and n == 1 + len(drafts) else None
+            ids.extend(seq.token_ids[c : c + n] if drafts is None else [seq.token_ids[c], *drafts])
             p = torch.arange(c, c + n)
             pos.append(p)
             bt = torch.tensor(seq.block_table, dtype=torch.int64)
             kv_i = p - off
             slots.append(bt[kv_i // bs] * bs + kv_i % bs)
-            if n == 1 and seq.observer is None:
-                dec_idx.append(start)
-                dec_bt.append(bt)
-                dec_len.append(c + 1 - off)
+            if (n == 1 and seq.observer is None) or drafts is not None:  # a verify row: n decode rows, causal
+                dec_idx.extend(range(start, start + n))
+                dec_bt.extend([bt] * n)
+                dec_len.extend(range(c + 1 - off, c + n + 1 - off))
             else:
                 prefills.append(PrefillSpan(start, n, c + n - off, bt.to(self.device), seq.observer))
-            if c + n == len(seq.token_ids):
+            if drafts is not None:
+                logit_rows.extend(range(start, start + n))
+                sample_seqs.append(seq)
+            elif c + n == len(seq.token_ids):
                 logit_rows.append(start + n - 1)
                 sample_seqs.append(seq)
             start += n
@@ -344,7 +355,7 @@ class StepBatch(NamedTuple):
     input_ids, positions: (T,) int64 on the device, the scheduled tokens of all sequences one after another;
     meta: their :class:`AttentionMetadata` (slots, prefill spans, decode tables); logit_rows: the packed rows
     (token indices) whose logits sample a token, one per sequence in ``seqs`` (those that reach their last
-    token in this step).
+    token in this step), 1 + k consecutive rows for a sequence verifying k draft tokens (``seq.spec_tokens``).
     """
 
     input_ids: torch.Tensor

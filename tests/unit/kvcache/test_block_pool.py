@@ -2,7 +2,8 @@
 
 A hypothesis state machine drives a small pool through any interleaving of
 new sequence (prefix match + allocate), step / append (allocate + compute +
-commit), fork (sharing full blocks), pin / unpin (an extra owner holding every
+commit), speculate (a decode row verifying drafts: allocate, compute, keep the
+accepted drafts, give back the rest), fork (sharing full blocks), pin / unpin (an extra owner holding every
 computed block, the partial one included), free, truncate, evict,
 over-allocation and double free, and checks after every step that:
 
@@ -230,7 +231,11 @@ class PoolMachine(RuleBasedStateMachine):
             )
             self.content[bid][p % bs] = (seq.namespace, tuple(seq.token_ids[: p + 1]))
         seq.num_computed += n
-        start, full = len(seq.block_hashes), seq.num_computed // bs
+        self.commit(seq)
+
+    def commit(self, seq):
+        """manager.commit: the blocks that became full and computed are registered (the shadow cache with them)."""
+        start, full = len(seq.block_hashes), seq.num_computed // self.bs
         for i in range(start, full):
             assert seq.block_table[i] not in self.bid_key
         self.kv.commit(seq)
@@ -338,6 +343,36 @@ class PoolMachine(RuleBasedStateMachine):
         n = min(chunk, seq.num_uncomputed)
         if n and self.can_write(seq) and self.alloc(seq, n):
             self.compute(seq, n)
+
+    @precondition(lambda self: any(s.num_uncomputed == 1 for s in self.seqs))
+    @rule(i=INDEX, drafts=st.lists(TOKENS, min_size=1, max_size=9), accepted=st.integers(0, 9), bonus=TOKENS)
+    def speculate(self, i, drafts, accepted, bonus):
+        """A decode row verifying draft tokens, as the engine runs it (speculative decoding): blocks for the last
+        token and the drafts, K/V written for all of them (the drafts' slots hold the drafts' prefixes), the last
+        token counted; then ``accepted`` drafts and one token that differs from the next draft (or a bonus token)
+        are appended, only the accepted drafts' K/V counted, and the blocks past it given back
+        (``trim_to_computed``).  The invariants then check that no rejected draft's K/V is counted, cached or
+        left in a block nobody owns."""
+        pool, bs = self.pool, self.bs
+        seq = self.pick(i, lambda s: s.num_uncomputed == 1)
+        if not self.can_write(seq) or not self.alloc(seq, 1 + len(drafts)):
+            return
+        c, written = seq.num_computed, seq.token_ids + drafts
+        for p in range(c, c + 1 + len(drafts)):
+            bid = seq.block_table[p // bs]
+            assert pool.blocks[bid].ref_count == 1 and pool.blocks[bid].hash is None, f"draft K/V into block {bid}"
+            self.content[bid][p % bs] = (seq.namespace, tuple(written[: p + 1]))
+        seq.num_computed += 1
+        self.commit(seq)
+        a = min(accepted, len(drafts))
+        last = bonus if a == len(drafts) else (drafts[a] + 1 + bonus % 2) % 3  # the first rejected row's token
+        seq.token_ids.extend(drafts[:a] + [last])
+        seq.num_computed = c + 1 + a
+        old_bt, keep = list(seq.block_table), -(-(c + 1 + a) // bs)
+        assert self.kv.trim_to_computed(seq) == len(old_bt) - keep
+        assert seq.block_table == old_bt[:keep]
+        self.released(old_bt[keep:])
+        self.commit(seq)
 
     @precondition(lambda self: any(s.num_computed for s in self.seqs))
     @rule(i=INDEX)
