@@ -106,19 +106,23 @@ class TrendConfig:
     close, seconds), ``min_t`` (each half-window slope at least this many standard errors above 0), ``gate``
     (the level must be past this fraction of its limit); ``ttft_field``: the sample field held against the TTFT
     limit (the scenarios' ``ttft_p99``; the server's detector has the interval's mean, ``ttft_mean``);
-    ``half_ratio``: each half-window slope must be at least this fraction of the whole window's."""
+    ``half_ratio``: each half-window slope must be at least this fraction of the whole window's; ``near_miss``:
+    warn, with no time estimated, while the TTFT is at least this fraction of its limit (0: off)."""
 
     window: int = 20
     horizon_s: float = 120.0
     min_t: float = 2.0
-    gate: float = 0.3
+    gate: float = 0.35
     limits: Limits = field(default_factory=Limits)
     ttft_field: str = "ttft_p99"
     half_ratio: float = 0.5
+    near_miss: float = 0.6
 
     def __post_init__(self):
         if self.window < 6 or self.horizon_s <= 0 or self.min_t < 0 or not 0 <= self.gate < 1:
             raise ValueError("trend: window >= 6 samples, horizon_s > 0, min_t >= 0 and gate in [0, 1) are needed")
+        if not 0 <= self.near_miss < 1:
+            raise ValueError(f"trend: near_miss must be in [0, 1) (0: off), got {self.near_miss}")
 
 
 def _fit(ts: list[float], ys: list[float]) -> tuple[float, float, float]:
@@ -172,10 +176,23 @@ class TrendPredictor(Predictor):
             if got is not None and (best is None or got[0] < best[0]):
                 best = (got[0], got[1], name, limit)
         if best is None or best[0] > self.config.horizon_s:
+            near = self._near_miss(sample)
+            if near is not None:
+                return near
             return Forecast(False, None if best is None else best[0])
         eta, level, name, limit = best
         return Forecast(True, eta, f"{name} {level:.3g} rising toward its limit {limit:g}: breach in about "
                                    f"{eta:.0f} s at the fitted slope", name)
+
+
+    def _near_miss(self, sample: dict) -> Forecast | None:
+        """A warning while the TTFT is at least ``near_miss`` x its limit (see the module docstring)."""
+        c = self.config
+        v, limit = sample.get(c.ttft_field), c.limits.ttft_p99
+        if not c.near_miss or v is None or v < c.near_miss * limit:
+            return None
+        return Forecast(True, None, f"{c.ttft_field} {v:.3g} s is {v / limit:.0%} of its limit {limit:g} s: a near "
+                                    f"miss; another prefill as long at the same time breaches it", c.ttft_field)
 
 
 def features(sample: dict, ttft_objective_s: float = 3.0) -> list[float]:

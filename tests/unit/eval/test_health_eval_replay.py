@@ -3,16 +3,23 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 
 import pytest
 
+from kvkeeper.diagnostics.health_predict import DEFAULT_PREDICTOR, make_predictor
 from kvkeeper.eval import health_scenarios
-from kvkeeper.eval.health_score import score
+from kvkeeper.eval.health_score import score, score_episode
 from tests.utils.paths import ROOT
 
 TRACES = ROOT / "tests" / "unit" / "eval" / "data" / "health_traces.jsonl.gz"
+
+
+def read_saved() -> list[dict]:
+    with gzip.open(TRACES, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 @pytest.fixture()
@@ -51,6 +58,17 @@ def test_the_table_is_recomputed_from_saved_traces(health_eval, tmp_path):
     assert all(t["breach_s"] is None for t in traces if t["kind"] in health_scenarios.FAULT_FREE)
     md = out.with_suffix(".md").read_text()
     assert "| trend |" in md and "| ewma |" in md
+
+
+def test_the_default_predictor_warns_ahead_of_every_saved_breach():
+    """On the saved traces the default predictor warns before every incident's breach, long-context crowding
+    included (its near-miss warning: the trend alone missed longctx seed 0), and never in a fault-free episode."""
+    for tr in read_saved():
+        row = score_episode(tr, make_predictor(DEFAULT_PREDICTOR))
+        if tr["breach_s"] is None:
+            assert row["fp"] == 0, (tr["kind"], tr["seed"], row["first_warning"])
+        else:
+            assert row["tp"] >= 1 and row["lead_s"] > 0, (tr["kind"], tr["seed"])
 
 
 def test_seeds_are_parsed_or_refused(health_eval):
