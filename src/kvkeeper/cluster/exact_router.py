@@ -12,7 +12,8 @@ in blocks to prefill (``kv_usage`` in 0..1), and the request goes to the cheapes
 ``kvkeeper:cluster_routing_decisions_total``):
 
 1. ``session`` / ``cache_key`` -- ``X-Session-ID`` or ``prompt_cache_key``: the owner on the consistent-hash ring,
-   as :class:`~kvkeeper.cluster.router.Policy` (a session's KV is pinned where its turns went);
+   as :class:`~kvkeeper.cluster.router.Policy` (a session's KV is pinned where its turns went; it stays on that
+   replica while the replica lives, even when others join);
 2. ``prefix`` -- the best replica holds at least ``match_threshold`` (0.5) of the prompt's blocks: the cheapest
    replica by the cost above;
 3. ``load`` -- otherwise (a fresh conversation, which shares at most a short system prompt): the cheapest by load
@@ -95,7 +96,7 @@ class ExactRouter:
         if not replicas:
             raise ValueError("no replica to route to")
         if session_id is not None or cache_key is not None:
-            owner = self.policy.ring(replicas).owner(session_id if session_id is not None else f"pck:{cache_key}")
+            owner = self.policy.owner(replicas, session_id if session_id is not None else f"pck:{cache_key}")
             d = Decision([[owner], [r for r in replicas if r != owner]],
                          "session" if session_id is not None else "cache_key")
         else:
