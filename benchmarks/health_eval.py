@@ -9,7 +9,9 @@ clock, so the figures do not depend on this machine's load), each recorded as a 
 (:mod:`kvkeeper.diagnostics.health_predict`) is replayed on the same traces and scored
 (:mod:`kvkeeper.eval.health_score`).  OUT's top level holds ``precision``, ``recall``, ``median_lead_s`` and
 ``false_alarms_per_hour`` of the server's default predictor, and ``predictors``: a table per predictor (with
-its per-kind results).  Seeds 0-11 trained and tuned the predictors; evaluate on seeds from 100.  ``--traces`` saves the traces (gzip JSON lines); ``--from-traces`` scores saved traces
+its per-kind results).  Seeds 0-11 trained and tuned the predictors; evaluate on seeds from 100 that were never
+looked at (100-119 had been by 2026-12-06; that day's evaluation used 300-319).  ``--traces`` saves the traces
+(gzip JSON lines); ``--from-traces`` scores saved traces
 without running an engine.  ``--soak-s S``: one fault-free episode of S simulated seconds per ``--soak-seeds`` seed
 (the ``swings`` kind, its false alarms reported apart).  ``--proactive``: every incident episode again with the
 breaker acting on the default predictor's forecast (:attr:`CircuitBreaker.forecast`), and the breaches of

@@ -50,9 +50,11 @@ KINDS = INCIDENTS + FAULT_FREE
 # one telemetry sample: t (s), usage and pool_rate (0..1), waiting and running (sequences), ttft_p99 and
 # ttft_mean (s, over the last ttft_window_s; 0 when no first token), eviction_rate (cached blocks evicted
 # per second / pool blocks), preemption_rate (1/s), hit_rate (prefix-cache hit tokens / looked-up tokens
-# over the interval), host_fill (host-tier bytes / its budget), sessions (open), tier (breaker, 0..3)
+# over the interval), host_fill (host-tier bytes / its budget), sessions (open), tier (breaker, 0..3),
+# prefill_backlog (prompt tokens admitted and not yet computed, tokens), busy (fraction of the interval the
+# engine spent computing steps, 0..1)
 SAMPLE_FIELDS = ("t", "usage", "pool_rate", "waiting", "running", "ttft_p99", "ttft_mean", "eviction_rate",
-                 "preemption_rate", "hit_rate", "host_fill", "sessions", "tier")
+                 "preemption_rate", "hit_rate", "host_fill", "sessions", "tier", "prefill_backlog", "busy")
 TINY_MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 32,
               "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 8, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
@@ -160,9 +162,11 @@ class Episode:
         self.breach_reason: str | None = None
         self.samples: list[dict] = []
         self._prev = None
+        self.busy_s = 0.0  # simulated seconds spent computing engine steps
         self._next_arrival = 0.0
         self._next_conv = 0.0
         self._kind_next = self.onset if self.onset is not None else 0.0
+        self._ramp_started = False  # flood, longctx: the first arrival is drawn from the onset's rate, not at it
         self._params = {k: self.rng.uniform(*v) for k, v in
                         {"ramp": (0.004, 0.012), "period": (80.0, 140.0), "leak_every": (2.0, 4.0),
                          "long_rate": (0.004, 0.01)}.items()}
@@ -234,13 +238,28 @@ class Episode:
             self._incident()
         self._turns()
 
+    def _ramp_gap(self, a: float, b: float, since: float) -> float:
+        """Seconds to the next arrival of a Poisson process whose rate rises linearly, ``a + b x`` per second
+        ``x`` seconds after the onset, drawn at ``since``: the gap ``g`` with ``a g + b (since g + g^2 / 2) = E``,
+        ``E`` exponential with mean 1 (inversion of the cumulative rate; e.g. Ross, *Simulation*, 5th ed.,
+        5.5).  Before 2026-12-06 the gap was drawn at the rate of the last arrival, so that a long first gap
+        at the onset's low rate skipped the ramp (longctx: one request at the onset, then on average 50 s of
+        nothing, then a flurry)."""
+        e = self.rng.expovariate(1.0)
+        lam = a + b * since
+        if b <= 0:
+            return e / lam
+        return (math.sqrt(lam * lam + 2.0 * b * e) - lam) / b
+
     def _incident(self) -> None:
         """The kind's own load (from the onset; fault-free kinds from the start)."""
         rng, p, since = self.rng, self._params, self.now - (self.onset or 0.0)
         k = self.kind
+        first, self._ramp_started = not self._ramp_started, True
         if k == "flood":
-            self._open(turns=6, closes=True, first_in=rng.uniform(0, 2))
-            self._kind_next = self.now + rng.expovariate(0.05 + p["ramp"] * since)
+            if not first:
+                self._open(turns=6, closes=True, first_in=rng.uniform(0, 2))
+            self._kind_next = self.now + self._ramp_gap(0.05, p["ramp"], since)
         elif k == "leak":
             self._open(turns=1, closes=False, prompt_len=(48, 96))
             self._kind_next = self.now + p["leak_every"] * rng.uniform(0.7, 1.3)
@@ -253,8 +272,9 @@ class Episode:
             self._open(turns=8, closes=True, prompt_len=(48, 96))
             self._kind_next = self.now + rng.uniform(3.0, 6.0)
         elif k == "longctx":
-            self._request(self._tokens(640, 1200), 4)
-            self._kind_next = self.now + rng.expovariate(0.02 + p["long_rate"] * since)
+            if not first:
+                self._request(self._tokens(640, 1200), 4)
+            self._kind_next = self.now + self._ramp_gap(0.02, p["long_rate"], since)
         elif k == "bursts":
             if self.now > 20:
                 for _ in range(rng.randint(4, 8)):
@@ -286,7 +306,9 @@ class Episode:
             if d > 0:
                 tokens += d
                 ctx += s.num_computed
-        self.now += self.cfg.cost.step_s(tokens, ctx) if tokens else self.cfg.idle_tick_s
+        dt = self.cfg.cost.step_s(tokens, ctx) if tokens else self.cfg.idle_tick_s
+        self.now += dt
+        self.busy_s += dt if tokens else 0.0
         for rid in self._pending_first:
             t0 = self.arrival.pop(rid, None)
             if t0 is not None:
@@ -304,12 +326,13 @@ class Episode:
         w.sort()
         p99 = w[min(len(w) - 1, math.ceil(0.99 * len(w)) - 1)] if w else 0.0
         cnt = (eng.pool.evictions - self.breaker.evicted_blocks, eng.scheduler.num_preemptions,
-               eng.kv.query_tokens, eng.kv.hit_tokens)
+               eng.kv.query_tokens, eng.kv.hit_tokens, self.busy_s)
         prev, self._prev = self._prev, cnt
         dt = c.sample_every_s
-        ev = pr = 0.0
+        ev = pr = busy = 0.0
         hit = 1.0
         if prev is not None:
+            busy = min(1.0, (cnt[4] - prev[4]) / dt)
             ev = (cnt[0] - prev[0]) / st.num_blocks / dt
             pr = (cnt[1] - prev[1]) / dt
             q = cnt[2] - prev[2]
@@ -319,7 +342,7 @@ class Episode:
              "waiting": len(eng.scheduler.waiting), "running": len(eng.scheduler.running), "ttft_p99": p99,
              "ttft_mean": sum(w) / len(w) if w else 0.0, "eviction_rate": ev, "preemption_rate": pr, "hit_rate": hit,
              "host_fill": host, "sessions": sum(1 for cv in self.convs if not cv.session.closed),
-             "tier": self.breaker.tier}
+             "tier": self.breaker.tier, "prefill_backlog": prefill_backlog(eng.scheduler), "busy": busy}
         s = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in s.items()}
         if p99 > c.ttft_objective_s:
             self._breach(f"TTFT p99 {p99:.2f} s over the {c.ttft_objective_s:g} s objective")
@@ -351,6 +374,12 @@ class Episode:
                 "breach_reason": self.breach_reason, "refusals": self.refusals, "requests": self.requests,
                 "breaker_actions": {f"{t}:{a}": n for (t, a), n in sorted(self.breaker.actions.items())},
                 "samples": self.samples, "config": _jsonable(asdict(c))}
+
+
+def prefill_backlog(scheduler) -> int:
+    """Prompt tokens admitted to ``scheduler`` (waiting or running) and not yet computed: the prefill work
+    queued ahead of a new request's first token (tokens)."""
+    return sum(max(0, s.num_prompt_tokens - s.num_computed) for s in list(scheduler.waiting) + scheduler.running)
 
 
 def _jsonable(d: dict) -> dict:

@@ -90,9 +90,23 @@ def test_trend_ignores_a_rise_below_its_gate_and_reads_ttft_against_its_objectiv
     assert t is not None and t < 137 and fc.signal == "ttft_p99"
 
 
+def test_a_first_token_near_the_objective_warns_at_once_with_no_time():
+    """Long-context crowding (the scenarios' ``longctx``): one long request's first token takes 2.4 s, 80% of the
+    3 s objective, and the TTFT p99 steps up for the 10 s of its window.  No trend shows (it is a step), yet a
+    second prefill as long at the same time breaches: the trend predictor warns on the near miss at once, naming
+    the TTFT and giving no time; with ``near_miss=0`` it stays silent (the predictor before 2026-12-06 did)."""
+    rng = random.Random(5)
+    stream = [_sample(t, rng, ttft=2.4 if 100 <= t < 110 else 0.3) for t in range(200)]
+    t, fc = _first_warning(TrendPredictor(), stream)
+    assert t == 100 and fc.signal == "ttft_p99" and fc.eta_s is None and "near miss" in fc.reason
+    assert _first_warning(TrendPredictor(TrendConfig(near_miss=0)), stream) == (None, None)
+
+
 def test_bad_settings_and_names_are_refused():
     with pytest.raises(ValueError, match="window"):
         TrendConfig(window=2)
+    with pytest.raises(ValueError, match="near_miss"):
+        TrendConfig(near_miss=1.5)
     with pytest.raises(ValueError, match="usage"):
         Limits(usage=1.5)
     with pytest.raises(ValueError, match="trend"):

@@ -3,16 +3,23 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 
 import pytest
 
+from kvkeeper.diagnostics.health_predict import DEFAULT_PREDICTOR, make_predictor
 from kvkeeper.eval import health_scenarios
-from kvkeeper.eval.health_score import score
+from kvkeeper.eval.health_score import score, score_episode
 from tests.utils.paths import ROOT
 
 TRACES = ROOT / "tests" / "unit" / "eval" / "data" / "health_traces.jsonl.gz"
+
+
+def read_saved() -> list[dict]:
+    with gzip.open(TRACES, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 @pytest.fixture()
@@ -53,8 +60,39 @@ def test_the_table_is_recomputed_from_saved_traces(health_eval, tmp_path):
     assert "| trend |" in md and "| ewma |" in md
 
 
+def test_the_default_predictor_warns_ahead_of_the_saved_breaches():
+    """On the saved traces the default predictor warns before every incident's breach, long-context crowding
+    included (its near-miss warning: the trend alone missed longctx seed 0), and never in a fault-free episode;
+    the one miss is host seed 1, whose usage falls back with every offload to the host tier so that the
+    12-sample half-windows of the tuned defaults do not both rise (the defaults before 2026-12-06, a 20-sample
+    window, caught it 11 s ahead but with a shorter median lead on the tuning seeds)."""
+    missed = []
+    for tr in read_saved():
+        row = score_episode(tr, make_predictor(DEFAULT_PREDICTOR))
+        if tr["breach_s"] is None:
+            assert row["fp"] == 0, (tr["kind"], tr["seed"], row["first_warning"])
+        elif row["tp"] == 0:
+            missed.append((tr["kind"], tr["seed"]))
+        else:
+            assert row["lead_s"] > 0 and row["fp"] == 0, (tr["kind"], tr["seed"])
+    assert missed == [("host", 1)]
+
+
 def test_seeds_are_parsed_or_refused(health_eval):
     assert health_eval.parse_seeds("100-103") == [100, 101, 102, 103]
     assert health_eval.parse_seeds("1,5") == [1, 5]
     with pytest.raises(ValueError, match="A-B"):
         health_eval.parse_seeds("a-b")
+
+
+def test_the_tuning_grid_refuses_held_out_seeds(health_eval, tmp_path):
+    """benchmarks/tune_health_trend.py chooses the trend's defaults on tuning seeds only: traces holding a
+    held-out seed (100 and up) are refused before any scoring."""
+    import tune_health_trend
+
+    traces = health_eval.read_traces(TRACES)[:2]
+    bad = tmp_path / "mixed.jsonl.gz"
+    health_eval.write_traces(bad, traces + [dict(traces[0], seed=300)])
+    with pytest.raises(SystemExit):
+        tune_health_trend.main(["--traces", str(bad)])
+    sys.modules.pop("tune_health_trend", None)

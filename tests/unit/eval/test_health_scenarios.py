@@ -3,6 +3,8 @@ clock, deterministic per seed; onsets and breaches are recorded when they happen
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvkeeper.eval.health_scenarios import KINDS, SAMPLE_FIELDS, Episode, ScenarioConfig, run_episode
@@ -47,3 +49,23 @@ def test_an_unknown_kind_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="flood"):
         Episode("nope", 0)
     assert "corruption" not in KINDS  # it does not develop over time: the reuse audit's job (see the module)
+
+
+def test_a_ramping_rate_is_sampled_as_it_ramps():
+    """flood and longctx arrive at a rate rising from the onset, ``a + b x`` per second x seconds after it: the gaps
+    (:meth:`Episode._ramp_gap`, inversion of the cumulative rate) give on average ``a T + b T^2 / 2`` arrivals in
+    the first T seconds.  Before 2026-12-06 each gap was drawn at the rate of the last arrival (longctx's
+    0.02/s at the onset: 50 s on average), a third as many here after the one made at the onset itself, so that
+    the ramp was skipped."""
+    class Stub:
+        rng = random.Random(0)
+
+    a, b, horizon, runs = 0.02, 0.007, 30.0, 4000
+    count = 0
+    for _ in range(runs):
+        t = Episode._ramp_gap(Stub, a, b, 0.0)
+        while t <= horizon:
+            count += 1
+            t += Episode._ramp_gap(Stub, a, b, t)
+    expected = a * horizon + b * horizon ** 2 / 2  # 3.75 arrivals
+    assert count / runs == pytest.approx(expected, rel=0.05)
