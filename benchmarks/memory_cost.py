@@ -13,7 +13,10 @@ policy's ranking of the kept window (cosine of 20 turns' embeddings, cached by t
 decision between BM25 designs, what one bm25s rebuild over every stored sentence costs at N turns (the lazy
 rebuild a search after each batch would pay) against FTS5's incremental index.
 
-    python benchmarks/memory_cost.py [--turns 300] [--every 4] [--out PATH]
+    python benchmarks/memory_cost.py [--turns 300] [--every 4] [--embed-threads 1] [--embed-dtype auto] [--out PATH]
+
+``--embed-threads N``: torch threads while embedding (the :class:`Embedder`'s ``threads``; 0: torch's own setting,
+the engine's thread count); ``--embed-dtype``: the :class:`Embedder`'s ``dtype`` (auto: bfloat16 on a CPU with AMX).
 
 Writes ``benchmarks/results/memory_cost-<date>.json`` and ``.md`` (load average recorded before and after).
 """
@@ -62,12 +65,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=300, help="turns indexed by the end (default: 300)")
     ap.add_argument("--every", type=int, default=4, help="turns leave K at a time (default: 4)")
+    ap.add_argument("--embed-threads", type=int, default=1,
+                    help="torch threads while embedding (default: 1, the Embedder's; 0: torch's own setting)")
+    ap.add_argument("--embed-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="the embedding model's dtype (default: auto, bfloat16 on a CPU with AMX)")
     ap.add_argument("--out", default=str(result_path("memory_cost", config="minilm", suffix="")),
                     help="OUT.json and OUT.md")
     args = ap.parse_args()
     load0 = os.getloadavg()
     turns = topical_turns(args.turns + args.every)
-    emb = Embedder()
+    emb = Embedder(threads=args.embed_threads or None, dtype=args.embed_dtype)
     emb.encode(["warm-up"])  # the model load is not a turn's cost
     with tempfile.TemporaryDirectory() as tmp:
         mem = SessionMemory(Path(tmp) / "m.sqlite", emb)
@@ -110,10 +117,11 @@ def main() -> int:
         "bm25s_rebuild_ms_at_end": rebuild_ms,
         "load_average_before": load0[0], "load_average_after": os.getloadavg()[0],
         "machine": f"{platform.machine()}, 2 cores shared with other jobs", "torch_threads": __import__("torch").get_num_threads(),
+        "embed_threads": emb.threads or __import__("torch").get_num_threads(), "embed_dtype": emb.dtype,
     }
     md = "\n".join([
         f"Memory cost per turn: {args.turns} turns indexed ({n_sent} sentences), {args.every} leaving at a time, one "
-        f"search per turn (top 8, floor 0.25); all-MiniLM-L6-v2 on CPU ({res['torch_threads']} torch threads), "
+        f"search per turn (top 8, floor 0.25); all-MiniLM-L6-v2 on CPU ({res['embed_dtype']}, {res['embed_threads']} torch threads while embedding, {res['torch_threads']} otherwise), "
         f"sqlite-vec + FTS5 in a SQLite file; {res['machine']}; load average {load0[0]:.2f} before, "
         f"{res['load_average_after']:.2f} after.", "",
         "| figure | all turns | last 50 turns |", "|---|---|---|",

@@ -133,7 +133,9 @@ class ContextState:
 class ContextReport:
     """What one turn's prompt kept (turns), dropped (left the prompt this turn or before), summarized (turns
     the summary covers), retrieved (stored turns placed in the memory block); tokens of the prompt, whether
-    text before the kept turns changed this turn (``rewritten``), and the memory's time (milliseconds)."""
+    text before the kept turns changed this turn (``rewritten``), the memory's time (``memory_ms``: embedding,
+    storing, searching) and the time spent writing the summary this turn (``summary_ms``; 0 on the turns that
+    rewrite no summary), both in milliseconds of the calling thread (the engine thread in the server)."""
 
     policy: str
     budget: int | None
@@ -145,6 +147,7 @@ class ContextReport:
     rewritten: bool = False
     memory_ms: float = 0.0
     retrieved_turns: list[int] = field(default_factory=list)
+    summary_ms: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,7 +156,7 @@ class ContextReport:
         """The ``X-KVKeeper-Context`` response header: ``policy=last; kept=3; dropped=5; ...``."""
         return (f"policy={self.policy}; budget={self.budget}; kept={self.kept}; dropped={self.dropped}; "
                 f"summarized={self.summarized}; retrieved={self.retrieved}; prompt_tokens={self.prompt_tokens}; "
-                f"rewritten={int(self.rewritten)}; memory_ms={self.memory_ms:.2f}")
+                f"rewritten={int(self.rewritten)}; memory_ms={self.memory_ms:.2f}; summary_ms={self.summary_ms:.2f}")
 
 
 def turns_digest(turns: list[list[dict]]) -> str:
@@ -257,6 +260,7 @@ class ContextPlanner:
         self.memory = memory
         self.tenant = tenant
         self.memory_s = 0.0  # seconds spent in the memory (embedding, storing, searching) by the last plan
+        self.summary_s = 0.0  # seconds spent writing the summary by the last plan
 
     def _timed(self, fn, *args):
         t0 = time.perf_counter()
@@ -284,7 +288,7 @@ class ContextPlanner:
             return list(messages), ContextReport(sp.policy, sp.budget, len(turns), 0)
         if state.span() >= len(turns) or turns_digest(turns[:state.span()]) != state.digest:
             state.reset()
-        self.memory_s = 0.0
+        self.memory_s = self.summary_s = 0.0
         if sp.policy == "hybrid":
             leaving = self._prune(head, turns, state)
         else:
@@ -297,7 +301,7 @@ class ContextPlanner:
         out, n, summary, block = self._assemble(head, state.summary, kept, block)
         hits, dropped = (hits if block else []), len(turns) - len(kept)
         return out, ContextReport(sp.policy, sp.budget, len(kept), dropped, dropped if summary else 0, len(hits), n,
-                                  bool(leaving), mem_ms, hits)
+                                  bool(leaving), mem_ms, hits, self.summary_s * 1000.0)
 
     @staticmethod
     def _window(turns: list[list[dict]], state: ContextState) -> list[list[dict]]:
@@ -365,7 +369,9 @@ class ContextPlanner:
             self._timed(self.memory.add, [(i, turn_text(turns[i])) for i in leaving], self.tenant)
             state.stored += len(leaving)
         if sp.summarizes and self.summarize is not None:
+            t0 = time.perf_counter()
             state.summary = self.summarize(state.summary, [turns[i] for i in leaving]).strip()
+            self.summary_s += time.perf_counter() - t0
         if sp.policy == "hybrid":
             state.pruned = sorted(set(state.pruned) | set(leaving))
         else:
