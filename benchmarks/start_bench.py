@@ -8,6 +8,9 @@ Each start is a fresh process: the time from ``Popen`` to the first 200 from the
 bytecode).  Python's bytecode is cached under a folder of this benchmark's own (``PYTHONPYCACHEPREFIX``, so that an
 environment with ``PYTHONDONTWRITEBYTECODE`` still measures what an installed package does) for every engine.
 The engines' starts alternate, ``--starts`` each; the floor is ``python -c "import torch"`` timed the same way.
+Each start also records the CPU seconds (user + system, all threads) the process had used when it became ready
+(``/proc/PID/stat``; the floor's from ``wait4``): on a shared machine the wall time stretches with the other jobs'
+load, the CPU time much less.
 
     .venv/bin/python benchmarks/start_bench.py [--starts 5] [--llama-python PATH] [--baseline-src DIR]
         [--out benchmarks/results] [--config NAME]
@@ -45,9 +48,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def time_start(cmd: list[str], route: str | None, env: dict, log: Path, timeout_s: float = 300) -> float:
-    """Seconds from launching ``cmd`` (``{port}`` in it replaced) to the first 200 from ``route`` (None: the
-    process's exit with status 0).  Raises RuntimeError when it exits first or ``timeout_s`` passes."""
+def _cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has used so far (all its threads), from ``/proc/PID/stat``;
+    None where that file cannot be read (not Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (proc(5): fields 14, 15)
+
+
+def time_start(cmd: list[str], route: str | None, env: dict, log: Path, timeout_s: float = 300
+               ) -> tuple[float, float | None]:
+    """(seconds from launching ``cmd`` (``{port}`` in it replaced) to the first 200 from ``route``, the CPU
+    seconds the process had used then; None if unknown).  ``route`` None: until the process's exit with status 0.
+    Raises RuntimeError when it exits first or ``timeout_s`` passes."""
     port = _free_port()
     with open(log, "w") as out:
         t0 = time.perf_counter()
@@ -55,14 +70,17 @@ def time_start(cmd: list[str], route: str | None, env: dict, log: Path, timeout_
                                 env=env)
         try:
             if route is None:
-                if proc.wait(timeout_s) != 0:
+                _, status, usage = os.wait4(proc.pid, 0)
+                wall = time.perf_counter() - t0
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                if proc.returncode != 0:
                     raise RuntimeError(f"{cmd[:3]} exited with {proc.returncode}: {log.read_text()[-2000:]}")
-                return time.perf_counter() - t0
+                return wall, usage.ru_utime + usage.ru_stime
             deadline = t0 + timeout_s
             while True:
                 try:
                     if httpx.get(f"http://127.0.0.1:{port}{route}", timeout=5).status_code == 200:
-                        return time.perf_counter() - t0
+                        return time.perf_counter() - t0, _cpu_s(proc.pid)
                 except httpx.HTTPError:
                     pass
                 if proc.poll() is not None:
@@ -103,16 +121,20 @@ def engines(args, pycache: Path) -> list[dict]:
 
 
 def markdown(res: dict) -> str:
-    rows = ["| engine | starts | median (s) | min (s) | max (s) |", "|---|---|---|---|---|"]
+    rows = ["| engine | starts | median (s) | min (s) | max (s) | CPU median (s) | CPU min (s) |",
+            "|---|---|---|---|---|---|---|"]
     for e in res["engines"]:
         t = e.get("times_s")
         if not t:
-            rows.append(f"| {e['name']} | 0 | - | - | - ({e.get('error', '')}) |")
+            rows.append(f"| {e['name']} | 0 | - | - | - ({e.get('error', '')}) | - | - |")
             continue
-        rows.append(f"| {e['name']} | {len(t)} | {e['median_s']:.2f} | {min(t):.2f} | {max(t):.2f} |")
+        cpu = [c for c in e.get("cpu_s", []) if c is not None]
+        cpu_cols = f"{statistics.median(cpu):.2f} | {min(cpu):.2f}" if cpu else "- | -"
+        rows.append(f"| {e['name']} | {len(t)} | {e['median_s']:.2f} | {min(t):.2f} | {max(t):.2f} | {cpu_cols} |")
     return (f"# Warm start to a healthy server ({res['config']}, {res['date']})\n\n{res['cpu']}; embedded model "
             f"(SmolLM2-135M-Instruct Q4_1 GGUF), 2 threads; the starts of the engines alternate.  Load average "
-            f"{res['load_start']} at the start, {res['load_end']} at the end.  Target (kvkeeper): under 2 s.\n\n"
+            f"{res['load_start']} at the start, {res['load_end']} at the end.  Target (kvkeeper): under 2 s.  "
+            f"CPU: user + system seconds of the process (all threads) when it became ready.\n\n"
             + "\n".join(rows) + "\n")
 
 
@@ -136,15 +158,18 @@ def main() -> None:
         for e in todo:  # the warm-up start
             try:
                 time_start(e["cmd"], e["route"], e["env"], log)
-                e["times_s"] = []
+                e["times_s"], e["cpu_s"] = [], []
             except RuntimeError as err:
                 e["error"] = str(err).splitlines()[0][:200]
                 print(f"{e['name']}: {e['error']}", file=sys.stderr)
         for _ in range(args.starts):
             for e in todo:
                 if "times_s" in e:
-                    e["times_s"].append(time_start(e["cmd"], e["route"], e["env"], log))
-                    print(f"{e['name']}: {e['times_s'][-1]:.2f} s", file=sys.stderr, flush=True)
+                    wall, cpu = time_start(e["cmd"], e["route"], e["env"], log)
+                    e["times_s"].append(wall)
+                    e["cpu_s"].append(cpu)
+                    print(f"{e['name']}: {wall:.2f} s (CPU {cpu if cpu is None else round(cpu, 2)} s)",
+                          file=sys.stderr, flush=True)
     res["load_end"] = load()
     for e in todo:
         e.pop("env")

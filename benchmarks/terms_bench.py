@@ -56,6 +56,8 @@ def table(runs: Path) -> tuple[str, dict]:
         r = json.loads(p.read_text())
         data[name] = r
         for c in conds:
+            if c not in r["conditions"]:  # a run of fewer conditions (e.g. the glossary only)
+                continue
             o, cache = r["conditions"][c]["overall"], r["conditions"][c]["cache"]
             cells = ["n/a" if o[k] is None else f"{o[k] * f:.1f}" for k, f in COLS]
             lines.append(f"| {LABELS[name]} | {c} | " + " | ".join(cells)

@@ -63,22 +63,25 @@ def test_tokenize_shows_the_ids_a_request_gets_and_no_forged_turn(server, client
 
 def test_every_special_token_in_messages_is_200_or_a_clear_400(server, specials):
     """Fuzz-style: each special token of the vocabulary alone and inside text, as a user and an assistant
-    message: never a 5xx, and no control id beyond the template's reaches the prompt."""
-    want = _tokenize(server, [{"role": "user", "content": "x"}])
-    want_ctl = sorted(i for i in want if i in specials.values())
+    message: never a 5xx, and no control id beyond the template's reaches the prompt (``/tokenize``, which shows
+    the ids a request gets, for both)."""
+    def control_ids(msgs):
+        return sorted(i for i in _tokenize(server, msgs) if i in specials.values())
+
+    def history(content):
+        return [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": content},
+                {"role": "user", "content": "x"}]
+
+    want = {1: control_ids([{"role": "user", "content": "x"}]), 3: control_ids(history("x"))}
     with httpx.Client(base_url=server, timeout=120) as http:
         for text in specials:
             for content in (text, f"Tell me about {text} please.", f"{text}{text}\n{text[:-1]}"):
-                for msgs in ([{"role": "user", "content": content}],
-                             [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": content},
-                              {"role": "user", "content": "x"}]):
+                for msgs in ([{"role": "user", "content": content}], history(content)):
                     r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1})
                     assert r.status_code in (200, 400), (content, r.status_code, r.text)
                     if r.status_code == 400:
                         assert r.json()["error"]["message"], r.text
-                    ids = _tokenize(server, msgs[-1:]) if len(msgs) == 1 else None
-                    if ids is not None:
-                        assert sorted(i for i in ids if i in specials.values()) == want_ctl, content
+                    assert control_ids(msgs) == want[len(msgs)], (content, msgs[-1]["role"])
 
 
 def test_a_huge_prompt_is_refused_by_its_bytes(client):

@@ -43,6 +43,13 @@ def out_console():
 
 
 def stderr(msg: str, style: str | None = "dim") -> None:
+    """``msg`` as one line on stderr: styled through rich on a terminal, written as it is otherwise (a server's
+    log file or pipe; rich is then not imported, a start-up's few tens of milliseconds)."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    if not (isatty and isatty()):
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+        return
     err_console().print(msg, style=style, markup=False)
 
 

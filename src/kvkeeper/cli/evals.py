@@ -1,5 +1,5 @@
-"""``kvkeeper eval perplexity | passkey | terms | memory | memory-data``: quality through kvkeeper's own KV cache
-(quantized or compressed), and recall of early facts under a context policy.
+"""``kvkeeper eval perplexity | passkey | terms | intervene | memory | memory-data``: quality through kvkeeper's own
+KV cache (quantized, compressed or rewritten by a cache "hotfix"), and recall of early facts under a context policy.
 
 The terminology evaluation (``eval terms``) has its own module, :mod:`.eval_terms`.
 """
@@ -47,7 +47,42 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
     pk.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default: 0)")
     pk.add_argument("--json", action="store_true", help="print one JSON object with the cells and the accuracy")
     eval_terms.add_parser(esub, parent)
+    _add_intervene_parser(esub, parent)
     _add_memory_parsers(esub, parent)
+
+
+def _add_intervene_parser(esub, parent: argparse.ArgumentParser) -> None:
+    from ..kvcache.intervention import POLICIES
+
+    iv = command(esub, cmd_eval_intervene, "intervene", parents=[parent],
+                 help="the published cache hotfixes (layer reset, gated refresh, LayerNorm-aware reset) measured",
+                 description="Apply each KV-surgery policy at sentence boundaries (kvkeeper.kvcache.intervention) "
+                             "and measure it against no intervention: the perplexity of a long text prefilled "
+                             "sentence by sentence, and the WMT21 terminology translation as sessions (glossary "
+                             "condition, a policy applied at the end of each turn): term accuracy, consistency, "
+                             "turns identical to the baseline, and the policy's time.  Runs without the hybrid "
+                             "(sliding-window) KV cache.")
+    iv.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                    help="policies to measure (default: all); the baseline (no intervention) always runs")
+    iv.add_argument("--layers", type=non_negative_int, nargs="+", default=[3], metavar="L",
+                    help="decoder layers (0-based) each policy rewrites (default: 3, the 'layer 3 hotfix')")
+    iv.add_argument("--gate", type=float, default=0.5, metavar="G",
+                    help="gated_refresh: weight of the old KV in [0, 1] (default: 0.5)")
+    iv.add_argument("--text", metavar="FILE", help="a UTF-8 text for the perplexity measurement (default: the "
+                                                  "shipped Pride and Prejudice)")
+    iv.add_argument("--context", type=positive_int, default=2048, metavar="N", help="tokens of the text (default: 2048)")
+    iv.add_argument("--skip-tokens", type=non_negative_int, default=2000, metavar="N",
+                    help="start N tokens into the text (default: 2000, past the Gutenberg header)")
+    iv.add_argument("--terms", metavar="FILE.jsonl", help="documents and terms (default: the shipped WMT21 EN-FR dev set)")
+    iv.add_argument("--docs", nargs="+", metavar="DOC_ID", help="only these documents")
+    iv.add_argument("--max-docs", type=positive_int, metavar="N", help="the first N documents")
+    iv.add_argument("--max-segments", type=positive_int, default=10, metavar="N",
+                    help="the first N segments of each document (default: 10)")
+    iv.add_argument("--max-tokens", type=positive_int, default=64, metavar="N", help="tokens per reply (default: 64)")
+    iv.add_argument("--skip-perplexity", action="store_true", help="only the terminology measurement")
+    iv.add_argument("--skip-terms", action="store_true", help="only the perplexity measurement")
+    iv.add_argument("--out", metavar="FILE.json", help="write the result object (settings, rows, translations)")
+    iv.add_argument("--json", action="store_true", help="print one JSON object (without the translations)")
 
 
 def _add_memory_parsers(esub, parent: argparse.ArgumentParser) -> None:
@@ -178,4 +213,74 @@ def cmd_eval_memory(args: argparse.Namespace) -> int:
         f"{r['answer_in_reply']:.0%}, {r['mean_prompt_tokens']:.0f} prompt tokens, {r['cached_share']:.0%} of the "
         f"tokens of {r['turns'] + r['questions']} prompts cached, "
         f"memory {r['memory_ms_per_turn']:.1f} ms/turn ({r['seconds']:.0f} s)")
+    return EXIT_OK
+
+
+def cmd_eval_intervene(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..eval import intervene as IV
+    from ..eval import term_translate as TT
+    from ..eval import terms as T
+    from ..eval.perplexity import read_text_tokens
+    from ..kvcache.intervention import KVIntervention
+    from .eval_terms import DEFAULT_TERMS
+
+    if args.skip_perplexity and args.skip_terms:
+        stderr("error: --skip-perplexity and --skip-terms leave nothing to measure; drop one", None)
+        return EXIT_ERROR
+    policies = [None] + [KVIntervention(p, tuple(args.layers), args.gate) for p in args.policies]
+    args.hybrid_kv_cache = False  # interventions address every layer by block id
+    text = args.text or str(Path(__file__).resolve().parents[3] / "data" / "gutenberg_pride_and_prejudice" /
+                            "1342-0.txt")
+    engine = load_engine(args)
+    bad = [x for x in args.layers if x >= engine.model_config.num_layers]
+    if bad:
+        stderr(f"error: layer {bad[0]} does not exist: {engine.model_name} has layers 0..."
+               f"{engine.model_config.num_layers - 1}", None)
+        return EXIT_ERROR
+    rows = {("none" if p is None else p.name): {} for p in policies}
+    res: dict = {"settings": {"model": engine.model_name, "weights": engine.runner.weight_format,
+                              "kv_dtype": engine.runner.kv_format.name, "layers": args.layers, "gate": args.gate},
+                 "rows": rows}
+    if not args.skip_perplexity:
+        ids = read_text_tokens(engine, text, args.context, args.skip_tokens)
+        res["settings"].update(text=text, context=args.context, skip_tokens=args.skip_tokens)
+        base = None
+        for p in policies:
+            r = IV.document_perplexity(engine, ids, p, chunk=engine.scheduler.max_num_batched_tokens)
+            base = base or r
+            r["ppl_change"] = r["ppl"] - base["ppl"]
+            rows["none" if p is None else p.name]["perplexity"] = r
+            stderr(f"perplexity {'none' if p is None else p.name}: {r['ppl']:.4f} ({r['seconds']:.1f} s)")
+    if not args.skip_terms:
+        terms = args.terms or str(DEFAULT_TERMS)
+        segs = T.load_segments(terms)
+        docs = TT.documents(segs, args.docs, args.max_docs, args.max_segments)
+        res["settings"].update(terms=terms, documents={d: len(s) for d, s in docs.items()},
+                               max_tokens=args.max_tokens)
+        runs = IV.terms_runs(engine, docs, segs, policies, args.max_tokens,
+                             progress=lambda n, d, r: stderr(f"[{n}] {d}: {len(r)} segments"))
+        for name, r in runs.items():
+            rows[name]["terms"] = r
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    if args.json:
+        slim = {**res, "rows": {n: {k: ({a: b for a, b in v.items() if a not in ("hyps", "turns")} if k == "terms"
+                                        else v) for k, v in r.items()} for n, r in rows.items()}}
+        print(json.dumps(slim))
+    else:
+        for name, r in rows.items():
+            parts = [name]
+            if "perplexity" in r:
+                q = r["perplexity"]
+                parts.append(f"ppl {q['ppl']:.4f} ({q['ppl_change']:+.4f}), {q['interventions']} resets "
+                             f"{q['intervention_ms']:.0f} ms")
+            if "terms" in r:
+                t = r["terms"]
+                sc, same = t["scores"], t["identical_turns"]
+                cons = "n/a" if sc["consistency"] is None else f"{sc['consistency'] * 100:.1f}%"
+                parts.append(f"term acc {sc['term_accuracy'] * 100:.1f}%, consistency {cons}, {same[0]}/{same[1]} "
+                             f"turns as baseline, {t['intervention_ms']:.0f} ms of {t['seconds']:.1f} s")
+            out_console().print("  ".join(parts))
     return EXIT_OK

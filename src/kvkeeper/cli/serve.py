@@ -76,10 +76,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if config.admin_port is not None:
             raise CLIError("--admin-port is not served with --replicas (each replica keeps its admin routes on "
                            "the main port); leave it out")
-        if args.kv_events_config is not None and args.kv_events_config.active:
-            raise CLIError("--kv-events-config is not yet served with --replicas (every replica would bind the one "
-                           "endpoint); run the replicas as separate `kvkeeper serve` processes, each with its own "
-                           "endpoint, or leave it out")
+        if args.kv_events_config is not None:  # each replica binds its own endpoints: all must be free to take
+            from ..cluster.replica_events import check_cluster_events
+
+            try:
+                check_cluster_events(args.kv_events_config, cluster.replicas or 1)
+            except KVKeeperError as e:
+                raise CLIError(str(e)) from None
         return _serve_cluster(args, config, sessions, breaker, cluster, health)
     with paused_gc():  # the model, FastAPI and uvicorn: start-up objects, kept for the process's life
         engine = load_engine(args)

@@ -18,12 +18,22 @@
   ``Retry-After``.  ``GET /metrics`` joins every replica's page (label ``replica``) and the routing
   counters.
 * **Router** (:class:`KVKeeperRequestRouter`): Ray Serve's request-router API (``RequestRouter.choose_replicas``)
-  over :class:`kvkeeper.cluster.router.Policy`.
+  over :class:`kvkeeper.cluster.router.Policy` (the text-hash router), or, with ``--kv-events-config``, over
+  :class:`kvkeeper.cluster.exact_router.ClusterExactRouter` (the token-exact router).
+
+With ``--kv-events-config`` each replica publishes its KV events on an endpoint pair of its own
+(:mod:`kvkeeper.cluster.replica_events`) and advertises it in its routing stats with its block size, base
+namespace and load; the router, in the gateway's process, subscribes to every replica's stream and keeps the
+index of which replica holds which block; the gateway tokenizes each request
+(:mod:`kvkeeper.cluster.gateway_tokens`) and hands the router its token ids.  The session ring stays first for
+``X-Session-ID`` and ``prompt_cache_key``; until the first replica advertises its events (a second after start)
+the text-hash router decides.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -37,7 +47,10 @@ from ray.serve._private.constants import DEFAULT_REQUEST_ROUTER_PATH
 from ray.serve.config import RequestRouterConfig
 
 from .config import ClusterConfig, ReplicaSpec
+from .exact_router import ClusterExactRouter, replica_routing_stats
+from .gateway_tokens import GatewayTokenizer, load_renderer, parse_body
 from .metrics_text import merge
+from .replica_events import replica_config
 from .router import REGISTRY, Candidate, Policy, PrefixSummary, cache_key_of, prompt_block_hashes
 
 log = logging.getLogger(__name__)
@@ -46,6 +59,11 @@ APP_NAME = "kvkeeper"
 BOARD_NAME = "kvkeeper-metrics-board"
 BOARD_TTL_S = 30.0
 REPLICA_HEADER = b"x-kvkeeper-replica"
+KV_SEQ_KEY = "kvkeeper_kv_seq"  # (replica id, KV event seq) on a response's last ASGI message, replica to gateway
+FLUSH_WAIT_S = 0.5  # at most this long a replica waits for its KV events to go out before a response's last message,
+# and the router for its index to apply them before routing the next request (KVKeeperRequestRouter)
+AFFINITY_WAIT_S = 2.0  # a request routed by affinity (session, cache key, cached prefix) waits this long for its
+# replica before the other replicas are offered (KVKeeperRequestRouter._ranks)
 _SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "root_path", "query_string",
                "headers", "server", "client")
 
@@ -55,11 +73,23 @@ class KVKeeperRequestRouter(RequestRouter):
 
     The hint is the ``routing`` keyword of :meth:`EngineReplica.asgi` (``{"session": id | None, "prefix":
     [block hashes]}``); the replicas' summaries come from their routing stats (``{"prefix": [...]}``).
+    With ``exact`` (``request_router_kwargs``, set by ``--kv-events-config``) the token-exact router
+    (:class:`~kvkeeper.cluster.exact_router.ClusterExactRouter`) decides from the replicas' KV events and the hint's
+    ``tokens``; the text-hash policy only until a replica advertises its events.
     """
 
     def initialize_state(self, **kwargs):
-        self.policy = Policy(vnodes=int(kwargs.get("vnodes", 64)))
+        vnodes = int(kwargs.get("vnodes", 64))
+        self.policy = Policy(vnodes=vnodes)
         self._sets: dict[str, tuple[int, frozenset]] = {}
+        self.exact = ClusterExactRouter(vnodes=vnodes, **kwargs.get("exact_weights", {})) if kwargs.get("exact") \
+            else None
+
+    def update_replicas(self, replicas):
+        super().update_replicas(replicas)
+        exact = getattr(self, "exact", None)
+        if exact is not None:  # a replica that left: its stream unfollowed, its blocks out of the index
+            exact.forget_others(r.replica_id.unique_id for r in replicas)
 
     def _candidate(self, r) -> Candidate:
         rid = r.replica_id.unique_id
@@ -74,9 +104,35 @@ class KVKeeperRequestRouter(RequestRouter):
             return []
         hint = (pending_request.kwargs.get("routing") if pending_request is not None else None) or {}
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if self.exact is not None:
+            if hint.get("after") and (hint.get("tokens") or hint.get("hashes")):
+                deadline = time.monotonic() + FLUSH_WAIT_S  # bounded: availability before exactness
+                while self.exact.behind(hint["after"]):
+                    if time.monotonic() > deadline:
+                        self.exact.give_up(hint["after"])
+                        break
+                    await asyncio.sleep(0.002)
+            d = self.exact.choose([(r.replica_id.unique_id, r.routing_stats or {},
+                                    self.replica_queue_len_cache.get(r.replica_id)) for r in candidate_replicas], hint)
+            if d is not None:
+                self.exact.export({r.replica_id.unique_id: r.routing_stats["replica"] for r in candidate_replicas
+                                   if (r.routing_stats or {}).get("replica")})
+                return [[by_id[i] for i in rank] for rank in self._ranks(d, pending_request) if rank]
         d = self.policy.choose([self._candidate(r) for r in candidate_replicas], hint.get("session"),
                                hint.get("prefix") or (), hint.get("cache_key"))
-        return [[by_id[i] for i in rank] for rank in d.ranks if rank]
+        return [[by_id[i] for i in rank] for rank in self._ranks(d, pending_request) if rank]
+
+    @staticmethod
+    def _ranks(d, pending_request, now: float | None = None) -> list[list[str]]:
+        """The ranks Ray Serve may try now.  A decision by affinity (``session``, ``cache_key``, ``prefix``) offers
+        only its first rank during the request's first :data:`AFFINITY_WAIT_S` seconds: Ray Serve moves to the
+        next rank when a replica's queue-length probe misses its 0.1 s deadline, which a busy CPU causes without
+        the replica being full, and a session's KV would then be recomputed elsewhere.  After the wait (the
+        replica really full or stuck) every rank is offered: availability before affinity."""
+        if d.reason == "load" or pending_request is None:
+            return d.ranks
+        waited = (time.time() if now is None else now) - pending_request.created_at
+        return d.ranks if waited >= AFFINITY_WAIT_S else d.ranks[:1]
 
 
 @ray.remote(num_cpus=0)
@@ -145,15 +201,23 @@ class EngineReplica:
         from ..engine.llm_engine import LLMEngine
 
         torch.set_num_threads(spec.torch_threads)
-        engine = LLMEngine(spec.engine)
+        try:
+            ctx = serve.get_replica_context()
+            rid = ctx.replica_id.unique_id
+            rank = getattr(ctx.rank, "local_rank", ctx.rank)
+        except Exception:  # outside a Serve replica (tests)
+            rid, rank = "local", 0
+        ecfg = spec.engine
+        events = ecfg.kv_events_config
+        if events is not None and events.active:  # this replica's own endpoints (kvkeeper.cluster.replica_events)
+            ecfg = dataclasses.replace(ecfg, kv_events_config=replica_config(events, int(rank or 0)))
+        engine = self.engine = LLMEngine(ecfg)
+        self.node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         self.app = build_server(engine, spec.server, spec.sessions, spec.breaker, spec.audit, spec.health)
         self.aeng = self.app.state.engine
         self.aeng.start()
         self.summary = PrefixSummary(spec.summary_size)
-        try:
-            rid = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # outside a Serve replica (tests)
-            rid = "local"
+        self.rid = rid
         self.name = f"{rid}@{socket.gethostname()}:{os.getpid()}"
         self._board = None
         self._pusher: asyncio.Task | None = None
@@ -176,16 +240,30 @@ class EngineReplica:
             await asyncio.sleep(period_s)
 
     def record_routing_stats(self) -> dict:
-        """Ray Serve routing stats: the prompt-block summary (at most ``summary_size`` hashes)."""
+        """Ray Serve routing stats: the prompt-block summary (at most ``summary_size`` hashes); with KV events, the
+        event endpoints, block size, base namespace and load
+        (:func:`~kvkeeper.cluster.exact_router.replica_routing_stats`)."""
         self._ensure_pusher()
-        return {"prefix": self.summary.snapshot(), "replica": self.name}
+        snap = getattr(self.aeng.metrics, "snapshot", None) or {}
+        load = {"running": int(snap.get("num_running", 0)), "waiting": int(snap.get("num_waiting", 0)),
+                "kv_usage": float(snap.get("kv_usage", 0.0))}
+        return {"prefix": self.summary.snapshot(), "replica": self.name,
+                **replica_routing_stats(self.engine, self.engine.kv_events, self.node_ip, load)}
 
     async def asgi(self, scope: dict, body: bytes, routing: dict | None = None):
         """Serve one request (its ASGI scope and whole body): yields the ASGI messages of the response."""
         self._ensure_pusher()
         if routing and routing.get("prefix"):
             self.summary.add(routing["prefix"])
+        pub = self.engine.kv_events
         async for msg in run_asgi(self.app, scope, body, [(REPLICA_HEADER, self.name.encode())]):
+            if pub is not None and msg.get("type") == "http.response.body" and not msg.get("more_body"):
+                # the blocks this request stored go out before its answer ends: the gateway tells the router to
+                # route no later request before its index has them (read your own writes; KVKeeperRequestRouter)
+                deadline = time.monotonic() + FLUSH_WAIT_S
+                while not pub.flushed() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.002)
+                msg = {**msg, KV_SEQ_KEY: (self.rid, pub.seq)}
             yield msg
 
     def __del__(self):
@@ -196,25 +274,22 @@ class EngineReplica:
         aeng = getattr(self, "aeng", None)
         if aeng is not None:
             aeng.stop()
+        publisher = getattr(getattr(self, "engine", None), "kv_events", None)
+        if publisher is not None:
+            publisher.close()
         board = getattr(self, "_board", None)
         if board is not None:
             board.drop.remote(self.name)
 
 
-def routing_hint(headers: dict[bytes, bytes], body: bytes) -> dict:
+def routing_hint(headers: dict[bytes, bytes], body: bytes, doc: dict | None = None) -> dict:
     """``{"session": X-Session-ID or None, "cache_key": prompt_cache_key or None, "prefix": first prompt block
-    hashes}`` of one request."""
-    import json
-
+    hashes}`` of one request (``doc``: its body already parsed, :func:`parse_body`)."""
     sid = headers.get(b"x-session-id")
     if sid is not None:
         return {"session": sid.decode("latin-1"), "prefix": []}
-    try:
-        doc = json.loads(body) if body else {}
-    except ValueError:
-        doc = {}
-    if not isinstance(doc, dict):
-        return {"session": None, "prefix": []}
+    if doc is None:
+        doc = parse_body(body)
     salt = headers.get(b"x-cache-salt", b"").decode("latin-1") or str(doc.get("cache_salt") or "")
     return {"session": None, "cache_key": cache_key_of(doc), "prefix": prompt_block_hashes(doc, salt)}
 
@@ -249,12 +324,21 @@ class _ASGI:
 
 
 class Gateway:
-    """The ingress: forwards each request to an engine replica (retried once if that replica dies)."""
+    """The ingress: forwards each request to an engine replica (retried once if that replica dies).
 
-    def __init__(self, engines, retry_after_s: int = 2):
+    tokens: ``(EngineConfig, served model name, KeyRing or None)`` when the token-exact router is on: the gateway
+    loads the model's tokenizer and hands the router each request's token ids
+    (:class:`~kvkeeper.cluster.gateway_tokens.GatewayTokenizer`)."""
+
+    def __init__(self, engines, retry_after_s: int = 2, tokens: tuple | None = None):
         self.engines = engines.options(stream=True)
         self.retry_after_s = retry_after_s
         self.board = None  # the metrics board, found on the first GET /metrics
+        self.tokens = None
+        self.kv_seq: dict[str, int] = {}  # replica id -> the KV event seq its last answer carried
+        if tokens is not None:
+            engine_cfg, served_name, key_ring = tokens
+            self.tokens = GatewayTokenizer(load_renderer(engine_cfg), served_name, key_ring)
 
     def __serve_build_asgi_app__(self):
         return _ASGI(self._asgi)
@@ -277,13 +361,24 @@ class Gateway:
 
     async def _forward(self, scope: dict, body: bytes, send) -> None:
         """Forward to a replica; a replica that dies before the response starts is retried once, then 503."""
-        hint = routing_hint({k.lower(): v for k, v in scope.get("headers", [])}, body)
+        headers = {bytes(k).lower(): bytes(v) for k, v in scope.get("headers", [])}
+        doc = parse_body(body)
+        hint = routing_hint(headers, body, doc)
+        if self.tokens is not None and hint.get("session") is None and hint.get("cache_key") is None:
+            got = await asyncio.to_thread(self.tokens.prompt, scope.get("path", ""), headers, doc)
+            if got is not None:
+                hint.update(got)  # {"tokens", "salt"}: the router hashes them (ClusterExactRouter)
+                hint["after"] = dict(self.kv_seq)  # the events of every answer forwarded so far
         scope["headers"] = [(bytes(k), bytes(v)) for k, v in scope.get("headers", [])]
         for attempt in (1, 2):
             started = False
             try:
                 async for msg in self.engines.asgi.remote(scope, body, routing=hint):
                     started = True
+                    kv = msg.pop(KV_SEQ_KEY, None)
+                    if kv is not None:
+                        rid, seq = kv
+                        self.kv_seq[rid] = max(seq, self.kv_seq.get(rid, -1))
                     await send(msg)
                 return
             except RayActorError as e:
@@ -309,9 +404,14 @@ class Gateway:
 
 
 def build_app(spec: ReplicaSpec, cluster: ClusterConfig):
-    """The Ray Serve application: the gateway bound to ``cluster.replicas`` engine replicas."""
+    """The Ray Serve application: the gateway bound to ``cluster.replicas`` engine replicas; the token-exact router
+    when the replicas publish KV events (``spec.engine.kv_events_config``) and ``cluster.router`` is kvkeeper."""
+    events = spec.engine.kv_events_config
+    exact = cluster.router == "kvkeeper" and events is not None and events.active
+    ours = cluster.router == "kvkeeper"
     router = RequestRouterConfig(
-        request_router_class=KVKeeperRequestRouter if cluster.router == "kvkeeper" else DEFAULT_REQUEST_ROUTER_PATH,
+        request_router_class=KVKeeperRequestRouter if ours else DEFAULT_REQUEST_ROUTER_PATH,
+        request_router_kwargs={"exact": exact} if ours else {},
         request_routing_stats_period_s=cluster.routing_stats_period_s,
         request_routing_stats_timeout_s=max(5.0, 3 * cluster.routing_stats_period_s))
     threads = str(spec.torch_threads)
@@ -323,7 +423,8 @@ def build_app(spec: ReplicaSpec, cluster: ClusterConfig):
                            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}})
     gateway = serve.deployment(serve.ingress()(Gateway), name="kvkeeper-gateway", num_replicas=1,
                                max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
-    return gateway.bind(engines.bind(spec), retry_after_s=cluster.retry_after_s)
+    tokens = (spec.engine, spec.server.served_model_name, spec.server.key_ring()) if exact else None
+    return gateway.bind(engines.bind(spec), retry_after_s=cluster.retry_after_s, tokens=tokens)
 
 
 def start(spec: ReplicaSpec, cluster: ClusterConfig, host: str, port: int) -> None:

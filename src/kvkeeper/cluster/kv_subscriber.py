@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 from ..kvcache.kv_events import decode_batch
@@ -49,6 +50,8 @@ class _State:
 class KVEventSubscriber:
     """Applies every feed's batches to ``index`` from a thread of its own (:meth:`start`, :meth:`close`), or
     step by step with :meth:`poll` (tests, the simulator).  ``lock`` guards the index: hold it while reading.
+    :meth:`follow` and :meth:`forget` add and drop replicas from any thread (a router learns of replicas as they
+    come and go); the subscriber's own thread (or the next :meth:`poll`) applies them.
 
     Counters: ``batches`` (applied), ``replays`` (resyncs asked for), ``incomplete`` (resyncs the publisher's
     buffer could not cover), ``skipped`` (batches seen twice).
@@ -66,6 +69,7 @@ class KVEventSubscriber:
         self._subs: dict[object, Feed] = {}
         self._state: dict[str, _State] = {}
         self.batches = self.replays = self.incomplete = self.skipped = 0
+        self._changes: deque[tuple[str, object]] = deque()  # ("follow", Feed) / ("forget", replica), any thread
         for f in feeds:
             self.add(f)
         self._stop = threading.Event()
@@ -80,6 +84,35 @@ class KVEventSubscriber:
         self._subs[sub] = feed
         self._state[feed.replica] = _State()
         self.poller.register(sub, self._zmq.POLLIN)
+
+    def follow(self, feed: Feed) -> None:
+        """Follow ``feed`` from any thread (a replica already followed under that id is dropped first, its blocks
+        forgotten): applied by the subscriber's thread within one poll period."""
+        self._changes.append(("follow", feed))
+
+    def forget(self, replica: str) -> None:
+        """Stop following ``replica`` and drop its blocks from the index, from any thread (as :meth:`follow`)."""
+        self._changes.append(("forget", replica))
+
+    @property
+    def followed(self) -> list[str]:
+        """The replicas followed now (their ids in the index)."""
+        return [f.replica for f in list(self._subs.values())]
+
+    def _apply_changes(self) -> None:
+        while self._changes:
+            what, arg = self._changes.popleft()
+            replica = arg.replica if what == "follow" else arg
+            for sock, feed in list(self._subs.items()):
+                if feed.replica == replica:
+                    self.poller.unregister(sock)
+                    sock.close(linger=0)
+                    del self._subs[sock]
+            self._state.pop(replica, None)
+            with self.lock:
+                self.index.remove_replica(replica)
+            if what == "follow":
+                self.add(arg)
 
     def _replay(self, feed: Feed, start: int) -> None:
         st = self._state[feed.replica]
@@ -136,6 +169,7 @@ class KVEventSubscriber:
 
     def poll(self, timeout_ms: int = 0) -> int:
         """Handle the messages that arrive within ``timeout_ms``; returns how many were handled."""
+        self._apply_changes()
         n = 0
         for sock, _ in self.poller.poll(timeout_ms):
             feed = self._subs[sock]
@@ -149,12 +183,17 @@ class KVEventSubscriber:
         return n
 
     def last_seq(self, replica: str) -> int | None:
-        """The sequence number of the last batch applied for ``replica`` (None before any)."""
-        return self._state[replica].seq
+        """The sequence number of the last batch applied for ``replica`` (None before any, or for a replica not
+        followed)."""
+        st = self._state.get(replica)
+        return st.seq if st is not None else None
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
+                if not self._subs and not self._changes:  # zmq's poll returns at once without sockets
+                    self._stop.wait(0.05)
+                    continue
                 self.poll(50)
             except Exception:  # a bad message must not stop the router's view of every replica
                 log.exception("KV event subscriber: a message could not be applied")

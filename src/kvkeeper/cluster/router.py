@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 TEXT_BLOCK_CHARS = 256  # characters of prompt text per routing block
 MAX_PROMPT_BLOCKS = 16  # the first blocks of a prompt that are hashed (4,096 characters)
@@ -43,6 +43,9 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 DECISIONS = Counter("kvkeeper:cluster_routing_decisions", "Requests routed to a replica, by reason: session "
                     "(consistent hash of X-Session-ID), prefix (longest cached prompt prefix), load (less loaded "
                     "of two random replicas).", ["reason"], registry=REGISTRY)
+INDEX_BLOCKS = Gauge("kvkeeper:cluster_kv_index_blocks", "KV blocks each replica's prefix cache holds as the "
+                     "token-exact router's index knows them from the replica's KV events (--kv-events-config).",
+                     ["replica"], registry=REGISTRY)
 
 
 def _h(data: bytes) -> int:
@@ -155,18 +158,40 @@ class Decision:
 
 
 class Policy:
-    """The three rules over the current replicas; the ring is rebuilt only when the replica set changes."""
+    """The three rules over the current replicas; the ring is rebuilt only when the replica set changes.
 
-    def __init__(self, vnodes: int = 64, rng: random.Random | None = None):
+    A session (or cache key) stays on the replica its first request went to while that replica is among the
+    candidates (``homes``: at most ``max_homes`` keys, least recently routed dropped first); the ring places
+    keys not seen yet and those whose replica left.  Without that memory a replica joining (a scale-up, or the
+    second replica of ``--replicas 2`` reaching the router a moment after the first) moves about 1/N of the
+    sessions away from their KV.  Each router process keeps its own memory: two gateways agree through the ring
+    except on keys first routed while their views of the replica set differed.
+    """
+
+    def __init__(self, vnodes: int = 64, rng: random.Random | None = None, max_homes: int = 100_000):
         self.vnodes = vnodes
         self.rng = rng or random.Random()
         self._ring: HashRing | None = None
+        self.max_homes = max_homes
+        self._homes: OrderedDict[str, str] = OrderedDict()
 
     def ring(self, ids: Iterable[str]) -> HashRing:
         ids = frozenset(ids)
         if self._ring is None or self._ring.nodes != ids:
             self._ring = HashRing(ids, self.vnodes)
         return self._ring
+
+    def owner(self, ids: Sequence[str], key: str) -> str:
+        """The replica for a session or cache key (``key``) among ``ids``: its home while that is among ``ids``,
+        else the ring's owner, which becomes its home."""
+        home = self._homes.get(key)
+        if home is None or home not in ids:
+            home = self.ring(ids).owner(key)
+        self._homes[key] = home
+        self._homes.move_to_end(key)
+        while len(self._homes) > self.max_homes:
+            self._homes.popitem(last=False)
+        return home
 
     def choose(self, candidates: Sequence[Candidate], session_id: str | None = None,
                prefix: Sequence[str] = (), cache_key: str | None = None) -> Decision:
@@ -176,7 +201,7 @@ class Policy:
             raise ValueError("no replica to route to")
         ids = [c.id for c in candidates]
         if session_id is not None or cache_key is not None:
-            owner = self.ring(ids).owner(session_id if session_id is not None else f"pck:{cache_key}")
+            owner = self.owner(ids, session_id if session_id is not None else f"pck:{cache_key}")
             d = Decision([[owner], [i for i in ids if i != owner]], "session" if session_id is not None else "cache_key")
         else:
             d = self._by_prefix(candidates, prefix) or self._two_choices(ids)

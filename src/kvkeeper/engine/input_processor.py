@@ -27,35 +27,20 @@ from .adapters import AdapterRegistry
 from .sequence import Sequence
 
 
-class InputProcessor:
-    """Renders, tokenizes and checks requests for one model.
+class ChatRenderer:
+    """Renders conversations with a model's chat template and tokenizes them: the part of :class:`InputProcessor`
+    that needs the tokenizer alone (a cluster's gateway tokenizes prompts with it to route them,
+    :mod:`kvkeeper.cluster.gateway_tokens`, without loading the weights).
 
-    tokenizer: the model's (a transformers tokenizer); model_config: its shapes; context_length: tokens a
-    sequence may hold (prompt plus output); adapters: the engine's LoRA registry; control_tokens_in_content: a
-    message's text may write control tokens (``<|im_end|>`` typed by a client ends its turn, as with
-    transformers' ``apply_chat_template``; default: such text is plain text, :mod:`kvkeeper.text.chat_tokens`).
-    Rendering and tokenizing are thread-safe (the server runs them in worker threads).  ``eos_token_ids``: the
-    model's end-of-sequence token ids (its config's and its tokenizer's); ``grammars``: the structured
-    output compiler.
+    tokenizer: the model's (a transformers tokenizer); control_tokens_in_content: as :class:`InputProcessor`'s.
+    Thread-safe.
     """
 
-    def __init__(self, tokenizer, model_config: ModelConfig, context_length: int, adapters: AdapterRegistry,
-                 control_tokens_in_content: bool = False):
+    def __init__(self, tokenizer, control_tokens_in_content: bool = False):
         self.tokenizer = tokenizer
         self.control_tokens_in_content = control_tokens_in_content
         self._chat_encoder: ChatEncoder | None = None
         self._encoder_lock = threading.Lock()
-        self._max_token_bytes: int | None = None
-        self.model_config = model_config
-        self.context_length = context_length
-        self.adapters = adapters
-        self.capabilities = capabilities(model_config)
-        eos, tok_eos = set(model_config.eos_token_ids), tokenizer.eos_token_id
-        if tok_eos is not None:
-            eos.add(int(tok_eos))
-        self.eos_token_ids = eos
-        eos_id = tok_eos if tok_eos is not None else min(eos, default=None)
-        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, None if eos_id is None else int(eos_id))
 
     # ---- chat rendering ---------------------------------------------------------
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **chat) -> list[int]:
@@ -137,6 +122,34 @@ class InputProcessor:
             if extra.get("continue_final_message") and isinstance(e, ValueError):  # no final message text
                 raise InvalidRequestError(f"continue_final_message: {e}", param="continue_final_message") from e
             raise
+
+
+class InputProcessor(ChatRenderer):
+    """Renders, tokenizes and checks requests for one model.
+
+    tokenizer: the model's (a transformers tokenizer); model_config: its shapes; context_length: tokens a
+    sequence may hold (prompt plus output); adapters: the engine's LoRA registry; control_tokens_in_content: a
+    message's text may write control tokens (``<|im_end|>`` typed by a client ends its turn, as with
+    transformers' ``apply_chat_template``; default: such text is plain text, :mod:`kvkeeper.text.chat_tokens`).
+    Rendering and tokenizing are thread-safe (the server runs them in worker threads).  ``eos_token_ids``: the
+    model's end-of-sequence token ids (its config's and its tokenizer's); ``grammars``: the structured
+    output compiler.
+    """
+
+    def __init__(self, tokenizer, model_config: ModelConfig, context_length: int, adapters: AdapterRegistry,
+                 control_tokens_in_content: bool = False):
+        super().__init__(tokenizer, control_tokens_in_content)
+        self._max_token_bytes: int | None = None
+        self.model_config = model_config
+        self.context_length = context_length
+        self.adapters = adapters
+        self.capabilities = capabilities(model_config)
+        eos, tok_eos = set(model_config.eos_token_ids), tokenizer.eos_token_id
+        if tok_eos is not None:
+            eos.add(int(tok_eos))
+        self.eos_token_ids = eos
+        eos_id = tok_eos if tok_eos is not None else min(eos, default=None)
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, None if eos_id is None else int(eos_id))
 
     # ---- prompts ----------------------------------------------------------------
     def chat_prompt_ids(self, messages: list[dict], params: SamplingParams, chat: dict | None = None) -> list[int]:

@@ -33,13 +33,13 @@ from ..kvcache.sizing import bytes_per_block
 from ..model_config import ModelConfig
 from ..models.registry import capabilities, family_options
 from ..weights import footprint as fp
+from .cpu_threads import MOUNTINFO, PROC_CGROUP, own_cgroups, up_to
 from ..weights.formats import QuantizationError
 from .config import EngineConfig
 
 __all__ = ["MemoryEstimate", "estimate", "available_memory", "check_memory_fit"]
 
 MEMINFO = Path("/proc/meminfo")
-CGROUP = Path("/sys/fs/cgroup")
 
 
 @dataclass
@@ -131,10 +131,25 @@ def estimate(cfg: EngineConfig, path: Path | None, device: torch.device, dtype: 
         notes={"kv_format": kv.name, "kv_blocks": num_blocks, "context": context})
 
 
-def available_memory() -> tuple[int, str]:
+def _cgroup_headroom(version: str, folder: Path) -> tuple[int, int] | None:
+    """(limit, in use) bytes of one cgroup folder: v2 ``memory.max`` / ``memory.current``, v1
+    ``memory.limit_in_bytes`` / ``memory.usage_in_bytes``; None without a limit (v2 "max", v1's page-rounded
+    2^63) or where the files cannot be read."""
+    names = ("memory.max", "memory.current") if version == "v2" else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    try:
+        limit = (folder / names[0]).read_text().strip()
+        if limit == "max" or int(limit) >= 1 << 60:
+            return None
+        return int(limit), int((folder / names[1]).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def available_memory(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> tuple[int, str]:
     """(bytes, where the figure comes from) available to this process: ``MemAvailable`` of /proc/meminfo, or
-    the cgroup v2 limit's headroom (``memory.max`` - ``memory.current``) when that is lower.  (0, "unknown")
-    when neither can be read (the check is then skipped)."""
+    the headroom of a cgroup memory limit (limit - in use) on this process's own cgroup or an ancestor, v2 or
+    v1 (found as :mod:`kvkeeper.engine.cpu_threads` finds the CPU quota), when that is lower.  (0, "unknown")
+    when none can be read (the check is then skipped)."""
     got: list[tuple[int, str]] = []
     try:
         for line in MEMINFO.read_text().splitlines():
@@ -142,14 +157,12 @@ def available_memory() -> tuple[int, str]:
                 got.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        limit = (CGROUP / "memory.max").read_text().strip()
-        if limit != "max":
-            used = int((CGROUP / "memory.current").read_text().strip())
-            got.append((max(0, int(limit) - used), f"the cgroup limit ({_gib(int(limit))} memory.max, "
-                                                   f"{_gib(used)} in use)"))
-    except (OSError, ValueError):
-        pass
+    for version, folder, top in own_cgroups(proc_cgroup, mountinfo, "memory"):
+        for d in up_to(folder, top):
+            lim = _cgroup_headroom(version, d)
+            if lim is not None:
+                got.append((max(0, lim[0] - lim[1]), f"the cgroup limit of {d} ({_gib(lim[0])}, {_gib(lim[1])} "
+                                                     f"in use)"))
     return min(got) if got else (0, "unknown")
 
 

@@ -44,6 +44,7 @@ class TurnRecord:
     prompt_tokens: int
     cached_tokens: int | None
     seconds: float
+    intervention_ms: float | None = None  # the KV intervention applied after the turn (LocalTranslator), if any
 
 
 def documents(segments: list[Segment], doc_ids: list[str] | None = None, max_docs: int | None = None,
@@ -113,33 +114,70 @@ def one_line(text: str) -> str:
 class LocalTranslator:
     """Turns through a kvkeeper engine: one session per document (``reuse=False``: every turn recomputes its
     whole prompt), greedy, ``max_tokens`` per reply, ``compression`` (a ``KVCompression`` or None) applied to
-    each turn.  Conversations longer than the context drop their oldest turns (the system message stays)."""
+    each turn.  Conversations longer than the context drop their oldest turns (the system message stays).
 
-    def __init__(self, engine, max_tokens: int = 96, reuse: bool = True, compression=None):
+    intervention: a :class:`~kvkeeper.kvcache.intervention.KVIntervention` applied at each sentence boundary (the
+    end of each turn: one segment is one sentence) to the KV of the turn just finished (its user message and
+    reply), with the system message as the fresh recompute's anchor; each session then holds its KV in a
+    namespace of its own (no prefix-cache sharing across documents), and so does every session when
+    ``isolated`` is set (a baseline comparable with an intervention run).  Needs ``reuse``.
+    """
+
+    def __init__(self, engine, max_tokens: int = 96, reuse: bool = True, compression=None, intervention=None,
+                 isolated: bool = False):
         from ..sessions.manager import SessionManager
 
+        if intervention is not None and not reuse:
+            raise InvalidRequestError("a KV intervention rewrites the session's reused KV: it needs reuse on")
         self.engine, self.reuse, self.compression = engine, reuse, compression
+        self.intervention, self.isolated = intervention, isolated or intervention is not None
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         self.sessions = SessionManager(engine)
 
     def translate(self, doc_id: str, system: str, sources: list[str]) -> list[TurnRecord]:
         s = self.sessions.open(system=system, reuse=self.reuse, params=self.params)
         s.trim_budget = self.engine.context_length - self.params.max_tokens
+        request = {"namespace": self.engine.isolated_namespace("terms")} if self.isolated else {}
+        anchor = end = None
         out = []
         try:
             for src in sources:
                 t0 = time.perf_counter()
                 seq = s.begin_turn(messages=s.messages + [{"role": "user", "content": src}],
-                                   compression=self.compression)
+                                   compression=self.compression, **request)
                 self.engine.run_until_done([seq])
                 if seq.finish_reason == "error":
                     raise KVKeeperError(f"{doc_id}: turn {len(s.turns) + 1} failed: {seq.error}")
                 r = s.turns[-1]
+                ms = None
+                if self.intervention is not None:
+                    if anchor is None:
+                        anchor = end = self._system_tokens(system, s.kv.token_ids)
+                    ms = self._intervene(s, anchor, end)
+                    end = s.kv.num_computed
                 out.append(TurnRecord(doc_id, one_line(r.text), list(r.token_ids), r.prompt_tokens, r.cached_tokens,
-                                      time.perf_counter() - t0))
+                                      time.perf_counter() - t0, ms))
         finally:
             s.close()
         return out
+
+    def _system_tokens(self, system: str, ids: list[int]) -> int:
+        """Tokens of the rendered system message at the head of the session's ids (the intervention's anchor)."""
+        sys_ids = self.engine.encode_chat([{"role": "system", "content": system}], add_generation_prompt=False)
+        if list(ids[: len(sys_ids)]) != list(sys_ids):
+            raise KVKeeperError("the chat template does not render the system message as a prefix of the "
+                                "conversation; the intervention's anchor is undefined")
+        return len(sys_ids)
+
+    def _intervene(self, session, anchor: int, start: int) -> float:
+        """Apply the intervention to the session's KV of ``[start, num_computed)`` (the turn just finished), the
+        first ``anchor`` tokens as the fresh context; returns its milliseconds."""
+        from ..kvcache.intervention import intervene
+
+        st = session.kv
+        if st.num_computed <= start:
+            return 0.0
+        return intervene(self.engine, st, start, st.num_computed, anchor, self.intervention)["ms"]
 
 
 class ServerTranslator:

@@ -2,7 +2,8 @@
 
 Both move raw K/V between blocks through the :class:`~kvkeeper.kvcache.store.KVStore`
 (every layer) and rewrite block tables; neither changes a value (quantized blocks move with their scales).
-Call them between engine steps only.
+Call them between engine steps only.  The surgery that does change values, the cache "hotfixes" (a layer's KV of a
+finished sentence reset, refreshed or rescaled), is :mod:`kvkeeper.kvcache.intervention`.
 """
 
 from __future__ import annotations

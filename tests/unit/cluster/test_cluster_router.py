@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvkeeper.cluster.metrics_text import merge
-from kvkeeper.cluster.router import (DECISIONS, Candidate, HashRing, Policy, PrefixSummary, longest_match, pick,
+from kvkeeper.cluster.router import (DECISIONS, Candidate, Decision, HashRing, Policy, PrefixSummary, longest_match, pick,
                                      prompt_block_hashes)
 
 REPLICAS = [f"replica-{i}" for i in range(4)]
@@ -204,3 +205,41 @@ def test_one_prompt_cache_key_goes_to_one_replica_and_keys_spread():
     assert set(owners.values()) == set(REPLICAS)  # 200 keys reach all four replicas
     assert policy.choose(cands, session_id="s1", cache_key="key-0").reason == "session"
     assert cache_key_of({"prompt_cache_key": "k"}) == "k" and cache_key_of({"prompt_cache_key": 3}) is None
+
+
+def test_affinity_waits_for_its_replica_then_offers_the_others():
+    """Ray Serve falls to the next rank when a queue-length probe misses its 0.1 s deadline (a busy CPU, seen in
+    CI moving a session's second turn to the other replica): affinity decisions offer only their replica for
+    AFFINITY_WAIT_S, then every rank."""
+    deployment = pytest.importorskip("kvkeeper.cluster.deployment")
+    router = deployment.KVKeeperRequestRouter
+    req = types.SimpleNamespace(created_at=100.0)
+    wait = deployment.AFFINITY_WAIT_S
+    for reason in ("session", "cache_key", "prefix"):
+        d = Decision([["a"], ["b", "c"]], reason)
+        assert router._ranks(d, req, now=100.0) == [["a"]]
+        assert router._ranks(d, req, now=100.0 + wait * 0.9) == [["a"]]
+        assert router._ranks(d, req, now=100.0 + wait) == [["a"], ["b", "c"]]
+    load = Decision([["a", "b"], ["c"]], "load")
+    assert router._ranks(load, req, now=100.0) == [["a", "b"], ["c"]]
+    assert router._ranks(Decision([["a"], ["b"]], "session"), None) == [["a"], ["b"]]
+
+
+def test_a_session_stays_home_when_a_replica_joins():
+    """Seen in CI and reproduced: the first turn reached the router while it knew one replica, the second went to
+    the ring's owner among two.  A key keeps its first replica while that replica is a candidate; the ring places
+    it again when its replica leaves; the memory is bounded."""
+    policy = Policy(max_homes=16)
+    both = [Candidate("a"), Candidate("b")]
+    keys = [k for k in (f"s{i}" for i in range(200)) if policy.ring(["a", "b"]).owner(k) == "b"][:5]
+    assert keys, "no key owned by b on the two-replica ring"
+    for k in keys:
+        assert policy.choose([Candidate("a")], session_id=k).ranks[0] == ["a"]
+    for k in keys:
+        assert policy.choose(both, session_id=k).ranks[0] == ["a"]
+        assert policy.choose(both, cache_key=k).ranks[0] == [policy.ring(["a", "b"]).owner(f"pck:{k}")]
+    assert policy.choose([Candidate("b"), Candidate("c")], session_id=keys[0]).ranks[0] == \
+        [policy.ring(["b", "c"]).owner(keys[0])]
+    for i in range(40):
+        policy.choose(both, session_id=f"other-{i}")
+    assert len(policy._homes) == 16

@@ -133,3 +133,65 @@ def test_session_ring_first_and_load_without_a_hit():
     assert len(router.hashes(list(range(32)))) == 1  # the last token is always computed
     with pytest.raises(ValueError):
         router.choose([], {})
+
+
+def test_the_deployments_router_follows_advertised_streams_and_tokenizes_at_the_gateway(cluster):
+    """The pieces ``kvkeeper serve --replicas N --kv-events-config`` runs, without Ray: each replica's routing stats
+    (what EngineReplica publishes), the gateway's tokenizer over JSON bodies, and ClusterExactRouter following the
+    advertised streams.  A later turn (also under a cache_salt, whose namespace the router derives from the salt's
+    hash) goes to the replica holding its prefix, and the router's prediction is that replica's prefix hit."""
+    from kvkeeper.cluster.exact_router import ClusterExactRouter, replica_routing_stats
+    from kvkeeper.cluster.gateway_tokens import GatewayTokenizer, load_renderer
+    from kvkeeper.kvcache.namespace import tenant_namespace
+
+    engines, _, _ = cluster
+    ref = engines["r0"]
+    stats = {n: replica_routing_stats(e, e.kv_events, "127.0.0.1", {"running": 0, "waiting": 0, "kv_usage": 0.0})
+             for n, e in engines.items()}
+    assert stats["r0"]["kv_events"]["endpoint"] == ref.kv_events.bound_endpoint
+    assert "tenant" not in repr(stats) and stats["r0"]["namespace"]["digest"] == ref.namespace.digest
+    gw = GatewayTokenizer(load_renderer(ref.config), "smol")
+    router = ClusterExactRouter()
+    try:
+        def caught_up():
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if all(e.kv_events.flushed() and (router.sub.last_seq(n) or -1) >= e.kv_events.seq
+                       for n, e in engines.items()):
+                    return
+                time.sleep(0.05)
+            raise AssertionError("the router did not catch up with the replicas' KV events")
+
+        for salt in (None, "client-salt-7"):
+            ns = ref.namespace if salt is None else tenant_namespace(ref.namespace, None, salt)
+            msgs = [{"role": "system", "content": SYSTEM[:400]}, {"role": "user", "content": f"Hi there, {salt}!"}]
+            home = None
+            for turn in range(2):
+                body = {"model": "smol", "messages": msgs, **({"cache_salt": salt} if salt else {})}
+                hint = {"session": None, "cache_key": None} | gw.prompt("/v1/chat/completions", {}, body)
+                assert hint["tokens"] == ref.encode_chat(msgs)  # the gateway's tokens are the replica's
+                router.choose([(n, s, 0) for n, s in stats.items()], hint)  # starts following
+                caught_up()
+                d = router.choose([(n, s, 0) for n, s in stats.items()], hint)
+                chosen = d.ranks[0][0]
+                predicted = router.index.match(hint["hashes"]).get(chosen, 0) * ref.block_size
+                out = engines[chosen].generate([ref.encode_chat(msgs)], SamplingParams(max_tokens=1, temperature=0),
+                                               namespace=ns)[0]
+                assert out.cached_tokens == predicted, (salt, turn, chosen)
+                if turn == 0:
+                    home = chosen
+                else:
+                    assert d.reason == "prefix" and chosen == home and predicted > 0, (salt, d)
+                msgs = msgs + [{"role": "assistant", "content": out.text}, {"role": "user", "content": "And then?"}]
+                caught_up()
+        assert gw.prompt("/v1/chat/completions", {}, {"model": "an-adapter", "messages": msgs}) is None
+        assert gw.prompt("/v1/completions", {}, {"model": "smol", "prompt": "Hello"})["tokens"] == \
+            ref.tokenizer.encode("Hello")
+        assert gw.prompt("/v1/chat/completions", {}, {"messages": "not a list"}) is None  # the replica's 400
+        router.forget_others(["r1"])
+        deadline = time.monotonic() + 10
+        while router.sub.followed != ["r1"] or router.index.num_blocks("r0"):
+            assert time.monotonic() < deadline, "a replica that left is still followed"
+            time.sleep(0.05)
+    finally:
+        router.close()

@@ -90,22 +90,46 @@ def test_estimate_of_a_hf_folder(tiny_hf, tmp_path):
     assert est.kv_pool == eng.runner.kv_cache_bytes
 
 
-def test_available_memory_reads_meminfo_and_cgroup(tmp_path, monkeypatch):
+V2_MOUNT = "30 25 0:26 {root} {point} rw,nosuid - cgroup2 cgroup2 rw"
+V1_MEM_MOUNT = "35 30 0:31 {root} {point} rw,nosuid - cgroup cgroup rw,memory"
+
+
+def test_available_memory_reads_meminfo_and_the_own_cgroup(tmp_path, monkeypatch):
     (tmp_path / "meminfo").write_text("MemTotal:  24000000 kB\nMemAvailable:    2000000 kB\n")
-    cg = tmp_path / "cg"
-    cg.mkdir()
+    monkeypatch.setattr(mf, "MEMINFO", tmp_path / "meminfo")
+    # the limit sits on the process's own cgroup below the mount's root (a systemd service's MemoryMax=)
+    (tmp_path / "proc-cgroup").write_text("0::/system.slice/kvk.service\n")
+    (tmp_path / "mountinfo").write_text(V2_MOUNT.format(root="/", point=tmp_path / "cg") + "\n")
+    cg = tmp_path / "cg" / "system.slice" / "kvk.service"
+    cg.mkdir(parents=True)
     (cg / "memory.max").write_text("max\n")
     (cg / "memory.current").write_text("123\n")
-    monkeypatch.setattr(mf, "MEMINFO", tmp_path / "meminfo")
-    monkeypatch.setattr(mf, "CGROUP", cg)
-    assert mf.available_memory() == (2000000 * 1024, "MemAvailable in /proc/meminfo")
+    paths = (tmp_path / "proc-cgroup", tmp_path / "mountinfo")
+    assert mf.available_memory(*paths) == (2000000 * 1024, "MemAvailable in /proc/meminfo")
     (cg / "memory.max").write_text(f"{1 << 30}\n")
     (cg / "memory.current").write_text(f"{256 << 20}\n")
-    got, where = mf.available_memory()
-    assert got == (1 << 30) - (256 << 20) and "cgroup" in where
+    got, where = mf.available_memory(*paths)
+    assert got == (1 << 30) - (256 << 20) and "cgroup" in where and "kvk.service" in where
+    # a parent's lower limit binds
+    (tmp_path / "cg" / "system.slice" / "memory.max").write_text(f"{512 << 20}\n")
+    (tmp_path / "cg" / "system.slice" / "memory.current").write_text(f"{256 << 20}\n")
+    assert mf.available_memory(*paths)[0] == 256 << 20
     monkeypatch.setattr(mf, "MEMINFO", tmp_path / "missing")
-    monkeypatch.setattr(mf, "CGROUP", tmp_path / "missing")
-    assert mf.available_memory() == (0, "unknown")
+    assert mf.available_memory(tmp_path / "missing", tmp_path / "missing") == (0, "unknown")
+
+
+def test_available_memory_reads_a_v1_memory_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(mf, "MEMINFO", tmp_path / "missing")
+    (tmp_path / "proc-cgroup").write_text("5:cpu,cpuacct:/kvk\n4:memory:/kvk\n0::/\n")
+    (tmp_path / "mountinfo").write_text(V1_MEM_MOUNT.format(root="/", point=tmp_path / "memory") + "\n")
+    cg = tmp_path / "memory" / "kvk"
+    cg.mkdir(parents=True)
+    (cg / "memory.limit_in_bytes").write_text(str(9223372036854771712))  # v1's "no limit"
+    (cg / "memory.usage_in_bytes").write_text(str(100 << 20))
+    paths = (tmp_path / "proc-cgroup", tmp_path / "mountinfo")
+    assert mf.available_memory(*paths) == (0, "unknown")
+    (cg / "memory.limit_in_bytes").write_text(str(1 << 30))
+    assert mf.available_memory(*paths)[0] == (1 << 30) - (100 << 20)
 
 
 def _too_little(monkeypatch, available: int = 1 << 20):
