@@ -7,9 +7,10 @@ after each run, so a cut-short run still leaves the runs it finished.  The per-q
 included) go to ``--records DIR``.
 
     python benchmarks/context_memory.py [--conversations 20] [--min-tokens 6000] [--only hybrid:2048 last:2048]
-        [--harder] [--model gemma-3-270m] [--low-water F] [--out PATH]
+        [--harder] [--model gemma-3-270m] [--low-water F] [--top-k K] [--out PATH]
         # --harder: facts said in passing, paraphrases, corrections, distractors; --model: another installed model
-        # (the conversations are generated with that model's tokenizer); --low-water: SessionConfig.context_low_water
+        # (the conversations are generated with that model's tokenizer); --low-water: SessionConfig.context_low_water;
+        # --top-k: SessionConfig.memory_top_k (sentences in the memory block, default 8)
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def table(results: list[dict], meta: dict) -> str:
     lines = [f"Recall of planted facts ({meta.get('set', 'easy')} set): {meta['conversations']} conversations of >= {meta['min_tokens']} tokens "
              f"(mean {meta['mean_tokens']:.0f}), {meta['questions']} questions, seed {meta['seed']}; "
              f"{meta['model']} ({meta['weights']}), greedy, {meta['max_tokens']} tokens per answer, "
-             f"context every {meta['every']}, low water {meta.get('low_water') or 'the policy default'}, replay "
+             f"context every {meta['every']}, memory top k {meta.get('top_k', 8)}, low water {meta.get('low_water') or 'the policy default'}, replay "
              f"{meta['replay']}; {meta['machine']}; load average {meta['load_average_start']:.1f} at the start.", "",
              "| policy | budget | answer in prompt | evidence in prompt | answer in reply | mean question prompt "
              "tokens | cached share (all prompts) | cached share (questions) | memory ms/request | summary ms/request | "
@@ -71,6 +72,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="the model (default: the embedded SmolLM2-135M)")
     ap.add_argument("--low-water", type=float, default=None, metavar="F",
                     help="the sessions' context_low_water (default: the policy's)")
+    ap.add_argument("--top-k", type=int, default=8, metavar="K", help="the sessions' memory_top_k (default: 8)")
     args = ap.parse_args()
     eng = LLMEngine(args.model) if args.model else LLMEngine()
     count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
@@ -80,7 +82,7 @@ def main() -> int:
     meta = {"conversations": len(convs), "min_tokens": args.min_tokens, "mean_tokens": sum(toks) / len(toks),
             "min_chat_tokens": min(toks), "questions": sum(len(c["questions"]) for c in convs), "seed": args.seed,
             "model": eng.model_name, "weights": eng.runner.weight_description, "max_tokens": args.max_tokens,
-            "every": args.every, "low_water": args.low_water, "replay": args.replay,
+            "every": args.every, "low_water": args.low_water, "top_k": args.top_k, "replay": args.replay,
             "set": "harder" if args.harder else "easy",
             "load_average_start": os.getloadavg()[0], "machine": f"{platform.machine()}, 2 cores shared with other jobs"}
     results = []
@@ -89,7 +91,7 @@ def main() -> int:
         b = int(budget) or None
         t0 = time.perf_counter()
         backend = LibraryBackend(eng, policy, b or 16, args.max_tokens, context_every=args.every,
-                                 context_low_water=args.low_water)
+                                 context_low_water=args.low_water, memory_top_k=args.top_k)
         r = run(convs, backend, policy, b, replay=args.replay)
         per, turns = r.pop("per_question"), r.pop("per_turn")
         if args.records:
