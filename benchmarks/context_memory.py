@@ -7,7 +7,10 @@ after each run, so a cut-short run still leaves the runs it finished.  The per-q
 included) go to ``--records DIR``.
 
     python benchmarks/context_memory.py [--conversations 20] [--min-tokens 6000] [--only hybrid:2048 last:2048]
-        [--harder] [--out PATH]   # --harder: facts said in passing, paraphrases, corrections, distractors
+        [--harder] [--model gemma-3-270m] [--low-water F] [--top-k K] [--out PATH]
+        # --harder: facts said in passing, paraphrases, corrections, distractors; --model: another installed model
+        # (the conversations are generated with that model's tokenizer); --low-water: SessionConfig.context_low_water;
+        # --top-k: SessionConfig.memory_top_k (sentences in the memory block, default 8)
 """
 
 from __future__ import annotations
@@ -30,21 +33,24 @@ SOURCE = ROOT / "data" / "topical_chat" / "test_freq_conversations.jsonl"
 RUNS = ["hybrid:2048", "last:2048", "memory:2048", "summary:2048", "full:0", "hybrid:1024", "last:1024",
         "memory:1024", "summary:1024"]
 FIGS = ["turns", "answer_in_prompt", "evidence_in_prompt", "answer_in_reply", "mean_prompt_tokens", "cached_share",
-        "cached_share_questions", "memory_ms_per_turn", "seconds"]
+        "cached_share_questions", "memory_ms_per_turn", "summary_ms_per_turn", "seconds"]
 
 
 def table(results: list[dict], meta: dict) -> str:
     lines = [f"Recall of planted facts ({meta.get('set', 'easy')} set): {meta['conversations']} conversations of >= {meta['min_tokens']} tokens "
              f"(mean {meta['mean_tokens']:.0f}), {meta['questions']} questions, seed {meta['seed']}; "
              f"{meta['model']} ({meta['weights']}), greedy, {meta['max_tokens']} tokens per answer, "
-             f"context every {meta['every']}, replay {meta['replay']}; {meta['machine']}.", "",
+             f"context every {meta['every']}, memory top k {meta.get('top_k', 8)}, low water {meta.get('low_water') or 'the policy default'}, replay "
+             f"{meta['replay']}; {meta['machine']}; load average {meta['load_average_start']:.1f} at the start.", "",
              "| policy | budget | answer in prompt | evidence in prompt | answer in reply | mean question prompt "
-             "tokens | cached share (all prompts) | cached share (questions) | memory ms/request | seconds | load average |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens | cached share (all prompts) | cached share (questions) | memory ms/request | summary ms/request | "
+             "seconds | load average |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['answer_in_prompt']:.2f} | "
                      f"{r['evidence_in_prompt']:.2f} | {r['answer_in_reply']:.2f} | {r['mean_prompt_tokens']:.0f} | "
                      f"{r['cached_share']:.2f} | {r['cached_share_questions']:.2f} | {r['memory_ms_per_turn']:.0f} | "
+                     f"{r.get('summary_ms_per_turn', 0.0):.0f} | "
                      f"{r['seconds']:.0f} | {r.get('load_average', float('nan')):.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -63,8 +69,12 @@ def main() -> int:
     ap.add_argument("--records", default=None, metavar="DIR")
     ap.add_argument("--replay", choices=("turns", "questions"), default="turns")
     ap.add_argument("--harder", action="store_true", help="the harder set (`kvkeeper eval memory-data --harder`)")
+    ap.add_argument("--model", default=None, help="the model (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--low-water", type=float, default=None, metavar="F",
+                    help="the sessions' context_low_water (default: the policy's)")
+    ap.add_argument("--top-k", type=int, default=8, metavar="K", help="the sessions' memory_top_k (default: 8)")
     args = ap.parse_args()
-    eng = LLMEngine()
+    eng = LLMEngine(args.model) if args.model else LLMEngine()
     count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
     convs = generate(load_dialogues(SOURCE), args.conversations, args.min_tokens, count, args.seed,
                      harder=args.harder)
@@ -72,14 +82,16 @@ def main() -> int:
     meta = {"conversations": len(convs), "min_tokens": args.min_tokens, "mean_tokens": sum(toks) / len(toks),
             "min_chat_tokens": min(toks), "questions": sum(len(c["questions"]) for c in convs), "seed": args.seed,
             "model": eng.model_name, "weights": eng.runner.weight_description, "max_tokens": args.max_tokens,
-            "every": args.every, "replay": args.replay, "set": "harder" if args.harder else "easy",
+            "every": args.every, "low_water": args.low_water, "top_k": args.top_k, "replay": args.replay,
+            "set": "harder" if args.harder else "easy",
             "load_average_start": os.getloadavg()[0], "machine": f"{platform.machine()}, 2 cores shared with other jobs"}
     results = []
     for spec in args.only:
         policy, budget = spec.split(":")
         b = int(budget) or None
         t0 = time.perf_counter()
-        backend = LibraryBackend(eng, policy, b or 16, args.max_tokens, context_every=args.every)
+        backend = LibraryBackend(eng, policy, b or 16, args.max_tokens, context_every=args.every,
+                                 context_low_water=args.low_water, memory_top_k=args.top_k)
         r = run(convs, backend, policy, b, replay=args.replay)
         per, turns = r.pop("per_question"), r.pop("per_turn")
         if args.records:

@@ -7,13 +7,18 @@ leave the prompt and are stored (:meth:`SessionMemory.add`: split into sentences
 in sqlite-vec and the FTS5 table), and every turn searches once with its user message
 (:meth:`SessionMemory.search`, top 8, floor 0.25).  The file is a real SQLite file in a temporary folder (the
 server's ``--data-dir`` case).  Reported: per turn, indexing (amortised: a batch's time / K) and search, their
-sum, over the whole run and over the last 50 turns (250..300 indexed turns with the default N); each phase's
+sum, over the whole run and over the last 50 turns (250..300 indexed turns with the default N), in wall time and in
+the process's CPU time (``time.process_time``: on a shared machine the wall time includes waiting for a core,
+the CPU time does not); each phase's
 share (embedding the new sentences, embedding the query, k-NN, BM25, fusion, SQLite inserts); the hybrid
 policy's ranking of the kept window (cosine of 20 turns' embeddings, cached by text) per turn; and, for the
 decision between BM25 designs, what one bm25s rebuild over every stored sentence costs at N turns (the lazy
 rebuild a search after each batch would pay) against FTS5's incremental index.
 
-    python benchmarks/memory_cost.py [--turns 300] [--every 4] [--out PATH]
+    python benchmarks/memory_cost.py [--turns 300] [--every 4] [--embed-threads 1] [--embed-dtype auto] [--out PATH]
+
+``--embed-threads N``: torch threads while embedding (the :class:`Embedder`'s ``threads``; 0: torch's own setting,
+the engine's thread count); ``--embed-dtype``: the :class:`Embedder`'s ``dtype`` (auto: bfloat16 on a CPU with AMX).
 
 Writes ``benchmarks/results/memory_cost-<date>.json`` and ``.md`` (load average recorded before and after).
 """
@@ -62,28 +67,35 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=300, help="turns indexed by the end (default: 300)")
     ap.add_argument("--every", type=int, default=4, help="turns leave K at a time (default: 4)")
+    ap.add_argument("--embed-threads", type=int, default=1,
+                    help="torch threads while embedding (default: 1, the Embedder's; 0: torch's own setting)")
+    ap.add_argument("--embed-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="the embedding model's dtype (default: auto, bfloat16 on a CPU with AMX)")
     ap.add_argument("--out", default=str(result_path("memory_cost", config="minilm", suffix="")),
                     help="OUT.json and OUT.md")
     args = ap.parse_args()
     load0 = os.getloadavg()
     turns = topical_turns(args.turns + args.every)
-    emb = Embedder()
+    emb = Embedder(threads=args.embed_threads or None, dtype=args.embed_dtype)
     emb.encode(["warm-up"])  # the model load is not a turn's cost
     with tempfile.TemporaryDirectory() as tmp:
         mem = SessionMemory(Path(tmp) / "m.sqlite", emb)
         index_ms: list[float] = []   # per turn, amortised
         search_ms: list[float] = []
+        cpu_ms: list[float] = []     # per turn, indexing (amortised) + search: this process's CPU time (all threads)
         rank_ms: list[float] = []
         for t in range(args.every, args.turns + args.every):
             if t % args.every == 0:  # the K oldest kept turns leave
                 batch = [(i, turn_text(turns[i])) for i in range(t - args.every, t)]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 mem.add(batch, "")
                 index_ms += [(time.perf_counter() - t0) * 1000 / args.every] * args.every
+                index_cpu = (time.process_time() - c0) * 1000 / args.every
             query = turns[t][0]["content"]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             mem.search(query, "", 8, 0.25)
             search_ms.append((time.perf_counter() - t0) * 1000)
+            cpu_ms.append(index_cpu + (time.process_time() - c0) * 1000)
             window = [turn_text(turns[i]) for i in range(max(0, t - 20), t)]
             t0 = time.perf_counter()
             mem.similarities(query, window)
@@ -103,6 +115,7 @@ def main() -> int:
     res = {
         "turns_indexed": args.turns, "every": args.every, "sentences_indexed": n_sent,
         "per_turn_ms_mean": statistics.mean(total), "per_turn_ms_mean_last50": statistics.mean(total[last]),
+        "per_turn_cpu_ms_mean": statistics.mean(cpu_ms), "per_turn_cpu_ms_mean_last50": statistics.mean(cpu_ms[last]),
         "index_ms_per_turn_mean": statistics.mean(index_ms), "index_ms_per_turn_mean_last50": statistics.mean(index_ms[last]),
         "search_ms_mean": statistics.mean(search_ms), "search_ms_mean_last50": statistics.mean(search_ms[last]),
         "search_ms_p50": pct(search_ms, 0.5), "search_ms_p95": pct(search_ms, 0.95),
@@ -110,10 +123,11 @@ def main() -> int:
         "bm25s_rebuild_ms_at_end": rebuild_ms,
         "load_average_before": load0[0], "load_average_after": os.getloadavg()[0],
         "machine": f"{platform.machine()}, 2 cores shared with other jobs", "torch_threads": __import__("torch").get_num_threads(),
+        "embed_threads": emb.threads or __import__("torch").get_num_threads(), "embed_dtype": emb.dtype,
     }
     md = "\n".join([
         f"Memory cost per turn: {args.turns} turns indexed ({n_sent} sentences), {args.every} leaving at a time, one "
-        f"search per turn (top 8, floor 0.25); all-MiniLM-L6-v2 on CPU ({res['torch_threads']} torch threads), "
+        f"search per turn (top 8, floor 0.25); all-MiniLM-L6-v2 on CPU ({res['embed_dtype']}, {res['embed_threads']} torch threads while embedding, {res['torch_threads']} otherwise), "
         f"sqlite-vec + FTS5 in a SQLite file; {res['machine']}; load average {load0[0]:.2f} before, "
         f"{res['load_average_after']:.2f} after.", "",
         "| figure | all turns | last 50 turns |", "|---|---|---|",
@@ -123,6 +137,8 @@ def main() -> int:
         f"{res['search_ms_p95']:.1f}) | {res['search_ms_mean_last50']:.1f} |",
         f"| **memory cost per turn (indexing + search), ms** | **{res['per_turn_ms_mean']:.1f}** | "
         f"**{res['per_turn_ms_mean_last50']:.1f}** |",
+        f"| the same in CPU time of this process (all its threads), ms | {res['per_turn_cpu_ms_mean']:.1f} | "
+        f"{res['per_turn_cpu_ms_mean_last50']:.1f} |",
         f"| hybrid: ranking 20 kept turns (cached embeddings), ms per turn | {res['hybrid_rank_ms_mean']:.1f} | |",
         "", "| phase | ms per turn |", "|---|---|",
         *[f"| {k} | {v:.2f} |" for k, v in sorted(phases.items())],

@@ -57,6 +57,8 @@ kvkeeper:spec_decode_num_draft_tokens_total counter   draft tokens scored (token
 kvkeeper:spec_decode_num_accepted_tokens_total counter draft tokens accepted (tokens)
 kvkeeper:spec_decode_num_accepted_tokens_per_pos_total counter  accepted draft tokens by ``position`` in the draft
                                                       (0 = first); per-position acceptance rate = this / drafts
+kvkeeper:context_summary_seconds           histogram  time a turn spent writing its session's summary, on the
+                                                      engine thread (s; turns of summary / hybrid sessions)
 =========================================  =========  =====================================================
 
 The fragmentation figures are defined in :mod:`kvkeeper.kvcache.telemetry`; the engine
@@ -243,6 +245,9 @@ class ServerMetrics:
                                      registry=self.registry)
         self.context_memory = Histogram("kvkeeper:context_memory_seconds", "Time a turn spent storing and "
                                         "retrieving vector memory (s).", buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.context_summary = Histogram("kvkeeper:context_summary_seconds", "Time a turn spent writing its "
+                                         "session's summary on the engine thread (s).", buckets=_LATENCY_BUCKETS,
+                                         registry=self.registry)
 
     def observe_context(self, report) -> None:
         """Count one turn's :class:`~kvkeeper.sessions.context.ContextReport` (engine thread)."""
@@ -250,6 +255,8 @@ class ServerMetrics:
             self.context_turns.labels(report.policy, kind).inc(getattr(report, kind))
         if report.policy in ("memory", "hybrid"):
             self.context_memory.observe(report.memory_ms / 1000.0)
+        if report.policy in ("summary", "hybrid"):
+            self.context_summary.observe(report.summary_ms / 1000.0)
 
     def update(self, snapshot: dict) -> None:
         """Replace the engine-state snapshot (called from the engine thread; a dict swap is atomic)."""

@@ -20,7 +20,8 @@ appears in it), ``answer_in_reply`` (the reply contains the answer, case-insensi
 ``mean_prompt_tokens`` (tokens, of the questions' prompts), ``cached_share`` (prompt tokens served from the
 KV cache / prompt tokens, over every request sent: history turns and questions), ``cached_share_questions``
 (the same over the questions only), ``memory_ms_per_turn`` (milliseconds the memory took per request
-sent); ``per_question`` holds each question's prompt, reply and counts and ``per_turn`` each history turn's
+sent), ``summary_ms_per_turn`` (milliseconds spent writing summaries per request sent: the engine thread runs
+them before the turn's own prefill); ``per_question`` holds each question's prompt, reply and counts and ``per_turn`` each history turn's
 counts, so that every figure can be recomputed (:func:`figures`).
 """
 
@@ -238,8 +239,8 @@ def question_messages(conv: dict, q: dict) -> list[dict]:
 
 def figures(conversations: list[dict], per_question: list[dict], per_turn: list[dict] | None = None) -> dict:
     """The figures of a run, from its per-question records (``prompt``, ``reply``, ``prompt_tokens``,
-    ``cached_tokens``, ``memory_ms``, ``conversation``, ``question_index``), its per-turn records
-    (``prompt_tokens``, ``cached_tokens``, ``memory_ms``) and the conversations."""
+    ``cached_tokens``, ``memory_ms``, ``summary_ms``, ``conversation``, ``question_index``), its per-turn records
+    (``prompt_tokens``, ``cached_tokens``, ``memory_ms``, ``summary_ms``) and the conversations."""
     by_id = {c["id"]: c for c in conversations}
     n = len(per_question)
     a_p = e_p = a_r = 0
@@ -259,7 +260,8 @@ def figures(conversations: list[dict], per_question: list[dict], per_turn: list[
             "mean_prompt_tokens": qtok / n if n else 0.0,
             "cached_share": sum(r["cached_tokens"] for r in sent) / stok if stok else 0.0,
             "cached_share_questions": sum(r["cached_tokens"] for r in per_question) / qtok if qtok else 0.0,
-            "memory_ms_per_turn": sum(r["memory_ms"] for r in sent) / len(sent) if sent else 0.0}
+            "memory_ms_per_turn": sum(r["memory_ms"] for r in sent) / len(sent) if sent else 0.0,
+            "summary_ms_per_turn": sum(r.get("summary_ms", 0.0) for r in sent) / len(sent) if sent else 0.0}
 
 
 def history_turns(conv: dict) -> list[int]:
@@ -291,6 +293,7 @@ class LibraryBackend:
         ids = seq.token_ids[: seq.num_prompt_tokens]
         return {"prompt": self.engine.tokenizer.decode(ids), "reply": seq.text, "prompt_tokens": len(ids),
                 "cached_tokens": seq.num_cached_tokens or 0, "memory_ms": rep.memory_ms if rep else 0.0,
+                "summary_ms": rep.summary_ms if rep else 0.0,
                 "context": rep.to_dict() if rep else None}
 
     def close(self) -> None:
@@ -323,7 +326,8 @@ class ServerBackend:
         return {"prompt": prompt, "reply": body["choices"][0]["message"]["content"] or "",
                 "prompt_tokens": body["usage"]["prompt_tokens"],
                 "cached_tokens": body["usage"]["prompt_tokens_details"]["cached_tokens"],
-                "memory_ms": float(rep.get("memory_ms", 0.0)), "context": rep or None}
+                "memory_ms": float(rep.get("memory_ms", 0.0)), "summary_ms": float(rep.get("summary_ms", 0.0)),
+                "context": rep or None}
 
     def close(self) -> None:
         for sid in self.sids:
@@ -345,7 +349,8 @@ def _replay(conv: dict, backend, replay: str, per: list[dict], turns: list[dict]
         else:
             rec = backend.ask(conv["id"], head + conv["messages"][: at + 1], max_tokens=1)
             turns.append({"conversation": conv["id"], "index": at, "prompt_tokens": rec["prompt_tokens"],
-                          "cached_tokens": rec["cached_tokens"], "memory_ms": rec["memory_ms"]})
+                          "cached_tokens": rec["cached_tokens"], "memory_ms": rec["memory_ms"],
+                          "summary_ms": rec["summary_ms"]})
 
 
 def run(conversations: list[dict], backend, policy: str, budget: int | None, replay: str = "turns") -> dict:

@@ -23,7 +23,9 @@ the messages after it up to the next user message: the reply, tool calls and the
 
 **Keeping the KV reusable.**  The prompt is laid out stable-first: head, summary, kept turns, then the
 memory block inside the newest message only.  Turns leave ``every`` turns at a time (at least), and
-only when the prompt would exceed the budget, so between those moments each turn's prompt extends the
+only when the prompt would exceed the budget; then they leave until the kept turns take at most the low-water
+share of the room (``low_water``: 0.6 by default for memory and hybrid, whose turns stay retrievable, 1.0 for
+last and summary), so between those moments each turn's prompt extends the
 last one and the session reuses all of its KV but the newest message; when turns leave (or the summary
 is rewritten), the session's longest-common-prefix rule (:mod:`kvkeeper.sessions.session`) keeps the
 KV up to the first changed token.  The memory block sits in the newest message (rather than before the
@@ -54,6 +56,10 @@ SUMMARY_HEADER = "Summary of the earlier conversation:"
 MEMORY_HEADER = "Earlier in this conversation (retrieved from memory):"
 MEMORY_FOOTER = "Current message:"
 _HEAD_ROLES = ("system", "developer")
+# memory / hybrid: when turns must leave, they leave until the kept turns take at most this share of the room, so
+# that turns leave less often and more turns in a row extend the last prompt (its KV reused); the turns that left
+# stay retrievable.  Chosen from the harder recall set's turn replay (docs/serving/context-policies.md).
+MEMORY_LOW_WATER = 0.6
 
 
 class ContextBudgetError(InvalidRequestError):
@@ -76,7 +82,8 @@ class ContextSpec:
     (tokens).  memory_top_k: stored sentences retrieved (the best of the fused ranking, as many as fit the
     memory block); memory_threshold: the cosine floor (-1..1) below which a sentence is clearly unrelated for the
     embedding ranking (BM25 matches still count); memory_share: the fraction of the budget the memory block
-    may take.  Raises :class:`InvalidRequestError` (``param`` ``context_policy`` or ``context_budget``).
+    may take; low_water: when turns must leave, they leave (``every`` at a time) until the kept turns take at
+    most this share (0..1] of the room the budget leaves them (None: :attr:`water`'s default).  Raises :class:`InvalidRequestError` (``param`` ``context_policy`` or ``context_budget``).
     """
 
     policy: str = "full"
@@ -86,6 +93,7 @@ class ContextSpec:
     memory_top_k: int = 8
     memory_threshold: float = 0.25
     memory_share: float = 0.25
+    low_water: float | None = None
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -97,6 +105,17 @@ class ContextSpec:
         if self.every < 1 or self.summary_tokens < 1 or self.memory_top_k < 0 or not 0 <= self.memory_share < 1:
             raise InvalidRequestError("context every/summary_tokens must be >= 1, memory_top_k >= 0 and "
                                       "memory_share in [0, 1)", param="context_policy")
+        if self.low_water is not None and not 0 < self.low_water <= 1:
+            raise InvalidRequestError(f"context low_water must be in (0, 1], got {self.low_water}",
+                                      param="context_policy")
+
+    @property
+    def water(self) -> float:
+        """The low-water mark in effect: ``low_water``, or by default 0.6 for the policies whose turns stay
+        retrievable once they leave (memory, hybrid) and 1.0 (just as many as must) for last and summary."""
+        if self.low_water is not None:
+            return self.low_water
+        return MEMORY_LOW_WATER if self.remembers else 1.0
 
     @property
     def summarizes(self) -> bool:
@@ -133,7 +152,9 @@ class ContextState:
 class ContextReport:
     """What one turn's prompt kept (turns), dropped (left the prompt this turn or before), summarized (turns
     the summary covers), retrieved (stored turns placed in the memory block); tokens of the prompt, whether
-    text before the kept turns changed this turn (``rewritten``), and the memory's time (milliseconds)."""
+    text before the kept turns changed this turn (``rewritten``), the memory's time (``memory_ms``: embedding,
+    storing, searching) and the time spent writing the summary this turn (``summary_ms``; 0 on the turns that
+    rewrite no summary), both in milliseconds of the calling thread (the engine thread in the server)."""
 
     policy: str
     budget: int | None
@@ -145,6 +166,7 @@ class ContextReport:
     rewritten: bool = False
     memory_ms: float = 0.0
     retrieved_turns: list[int] = field(default_factory=list)
+    summary_ms: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,7 +175,7 @@ class ContextReport:
         """The ``X-KVKeeper-Context`` response header: ``policy=last; kept=3; dropped=5; ...``."""
         return (f"policy={self.policy}; budget={self.budget}; kept={self.kept}; dropped={self.dropped}; "
                 f"summarized={self.summarized}; retrieved={self.retrieved}; prompt_tokens={self.prompt_tokens}; "
-                f"rewritten={int(self.rewritten)}; memory_ms={self.memory_ms:.2f}")
+                f"rewritten={int(self.rewritten)}; memory_ms={self.memory_ms:.2f}; summary_ms={self.summary_ms:.2f}")
 
 
 def turns_digest(turns: list[list[dict]]) -> str:
@@ -257,6 +279,7 @@ class ContextPlanner:
         self.memory = memory
         self.tenant = tenant
         self.memory_s = 0.0  # seconds spent in the memory (embedding, storing, searching) by the last plan
+        self.summary_s = 0.0  # seconds spent writing the summary by the last plan
 
     def _timed(self, fn, *args):
         t0 = time.perf_counter()
@@ -284,7 +307,7 @@ class ContextPlanner:
             return list(messages), ContextReport(sp.policy, sp.budget, len(turns), 0)
         if state.span() >= len(turns) or turns_digest(turns[:state.span()]) != state.digest:
             state.reset()
-        self.memory_s = 0.0
+        self.memory_s = self.summary_s = 0.0
         if sp.policy == "hybrid":
             leaving = self._prune(head, turns, state)
         else:
@@ -297,7 +320,7 @@ class ContextPlanner:
         out, n, summary, block = self._assemble(head, state.summary, kept, block)
         hits, dropped = (hits if block else []), len(turns) - len(kept)
         return out, ContextReport(sp.policy, sp.budget, len(kept), dropped, dropped if summary else 0, len(hits), n,
-                                  bool(leaving), mem_ms, hits)
+                                  bool(leaving), mem_ms, hits, self.summary_s * 1000.0)
 
     @staticmethod
     def _window(turns: list[list[dict]], state: ContextState) -> list[list[dict]]:
@@ -321,7 +344,8 @@ class ContextPlanner:
             middle = [i for _, i in sorted(zip(sims, middle))]
         out: list[int] = []
         probe = ContextState(state.first_kept, pruned=list(gone))
-        while middle and self.count(head + flat(self._window(turns, probe))) > avail:
+        room = avail * sp.water  # turns leave now: on until the rest fits the low-water mark
+        while middle and self.count(head + flat(self._window(turns, probe))) > room:
             out += middle[:sp.every]
             middle = middle[sp.every:]
             probe.pruned = list(gone | set(out))
@@ -344,14 +368,20 @@ class ContextPlanner:
         def at(j: int) -> int:
             return min(last, k + j * sp.every)
 
-        lo, hi = 0, -(-(last - k) // sp.every)  # the tokens fall as j grows: the least j that fits, by bisection
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.count(head + flat(turns[at(mid):])) <= avail:
-                hi = mid
-            else:
-                lo = mid + 1
-        k = at(lo)
+        def least(lo: int, room: float) -> int:  # the tokens fall as j grows: the least j that fits, by bisection
+            hi = -(-(last - k) // sp.every)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self.count(head + flat(turns[at(mid):])) <= room:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return lo
+
+        j = least(0, avail)
+        if j and sp.water < 1:  # turns leave now: on until the rest fits the low-water mark
+            j = least(j, avail * sp.water)
+        k = at(j)
         if k == last:
             need = self.count(head + flat(turns[last:]))
             if need > sp.budget:
@@ -365,7 +395,9 @@ class ContextPlanner:
             self._timed(self.memory.add, [(i, turn_text(turns[i])) for i in leaving], self.tenant)
             state.stored += len(leaving)
         if sp.summarizes and self.summarize is not None:
+            t0 = time.perf_counter()
             state.summary = self.summarize(state.summary, [turns[i] for i in leaving]).strip()
+            self.summary_s += time.perf_counter() - t0
         if sp.policy == "hybrid":
             state.pruned = sorted(set(state.pruned) | set(leaving))
         else:

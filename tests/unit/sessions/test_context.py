@@ -134,6 +134,38 @@ def test_full_keeps_everything_and_bad_specs_are_refused():
         assert getattr(e.value, "param", None) == param
 
 
+@pytest.mark.parametrize("policy, expect", [("memory", {1.0: 1, None: 5, 0.3: 8}), ("hybrid", {1.0: 2, None: 6, 0.3: 8})])
+def test_low_water_lets_turns_leave_until_the_rest_fits_the_mark(policy, expect):
+    # every message counts 10 tokens: an answered turn 20, the latest user message 10; budget 200, no reserve
+    count = lambda m: 10 * len(m)  # noqa: E731
+    conv = [m for i in range(10) for m in ({"role": "user", "content": f"u{i}"},
+                                           {"role": "assistant", "content": f"a{i}"})]
+    conv.append({"role": "user", "content": "u10"})  # 210 tokens: over the budget by one turn
+    head, turns = split_turns(conv)
+    dropped = {}
+    for water in (1.0, None, 0.3):
+        spec = ContextSpec(policy, 200, every=1, summary_tokens=1, memory_share=0.0, low_water=water)
+        planner = ContextPlanner(spec, count, lambda prev, turns: "", _NoMemory())
+        state = ContextState()
+        out, rep = planner.plan(conv, state)
+        assert count(out) <= spec.water * 200 if spec.water < 1 else count(out) <= 200
+        dropped[water] = rep.dropped
+        # the next turn extends this prompt: nothing more leaves while the budget holds it
+        nxt = conv[:-1] + [conv[-1], {"role": "assistant", "content": "a10"}, {"role": "user", "content": "u11"}]
+        out2, rep2 = planner.plan(nxt, state)
+        if water != 1.0:
+            assert rep2.dropped == rep.dropped and out2[:len(out) - 1] == out[:-1]
+    # 1.0: just the turns that must leave (hybrid reserves 17 tokens for its summary: 183 of room, so 2); the
+    # default for memory/hybrid (0.6 of the room) and 0.3 leave until the kept turns fit the mark
+    assert dropped == expect
+    assert ContextSpec("last", 200).water == 1.0 and ContextSpec("summary", 200).water == 1.0
+    assert ContextSpec(policy, 200).water == 0.6
+    for bad in (0.0, 1.5, -0.2):
+        with pytest.raises(Exception) as e:
+            ContextSpec(policy, 200, low_water=bad)
+        assert getattr(e.value, "param", None) == "context_policy" and "low_water" in str(e.value)
+
+
 # ---- sessions on the embedded model -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -192,6 +224,7 @@ def test_summary_sits_after_the_system_message_and_its_kv_is_reused(engine, mana
             if r.context["summarized"]:
                 break
         assert r.context["summarized"] >= 2 and r.context["rewritten"]
+        assert r.context["summary_ms"] > 0  # the summary written this turn is measured (not a timing bound)
         summary = s.context_state.summary
         assert summary
         text = engine.tokenizer.decode(r.prompt_token_ids)
@@ -199,7 +232,7 @@ def test_summary_sits_after_the_system_message_and_its_kv_is_reused(engine, mana
         head = engine.encode_chat([{"role": "system", "content": f"{system}\n\n{SUMMARY_HEADER}\n{summary}"}],
                                   add_generation_prompt=False)
         nxt = s.send("And what is in room 99?", GREEDY)
-        assert not nxt.context["rewritten"] and s.context_state.summary == summary
+        assert not nxt.context["rewritten"] and s.context_state.summary == summary and nxt.context["summary_ms"] == 0
         # system plus summary served from the KV of the summary turn (down to a block boundary)
         assert nxt.cached_tokens >= (len(head) - 1) // engine.config.block_size * engine.config.block_size
         assert nxt.prompt_token_ids[:len(head) - 1] == head[:len(head) - 1]

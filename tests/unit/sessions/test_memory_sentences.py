@@ -60,6 +60,17 @@ def test_a_fact_said_in_passing_is_found_by_a_paraphrase(memory):
     assert len(text) < len(long_msg)
 
 
+def test_a_fact_after_an_unpunctuated_message_is_an_entry_of_its_own(memory):
+    # chat messages often end without a full stop: the fact said after one is still its own sentence entry
+    texts = topical_texts()
+    at = max(range(0, len(texts), 2), key=lambda i: len(texts[i]))
+    texts[at] = f"{texts[at].rstrip(' .!?')} Your reminder is set for 7:00 am, as you asked."
+    _store_turns(memory, texts)
+    hits = memory.search("When will you nudge me?", "", 8, 0.25)
+    fact = next((text for turn, text in hits if "7:00 am" in text), None)
+    assert fact == "user: Your reminder is set for 7:00 am, as you asked.", hits
+
+
 def test_a_corrected_fact_is_retrieved_ahead_of_the_original(memory):
     texts = topical_texts(2)
     texts[2] = f"{texts[2]} My flight to Lisbon is BA117 on Friday."
