@@ -72,15 +72,12 @@ class SpeculativeConfig:
     """
 
     method: str = "ngram"
+    disable_by_batch_size: int | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise InvalidRequestError(f"--speculative-config: method {self.method!r} is not implemented; use "
-                                      f"\"ngram\" (prompt lookup)", param="speculative_config.method")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             v = getattr(self, name)
             if v is None and name == "disable_by_batch_size":
@@ -88,6 +85,9 @@ class SpeculativeConfig:
             if type(v) is not int or v < 1:
                 raise InvalidRequestError(f"--speculative-config: {name} must be an integer >= 1, got {v!r}",
                                           param=f"speculative_config.{name}")
+        if self.method not in METHODS:
+            raise InvalidRequestError(f"--speculative-config: method {self.method!r} is not implemented; use "
+                                      f"\"ngram\" (prompt lookup)", param="speculative_config.method")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise InvalidRequestError(f"--speculative-config: prompt_lookup_min ({self.prompt_lookup_min}) is above "
                                       f"prompt_lookup_max ({self.prompt_lookup_max})",
