@@ -95,18 +95,16 @@ def _hf_logits(hf, ids):
     return hf(torch.tensor([ids])).logits[0].float()
 
 
-_greedy: dict = {}
-
-
 @torch.no_grad()
 def _hf_greedy(hf, ids, n=GEN):
-    key = (id(hf), tuple(ids), n)
-    if key not in _greedy:
+    greedy = hf.__dict__.setdefault("_kvk_greedy_cache", {})  # on the model: an id(hf) key can be reused
+    key = (tuple(ids), n)
+    if key not in greedy:
         hf.generation_config.eos_token_id = None
         out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0,
                           attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        _greedy[key] = out[0, len(ids):].tolist()
-    return _greedy[key]
+        greedy[key] = out[0, len(ids):].tolist()
+    return greedy[key]
 
 
 def _close(ours, ref, what):

@@ -130,15 +130,15 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
     return hf(torch.tensor([ids])).logits[0].float()
 
 
-_greedy_cache: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
-
-
 @torch.no_grad()
 def _hf_greedy(hf, ids: list[int], n: int = GEN_TOKENS) -> list[int]:
-    key = (id(hf), tuple(ids), n)
-    if key not in _greedy_cache:
-        _greedy_cache[key] = _hf_greedy_uncached(hf, ids, n)
-    return _greedy_cache[key]
+    # cached on the model itself: a module-level cache keyed by id(hf) handed one case's tokens to another case
+    # whose model was allocated where the freed one had been (seen in the full suite, llama-mha-tied-linear)
+    cache = hf.__dict__.setdefault("_kvk_greedy_cache", {})
+    key = (tuple(ids), n)
+    if key not in cache:
+        cache[key] = _hf_greedy_uncached(hf, ids, n)
+    return cache[key]
 
 
 def _hf_greedy_uncached(hf, ids: list[int], n: int) -> list[int]:
