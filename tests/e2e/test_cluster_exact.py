@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("ray.serve", reason="needs the cluster extra: pip install -e '.[cluster]'")
 pytest.importorskip("zmq", reason="needs the events extra: pip install -e '.[events]'")
 
+import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from kvkeeper.cluster.kv_index import KVIndex  # noqa: E402
@@ -71,6 +72,13 @@ def test_token_exact_router_on_two_replicas(tmp_path):
                         "--no-access-log", timeout_s=300, env=env) as (base, _proc):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=180)
         model = client.models.list().data[0].id
+        # Ray Serve hands the router its second replica a while after the app is up (seen: a whole run on one
+        # replica under a loaded CI machine): a bounded poll until both replicas have answered through the router
+        seen, deadline = set(), time.monotonic() + 180
+        while len(seen) < 2:
+            assert time.monotonic() < deadline, f"only {seen} answered through the router"
+            seen.add(httpx.get(base + "/v1/models", timeout=60).headers["x-kvkeeper-replica"])
+            time.sleep(0.2)
 
         def chat(messages, **headers):
             raw = client.chat.completions.with_raw_response.create(
