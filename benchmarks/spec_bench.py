@@ -22,7 +22,7 @@ without (they must, token for token); the load average before and after.  The si
 
 Usage::
 
-    .venv/bin/python benchmarks/spec_bench.py [--k 8] [--threads 2] [--llama-python /work/llvenv/bin/python]
+    .venv/bin/python benchmarks/spec_bench.py [--k 8] [--threads 2] [--llama-python PYTHON_WITH_LLAMA_CPP]
         [--no-llama] [--quick]
 
 Writes ``benchmarks/results/spec_bench-smollm2-135m-<date>.json`` and ``.md``.
@@ -215,7 +215,7 @@ def parse_args():
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--open-chats", type=int, default=6)
     ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--llama-python", default="/work/llvenv/bin/python")
+    ap.add_argument("--llama-python", default=sys.executable, help="the Python that has llama-cpp-python")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--quick", action="store_true", help="two copy chats, two open chats, 60 tokens")
     ap.add_argument("--out", type=Path, default=RESULTS)

@@ -49,6 +49,7 @@ import torch
 from ..attention.metadata import AttentionMetadata, PrefillSpan
 from ..errors import InvalidRequestError
 from ..kvcache.store import KVStore
+from ..worker.runner import StepBatch
 
 POLICIES = ("layer_reset", "gated_refresh", "ln_reset")
 
@@ -122,8 +123,6 @@ def fresh_span_kv(runner, token_ids: list[int], anchor: int, start: int, end: in
     # given (zip over the layers and the caches), so the layers past it are not computed at all
     store = KVStore.allocate(runner.cfg, nb, bs, runner.kv_format, dev, num_layers=wanted[-1] + 1)
     table = torch.arange(nb, dtype=torch.int64, device=dev)
-    from ..worker.runner import StepBatch
-
     for c in range(0, P, chunk):
         n = min(chunk, P - c)
         meta = AttentionMetadata(slot_mapping=torch.arange(c, c + n, dtype=torch.int64, device=dev),

@@ -128,7 +128,6 @@ class Embedder:
                     self._cache.popitem(last=False)
         return np.stack([got[k] for k in keys]) if keys else np.zeros((0, DIM), dtype=np.float32)
 
-
     def _forward(self, texts: list[str]):
         """The model's embeddings of ``texts`` with torch at :attr:`threads` threads (restored after)."""
         import torch
