@@ -1,7 +1,13 @@
 """Soak (endurance) test of ``kvkeeper serve``: simulated users for a bounded time, a restart in the middle.
 
     python benchmarks/soak.py [--minutes 30] [--users 4] [--audit-fraction 0.25] [--out benchmarks/results]
-        [--name soak] [--rss-slope-bound 2.0] [--sample-s 5]
+        [--name soak] [--rss-slope-bound 2.0] [--sample-s 5] [--swing-min P] [--burst-every-s S --burst-size N]
+
+The health soak of issue 29 (the default engine and detector, fault-free light traffic with load swings and
+bursts, one server life, an hour):
+
+    python benchmarks/soak.py --minutes 60 --users 3 --swing-min 20 --burst-every-s 240 --burst-size 3 \
+        --no-restart --kv-cache-bytes default --audit-fraction 0 --max-tokens 16 --think-s 2 --name soak-health-DATE
 
 Starts a server (a subprocess on a free 127.0.0.1 port, ``--data-dir`` in a temporary folder, the reuse audit on)
 and runs ``--users`` simulated users (asyncio; the official ``openai`` client for completions, ``httpx`` for the
@@ -24,7 +30,14 @@ Pass criteria (each reported): no 5xx answer and no transport error; no block ow
 zero reuse-audit mismatches (and at least one audit); every session open at the restart restored; resident memory
 flat after warm-up: the slope of a least-squares line over the second half of each server life below
 ``--rss-slope-bound`` MiB per minute.  The health detector's warnings over the run (fault-free) are reported as its
-false alarms.  Writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` (matplotlib, extra ``plots``) under ``--out``;
+false alarms, both kinds: the EWMA charts' warnings and the breach forecasts
+(``--health-predictor``; "KV cache health forecast: breach in about N s" in the log), each with the TTFT objective
+(``--ttft-objective``, 3 s) breached or not by the soak's own requests in the minute after it.
+
+Load variation (``--swing-min P``): the number of active users follows ``1 + (U - 1) (1 - cos(2 pi t / P)) / 2``,
+from one user to ``--users`` and back every P minutes (a daily-style swing, compressed); an inactive user waits
+before its next turn.  ``--burst-every-s S``: every S seconds (jittered +-25%) ``--burst-size`` one-off requests
+(no session) arrive at once on top of the users.  Writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` (matplotlib, extra ``plots``) under ``--out``;
 exit status 0 when every criterion passes.
 """
 
@@ -33,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -170,7 +184,22 @@ class Run:
         self.errors: list[str] = []
         self.counts = {"turns": 0, "streamed": 0, "hung_up": 0, "n2": 0, "offloads": 0, "deletes": 0,
                        "conversations": 0, "left_open": 0, "status_5xx": 0, "status_4xx": 0, "transport_errors": 0,
-                       "busy_retries": 0}
+                       "busy_retries": 0, "bursts": 0, "burst_requests": 0}
+        self.t0 = time.monotonic()
+
+    def active_users(self) -> int:
+        """Users active now: all of them, or the ``--swing-min`` cosine swing between 1 and ``--users``."""
+        a = self.args
+        if not a.swing_min:
+            return a.users
+        phase = (time.monotonic() - self.t0) / (60.0 * a.swing_min)
+        return 1 + round((a.users - 1) * (1 - math.cos(2 * math.pi * phase)) / 2)
+
+    async def wait_active(self, k: int) -> None:
+        """Block user ``k`` while the load swing leaves it inactive (or the users are paused)."""
+        while not self.stop and k >= self.active_users():
+            await asyncio.sleep(1.0)
+        await self.go.wait()
 
     def client(self):
         from openai import AsyncOpenAI
@@ -190,7 +219,7 @@ class Run:
 
 
 async def _complete(run: Run, oai, messages, sid: str | None, stream: bool, hang_up: bool, n: int,
-                    busy_retries: int = 0) -> str | None:
+                    busy_retries: int = 0, burst: bool = False) -> str | None:
     """One chat completion; returns the (first choice's) text, or None when it hung up or failed.
 
     busy_retries: after a hang-up the server may still be aborting the session's turn and answer 409 (busy); the
@@ -199,14 +228,15 @@ async def _complete(run: Run, oai, messages, sid: str | None, stream: bool, hang
 
     for _ in range(busy_retries):
         try:
-            return await _complete_once(run, oai, messages, sid, stream, hang_up, n, raise_busy=True)
+            return await _complete_once(run, oai, messages, sid, stream, hang_up, n, raise_busy=True, burst=burst)
         except openai.ConflictError:
             run.counts["busy_retries"] += 1
             await asyncio.sleep(0.1)
-    return await _complete_once(run, oai, messages, sid, stream, hang_up, n)
+    return await _complete_once(run, oai, messages, sid, stream, hang_up, n, burst=burst)
 
 
-async def _complete_once(run: Run, oai, messages, sid, stream, hang_up, n, raise_busy: bool = False) -> str | None:
+async def _complete_once(run: Run, oai, messages, sid, stream, hang_up, n, raise_busy: bool = False,
+                         burst: bool = False) -> str | None:
     import openai
 
     a = run.args
@@ -214,7 +244,7 @@ async def _complete_once(run: Run, oai, messages, sid, stream, hang_up, n, raise
           "seed": random.randrange(1 << 30), "n": n}
     headers = {"X-Session-ID": sid} if sid else None
     rec = {"t": time.time(), "stream": stream, "hang_up": hang_up, "n": n, "session": sid is not None,
-           "ttft_s": None, "tpot_s": None, "status": 200}
+           "ttft_s": None, "tpot_s": None, "status": 200, "burst": burst}
     run.in_flight += 1
     t0 = time.perf_counter()
     try:
@@ -303,7 +333,7 @@ async def user(run: Run, k: int) -> None:
             sid, j = f"soak-u{k}-c{j}", j + 1
             history = [{"role": "system", "content": SYSTEM}]
             for text in turns:
-                await run.go.wait()
+                await run.wait_active(k)
                 if run.stop or not await _turn(run, oai, http, rng, sid, history, text):
                     break
                 await asyncio.sleep(rng.uniform(0, run.args.think_s))
@@ -318,7 +348,7 @@ async def user(run: Run, k: int) -> None:
                 run.counts["deletes"] += 1
                 await _session_call(run, http, "DELETE", f"/v1/sessions/{left_open.pop(0)}")
             if not run.stop and rng.random() < 0.5:
-                await run.go.wait()
+                await run.wait_active(k)
                 run.counts["n2"] += 1
                 q = rng.choice(run.convs)[0]
                 await _complete(run, oai, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
@@ -326,6 +356,28 @@ async def user(run: Run, k: int) -> None:
         for sid in left_open:
             run.counts["deletes"] += 1
             await _session_call(run, http, "DELETE", f"/v1/sessions/{sid}")
+    await oai.close()
+
+
+async def bursts(run: Run) -> None:
+    """Every ``--burst-every-s`` seconds (jittered +-25%), ``--burst-size`` one-off requests at once."""
+    a = run.args
+    rng = random.Random(a.seed * 1000 + 999)
+    oai = run.client()
+    while not run.stop:
+        wait = a.burst_every_s * rng.uniform(0.75, 1.25)
+        end = time.monotonic() + wait
+        while not run.stop and time.monotonic() < end:
+            await asyncio.sleep(min(1.0, end - time.monotonic()))
+        if run.stop:
+            break
+        await run.go.wait()
+        run.counts["bursts"] += 1
+        run.counts["burst_requests"] += a.burst_size
+        qs = [rng.choice(run.convs)[0] for _ in range(a.burst_size)]
+        await asyncio.gather(*(_complete(run, oai, [{"role": "system", "content": SYSTEM}, {"role": "user",
+                                                                                          "content": q}],
+                                         None, True, False, 1, burst=True) for q in qs))
     await oai.close()
 
 
@@ -344,6 +396,7 @@ def sample(run: Run, t0: float) -> dict:
     s.update(prefix_queries=q, prefix_hits=h, prefix_hit_rate=h / q if q else None,
              audit_total=m.get("kvkeeper:kv_audit_total"), audit_mismatches=m.get("kvkeeper:kv_audit_mismatch_total"),
              health_score=m.get("kvkeeper:kv_health_score"), health_warnings=m.get("kvkeeper:kv_health_warnings_total"),
+             breach_eta_s=m.get("kvkeeper:kv_health_breach_eta_seconds"), active_users=run.active_users(),
              breaker_tier=m.get("kvkeeper:breaker_tier"), breaker_trips=m.get("kvkeeper:breaker_trips_total"),
              sessions_open=m.get("kvkeeper:sessions_open"), pinned_blocks=m.get("kvkeeper:pinned_blocks"),
              running=m.get("kvkeeper:num_requests_running"), waiting=m.get("kvkeeper:num_requests_waiting"),
@@ -367,6 +420,7 @@ def life_end(run: Run) -> dict:
             "audit_mismatches": m.get("kvkeeper:kv_audit_mismatch_total", 0),
             "breaker_trips": m.get("kvkeeper:breaker_trips_total", 0),
             "health_samples": h.get("samples", 0), "health_warnings": h.get("warnings", 0),
+            "health_forecasts": h.get("forecasts", 0), "health_predictor": h.get("predictor"),
             "health_events": h.get("events", []), "sessions": [s["id"] for s in httpx.get(
                 base + "/v1/sessions", timeout=30).json()["data"]]}
 
@@ -459,7 +513,7 @@ def verdict(res: dict, bound: float) -> dict:
         "no_5xx": c["status_5xx"] == 0 and c["transport_errors"] == 0,
         "no_leaked_blocks_idle": idle["owned_blocks_idle"] == 0 and idle["pinned_blocks_idle"] == 0
         and idle["sessions_open_idle"] == 0,
-        "zero_audit_mismatches": mism == 0 and audits > 0,
+        "zero_audit_mismatches": mism == 0 and (audits > 0 or res.get("audit_fraction") == 0),
         "sessions_restored": res.get("restart") is None or not res["restart"]["missing"],
         "rss_flat": bool(slopes) and all(s < bound for s in slopes),
     }
@@ -481,13 +535,42 @@ def latency(requests: list[dict]) -> dict:
             **{f"tpot_p{q}_s": pct(tpot, q / 100) for q in (50, 90, 99)}}
 
 
-def health_report(res: dict) -> dict:
+def health_report(res: dict, log_path: Path | None = None, after_s: float = 60.0) -> dict:
+    """The detector's alarms over the (fault-free) run: EWMA warnings and breach forecasts, per hour.
+
+    Each forecast event is paired with the soak's own requests that started in the ``after_s`` seconds after it:
+    ``followed_by_ttft_breach`` says whether one of them had a TTFT over ``ttft_objective_s`` (a forecast that came
+    true would not be a false alarm; the soak injects no fault, so any is reported, not excused)."""
     lives = [res["restart"]["life1"], res["life2"]] if res.get("restart") else [res["life2"]]
     samples = sum(x["health_samples"] for x in lives)
     warns = sum(x["health_warnings"] for x in lives)
+    fcs = sum(x.get("health_forecasts", 0) for x in lives)
     hours = res["elapsed_s"] / 3600
-    return {"samples": samples, "warnings": warns, "false_alarms_per_hour": warns / hours if hours else None,
+    obj = res.get("ttft_objective_s") or 3.0
+    events = [e for x in lives for e in x["health_events"]]
+    forecasts = []
+    for e in events:
+        if e["event"] != "forecast":
+            continue
+        near = [r for r in res["requests"] if e["t"] <= r["t"] <= e["t"] + after_s and r.get("ttft_s") is not None]
+        forecasts.append({"t_s": round(e["t"] - res["t_start_wall"], 1), "breach_eta_s": e.get("breach_eta_s"),
+                          "reason": e.get("breach_reason"),
+                          "max_ttft_next_s": max((r["ttft_s"] for r in near), default=None),
+                          "followed_by_ttft_breach": any(r["ttft_s"] > obj for r in near)})
+    log_lines = {"warning": 0, "forecast": 0}
+    if log_path is not None and log_path.exists():
+        for ln in log_path.read_text(errors="replace").splitlines():
+            log_lines["warning"] += "KV cache health warning (score" in ln
+            log_lines["forecast"] += "KV cache health forecast: breach" in ln
+    ttfts = [r["ttft_s"] for r in res["requests"] if r.get("ttft_s") is not None]
+    return {"samples": samples, "warnings": warns, "forecasts": fcs,
+            "predictor": lives[-1].get("health_predictor"),
+            "false_alarms_per_hour": warns / hours if hours else None,
+            "forecast_false_alarms_per_hour": fcs / hours if hours else None,
+            "alarms_per_hour": (warns + fcs) / hours if hours else None,
             "false_alarm_rate_per_sample": warns / samples if samples else None,
+            "log_lines": log_lines, "forecast_events": forecasts,
+            "requests_over_ttft_objective": sum(t > obj for t in ttfts), "ttft_measured": len(ttfts),
             "reasons": [r["signal"] for x in lives for e in x["health_events"] if e["event"] == "warning"
                         for r in e["reasons"]]}
 
@@ -570,12 +653,24 @@ def markdown(res: dict) -> str:
             ("TTFT p50 / p90 / p99 (s)", " / ".join(_f(lat[f"ttft_p{q}_s"]) for q in (50, 90, 99))),
             ("TPOT p50 / p90 / p99 (s)", " / ".join(_f(lat[f"tpot_p{q}_s"]) for q in (50, 90, 99))),
             ("health warnings (false alarms) / samples", f"{h['warnings']} / {h['samples']}"),
+            (f"breach forecasts ({h.get('predictor')}) / per hour",
+             f"{h.get('forecasts', 0)} / {_f(h.get('forecast_false_alarms_per_hour'))}"),
+            ("alarms of either kind per hour (target <= 1)", _f(h.get("alarms_per_hour"))),
+            (f"requests with TTFT over the objective ({res.get('ttft_objective_s')} s)",
+             f"{h.get('requests_over_ttft_objective')} of {h.get('ttft_measured')}"),
+            ("load swing / bursts", f"{res.get('swing_min') or 'none'} min / {c.get('bursts', 0)} bursts of "
+                                    f"{res.get('burst_size')}"),
+            ("load average start / end", f"{_la(res.get('load_avg_start'))} / {_la(res.get('load_avg_end'))}"),
             ("pass", ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, ok in v["checks"].items()))]
     return "| soak | |\n|---|---|\n" + "".join(f"| {a} | {b} |\n" for a, b in rows)
 
 
 def _f(x):
     return "n/a" if x is None else f"{x:.3f}"
+
+
+def _la(x):
+    return "n/a" if not x else " ".join(f"{v:.2f}" for v in x)
 
 
 def dumps(res: dict) -> str:
@@ -595,15 +690,20 @@ async def soak(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="kvkeeper-soak-"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    extra = ["--audit-fraction", str(args.audit_fraction), "--kv-cache-bytes", args.kv_cache_bytes,
+    extra = ["--audit-fraction", str(args.audit_fraction),
+             *([] if args.kv_cache_bytes == "default" else ["--kv-cache-bytes", args.kv_cache_bytes]),
              "--max-new-tokens", str(args.max_tokens), "--threads", str(args.threads), *args.server_arg]
     server = Server(tmp / "data", out / f"{args.name}.server.log", extra)
     (out / f"{args.name}.server.log").write_text("")
     first_start = await asyncio.to_thread(server.start)
     run = Run(args, server)
     t0, wall0 = time.monotonic(), time.time()
+    run.t0 = t0
+    load0 = os.getloadavg()
     samples: list[dict] = []
     tasks = [asyncio.create_task(user(run, k)) for k in range(args.users)]
+    if args.burst_every_s:
+        tasks.append(asyncio.create_task(bursts(run)))
     samp = asyncio.create_task(sampler(run, t0, samples))
     total = args.minutes * 60
     rs = None
@@ -620,11 +720,13 @@ async def soak(args) -> dict:
     server.stop()
     res = {"minutes": args.minutes, "users": args.users, "elapsed_s": round(elapsed, 1), "t_start_wall": wall0,
            "first_start_s": round(first_start, 1), "server_args": extra, "cpu": cpu_model(),
-           "load_avg_end": os.getloadavg(), "counts": run.counts, "errors": run.errors, "restart": rs,
+           "load_avg_start": load0, "load_avg_end": os.getloadavg(), "audit_fraction": args.audit_fraction,
+           "swing_min": args.swing_min, "burst_every_s": args.burst_every_s, "burst_size": args.burst_size,
+           "ttft_objective_s": args.ttft_objective, "counts": run.counts, "errors": run.errors, "restart": rs,
            "life2": life2, "idle": idle, "samples": samples, "requests": run.requests}
     res["rss"] = rss_slopes(samples)
     res["latency"] = latency(run.requests)
-    res["health"] = health_report(res)
+    res["health"] = health_report(res, out / f"{args.name}.server.log")
     res["verdict"] = verdict(res, args.rss_slope_bound)
     res["verdict"]["audit_warnings"] = audit_warnings(out / f"{args.name}.server.log")
     return res
@@ -639,11 +741,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hangup-fraction", type=float, default=0.1, help="streams that hang up after two chunks")
     ap.add_argument("--offload-fraction", type=float, default=0.125, help="turns followed by an offload")
     ap.add_argument("--audit-fraction", type=float, default=0.25)
-    ap.add_argument("--kv-cache-bytes", default="256M")
+    ap.add_argument("--kv-cache-bytes", default="256M", help="the server's KV budget; 'default': the server's own")
     ap.add_argument("--threads", type=int, default=1, help="server torch threads (the soak measures no speed)")
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--rss-slope-bound", type=float, default=2.0, help="MiB per minute (default 2)")
     ap.add_argument("--no-restart", action="store_true")
+    ap.add_argument("--swing-min", type=float, default=0.0, help="period of the active-user swing (minutes, 0: none)")
+    ap.add_argument("--burst-every-s", type=float, default=0.0, help="seconds between bursts (0: none)")
+    ap.add_argument("--burst-size", type=int, default=3, help="one-off requests per burst")
+    ap.add_argument("--ttft-objective", type=float, default=3.0,
+                    help="TTFT objective (s) the report compares requests against (the server's default, 3 s)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra argument for kvkeeper serve")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))

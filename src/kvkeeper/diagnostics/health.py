@@ -375,8 +375,10 @@ class HealthMonitor:
         return list(self._active)
 
     def snapshot(self) -> dict:
-        """JSON-able state: score, warning, counts, each chart, recent events, config."""
+        """JSON-able state: score, warning, counts (``warnings``: EWMA warnings opened, ``forecasts``: forecast
+        warnings opened), each chart, recent events, config."""
         return {"score": self.score, "warning": self.warning, "warnings": self.warnings, "samples": self.samples,
+                "forecasting": self.forecasting, "forecasts": self.forecasts,
                 "breach_eta_s": None if math.isinf(self.breach_eta()) else self.breach_eta(),
                 "breach_reason": self.forecast.reason if self.forecast is not None and self.forecast.warn else None,
                 "predictor": getattr(self.forecaster, "name", None),
