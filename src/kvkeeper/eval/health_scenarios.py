@@ -52,9 +52,11 @@ KINDS = INCIDENTS + FAULT_FREE
 # per second / pool blocks), preemption_rate (1/s), hit_rate (prefix-cache hit tokens / looked-up tokens
 # over the interval), host_fill (host-tier bytes / its budget), sessions (open), tier (breaker, 0..3),
 # prefill_backlog (prompt tokens admitted and not yet computed, tokens), busy (fraction of the interval the
-# engine spent computing steps, 0..1)
+# engine spent computing steps, 0..1), head_wait_s (how long the oldest request still without its first token
+# has waited, s: the TTFT of the queue's head so far, 0 when none waits; added 2026-12-06, traces before lack it)
 SAMPLE_FIELDS = ("t", "usage", "pool_rate", "waiting", "running", "ttft_p99", "ttft_mean", "eviction_rate",
-                 "preemption_rate", "hit_rate", "host_fill", "sessions", "tier", "prefill_backlog", "busy")
+                 "preemption_rate", "hit_rate", "host_fill", "sessions", "tier", "prefill_backlog", "busy",
+                 "head_wait_s")
 TINY_MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 32,
               "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 8, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
@@ -342,13 +344,22 @@ class Episode:
              "waiting": len(eng.scheduler.waiting), "running": len(eng.scheduler.running), "ttft_p99": p99,
              "ttft_mean": sum(w) / len(w) if w else 0.0, "eviction_rate": ev, "preemption_rate": pr, "hit_rate": hit,
              "host_fill": host, "sessions": sum(1 for cv in self.convs if not cv.session.closed),
-             "tier": self.breaker.tier, "prefill_backlog": prefill_backlog(eng.scheduler), "busy": busy}
+             "tier": self.breaker.tier, "prefill_backlog": prefill_backlog(eng.scheduler), "busy": busy,
+             "head_wait_s": self._head_wait()}
         s = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in s.items()}
         if p99 > c.ttft_objective_s:
             self._breach(f"TTFT p99 {p99:.2f} s over the {c.ttft_objective_s:g} s objective")
         if self.breaker.tier >= 2:
             self._breach(f"breaker tier {self.breaker.tier} (above compaction)")
         return s
+
+    def _head_wait(self) -> float:
+        """Seconds the oldest queued request without a first token has waited (0 when none): requests still in
+        the scheduler only, so that an aborted one does not age forever."""
+        sched = self.eng.scheduler
+        ts = [self.arrival[s.request_id] for s in list(sched.waiting) + list(sched.running)
+              if s.request_id in self.arrival]
+        return self.now - min(ts) if ts else 0.0
 
     def run(self) -> dict:
         c = self.cfg
