@@ -2,7 +2,7 @@
 
     python benchmarks/health_eval.py --seeds 100-119 --json OUT.json [--kinds flood,leak,...]
         [--predictors ewma,trend,lstm] [--traces TRACES.jsonl.gz] [--from-traces TRACES.jsonl.gz]
-        [--soak-s 3600 --soak-seeds 200-201] [--proactive]
+        [--soak-s 3600 --soak-seeds 200-201] [--proactive [--defer-new-s S]]
 
 One episode per kind and seed (:mod:`kvkeeper.eval.health_scenarios`: a tiny random engine on a simulated
 clock, so the figures do not depend on this machine's load), each recorded as a trace; every predictor
@@ -15,7 +15,9 @@ looked at (100-119 had been by 2026-12-06; that day's evaluation used 300-319). 
 without running an engine.  ``--soak-s S``: one fault-free episode of S simulated seconds per ``--soak-seeds`` seed
 (the ``swings`` kind, its false alarms reported apart).  ``--proactive``: every incident episode again with the
 breaker acting on the default predictor's forecast (:attr:`CircuitBreaker.forecast`), and the breaches of
-both runs side by side.  A markdown table is written beside OUT.
+both runs side by side; ``--defer-new-s S`` a third run where, besides, admission control holds new conversations'
+first turns (at most S seconds, their TTFT counted from when they were asked) while the forecast puts a usage
+breach within the breaker's ``act_ahead_s`` (``Episode(defer_new_s=)``).  A markdown table is written beside OUT.
 """
 
 from __future__ import annotations
@@ -73,11 +75,35 @@ def tables(traces: list[dict], names: list[str]) -> dict[str, dict]:
     return {n: score(traces, n) for n in names}
 
 
-def proactive(kinds: list[str], seeds: list[int], config: ScenarioConfig, reactive: list[dict]) -> dict:
-    """The incident episodes again with the breaker acting on the default predictor's forecasts."""
-    acting = generate([k for k in kinds if k in INCIDENTS], seeds, config,
-                      forecaster=make_predictor(DEFAULT_PREDICTOR))
-    return compare_breaches(reactive, acting)
+def proactive(kinds: list[str], seeds: list[int], config: ScenarioConfig, reactive: list[dict],
+              defer_new_s: float = 0.0) -> dict:
+    """The incident episodes again with the breaker acting on the default predictor's forecasts (a fresh predictor
+    per episode), and with admission control holding new first turns too when ``defer_new_s`` > 0."""
+    inc = [k for k in kinds if k in INCIDENTS]
+    acting = generate_fresh(inc, seeds, config)
+    out = compare_breaches(reactive, acting)
+    if defer_new_s > 0:
+        held = generate_fresh(inc, seeds, config, defer_new_s=defer_new_s)
+        for k, v in compare_breaches(reactive, held).items():
+            out[k].update({"breaches_acting_and_holding": v["breaches_acting"], "prevented_holding": v["prevented"],
+                           "caused_holding": v["caused"],
+                           "first_turns_held": sum(t["deferred_first_turns"] for t in held if t["kind"] == k)})
+        out["defer_new_s"] = defer_new_s
+    return out
+
+
+def generate_fresh(kinds: list[str], seeds: list[int], config: ScenarioConfig, **kw) -> list[dict]:
+    """Episodes as :func:`generate`, each with a fresh default predictor for the breaker to act on."""
+    model = tiny_model_config()
+    out = []
+    for seed in seeds:
+        for kind in kinds:
+            tr = run_episode(kind, seed, config=config, model_path=model,
+                             forecaster=make_predictor(DEFAULT_PREDICTOR), **kw)
+            print(json.dumps({"kind": kind, "seed": seed, "acting": True, "breach_s": tr["breach_s"], **kw}),
+                  flush=True)
+            out.append(tr)
+    return out
 
 
 def compare_breaches(reactive: list[dict], acting: list[dict]) -> dict:
@@ -110,11 +136,21 @@ def markdown(res: dict) -> str:
                      + ", ".join(f"{n} {v['false_alarms']} false alarms ({v['false_alarms_per_hour']:.2f}/h)"
                                  for n, v in s["predictors"].items()) + ".\n")
     if "proactive" in res:
+        p = res["proactive"]
+        d = p.get("defer_new_s")
+        extra = (f" breaches, acting and holding new first turns <= {d:g} s | prevented | caused | first turns held |"
+                 if d else "")
         lines += ["\n| kind | episodes | breaches, reactive breaker | breaches, acting on the forecast | prevented |"
-                  " caused |", "|---|---|---|---|---|---|"]
-        for k, v in res["proactive"].items():
-            lines.append(f"| {k} | {v['episodes']} | {v['breaches_reactive']} | {v['breaches_acting']} | "
-                         f"{v['prevented']} | {v['caused']} |")
+                  " caused |" + extra, "|---|---|---|---|---|---|" + ("---|---|---|---|" if d else "")]
+        for k, v in p.items():
+            if not isinstance(v, dict):
+                continue
+            row = (f"| {k} | {v['episodes']} | {v['breaches_reactive']} | {v['breaches_acting']} | "
+                   f"{v['prevented']} | {v['caused']} |")
+            if d:
+                row += (f" {v['breaches_acting_and_holding']} | {v['prevented_holding']} | {v['caused_holding']} | "
+                        f"{v['first_turns_held']} |")
+            lines.append(row)
     return "\n".join(lines) + "\n"
 
 
@@ -129,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--soak-s", type=float, default=0.0, help="a fault-free soak of S simulated s per soak seed")
     ap.add_argument("--soak-seeds", default="200", help="seeds of the soak (default %(default)s)")
     ap.add_argument("--proactive", action="store_true", help="also run the breaker acting on the forecast")
+    ap.add_argument("--defer-new-s", type=float, default=0.0,
+                    help="with --proactive: also hold new first turns up to S s ahead of a forecast usage breach")
     args = ap.parse_args(argv)
     import torch
 
@@ -168,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                              "false_alarms_per_hour"]}
                                                                      for n, t in st.items()}}
     if args.proactive and not args.from_traces:
-        res["proactive"] = proactive(kinds, seeds, config, traces)
+        res["proactive"] = proactive(kinds, seeds, config, traces, args.defer_new_s)
     res["elapsed_s"] = round(time.time() - t0, 1)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -118,6 +118,7 @@ class _Conversation:
         self.session, self.next_t, self.turns, self.closes, self.prompt_len = session, next_t, turns, closes, prompt_len
         self.history: list[int] = []
         self.seq = None
+        self.asked_t = next_t  # when the user asks the first turn (TTFT of a held first turn counts from here)
 
 
 class Episode:
@@ -131,7 +132,8 @@ class Episode:
     Raises ValueError for an unknown kind."""
 
     def __init__(self, kind: str, seed: int, config: ScenarioConfig | None = None, model_path: Path | None = None,
-                 engine_factory=None, breaker_config: BreakerConfig | None = None, forecaster=None):
+                 engine_factory=None, breaker_config: BreakerConfig | None = None, forecaster=None,
+                 defer_new_s: float = 0.0):
         if kind not in KINDS:
             raise ValueError(f"unknown scenario kind {kind!r}; choose one of {', '.join(KINDS)}")
 
@@ -150,6 +152,8 @@ class Episode:
                                       clock=lambda: self.now)
         self.forecaster = forecaster
         self.forecast = None
+        self.defer_new_s = defer_new_s
+        self.deferred = 0  # first turns held by admission control ahead of a forecast breach
         if forecaster is not None:
             self.breaker.forecast = lambda: self.forecast
         self.onset = None if kind in FAULT_FREE else round(self.rng.uniform(*c.onset_range_s), 1)
@@ -210,6 +214,12 @@ class Episode:
                 continue
             if self.now < cv.next_t:
                 continue
+            first = cv.seq is None and not cv.history
+            if first and self._deferring() and self.now - cv.asked_t < self.defer_new_s:
+                if cv.next_t == cv.asked_t:
+                    self.deferred += 1
+                cv.next_t = self.now + 0.5  # held: asked again in 0.5 s while the forecast lasts
+                continue
             ids = cv.history + self._tokens(*cv.prompt_len)
             self.requests += 1
             rid = f"{s.id}-{self.requests}"
@@ -219,7 +229,15 @@ class Episode:
             except KVKeeperError:
                 cv.turns = 0
                 continue
-            self.arrival[rid] = self.now
+            self.arrival[rid] = cv.asked_t if first else self.now
+
+    def _deferring(self) -> bool:
+        """Admission control ahead of a forecast breach (``defer_new_s`` > 0): a new conversation's first turn is
+        held while the forecaster warns of a usage breach within the breaker's ``act_ahead_s``, at most
+        ``defer_new_s`` seconds; its TTFT counts from when it was asked, so the hold is paid in TTFT."""
+        fc = self.forecast
+        return (self.defer_new_s > 0 and fc is not None and fc.warn and fc.signal == "usage"
+                and fc.eta_s is not None and fc.eta_s <= self.breaker.config.act_ahead_s)
 
     def _rate(self) -> float:
         """Stateless requests per second now."""
@@ -384,6 +402,7 @@ class Episode:
         return {"kind": self.kind, "seed": self.seed, "onset_s": self.onset, "breach_s": self.breach_s,
                 "breach_reason": self.breach_reason, "refusals": self.refusals, "requests": self.requests,
                 "breaker_actions": {f"{t}:{a}": n for (t, a), n in sorted(self.breaker.actions.items())},
+                "deferred_first_turns": self.deferred,
                 "samples": self.samples, "config": _jsonable(asdict(c))}
 
 

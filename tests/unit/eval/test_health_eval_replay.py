@@ -44,7 +44,7 @@ def test_the_table_is_recomputed_from_saved_traces(health_eval, tmp_path):
     res = json.loads(out.read_text())
     traces = health_eval.read_traces(TRACES)
     assert res["episodes"] == len(traces) == 14 and res["seeds"] == "0-1"
-    assert res["default_predictor"] == "trend" and set(res["predictors"]) == {"ewma", "trend", "lstm"}
+    assert res["default_predictor"] == "trend" and set(res["predictors"]) == {"ewma", "trend", "lstm", "gbt"}
     for name, table in res["predictors"].items():
         again = score(traces, name)
         for k in ("precision", "recall", "median_lead_s", "false_alarms_per_hour", "true_positives",
