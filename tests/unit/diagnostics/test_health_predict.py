@@ -46,8 +46,8 @@ def predictor(request):
 
 def test_a_ramp_is_forecast_before_it_crosses(predictor, request):
     if predictor.name == "gbt":  # the boosted trees' defect, kept visible (strict: a retrained model that passes
-        # shows): trained on the generated incidents, they key on the signals that move with usage there (open
-        # sessions, queue, busy time); a usage ramp alone peaks at a breach probability of 0.59 < 0.9
+        # shows): trained on the generated incidents, they split mostly on TTFT and on what moves with usage there
+        # (evictions, open sessions, hit rate); a usage ramp alone peaks at a breach probability of 0.59 < 0.9
         request.applymarker(pytest.mark.xfail(strict=True, reason="the trees miss a usage ramp with nothing else"))
     rng = random.Random(0)
     stream = _ramp(rng)
