@@ -107,8 +107,8 @@ class SpeculativeConfig:
                                           param=f"speculative_config.{name}")
         if self.method not in METHODS:
             raise InvalidRequestError(f"--speculative-config: method {self.method!r} is not implemented; use "
-                                      f"\"ngram\" (prompt lookup) or \"suffix\" (then the namespace's earlier requests)",
-                                      param="speculative_config.method")
+                                      f"\"ngram\" (prompt lookup) or \"suffix\" (prompt lookup, then the "
+                                      f"namespace's earlier requests)", param="speculative_config.method")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise InvalidRequestError(f"--speculative-config: prompt_lookup_min ({self.prompt_lookup_min}) is above "
                                       f"prompt_lookup_max ({self.prompt_lookup_max})",

@@ -326,10 +326,10 @@ def test_drafter_adapts_to_acceptance_and_batch():
     seq = _seq([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1], 4)
     d.start(seq, None, supported=True)
     assert d.propose(seq, 64, 5) == []  # more running sequences than disable_by_batch_size: plain decode
-    assert d.propose(seq, 64, 1) == [2, 3]  # prior 1/2, a row 0.12 of a step: 1.75 / 1.24 beats 1.5 / 1.12, 1.875 / 1.36
+    assert d.propose(seq, 64, 1) == [2, 3]  # prior 1/2, a row 0.12 of a step: 1.75/1.24 beats 1.5/1.12, 1.875/1.36
     for _ in range(5):
         d.record(seq, 1, 1)
-    assert seq.spec.rate > 0.85 and d.length(seq.spec, 1) == 6  # accepted: long drafts (6: 5.28 / 1.72 > 4.73 / 1.6)
+    assert seq.spec.rate > 0.85 and d.length(seq.spec, 1) == 6  # accepted: long drafts (6: 5.28/1.72 > 4.73/1.6)
     assert d.propose(seq, 64, 1) == [2, 3, 4, 1, 2, 3]  # after the latest [2, 3, 4, 1] that 6 tokens follow
     for _ in range(3):
         d.cost.observe(1, 0.011)
