@@ -1,8 +1,8 @@
 """Speculative decoding from the conversation itself: draft tokens from what the sequence already holds, verify
 them in one engine step, keep what the target model would have produced.
 
-Draft sources (cheapest first; nothing is ever drafted from another request, so no draft crosses a tenant or a
-cache namespace):
+Draft sources (cheapest first; only method "suffix" drafts from other requests, and only from those of the same
+cache namespace, so no draft crosses a tenant or a cache salt):
 
 * **Predicted Outputs** (OpenAI's ``prediction``): the text the client expects back (a file being edited),
   tokenized once; a pointer follows the output through it and re-synchronises after a divergence on the first
