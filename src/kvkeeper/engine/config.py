@@ -74,7 +74,7 @@ class EngineConfig:
     JSON text; None: off).
     memory_check: refuse a model whose estimated memory need exceeds the available memory before loading it
     (:mod:`kvkeeper.engine.memory_fit`; CPU only).
-    speculative_config: n-gram speculative decoding (:class:`~kvkeeper.engine.speculative.SpeculativeConfig`, a dict
+    speculative_config: n-gram or suffix speculation (:class:`~kvkeeper.engine.speculative.SpeculativeConfig`, a dict
     or its JSON text, vLLM's fields; None: off, requests that send a prediction still draft from it).
     Raises :class:`InvalidRequestError` for a value out of range.
     """
@@ -158,8 +158,10 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = field(default=None, metadata=option(
         "--speculative-config", "speculative decoding from the conversation's own tokens, lossless (vLLM's "
         "fields): a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (also disable_by_batch_size, default 8; "
-        "default: off, a request's prediction is still used)", type=speculative_arg, metavar="JSON"))
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (also disable_by_batch_size, default none; method "
+        "\"suffix\" also drafts from the namespace's earlier requests, with suffix_decoding_max_cached_requests and "
+        "suffix_decoding_min_token_prob; default: off, a request's prediction is still used)",
+        type=speculative_arg, metavar="JSON"))
     seed: int = 0  # random weights of load_format "dummy"
 
     def __post_init__(self):

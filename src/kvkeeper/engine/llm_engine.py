@@ -180,6 +180,7 @@ class LLMEngine(EngineKV):
 
     def _finish(self, seq: Sequence) -> None:
         seq.t_finished = time.perf_counter()
+        self.drafter.finish(seq)  # method "suffix": its tokens join its namespace's suffix table
         self.scheduler.finish(seq)
         self._seqs.pop(seq.request_id, None)
         if seq.kv_holder is not None:

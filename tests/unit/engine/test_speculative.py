@@ -16,7 +16,7 @@ import pytest
 from kvkeeper import SamplingParams
 from kvkeeper.engine import llm_engine as llm_engine_mod
 from kvkeeper.engine.config import EngineConfig, speculative_arg
-from kvkeeper.engine.speculative import (Drafter, NgramIndex, SpeculativeConfig, StepCost,
+from kvkeeper.engine.speculative import (Drafter, NgramIndex, SpeculativeConfig, StepCost, SuffixTable,
                                          parse_speculative_config)
 from kvkeeper.engine.sequence import Sequence
 from kvkeeper.errors import InvalidRequestError
@@ -31,6 +31,7 @@ needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ 
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
         "disable_by_batch_size": None}
+SUFFIX = dict(SPEC, method="suffix")
 
 
 def _passage() -> str:
@@ -232,6 +233,38 @@ def test_drafts_never_cross_tenants(spec, monkeypatch):
     assert (b.spec.drafted, b.spec.accepted) == (clean.spec.drafted, clean.spec.accepted)
 
 
+@needs_kernels
+def test_suffix_drafts_from_the_namespace_earlier_requests_only(ref, monkeypatch):
+    """Method "suffix": a request whose reply repeats an earlier request's reply (not in its prompt) in the same
+    namespace drafts it from that namespace's suffix table (accepted; the output that of no speculation); the same
+    request in another tenant's namespace, or under another cache salt, drafts, accepts and emits exactly what an
+    engine that never saw the first request does."""
+    eng = make_engine(quantization="gguf", validate_every=0, num_kv_blocks=256, speculative_config=SUFFIX)
+    fresh = make_engine(quantization="gguf", validate_every=0, num_kv_blocks=256, speculative_config=SUFFIX)
+    for e in (eng, fresh):  # the draft lengths' cost model held equal on both
+        monkeypatch.setattr(e.drafter.cost, "observe", lambda rows, seconds: None)
+        monkeypatch.setattr(e.drafter.cost, "per_row", 0.1)
+        monkeypatch.setattr(e.drafter.cost, "base", 0.9)
+
+    def run(e, ns):
+        seq = e.add_request(e.encode_chat(OPEN), _greedy(32), namespace=ns)
+        e.run_until_done([seq])
+        return seq
+
+    plain = ref.generate([ref.encode_chat(OPEN)], _greedy(32))[0]
+    ns_a = tenant_namespace(eng.namespace, "tenant-a", None)
+    first = run(eng, ns_a)
+    again = run(eng, ns_a)
+    _same(plain, first)
+    _same(plain, again)
+    assert again.spec.accepted >= first.spec.accepted + 16, (first.spec.accepted, again.spec.accepted)
+    for ns_of in (lambda e: tenant_namespace(e.namespace, "tenant-b", None), lambda e: e.isolated_namespace("x")):
+        b, clean = run(eng, ns_of(eng)), run(fresh, ns_of(fresh))
+        _same(clean, b)
+        assert (b.spec.drafted, b.spec.accepted) == (clean.spec.drafted, clean.spec.accepted)
+        assert b.spec.accepted < again.spec.accepted
+
+
 # ---- configuration, drafting, adaptivity (no model) ----------------------------------------------------
 
 
@@ -273,7 +306,7 @@ def test_drafter_follows_the_prediction_and_resynchronises():
     d = Drafter(None)
     seq = _seq([50, 51, 10], 2)
     d.start(seq, [10, 11, 12, 13, 20, 21, 22, 23, 24], supported=True)
-    assert d.propose(seq, 64, 1) == [11, 12, 13]  # prior 4/5, a row costing 0.3 of a step: 3 drafts are best
+    assert d.propose(seq, 64, 1) == [11, 12, 13, 20, 21]  # prior 4/5, a row 0.12 of a step: 5 drafts are best
     seq.token_ids += [11, 99, 21]  # diverged at 12, back on the prediction at 21 (a 1-token n-gram)
     seq.num_computed = len(seq.token_ids) - 1
     assert d.propose(seq, 64, 1) == [22, 23, 24]
@@ -293,11 +326,11 @@ def test_drafter_adapts_to_acceptance_and_batch():
     seq = _seq([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1], 4)
     d.start(seq, None, supported=True)
     assert d.propose(seq, 64, 5) == []  # more running sequences than disable_by_batch_size: plain decode
-    assert d.propose(seq, 64, 1) == [2]  # prior 1/2, a row costing 0.3 of a step: 1.5 / 1.3 beats 1.75 / 1.6 and 1
+    assert d.propose(seq, 64, 1) == [2, 3]  # prior 1/2, a row 0.12 of a step: 1.75/1.24 beats 1.5/1.12, 1.875/1.36
     for _ in range(5):
         d.record(seq, 1, 1)
-    assert seq.spec.rate > 0.85 and d.length(seq.spec, 1) == 5  # accepted: long drafts (6: 5.28 / 2.8 < 4.73 / 2.5)
-    assert d.propose(seq, 64, 1) == [2, 3, 4, 1, 2]  # after the latest [2, 3, 4, 1] that 5 tokens follow
+    assert seq.spec.rate > 0.85 and d.length(seq.spec, 1) == 6  # accepted: long drafts (6: 5.28/1.72 > 4.73/1.6)
+    assert d.propose(seq, 64, 1) == [2, 3, 4, 1, 2, 3]  # after the latest [2, 3, 4, 1] that 6 tokens follow
     for _ in range(3):
         d.cost.observe(1, 0.011)
         d.cost.observe(9, 0.091)  # compute-bound: a row costs ten times the rest of a step
@@ -310,9 +343,52 @@ def test_drafter_pauses_a_sequence_whose_drafts_fail():
     d = Drafter(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
     seq = _seq([5, 6, 7, 5, 6, 7, 5], 3)
     d.start(seq, None, supported=True)
-    for _ in range(3):
+    for _ in range(6):  # estimate 0.08: a draft brings less than the 0.12 of a step its row costs
         d.record(seq, 1, 0)
     assert d.propose(seq, 64, 1) == [] and seq.spec.paused_until == seq.num_output_tokens + 16
     seq.token_ids += [6] * 16
     seq.num_computed = len(seq.token_ids) - 1
-    assert d.propose(seq, 64, 1) == [6]  # the pause is over: one draft, from the prior again
+    assert d.propose(seq, 64, 1) == [6, 6]  # the pause is over: two drafts, from the prior again
+
+
+def test_suffix_table_counts_continuations_and_forgets():
+    t = SuffixTable(1, 2)
+    t.add([1, 2, 3, 4])
+    t.add([1, 2, 3, 5])
+    t.add([9, 2, 3, 5])
+    assert t.draft([7, 1, 2], 4, 0.1) == [3, 5]  # (2, 3) -> 5 twice, 4 once; nothing follows (3, 5)
+    assert t.draft([7, 1, 2], 4, 0.7) == [3]  # 5 has 2/3 of (2, 3)'s continuations: below 0.7
+    assert t.draft([8], 4, 0.0) == []  # no context of 1..2 tokens occurs
+    t.add([1, 2, 3, 5], -1)
+    t.add([9, 2, 3, 5], -1)
+    assert t.draft([2, 3], 2, 0.1) == [4] and t.docs == 1
+    t.add([1, 2, 3, 4], -1)
+    assert t.next == {} and t.docs == 0
+
+
+def test_suffix_drafter_keeps_namespaces_apart_and_bounded():
+    d = Drafter(SpeculativeConfig(method="suffix", num_speculative_tokens=4, prompt_lookup_min=1,
+                                  suffix_decoding_max_cached_requests=2))
+    d.cost.base, d.cost.per_row = 0.9, 0.1
+    ns_a, ns_b = Namespace("m", tenant_salt="a"), Namespace("m", tenant_salt="b")
+
+    def done(tokens, ns):
+        s = _seq(tokens, 2)
+        s.namespace, s.finish_reason = ns, "stop"
+        d.start(s, None, supported=True)
+        d.finish(s)
+
+    done([40, 41, 10, 11, 12, 13], ns_a)
+    seq = _seq([42, 43, 10], 2)  # its own tokens hold no match for 10: the table of its namespace drafts
+    seq.namespace = ns_a
+    d.start(seq, None, supported=True)
+    assert d.propose(seq, 64, 1) == [11, 12]
+    assert seq.spec.source == "suffix"
+    seq.namespace = ns_b
+    assert d.propose(seq, 64, 1) == []  # another tenant's table: none
+    done([1, 2], ns_b)
+    done([3, 4], ns_b)  # a third request: the oldest (tenant a's) leaves
+    seq.namespace = ns_a
+    assert d.propose(seq, 64, 1) == [] and ns_a.key not in d.tables
+    with pytest.raises(InvalidRequestError, match="suffix_decoding_min_token_prob"):
+        SpeculativeConfig(method="suffix", suffix_decoding_min_token_prob=2)
