@@ -156,8 +156,7 @@ class Session:
         """Move this idle session's KV out of the pool to ``tier`` ("host" or "disk"); returns blocks released.
 
         The KV comes back on the next turn.  While a turn runs the KV belongs to it: nothing is moved (0).
-        Raises :class:`InvalidRequestError` for a closed session, an unknown or disabled tier or compressed
-        KV, and ``OffloadError`` when the disk write fails (the KV then stays in the pool).
+        Raises :class:`InvalidRequestError` for a closed session or an unknown or disabled tier, and ``OffloadError`` when the disk write fails (the KV then stays in the pool).
         """
         if self.closed:
             raise InvalidRequestError(f"session {self.id} is closed")
@@ -275,7 +274,8 @@ class Session:
 
         Keeps the longest common token prefix of the session's tokens and the prompt (at least one
         prompt token is left to compute) and frees the rest.  Compressed KV (a session compression policy) is
-        handed over whole when the prompt extends every token it covers, else freed (the prompt is recomputed).
+        handed over whole when the prompt extends every token it covers, else freed (the prompt is recomputed);
+        KV compressed by a request's own ``kv_compression`` (no session policy) is freed.
         KV of another namespace (tenant salt) is freed, never handed over; so is all of it when the request computes its whole
         prompt (``seq.computes_whole_prompt``: a compression policy scoring with the attention of every
         prompt query, h2o or snapkv, or prompt logprobs; as with the prefix cache).  Offloaded KV is restored first (or, when it cannot be, the prompt is
@@ -295,7 +295,8 @@ class Session:
         ids = seq.token_ids
         if st.kv_offset:  # compressed: appended to when the prompt extends the whole history, else recomputed
             nc = st.num_computed
-            if seq.compression is not None or len(ids) <= nc or ids[:nc] != st.token_ids[:nc]:
+            if not self.compression.active or seq.compression is not None or len(ids) <= nc \
+                    or ids[:nc] != st.token_ids[:nc]:  # a request's kv_compression: never handed over
                 self.engine.free_kv(st)
                 return 0
             seq.block_table, seq.block_hashes, seq.num_computed, seq.kv_offset = st.block_table, [], nc, st.kv_offset
