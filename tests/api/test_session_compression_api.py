@@ -57,5 +57,15 @@ def test_a_compressed_two_turn_session_and_its_errors(engine):
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Session-Compression"
             bad = c.post("/v1/chat/completions", json={**body, "session_compression": "knorm"})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "session_compression"
+            # the headers apply to a text completion's session too (never accepted and ignored)
+            text = {"prompt": "Once upon a time there was a small village by the sea, and", "max_tokens": 4,
+                    "temperature": 0}
+            r = c.post("/v1/completions", json=text,
+                       headers={"X-Session-ID": "qa-comp-text", "X-Session-Compression": "streaming_llm"})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["session_compression"]["policy"] == "streaming_llm"
+            bad = c.post("/v1/completions", json=text, headers={"X-Session-Compression": "knorm"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "session_compression"
         finally:
             c.delete("/v1/sessions/qa-comp")
+            c.delete("/v1/sessions/qa-comp-text")

@@ -53,12 +53,13 @@ def chat_request(body: ChatCompletionRequest, ctx: RequestContext, request_id: s
     policy = body.context_policy or ctx.context_policy  # the body wins over the headers
     budget = body.context_budget if body.context_budget is not None else ctx.context_budget
     context = None if policy is None and budget is None else (policy, budget)
+    fields = generation_fields(body, ctx, lora)  # the session compression headers; the body fields win
     comp = body.session_compression or ctx.session_compression
     ratio = body.session_compression_ratio if body.session_compression_ratio is not None \
         else ctx.session_compression_ratio
+    fields["session_compression"] = None if comp is None and ratio is None else (comp, ratio)
     return GenerationRequest(request_id, params, messages=messages_of(body.messages), chat=chat, context=context,
-                             session_compression=None if comp is None and ratio is None else (comp, ratio),
-                             **generation_fields(body, ctx, lora)), tools
+                             **fields), tools
 
 
 def _constraint(body: ChatCompletionRequest, tools: ToolUse | None) -> StructuredOutput | None:

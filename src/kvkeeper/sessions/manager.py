@@ -87,7 +87,7 @@ class SessionConfig:
         type=float, metavar="S"))
     session_compression: str = field(default="none", metadata=option(
         "--session-compression", "compress a session's KV at the end of each turn and continue the next turn from "
-        "it: none, streaming_llm, knorm or kvzip (README: Session compression)", choices=COMPRESSION_POLICIES))
+        "it: none, streaming_llm, knorm or kvzip (docs/serving/context-policies.md: Session compression)", choices=COMPRESSION_POLICIES))
     session_compression_ratio: float = field(default=0.5, metadata=option(
         "--session-compression-ratio", "fraction of a session's KV dropped at the end of each turn, in [0, 1) "
         "(default: 0.5)", type=float, metavar="F"))
