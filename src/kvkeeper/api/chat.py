@@ -6,7 +6,9 @@ Extension fields (vLLM's where it has one): ``top_k``, ``min_p``, ``repetition_p
 response), ``prompt_logprobs``, ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` /
 ``structured_outputs``, ``add_generation_prompt``, ``continue_final_message``, ``kv_compression``,
 ``context_policy`` / ``context_budget`` (a session's context policy, also as ``X-Context-Policy`` /
-``X-Context-Budget``).
+``X-Context-Budget``), ``session_compression`` / ``session_compression_ratio`` (a session's KV compressed at the
+end of each turn and kept, :mod:`kvkeeper.sessions.compress`; also as ``X-Session-Compression`` /
+``X-Session-Compression-Ratio``).
 """
 
 from __future__ import annotations
@@ -51,8 +53,13 @@ def chat_request(body: ChatCompletionRequest, ctx: RequestContext, request_id: s
     policy = body.context_policy or ctx.context_policy  # the body wins over the headers
     budget = body.context_budget if body.context_budget is not None else ctx.context_budget
     context = None if policy is None and budget is None else (policy, budget)
+    fields = generation_fields(body, ctx, lora)  # the session compression headers; the body fields win
+    comp = body.session_compression or ctx.session_compression
+    ratio = body.session_compression_ratio if body.session_compression_ratio is not None \
+        else ctx.session_compression_ratio
+    fields["session_compression"] = None if comp is None and ratio is None else (comp, ratio)
     return GenerationRequest(request_id, params, messages=messages_of(body.messages), chat=chat, context=context,
-                             **generation_fields(body, ctx, lora)), tools
+                             **fields), tools
 
 
 def _constraint(body: ChatCompletionRequest, tools: ToolUse | None) -> StructuredOutput | None:

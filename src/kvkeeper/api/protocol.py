@@ -62,13 +62,15 @@ def generation_fields(body: _SamplingFields, ctx: RequestContext, lora: str | No
     ``cache_salt`` or ``X-Cache-Salt``, narrowed by ``prompt_cache_key``: :mod:`~kvkeeper.api.prompt_cache`;
     :func:`~kvkeeper.kvcache.namespace.tenant_namespace`: a salt narrows the tenant's namespace, never widens
     it; None for neither), the LoRA adapter (``lora``, which the
-    engine thread puts the namespace under), the session headers and ``kv_compression``."""
+    engine thread puts the namespace under), the session headers (``X-Session-Compression`` /
+    ``X-Session-Compression-Ratio`` included) and ``kv_compression``."""
     salt = cache_salt_of(body.cache_salt if body.cache_salt is not None else ctx.cache_salt, body.prompt_cache_key)
     ns = None if salt is None and ctx.tenant is None else tenant_namespace(ctx.served.namespace, ctx.tenant, salt)
     kv = body.kv_compression
     return dict(namespace=ns, lora=lora, session_id=ctx.session_id, session_priority=ctx.session_priority,
                 compression=None if kv is None else KVCompression(kv.policy, kv.ratio), tenant=ctx.tenant,
-                quota=ctx.quota)
+                quota=ctx.quota, session_compression=None if ctx.session_compression is None
+                and ctx.session_compression_ratio is None else (ctx.session_compression, ctx.session_compression_ratio))
 
 
 def prediction_text(body) -> str | None:

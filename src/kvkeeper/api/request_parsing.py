@@ -30,6 +30,8 @@ class RequestContext:
     caller's (:mod:`kvkeeper.api.auth`).  refuse_unknown_fields: 400 for a field no schema declares.
     session_id, session_priority, cache_salt: the headers' values (None: absent).  context_policy,
     context_budget (tokens): ``X-Context-Policy`` / ``X-Context-Budget`` (policy lower-cased).
+    session_compression, session_compression_ratio: ``X-Session-Compression`` / ``X-Session-Compression-Ratio``
+    (:mod:`kvkeeper.sessions.compress`).
     """
 
     served: ServedModels
@@ -41,6 +43,8 @@ class RequestContext:
     cache_salt: str | None = None
     context_policy: str | None = None
     context_budget: int | None = None
+    session_compression: str | None = None
+    session_compression_ratio: float | None = None
 
 
 def request_context(request: Request, who: Caller, chat: bool = True) -> RequestContext:
@@ -52,8 +56,10 @@ def request_context(request: Request, who: Caller, chat: bool = True) -> Request
     if sid is not None and not _SESSION_ID_RE.match(sid):
         raise APIError(400, "X-Session-ID must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", param="X-Session-ID")
     policy, budget = context_headers(request)
+    comp, ratio = compression_headers(request)
     return RequestContext(st.engine.served, who.tenant, who.quota, _refuse_unknown(request), sid,
-                          _session_priority(h.get("x-session-priority")), h.get("x-cache-salt"), policy, budget)
+                          _session_priority(h.get("x-session-priority")), h.get("x-cache-salt"), policy, budget,
+                          comp, ratio)
 
 
 def served_context(request: Request) -> RequestContext:
@@ -79,6 +85,28 @@ def context_headers(request: Request) -> tuple[str | None, int | None]:
         raise APIError(400, f"X-Context-Policy must be one of {', '.join(POLICIES)}, got {policy!r}",
                        param="X-Context-Policy")
     return (policy.strip().lower() if policy is not None else None), budget
+
+
+def compression_headers(request: Request) -> tuple[str | None, float | None]:
+    """(policy, ratio) of ``X-Session-Compression`` / ``X-Session-Compression-Ratio`` (None where absent); a 400
+    naming the header for an unknown policy or a ratio that is not a number in [0, 1)."""
+    from ..sessions.compress import POLICIES as COMPRESSION_POLICIES
+
+    policy = request.headers.get("x-session-compression")
+    raw = request.headers.get("x-session-compression-ratio")
+    ratio = None
+    if raw is not None:
+        try:
+            ratio = float(raw) if re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", raw) else None
+        except ValueError:
+            ratio = None
+        if ratio is None or not 0 <= ratio < 1:
+            raise APIError(400, f"X-Session-Compression-Ratio must be a number in [0, 1) (the fraction of the session's "
+                                f"KV dropped at the end of each turn), got {raw!r}", param="X-Session-Compression-Ratio")
+    if policy is not None and policy.strip().lower() not in COMPRESSION_POLICIES:
+        raise APIError(400, f"X-Session-Compression must be one of {', '.join(COMPRESSION_POLICIES)}, got {policy!r}",
+                       param="X-Session-Compression")
+    return (policy.strip().lower() if policy is not None else None), ratio
 
 
 def _refuse_context_headers(request: Request) -> None:

@@ -153,11 +153,19 @@ def plan_response(body: ResponsesRequest, ctx: RequestContext, store: ResponseSt
     if not session and conv is None and (policy is not None or budget is not None):
         raise APIError(400, "X-Context-Policy / X-Context-Budget apply to a conversation's turns: store the response "
                             "(store: true), continue one or add to a conversation", param="X-Context-Policy")
+    if not session and conv is None and (ctx.session_compression is not None
+                                         or ctx.session_compression_ratio is not None):
+        raise APIError(400, "X-Session-Compression / X-Session-Compression-Ratio apply to a conversation's turns: store "
+                            "the response (store: true), continue one or add to a conversation",
+                       param="X-Session-Compression")
     gen = GenerationRequest(rid, [params], messages=system + before + msgs,
                             chat={"tools": tools.tools} if tools is not None else {}, namespace=ns, lora=lora,
                             session_id=conv.id if conv else rid if session else None, tenant=ctx.tenant,
                             quota=ctx.quota, session_priority=ctx.session_priority,
-                            context=None if policy is None and budget is None else (policy, budget))
+                            context=None if policy is None and budget is None else (policy, budget),
+                            session_compression=None if ctx.session_compression is None
+                            and ctx.session_compression_ratio is None
+                            else (ctx.session_compression, ctx.session_compression_ratio))
     return ResponseRun(rid, body, body.model or ctx.served.name, ctx.tenant, prev, conv, before, known, msgs, items,
                        calls, gen, tools, session, int(time.time()))
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..sessions.compress import POLICIES as COMPRESSION_POLICIES
 from ..sessions.context import POLICIES
 
 # Unknown fields are kept, to be refused by name (or ignored with --ignore-unknown-fields); the published
@@ -209,6 +210,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False  # extension (vLLM)
     context_policy: Literal[POLICIES] | None = None  # extension: a session's (sessions.context.POLICIES)
     context_budget: int | None = Field(None, ge=16)  # extension: prompt tokens the session's context policy keeps
+    session_compression: Literal[COMPRESSION_POLICIES] | None = None  # extension: sessions.compress.POLICIES
+    session_compression_ratio: float | None = Field(None, ge=0, lt=1)  # extension: KV fraction dropped per turn end
     audio: Any = _only(None)
     function_call: Any = _only(None)
     functions: Any = _only(None)

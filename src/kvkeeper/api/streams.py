@@ -30,6 +30,7 @@ class GenerationRequest:
     session_priority: int | None = None  # X-Session-Priority: higher is trimmed later by the circuit breaker
     chat: dict = field(default_factory=dict)  # how messages are rendered: add_generation_prompt, tools...
     context: tuple[str | None, int | None] | None = None  # (policy, budget) a session's turn runs under
+    session_compression: tuple[str | None, float | None] | None = None  # (policy, ratio): kvkeeper.sessions.compress
     echo: bool = False  # completions: the prompt's text comes back before each choice's text
     tenant: str | None = None  # the caller's tenant (kvkeeper.api.auth): owns the session it names
     quota: Any = None  # the tenant's kvkeeper.sessions.manager.TenantQuota (None: no limits)
@@ -66,6 +67,7 @@ class Usage:
     cached_tokens: int
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
+    session_compression: dict | None = None  # a session turn's compression report (kvkeeper.sessions.compress)
 
     def to_dict(self) -> dict:
         out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -74,6 +76,8 @@ class Usage:
         if self.accepted_prediction_tokens is not None:
             out["completion_tokens_details"] = {"accepted_prediction_tokens": self.accepted_prediction_tokens,
                                                 "rejected_prediction_tokens": self.rejected_prediction_tokens}
+        if self.session_compression is not None:  # extension: what the session's KV kept, per layer
+            out["session_compression"] = self.session_compression
         return out
 
 

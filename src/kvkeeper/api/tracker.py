@@ -123,6 +123,9 @@ class RequestTracker:
                                   compression=req.compression, strict_max_tokens=True,
                                   max_new_tokens=self.max_new_tokens)
         if req.session_id is None:
+            if req.session_compression is not None:
+                raise InvalidRequestError("a session compression policy applies to a session's KV between turns: send "
+                                          "the request with X-Session-ID", param="session_compression")
             if req.context is not None:
                 raise InvalidRequestError("a context policy and budget apply to a session's turns (a policy keeps "
                                           "state between them): send the request with X-Session-ID",
@@ -142,6 +145,10 @@ class RequestTracker:
             policy, budget = req.context
             s.context = self.sessions.config.context_spec(policy or s.context.policy,
                                                           budget if budget is not None else s.context.budget)
+        if req.session_compression is not None:  # likewise: what is left out stays as the session has it
+            policy, ratio = req.session_compression
+            s.compression = self.sessions.config.compression_spec(policy or s.compression.policy,
+                                                                  ratio if ratio is not None else s.compression.ratio)
         seq = s.begin_turn(messages=req.messages, prompt=None if req.messages is not None else req.prompt,
                            params=req.params[0], **req.chat, **kw)
         return seq, s.trimmed_turns, s.last_context if req.messages is not None else None
@@ -227,6 +234,9 @@ class RequestTracker:
             usage.rejected_prediction_tokens = sum(s.spec.prediction_rejected for s in t.seqs if s.spec is not None)
         del self.tracked[rid]
         sid = None if t.req.session_id is None else session_key(t.req.tenant, t.req.session_id)
+        s = self.sessions.sessions.get(sid) if sid is not None and self.sessions is not None else None
+        if s is not None and s.kv is lead and s.compression.active and s.last_compression is not None:
+            usage.session_compression = s.last_compression.to_dict()
         if t.opened_session and lead.finish_reason == "error" and sid in self.sessions \
                 and not self.sessions.get(sid).turns:
             self.sessions.close(sid)  # a first turn that failed leaves no empty session behind

@@ -72,12 +72,14 @@ class TurnResult:
     decode_tok_per_s: float | None
     finish_reason: str | None
     context: dict | None = None  # the context policy's report (kvkeeper.sessions.context.ContextReport)
+    compression: dict | None = None  # session compression at the turn's end (kvkeeper.sessions.compress)
 
     @classmethod
-    def from_seq(cls, turn: int, seq: Sequence, context: dict | None = None) -> "TurnResult":
+    def from_seq(cls, turn: int, seq: Sequence, context: dict | None = None,
+                 compression: dict | None = None) -> "TurnResult":
         r = RequestOutput.from_seq(seq)
         return cls(turn, r.text, r.token_ids, r.prompt_token_ids, r.prompt_tokens, r.cached_tokens,
-                   r.completion_tokens, r.ttft_s, r.decode_tok_per_s, r.finish_reason, context)
+                   r.completion_tokens, r.ttft_s, r.decode_tok_per_s, r.finish_reason, context, compression)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -113,6 +113,8 @@ class SavedSession:
     context: dict | None = None  # the context policy's spec and state (kvkeeper.sessions.context)
     tenant: str | None = None  # the owning tenant (None: no tenant)
     name: str = ""  # the session's id as its client knows it (session_id is the manager's key)
+    kv_offset: int = 0  # tokens session compression dropped (kvkeeper.sessions.compress): KV entries = nc - kv_offset
+    compression: dict | None = None  # the session compression policy (SessionCompression's fields)
 
 
 class DiskTier:
@@ -189,9 +191,10 @@ class DiskTier:
         return d
 
     def load(self, d: Path, session_id: str, namespace: Namespace, num_computed: int, num_blocks: int,
-             token_ids: list[int] | None = None) -> dict[str, torch.Tensor]:
+             token_ids: list[int] | None = None, kv_offset: int = 0) -> dict[str, torch.Tensor]:
         """Read and verify a session's tensors; raises :class:`OffloadError` on any mismatch
-        (token_ids: the session's, whose first ``num_computed`` must be the file's)."""
+        (token_ids: the session's, whose first ``num_computed`` must be the file's; kv_offset: the tokens session
+        compression dropped, which must be the file's)."""
         from safetensors.torch import load
 
         try:
@@ -213,6 +216,9 @@ class DiskTier:
         if man["num_computed"] != num_computed or man["num_blocks"] != num_blocks:
             raise OffloadError(f"session {session_id}: the file holds {man['num_computed']} tokens, "
                                f"the session expects {num_computed}")
+        if int(man.get("kv_offset", 0)) != kv_offset:
+            raise OffloadError(f"session {session_id}: the file's compressed KV dropped {man.get('kv_offset', 0)} "
+                               f"tokens, the session expects {kv_offset}")
         if token_ids is not None and list(man["token_ids"][:num_computed]) != list(token_ids[:num_computed]):
             raise OffloadError(f"session {session_id}: the file's token ids differ from the session's "
                                "(rewritten by another server on the same data directory?)")
@@ -292,9 +298,9 @@ class DiskTier:
         if not (tenant is None or isinstance(tenant, str)) or not isinstance(name, str) or \
                 sid != session_key(tenant, name):
             raise OffloadError(f"its owner (tenant {tenant!r}, id {name!r}) does not make its key {sid!r}")
-        nc, nb = int(man["num_computed"]), int(man["num_blocks"])
+        nc, nb, off = int(man["num_computed"]), int(man["num_blocks"]), int(man.get("kv_offset", 0))
         ids = [int(t) for t in man["token_ids"]]
-        if not 0 < nc <= len(ids) or nb != -(-nc // self.identity["block_size"]):
+        if not 0 <= off < nc <= len(ids) or nb != -(-(nc - off) // self.identity["block_size"]):
             raise OffloadError(f"inconsistent sizes: {nc} tokens, {nb} blocks, {len(ids)} token ids")
         messages, text, turns = man.get("messages") or [], man.get("text") or "", man.get("turns", [])
         if not isinstance(text, str) or not isinstance(messages, list) or not isinstance(turns, list) or not all(
@@ -303,14 +309,16 @@ class DiskTier:
             raise OffloadError("its messages, text or turns are malformed")
         return SavedSession(sid, d, Namespace(**man["namespace"]), nc, nb, int(man.get("nbytes", 0)), ids,
                             list(messages), text, [TurnResult(**t) for t in turns], bool(man.get("reuse", True)),
-                            man.get("context") if isinstance(man.get("context"), dict) else None, tenant, name)
+                            man.get("context") if isinstance(man.get("context"), dict) else None, tenant, name,
+                            off, man.get("compression") if isinstance(man.get("compression"), dict) else None)
 
 
-def session_manifest(session, st, nc: int, nb: int, nbytes: int) -> dict:
+def session_manifest(session, st, nc: int, nb: int, nbytes: int, kv_offset: int | None = None) -> dict:
     """The per-session part of a manifest (see :meth:`DiskTier.write`): ids, namespace, conversation.
 
     The conversation's token ids are kept once; the turns keep their counts and texts, not their
-    ``prompt_token_ids`` (a reopened session's turns have them empty).
+    ``prompt_token_ids`` (a reopened session's turns have them empty).  kv_offset: the tokens session compression
+    dropped (default: ``st.kv_offset``; given when ``st``'s blocks were already freed).
     """
     turns = []
     for t in session.turns:
@@ -321,4 +329,6 @@ def session_manifest(session, st, nc: int, nb: int, nbytes: int) -> dict:
             "namespace": asdict(st.namespace), "num_computed": nc,
             "num_blocks": nb, "token_ids": list(st.token_ids), "messages": session.messages, "text": session.text,
             "turns": turns, "reuse": session.reuse,
-            "context": {"spec": asdict(session.context), "state": session.context_state.to_dict()}}
+            "context": {"spec": asdict(session.context), "state": session.context_state.to_dict()},
+            "kv_offset": st.kv_offset if kv_offset is None else kv_offset,
+            "compression": session.compression.to_dict()}

@@ -29,6 +29,7 @@ from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence, SeqStatus
 from ..errors import InvalidRequestError, KVKeeperError, QuotaExceededError, SessionNotFoundError
 from ..options import option
+from .compress import POLICIES as COMPRESSION_POLICIES, SessionCompression
 from .context import POLICIES, ContextSpec, ContextState, turn_text
 from .disk import session_dir_name
 from .fork import fork_kv
@@ -84,6 +85,12 @@ class SessionConfig:
         "--session-ttl", "close sessions idle for S seconds (their KV freed, offloaded copies removed), stored "
         "responses and conversations with them; counted in kvkeeper:sessions_expired_total (default: never)",
         type=float, metavar="S"))
+    session_compression: str = field(default="none", metadata=option(
+        "--session-compression", "compress a session's KV at the end of each turn and continue the next turn from "
+        "it: none, streaming_llm, knorm or kvzip (docs/serving/context-policies.md: Session compression)", choices=COMPRESSION_POLICIES))
+    session_compression_ratio: float = field(default=0.5, metadata=option(
+        "--session-compression-ratio", "fraction of a session's KV dropped at the end of each turn, in [0, 1) "
+        "(default: 0.5)", type=float, metavar="F"))
     summary_tokens: int = 96
     memory_top_k: int = 8
     memory_threshold: float = 0.25
@@ -93,6 +100,11 @@ class SessionConfig:
         return ContextSpec(policy or self.context_policy, budget if budget is not None else self.context_budget,
                            self.context_every, self.summary_tokens, self.memory_top_k, self.memory_threshold,
                            low_water=self.context_low_water)
+
+    def compression_spec(self, policy: str | None = None, ratio: float | None = None) -> SessionCompression:
+        """The :class:`SessionCompression` of these defaults, with ``policy`` / ``ratio`` given instead when not None."""
+        return SessionCompression(policy or self.session_compression,
+                                  ratio if ratio is not None else self.session_compression_ratio)
 
 
 class SessionManager:
@@ -116,6 +128,7 @@ class SessionManager:
                                           "give --data-dir and --checkpoint-every S > 0")
             self.store.keep_disk_copies = True
         self.default_context = c.context_spec()  # raises InvalidRequestError for a policy without a budget
+        self.default_compression = c.compression_spec()  # raises InvalidRequestError for a bad policy or ratio
         if c.session_ttl_s is not None and c.session_ttl_s <= 0:
             raise InvalidRequestError(f"--session-ttl must be a positive number of seconds, got {c.session_ttl_s}")
         self.expired = 0  # sessions closed by expire_idle (a counter)
@@ -127,8 +140,9 @@ class SessionManager:
     # ---- opening and closing ----------------------------------------------------------------
     def open(self, system: str | None = None, session_id: str | None = None, reuse: bool = True,
              params: SamplingParams | None = None, context: ContextSpec | None = None,
-             tenant: str | None = None) -> Session:
-        """A new session (id ``sess-<hex>`` unless given) with a context policy (default: the config's), owned
+             tenant: str | None = None, compression: SessionCompression | None = None) -> Session:
+        """A new session (id ``sess-<hex>`` unless given) with a context policy and a session compression policy
+        (:mod:`kvkeeper.sessions.compress`; defaults: the config's), owned
         by ``tenant`` (None: no tenant; its key in :attr:`sessions` is :func:`session_key`).
         Raises :class:`InvalidRequestError` for an id the tenant has open already, and ``OverloadedError``
         while a circuit breaker refuses new sessions."""
@@ -139,7 +153,7 @@ class SessionManager:
         if self.admission is not None:
             self.admission(key)
         s = Session(self, key, system=system, reuse=reuse, params=params, context=context or self.default_context,
-                    tenant=tenant, name=sid)
+                    tenant=tenant, name=sid, compression=compression or self.default_compression)
         self.sessions[key] = s
         return s
 
@@ -154,7 +168,7 @@ class SessionManager:
             raise InvalidRequestError(f"session {source.name!r} cannot be forked while "
                                       f"{'closed' if source.closed else 'a turn is in flight'}")
         s = self.open(session_id=session_id, reuse=source.reuse, params=source.params, context=source.context,
-                      tenant=tenant)
+                      tenant=tenant, compression=source.compression)
         if self.store.tier_of(source.id) and source.kv is not None:
             self.store.restore(source)
         s.messages, s.text, s.turns = [dict(m) for m in source.messages], source.text, list(source.turns)
@@ -260,6 +274,11 @@ class SessionManager:
                     tenant=saved.tenant, name=saved.name)
         s.messages, s.text, s.turns = saved.messages, saved.text, saved.turns
         restore_context(s, saved.context)
+        if saved.compression:
+            try:
+                s.compression = SessionCompression(**saved.compression)
+            except (TypeError, InvalidRequestError) as e:
+                log.warning("session %s: its saved compression policy is unreadable (%s); using the default", s.id, e)
         s.kv = Sequence(f"{saved.session_id}-saved", saved.token_ids, SamplingParams(), saved.namespace,
                         num_prompt_tokens=len(saved.token_ids), status=SeqStatus.FINISHED)
         self.sessions[s.id] = s
@@ -358,7 +377,7 @@ class SessionManager:
 
         tier: "host" (host memory; over its budget the oldest move on to disk) or "disk".
         Returns the blocks released (may be fewer when not enough idle sessions pin KV).  Sessions
-        with a turn in flight or compressed KV are skipped.  Raises :class:`InvalidRequestError`
+        with a turn in flight are skipped.  Raises :class:`InvalidRequestError`
         for an unknown or disabled tier.
         """
         self.store.check_tier(tier)
@@ -390,7 +409,7 @@ class SessionManager:
             if freed >= n_blocks:
                 break
             if s.turn is None:
-                freed += s.unpin()  # what the host tier could not take (compressed or failed)
+                freed += s.unpin()  # what the host tier could not take (failed writes)
         return freed
 
     def kv_holdings(self) -> Iterator[tuple[str, Sequence]]:

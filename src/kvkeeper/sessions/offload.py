@@ -1,6 +1,7 @@
 """Offload tiers for idle sessions: host memory, then disk, restored on the session's next turn.
 
-An idle session (no turn in flight, uncompressed KV) pins blocks in the KV pool.
+An idle session (no turn in flight) pins blocks in the KV pool; compressed KV (a session compression policy,
+:mod:`kvkeeper.sessions.compress`) is offloaded as it is, with its ``kv_offset``.
 :meth:`SessionStore.offload` copies those blocks' raw storage out of the pool
 (``engine.kv_store.read_blocks``: values plus scales when quantized, so the round trip is
 bit-exact for every KV dtype), frees them, and keeps the copy in a tier:
@@ -56,6 +57,7 @@ class OffloadRecord:
     tensors: dict[str, torch.Tensor] | None = None
     path: Path | None = None
     session: object | None = None
+    kv_offset: int = 0  # tokens session compression dropped: the KV holds num_computed - kv_offset entries
 
 
 @dataclass
@@ -146,7 +148,7 @@ class SessionStore:
 
         A session already in the host tier moves to disk when ``tier`` is "disk"; a session
         already in ``tier``, holding no KV, or with a turn in flight (its KV belongs to the turn) gives
-        0.  Raises :class:`InvalidRequestError` for an unknown or disabled tier or compressed KV, and
+        0.  Raises :class:`InvalidRequestError` for an unknown or disabled tier, and
         :class:`OffloadError` when the disk write fails (the session then keeps its KV in the pool).
         """
         self.check_tier(tier)
@@ -158,17 +160,16 @@ class SessionStore:
         st = session.kv
         if st is None or not st.block_table:
             return 0
-        if st.kv_offset:
-            raise InvalidRequestError(f"session {session.id} holds compressed KV, which is never offloaded")
         self.engine.require_uniform_kv("offloading a session's KV")
         if not session.idle:
             return 0
         eng = self.engine
         nc = st.num_computed
-        nb = -(-nc // eng.block_size)
+        nb = -(-(nc - st.kv_offset) // eng.block_size)
         tensors = eng.kv_store.read_blocks(st.block_table[:nb])
         nbytes = sum(t.nbytes for t in tensors.values())
-        rec = OffloadRecord(session.id, tier, nb, nc, nbytes, session.last_used, session=session)
+        rec = OffloadRecord(session.id, tier, nb, nc, nbytes, session.last_used, session=session,
+                            kv_offset=st.kv_offset)
         if tier == "disk":
             rec.path = self.disk.write(tensors, session_manifest(session, st, nc, nb, nbytes))  # raises first
         else:
@@ -200,7 +201,8 @@ class SessionStore:
 
     def _host_to_disk(self, rec: OffloadRecord) -> None:
         s = rec.session
-        rec.path = self.disk.write(rec.tensors, session_manifest(s, s.kv, rec.num_computed, rec.num_blocks, rec.nbytes))
+        rec.path = self.disk.write(rec.tensors, session_manifest(s, s.kv, rec.num_computed, rec.num_blocks, rec.nbytes,
+                                                                 rec.kv_offset))
         rec.tier, rec.tensors = "disk", None
         self.counters.offloads["disk"] += 1
         self.counters.offload_bytes["disk"] += rec.nbytes
@@ -209,7 +211,7 @@ class SessionStore:
         """Register a saved session found on disk (:meth:`DiskTier.scan`) as ``session``'s offloaded KV."""
         self.records[saved.session_id] = OffloadRecord(saved.session_id, "disk", saved.num_blocks,
                                                        saved.num_computed, saved.nbytes, session.last_used,
-                                                       path=saved.path, session=session)
+                                                       path=saved.path, session=session, kv_offset=saved.kv_offset)
 
     def scan(self) -> list[SavedSession]:
         """The saved sessions of the disk tier (none without a data directory); see :meth:`DiskTier.scan`."""
@@ -245,7 +247,7 @@ class SessionStore:
         sig = (len(session.turns), st.num_computed)
         if self.checkpointed.get(session.id) == sig:
             return False
-        nc, nb = st.num_computed, -(-st.num_computed // self.engine.block_size)
+        nc, nb = st.num_computed, -(-(st.num_computed - st.kv_offset) // self.engine.block_size)
         tensors = self.engine.kv_store.read_blocks(st.block_table[:nb])
         nbytes = sum(t.nbytes for t in tensors.values())
         self.disk.write(tensors, session_manifest(session, st, nc, nb, nbytes))
@@ -285,8 +287,8 @@ class SessionStore:
             self.counters.restore_failures[rec.tier] += 1
             self.discard(session.id)
             return False
-        st.block_table, st.block_hashes, st.num_computed, st.kv_offset = bids, [], rec.num_computed, 0
-        self.engine.commit_kv(st)  # re-register the full blocks under their chained hashes
+        st.block_table, st.block_hashes, st.num_computed, st.kv_offset = bids, [], rec.num_computed, rec.kv_offset
+        self.engine.commit_kv(st)  # re-register the full blocks under their chained hashes (none when compressed)
         self.counters.restores[rec.tier] += 1
         self.counters.restore_bytes[rec.tier] += rec.nbytes
         self.records.pop(session.id, None)
@@ -300,7 +302,7 @@ class SessionStore:
         if st is None:
             raise OffloadError(f"session {session.id} has no token state to restore into")
         tensors = rec.tensors if rec.tier == "host" else self.disk.load(
-            rec.path, session.id, st.namespace, rec.num_computed, rec.num_blocks, st.token_ids)
+            rec.path, session.id, st.namespace, rec.num_computed, rec.num_blocks, st.token_ids, rec.kv_offset)
         if not eng.kv_store.uniform:
             raise OffloadError(f"session {session.id}: saved KV cannot be restored into a hybrid (sliding-window) KV "
                                "cache; its next prompt is recomputed")

@@ -18,7 +18,11 @@ text prompt follows the same rule on its text; token-id prompts keep the longest
 finished sequence of its last turn: token ids, block table); while a turn runs, that KV has
 been handed to the turn's sequence (``Session.turn``) and nothing else holds it; an idle
 session's KV may instead sit in an offload tier (:mod:`kvkeeper.sessions.offload`), from which
-the next turn restores it.  Under memory pressure an idle session may be unpinned: its full
+the next turn restores it.
+
+**Session compression** (:mod:`kvkeeper.sessions.compress`).  With a compression policy the KV is compressed at the
+end of each turn and kept; the next turn appends after it when its prompt extends the previous turn's full token
+history, and recomputes the whole prompt when the history was edited.  Under memory pressure an idle session may be unpinned: its full
 blocks stay in the prefix cache and are usually found again on the next turn.
 """
 
@@ -31,6 +35,7 @@ from ..engine.outputs import TurnResult
 from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence
 from ..errors import InvalidRequestError, KVKeeperError, SessionBusyError
+from .compress import CompressionReport, SessionCompression, compress_session_kv
 from .context import ContextPlanner, ContextReport, ContextSpec, ContextState
 
 
@@ -88,7 +93,8 @@ class Session:
 
     def __init__(self, manager, session_id: str, system: str | None = None, reuse: bool = True,
                  params: SamplingParams | None = None, context: ContextSpec | None = None,
-                 tenant: str | None = None, name: str | None = None):
+                 tenant: str | None = None, name: str | None = None,
+                 compression: SessionCompression | None = None):
         self.manager = manager
         self.engine = manager.engine
         self.id = session_id  # the manager's key: the tenant's name and the client's id (see session_key)
@@ -109,6 +115,8 @@ class Session:
         self.context = context or ContextSpec()  # the context policy (kvkeeper.sessions.context)
         self.context_state = ContextState()
         self.last_context: ContextReport | None = None  # what the last prompt kept, dropped, retrieved
+        self.compression = compression or SessionCompression()  # kvkeeper.sessions.compress
+        self.last_compression: CompressionReport | None = None  # what the last turn's end kept per layer
 
     # ---- bookkeeping -----------------------------------------------------------
     @property
@@ -126,20 +134,29 @@ class Session:
 
     @property
     def idle(self) -> bool:
-        """Open, no turn in flight, and pinning uncompressed KV in the pool (so it may be offloaded)."""
+        """Open, no turn in flight, and pinning KV in the pool (so it may be offloaded; compressed KV included)."""
         st = self.kv
-        return not self.closed and self.turn is None and st is not None and bool(st.block_table) and not st.kv_offset
+        return not self.closed and self.turn is None and st is not None and bool(st.block_table)
+
+    @property
+    def kv_entries(self) -> int:
+        """KV entries per layer and KV head the session holds (its tokens with KV, less those compression dropped)."""
+        st = self.kv
+        return 0 if st is None else max(0, st.num_computed - st.kv_offset)
 
     def info(self) -> dict:
-        return {"id": self.name, "turns": len(self.turns), "tokens": self.num_tokens, "blocks": self.num_blocks,
-                "messages": len(self.messages), "tier": self.tier}
+        out = {"id": self.name, "turns": len(self.turns), "tokens": self.num_tokens, "blocks": self.num_blocks,
+               "messages": len(self.messages), "tier": self.tier}
+        if self.compression.active:
+            out["compression"] = {**self.compression.to_dict(), "kv_entries": self.kv_entries,
+                                  "last": self.last_compression.to_dict() if self.last_compression else None}
+        return out
 
     def offload(self, tier: str = "host") -> int:
         """Move this idle session's KV out of the pool to ``tier`` ("host" or "disk"); returns blocks released.
 
         The KV comes back on the next turn.  While a turn runs the KV belongs to it: nothing is moved (0).
-        Raises :class:`InvalidRequestError` for a closed session, an unknown or disabled tier or compressed
-        KV, and ``OffloadError`` when the disk write fails (the KV then stays in the pool).
+        Raises :class:`InvalidRequestError` for a closed session or an unknown or disabled tier, and ``OffloadError`` when the disk write fails (the KV then stays in the pool).
         """
         if self.closed:
             raise InvalidRequestError(f"session {self.id} is closed")
@@ -256,8 +273,10 @@ class Session:
         """Give the session's KV to ``seq`` (not yet scheduled); returns the tokens handed over.
 
         Keeps the longest common token prefix of the session's tokens and the prompt (at least one
-        prompt token is left to compute) and frees the rest.  KV of another namespace (tenant salt) or
-        compressed KV is freed, never handed over; so is all of it when the request computes its whole
+        prompt token is left to compute) and frees the rest.  Compressed KV (a session compression policy) is
+        handed over whole when the prompt extends every token it covers, else freed (the prompt is recomputed);
+        KV compressed by a request's own ``kv_compression`` (no session policy) is freed.
+        KV of another namespace (tenant salt) is freed, never handed over; so is all of it when the request computes its whole
         prompt (``seq.computes_whole_prompt``: a compression policy scoring with the attention of every
         prompt query, h2o or snapkv, or prompt logprobs; as with the prefix cache).  Offloaded KV is restored first (or, when it cannot be, the prompt is
         recomputed).
@@ -270,10 +289,19 @@ class Session:
                 store.discard(self.id)
         if st is None or not st.block_table:
             return 0
-        if not self.reuse or st.namespace != seq.namespace or st.kv_offset or seq.computes_whole_prompt:
+        if not self.reuse or st.namespace != seq.namespace or seq.computes_whole_prompt:
             self.engine.free_kv(st)
             return 0
         ids = seq.token_ids
+        if st.kv_offset:  # compressed: appended to when the prompt extends the whole history, else recomputed
+            nc = st.num_computed
+            if not self.compression.active or seq.compression is not None or len(ids) <= nc \
+                    or ids[:nc] != st.token_ids[:nc]:  # a request's kv_compression: never handed over
+                self.engine.free_kv(st)
+                return 0
+            seq.block_table, seq.block_hashes, seq.num_computed, seq.kv_offset = st.block_table, [], nc, st.kv_offset
+            st.block_table, st.block_hashes, st.num_computed, st.kv_offset = [], [], 0, 0
+            return nc
         self.engine.truncate_kv(st, min(common_prefix(st.token_ids[: st.num_computed], ids), len(ids) - 1))
         seq.block_table, seq.block_hashes, seq.num_computed = st.block_table, st.block_hashes, st.num_computed
         st.block_table, st.block_hashes, st.num_computed = [], [], 0
@@ -293,6 +321,10 @@ class Session:
             return
         if self.kv is not None and self.kv.block_table:
             eng.free_kv(self.kv)
+        report = None
+        if self.compression.active and self.reuse and seq.block_table:
+            report = self.last_compression = compress_session_kv(eng, seq, self.compression)  # before the
+            # session pins it: a reclaim run while room is made never unpins the KV being compressed
         self.kv = seq
         self.text = "" if turn.prompt_text is None else (
             turn.prompt_text + eng.tokenizer.decode(seq.output_token_ids, skip_special_tokens=False))
@@ -304,7 +336,8 @@ class Session:
         if turn.messages is not None:
             self.messages = _with_reply(turn.messages, seq.text, turn.continues)
         self.turns.append(TurnResult.from_seq(len(self.turns) + 1, seq,
-                                              turn.context.to_dict() if turn.context is not None else None))
+                                              turn.context.to_dict() if turn.context is not None else None,
+                                              report.to_dict() if report is not None else None))
 
     def send(self, content: str, params: SamplingParams | None = None, role: str = "user") -> TurnResult:
         """Add a message, generate the reply, keep the KV; returns the turn's :class:`TurnResult`.

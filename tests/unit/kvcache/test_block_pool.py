@@ -2,7 +2,8 @@
 
 A hypothesis state machine drives a small pool through any interleaving of
 new sequence (prefix match + allocate), step / append (allocate + compute +
-commit), speculate (a decode row verifying drafts: allocate, compute, keep the
+commit), compress (a session's KV compressed at the end of a turn: a subset of its entries copied into fresh
+blocks, the old ones released, ``kv_offset`` set; later tokens appended after them), speculate (a decode row verifying drafts: allocate, compute, keep the
 accepted drafts, give back the rest), fork (sharing full blocks), pin / unpin (an extra owner holding every
 computed block, the partial one included), free, truncate, evict,
 over-allocation and double free, and checks after every step that:
@@ -126,6 +127,7 @@ class PoolMachine(RuleBasedStateMachine):
         # extra reference holders (a session pin, a snapshot): (blocks, [(block, slot, KV it must keep)])
         self.pins: list[tuple[list[int], list[tuple]]] = []
         self.history: list[tuple[Namespace, list[int]]] = []
+        self.kept: dict[int, list[int]] = {}  # compressed sequence (seq_id) -> the token position of each KV slot
 
     # ---- set-up ------------------------------------------------------------
     @initialize(num_blocks=st.integers(4, 24), block_size=st.integers(1, 8))
@@ -160,7 +162,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def can_write(self, seq) -> bool:
         """False while the partial block the sequence would write next is shared (there is no copy-on-write)."""
-        nc, bs = seq.num_computed, self.bs
+        nc, bs = seq.num_computed - seq.kv_offset, self.bs
         return not (nc % bs and self.pool.blocks[seq.block_table[nc // bs]].ref_count > 1)
 
     def key(self, seq, i):
@@ -193,7 +195,7 @@ class PoolMachine(RuleBasedStateMachine):
         """manager.allocate, checking the all-or-nothing contract and which blocks it takes."""
         pool, bs = self.pool, self.bs
         refs = self.refs()
-        need = max(0, -(-(seq.num_computed + n) // bs) - len(seq.block_table))
+        need = max(0, -(-(seq.num_computed - seq.kv_offset + n) // bs) - len(seq.block_table))
         assert self.kv.blocks_needed(seq, n) == need
         free_before = pool.num_free
         assert free_before == sum(1 for b in range(pool.num_blocks) if refs[b] == 0)
@@ -222,19 +224,26 @@ class PoolMachine(RuleBasedStateMachine):
     def compute(self, seq, n):
         """The model writes K/V for the next n tokens, then the engine commits full blocks."""
         bs = self.bs
+        off = seq.kv_offset  # compressed: position p goes to slot p - off
         for p in range(seq.num_computed, seq.num_computed + n):
-            bid = seq.block_table[p // bs]
+            bid = seq.block_table[(p - off) // bs]
             b = self.pool.blocks[bid]
             assert b.ref_count == 1 and b.hash is None, (
                 f"position {p} would be written into block {bid} (refcount {b.ref_count}, "
                 f"cached {b.hash is not None}): shared or cached KV would be overwritten"
             )
-            self.content[bid][p % bs] = (seq.namespace, tuple(seq.token_ids[: p + 1]))
+            self.content[bid][(p - off) % bs] = (seq.namespace, tuple(seq.token_ids[: p + 1]))
+            if off:
+                self.kept[seq.seq_id].append(p)
         seq.num_computed += n
         self.commit(seq)
 
     def commit(self, seq):
         """manager.commit: the blocks that became full and computed are registered (the shadow cache with them)."""
+        if seq.kv_offset:  # compressed KV never enters the prefix cache
+            self.kv.commit(seq)
+            assert seq.block_hashes == []
+            return
         start, full = len(seq.block_hashes), seq.num_computed // self.bs
         for i in range(start, full):
             assert seq.block_table[i] not in self.bid_key
@@ -258,6 +267,8 @@ class PoolMachine(RuleBasedStateMachine):
         released = list(seq.block_table)
         before = {b: pool.blocks[b].ref_count for b in released}
         self.kv.free(seq)
+        self.kept.pop(seq.seq_id, None)
+        assert seq.kv_offset == 0
         self.seqs = [s for s in self.seqs if s is not seq]
         assert seq.block_table == [] and seq.block_hashes == [] and seq.num_computed == 0
         for b, k in Counter(released).items():
@@ -344,7 +355,7 @@ class PoolMachine(RuleBasedStateMachine):
         if n and self.can_write(seq) and self.alloc(seq, n):
             self.compute(seq, n)
 
-    @precondition(lambda self: any(s.num_uncomputed == 1 for s in self.seqs))
+    @precondition(lambda self: any(s.num_uncomputed == 1 and not s.kv_offset for s in self.seqs))
     @rule(i=INDEX, drafts=st.lists(TOKENS, min_size=1, max_size=9), accepted=st.integers(0, 9), bonus=TOKENS)
     def speculate(self, i, drafts, accepted, bonus):
         """A decode row verifying draft tokens, as the engine runs it (speculative decoding): blocks for the last
@@ -354,7 +365,7 @@ class PoolMachine(RuleBasedStateMachine):
         (``trim_to_computed``).  The invariants then check that no rejected draft's K/V is counted, cached or
         left in a block nobody owns."""
         pool, bs = self.pool, self.bs
-        seq = self.pick(i, lambda s: s.num_uncomputed == 1)
+        seq = self.pick(i, lambda s: s.num_uncomputed == 1 and not s.kv_offset)
         if not self.can_write(seq) or not self.alloc(seq, 1 + len(drafts)):
             return
         c, written = seq.num_computed, seq.token_ids + drafts
@@ -380,12 +391,13 @@ class PoolMachine(RuleBasedStateMachine):
         """Another owner holds references to every computed block of a sequence, its partial block included."""
         pool, bs = self.pool, self.bs
         seq = self.pick(i, lambda s: s.num_computed > 0)
-        blocks = seq.block_table[: -(-seq.num_computed // bs)]
+        slots = seq.num_computed - seq.kv_offset
+        blocks = seq.block_table[: -(-slots // bs)]
         before = {b: pool.blocks[b].ref_count for b in blocks}
         assert pool.fork(blocks) == blocks
         for b, k in Counter(blocks).items():
             assert pool.blocks[b].ref_count == before[b] + k
-        kept = [(blocks[p // bs], p % bs, self.content[blocks[p // bs]][p % bs]) for p in range(seq.num_computed)]
+        kept = [(blocks[p // bs], p % bs, self.content[blocks[p // bs]][p % bs]) for p in range(slots)]
         self.pins.append((blocks, kept))
 
     @precondition(lambda self: self.pins)
@@ -395,12 +407,13 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.free_all(blocks)
         self.released(blocks)
 
-    @precondition(lambda self: any(s.num_computed >= self.bs for s in self.seqs))
+    @precondition(lambda self: any(s.num_computed >= self.bs and not s.kv_offset for s in self.seqs))
     @rule(i=INDEX)
     def fork(self, i):
-        """A new owner shares the full computed blocks (a partial block is never shared for writing)."""
+        """A new owner shares the full computed blocks (a partial block is never shared for writing); compressed KV
+        is never forked (``fork_kv`` hands over the token ids only)."""
         pool, bs = self.pool, self.bs
-        parent = self.pick(i, lambda s: s.num_computed >= bs)
+        parent = self.pick(i, lambda s: s.num_computed >= bs and not s.kv_offset)
         nfull = parent.num_computed // bs
         shared = parent.block_table[:nfull]
         before = {b: pool.blocks[b].ref_count for b in shared}
@@ -420,12 +433,13 @@ class PoolMachine(RuleBasedStateMachine):
     def free(self, i):
         self.free_seq(self.pick(i))
 
-    @precondition(lambda self: self.seqs)
+    @precondition(lambda self: any(not s.kv_offset for s in self.seqs))
     @rule(i=INDEX, keep=st.integers(0, 48), suffix=st.lists(TOKENS, max_size=6))
     def truncate(self, i, keep, suffix):
-        """Keep the first ``keep`` tokens' KV; the next turn's tokens diverge after them."""
+        """Keep the first ``keep`` tokens' KV; the next turn's tokens diverge after them (never compressed KV: a
+        session frees it and recomputes an edited history)."""
         pool, bs = self.pool, self.bs
-        seq = self.pick(i)
+        seq = self.pick(i, lambda s: not s.kv_offset)
         old_bt, old_hashes = list(seq.block_table), list(seq.block_hashes)
         k = min(keep, seq.num_computed)
         nfull = k // bs
@@ -440,6 +454,30 @@ class PoolMachine(RuleBasedStateMachine):
         assert seq.block_hashes == old_hashes[:nfull]
         self.released(old_bt[keep_blocks:])
         seq.token_ids = seq.token_ids[:k] + suffix
+
+    @precondition(lambda self: any(s.num_computed - s.kv_offset >= 2 for s in self.seqs))
+    @rule(i=INDEX, mask=st.lists(st.booleans(), min_size=48, max_size=48))
+    def compress(self, i, mask):
+        """A session's end-of-turn compression (``kvkeeper.sessions.compress``): the kept entries (``mask`` over the
+        slots, in order) are copied into fresh blocks, every old block is released (full ones stay cached),
+        ``kv_offset`` grows by the entries dropped; with no room the KV stays whole."""
+        pool, bs = self.pool, self.bs
+        seq = self.pick(i, lambda s: s.num_computed - s.kv_offset >= 2)
+        slots = seq.num_computed - seq.kv_offset
+        idx = [j for j in range(slots) if mask[j % len(mask)]][: slots - 1] or [slots - 1]
+        positions = self.kept.get(seq.seq_id) or list(range(seq.num_computed))
+        assert len(positions) == slots
+        tmp = make_seq([0] * len(idx), seq.namespace)  # fresh blocks for the kept entries (evicting cached ones)
+        if not self.alloc(tmp, len(idx)):
+            return
+        old = list(seq.block_table)
+        for j, src in enumerate(idx):
+            self.content[tmp.block_table[j // bs]][j % bs] = self.content[old[src // bs]][src % bs]
+        pool.free_all(old)
+        seq.block_table, seq.block_hashes = tmp.block_table, []
+        seq.kv_offset = seq.num_computed - len(idx)
+        self.kept[seq.seq_id] = [positions[j] for j in idx]
+        self.released(old)
 
     @rule(n=st.none() | st.integers(0, 4))
     def evict(self, n):
@@ -534,6 +572,15 @@ class PoolMachine(RuleBasedStateMachine):
         for s in self.seqs:
             if self.full_identity:
                 assert len(set(s.block_table)) == len(s.block_table)
+            if s.kv_offset:  # compressed: slot j holds the token at position kept[j], in position order
+                pos = self.kept[s.seq_id]
+                assert len(pos) == s.num_computed - s.kv_offset <= len(s.block_table) * bs
+                assert pos == sorted(set(pos)) and pos[-1] < s.num_computed and not s.block_hashes
+                for j, p in enumerate(pos):
+                    got = self.content[s.block_table[j // bs]][j % bs]
+                    assert self.identity_ok(got, s.namespace, tuple(s.token_ids[: p + 1])), (
+                        f"{s.request_id} compressed slot {j} (position {p}): block {s.block_table[j // bs]} holds {got}")
+                continue
             assert s.num_computed <= len(s.block_table) * bs
             assert s.num_computed <= len(s.token_ids)
             assert len(s.block_hashes) == s.num_computed // bs
