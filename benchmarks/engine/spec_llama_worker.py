@@ -26,8 +26,11 @@ def main() -> int:
 
     draft = None if job["lookup"] is None else LlamaPromptLookupDecoding(**job["lookup"])
     t0 = time.perf_counter()
+    # logits_all with a draft model: llama-cpp-python 0.3.36 turns logits_all on internally for a draft model but
+    # sizes its score buffer by the argument (n_batch rows when False), so a verify batch past row 512 of the
+    # context failed with "could not broadcast input array" (seen at context position 507 with 9 rows)
     llm = Llama(model_path=job["model"], n_ctx=job["n_ctx"], n_threads=job["threads"],
-                n_threads_batch=job["threads"], draft_model=draft, verbose=False)
+                n_threads_batch=job["threads"], draft_model=draft, logits_all=draft is not None, verbose=False)
     res = {"load_s": time.perf_counter() - t0, "version": llama_cpp.__version__, "turns": []}
     eos = set(job["eos"])
     for chat in job["chats"]:
