@@ -543,7 +543,9 @@ class KiviPagedKV(PagedKV):
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store new keys/values k, v (T, KVH, D) into their slots (T,) int64 (distinct): a block whose every slot
         is written here is quantized at once; other tokens go to their block's 16-bit window, and a block whose
-        last slot is written is closed (quantized)."""
+        last slot is written is closed (quantized).  A sequence appends in order, so a block then holds the tokens
+        up to the last slot written (a rewrite, e.g. after rejected draft tokens, truncates it there; a rewrite
+        into a closed block reopens it, its earlier tokens dequantized into the window)."""
         if slots.numel() == 0:
             return
         bs = self.k.shape[1]
@@ -591,7 +593,7 @@ class KiviPagedKV(PagedKV):
             o = offs.to(self.res_k.device)
             self.res_k[r].index_copy_(0, o, k.index_select(0, t).to(RESIDUAL_DTYPE))
             self.res_v[r].index_copy_(0, o, v.index_select(0, t).to(RESIDUAL_DTYPE))
-            self.fill[b] = max(int(self.fill[b]), int(offs[-1]) + 1)
+            self.fill[b] = int(offs[-1]) + 1  # a sequence appends in order: a write at o ends its block at o
             self._tick[r] = self._clock
             if int(self.fill[b]) == bs:
                 self._close(b)
