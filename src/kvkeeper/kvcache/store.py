@@ -580,13 +580,12 @@ class KiviPagedKV(PagedKV):
             r = int(self.res_of[b])
             fresh = int(offs[0]) == 0
             if r < 0:
-                held = int(self.fill[b])
+                held = None
+                if not fresh and int(self.fill[b]):  # a write into a closed block: reopen it (tokens dequantized)
+                    held = self._dequant_blocks(torch.tensor([b]), RESIDUAL_DTYPE)
                 r = self._alloc(b, busy)
-                if fresh:
-                    self.fill[b] = 0
-                elif held:  # a rewrite into a closed block: reopen it (its tokens dequantized)
-                    kd, vd = self._dequant_blocks(torch.tensor([b]), RESIDUAL_DTYPE)
-                    self.res_k[r], self.res_v[r] = kd[0], vd[0]
+                if held is not None:
+                    self.res_k[r], self.res_v[r] = held[0][0], held[1][0]
             elif fresh:
                 self.fill[b] = 0
             t = toks.to(k.device)
@@ -683,6 +682,9 @@ class KiviPagedKV(PagedKV):
         ri = r[open_].long().to(self.res_k.device)
         out["res_k"] = self.res_k.index_select(0, ri).cpu()
         out["res_v"] = self.res_v.index_select(0, ri).cpu()
+        for j, f in enumerate(out["fill"][open_].tolist()):  # rows past the tokens held: zeros, not stale bytes
+            out["res_k"][j, f:] = 0
+            out["res_v"][j, f:] = 0
         return out
 
     def write_blocks(self, block_ids, tensors: dict[str, torch.Tensor]) -> None:
