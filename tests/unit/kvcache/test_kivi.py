@@ -266,3 +266,37 @@ class KiviInt2Machine(KiviBlocksMachine):
 def test_kivi_block_state_machine(machine):
     run_state_machine_as_test(machine, settings=settings(max_examples=40, stateful_step_count=25, deadline=None,
                                                          suppress_health_check=[HealthCheck.too_slow]))
+
+
+# ---- the engine on the real embedded model -------------------------------------------------------------
+PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+
+
+@pytest.fixture(scope="module")
+def bf16_reply():
+    from kvkeeper import SamplingParams
+    from tests.utils.engines import make_engine
+
+    eng = make_engine(num_kv_blocks=64, kv_dtype="bf16")
+    return eng.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0))[0]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
+def test_engine_generates_with_kivi_kv_and_reuses_its_prefix(kv_dtype, bf16_reply):
+    """Greedy text with int4 / int2 KV through the C++ kernels is coherent (int4: the bf16 KV reply's first
+    tokens; int2: words), and a repeated prompt hits the prefix cache and gives the same reply."""
+    from kvkeeper import SamplingParams
+    from kvkeeper.kvcache.validate import check_engine
+    from tests.utils.engines import make_engine
+
+    eng = make_engine(num_kv_blocks=64, kv_dtype=kv_dtype)
+    assert eng.runner.kv_format.name == kv_dtype and eng.runner.attention_backend in ("cpu", "torch")
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    first = eng.generate([PROMPT], greedy)[0]
+    words = first.text.split()
+    assert len(first.token_ids) >= 8 and len(words) >= 5 and sum(w.strip(".,!?'\"").isalpha() for w in words) >= 4
+    if kv_dtype == "int4":
+        assert first.token_ids[:8] == bf16_reply.token_ids[:8], (first.text, bf16_reply.text)
+    again = eng.generate([PROMPT], greedy)[0]
+    assert again.cached_tokens >= 16 and again.token_ids == first.token_ids
+    assert not check_engine(eng)
