@@ -135,18 +135,22 @@ def main(argv=None) -> int:
             print(d, "decode", res["decode"][d], flush=True)
         res["dtypes"][d] = row
         del eng
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{result_name('kivi_bench')}.partial.json").write_text(json.dumps(res, indent=1))
     if args.llama_python:
         model = str(resolve_model_path())
         for name, t in (("llama.cpp q4_0", 2), ("llama.cpp f16", 1)):
             res["decode"][name] = {**llama_decode(args.llama_python, model, long_ids, n_dec, t,
                                                   torch.get_num_threads()), "load": load()}
             print(name, res["decode"][name], flush=True)
+            (args.out / f"{result_name('kivi_bench')}.partial.json").write_text(json.dumps(res, indent=1))
     res["load_end"] = load()
     b = res["dtypes"]["bf16"]
     i4 = res["dtypes"]["int4"]
     dec = res["decode"]
     q40 = dec.get("llama.cpp q4_0", {}).get("decode_tok_s")
     L = str(lengths[-1])
+    (args.out / f"{result_name('kivi_bench')}.partial.json").unlink(missing_ok=True)
     res["targets"] = {
         "int4 ppl within 2% of bf16": abs(i4["ppl"] / b["ppl"] - 1) <= 0.02,
         f"int4 passkey unchanged at {L}": i4["passkey"][L] >= b["passkey"][L],
