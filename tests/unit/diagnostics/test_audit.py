@@ -249,7 +249,10 @@ def test_quantized_cache_faults_are_named_above_the_rounding_noise(kv_dtype, mt_
     faults.shift_positions(eng, seq, 20, 28)
     eng.run_until_done([seq])
     r = _report(eng, seq.request_id)
-    assert not r.ok and (r.layer, r.token, r.tensor) == (0, 20, "k")
+    if kv_dtype == "int4":  # int4's looser tolerance: the shift is named at layer 0, within the shifted tokens
+        assert not r.ok and r.layer == 0 and 20 <= r.token < 28 and r.tensor == "k", (r.layer, r.token)
+    else:
+        assert not r.ok and (r.layer, r.token, r.tensor) == (0, 20, "k")
 
 
 @pytest.mark.parametrize("limit", ["0", "-1"])

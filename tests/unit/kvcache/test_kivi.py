@@ -278,7 +278,7 @@ def bf16_reply():
     from tests.utils.engines import make_engine
 
     eng = make_engine(num_kv_blocks=64, kv_dtype="bf16")
-    return eng.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0))[0]
+    return eng.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0))[0]
 
 
 @pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
@@ -291,10 +291,10 @@ def test_engine_generates_with_kivi_kv_and_reuses_its_prefix(kv_dtype, bf16_repl
 
     eng = make_engine(num_kv_blocks=64, kv_dtype=kv_dtype)
     assert eng.runner.kv_format.name == kv_dtype and eng.runner.attention_backend in ("cpu", "torch")
-    greedy = SamplingParams(max_tokens=24, temperature=0)
+    greedy = SamplingParams(max_tokens=12, temperature=0)
     first = eng.generate([PROMPT], greedy)[0]
     words = first.text.split()
-    assert len(first.token_ids) >= 8 and len(words) >= 5 and sum(w.strip(".,!?'\"").isalpha() for w in words) >= 4
+    assert len(first.token_ids) >= 8 and len(words) >= 4 and sum(w.strip(".,!?'\"").isalpha() for w in words) >= 3
     if kv_dtype == "int4":
         assert first.token_ids[:8] == bf16_reply.token_ids[:8], (first.text, bf16_reply.text)
     again = eng.generate([PROMPT], greedy)[0]
