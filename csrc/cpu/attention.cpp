@@ -954,4 +954,349 @@ torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return out;
 }
 
+// ===================================================================================================
+// 2c. KIVI int4 / int2 KV (kvkeeper.kvcache.quant; Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit
+//     Quantization for KV Cache"): decode and prefill ("extend") attention in one kernel, kivi_attention.
+//
+//    Spans of queries (a prefill span, or a decode token as a span of one query) attend causally to their
+//    sequence's paged K/V, held as packed 4- or 2-bit codes and read in place block by block.  A closed block's
+//    keys are codes * scale + min per (KV head, channel) over the block, its values codes * scale + min per
+//    (token, KV head, group of channels); an open block (res_of[block] >= 0) is read from the 16-bit window
+//    (bfloat16 rows of res_k / res_v).  Each 16-token chunk of one KV head is dequantized into a float32 tile
+//    (keys transposed to (D, 16), values (16, D)) once for all the query lanes that read it (up to 16 queries x
+//    the GQA group): no dequantized copy of the context is ever made.  Keys are split at fixed absolute positions
+//    (every kKiviSegKeys keys): each segment's online softmax (Milakov & Gimelshein, 2018) runs alone, the
+//    segments are combined in order (flash-decoding's split, Dao et al., 2023).  A query lane's arithmetic
+//    depends only on its own query and keys (not on the other lanes of its tile, nor on whether its segments ran
+//    in parallel), so a token's output is the same bit for bit whether it was prefilled, in any chunk, or
+//    decoded: the kernel is batch-invariant by construction, and runs alike in both modes of
+//    set_invariant_attention.  AVX-512 path: head_dim and block_size multiples of 16 and the value group a
+//    multiple of 16; otherwise the portable path (same algorithm, key by key; equal to the reference within
+//    rounding, not bit for bit to the AVX-512 path).
+// ===================================================================================================
+namespace {
+
+constexpr int64_t kKiviSegKeys = 512;
+
+struct KiviArgs {
+  const float* q;            // (T, H, D), not scaled
+  float* out;                // (T, H, D)
+  const uint8_t *kp, *vp;    // (NB, BS, KVH, PB) packed codes
+  const uint16_t *ks, *km;   // (NB, KVH, D) float16
+  const uint16_t *vs, *vm;   // (NB, BS, KVH, NG) float16
+  const int32_t* res_of;     // (NB,)
+  const uint16_t *rk, *rv;   // (R, BS, KVH, D) bfloat16
+  const int64_t *starts, *qlens, *ctxs, *bt;
+  int64_t W, H, KVH, D, BS, G, PB, NG, GV, bits, window;
+  float scale;
+};
+
+struct KiviTile {
+  int64_t s, h, i0, nq;  // span, KV head, first query of the tile, queries (<= 16)
+  int64_t seg0, nseg;    // the segments the tile's queries can see
+};
+
+inline float kivi_bf16(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline int kivi_code(const uint8_t* row, int64_t d, int64_t bits) {
+  return bits == 4 ? (row[d >> 1] >> ((d & 1) * 4)) & 15 : (row[d >> 2] >> ((d & 3) * 2)) & 3;
+}
+
+// Absolute positions [lo, hi] that query i of span s sees.
+inline void kivi_visible(const KiviArgs& a, int64_t s, int64_t i, int64_t& lo, int64_t& hi) {
+  hi = a.ctxs[s] - a.qlens[s] + i;
+  lo = a.window > 0 ? std::max<int64_t>(0, hi - a.window + 1) : 0;
+}
+
+// Key (or value) of token `off` of block blk, KV head h, as float32 (D,).
+void kivi_row(const KiviArgs& a, bool value, int64_t blk, int64_t off, int64_t h, float* x) {
+  const int64_t D = a.D, r = a.res_of[blk];
+  if (r >= 0) {
+    const uint16_t* src = (value ? a.rv : a.rk) + ((r * a.BS + off) * a.KVH + h) * D;
+    for (int64_t d = 0; d < D; ++d) x[d] = kivi_bf16(src[d]);
+    return;
+  }
+  const int64_t row = (blk * a.BS + off) * a.KVH + h;
+  const uint8_t* codes = (value ? a.vp : a.kp) + row * a.PB;
+  for (int64_t d = 0; d < D; ++d) {
+    const float c = static_cast<float>(kivi_code(codes, d, a.bits));
+    if (value)
+      x[d] = c * half_to_float(a.vs[row * a.NG + d / a.GV]) + half_to_float(a.vm[row * a.NG + d / a.GV]);
+    else
+      x[d] = c * half_to_float(a.ks[(blk * a.KVH + h) * D + d]) + half_to_float(a.km[(blk * a.KVH + h) * D + d]);
+  }
+}
+
+// Segment seg of a tile, portable code: writes per lane (lane = query j * G + g) o (D), m, l.
+void kivi_segment_generic(const KiviArgs& a, const KiviTile& t, int64_t seg, float* o, float* m, float* l) {
+  const int64_t D = a.D, G = a.G, lanes = t.nq * G;
+  std::vector<float> qs(lanes * D), kr(D), vr(D);
+  for (int64_t x = 0; x < lanes; ++x) {
+    const float* qrow = a.q + ((a.starts[t.s] + t.i0 + x / G) * a.H + t.h * G + x % G) * D;
+    for (int64_t d = 0; d < D; ++d) qs[x * D + d] = qrow[d] * a.scale;
+    m[x] = -std::numeric_limits<float>::infinity();
+    l[x] = 0.f;
+    std::fill(o + x * D, o + (x + 1) * D, 0.f);
+  }
+  int64_t lo0, hi0, lo1, hi1;
+  kivi_visible(a, t.s, t.i0, lo0, hi0);
+  kivi_visible(a, t.s, t.i0 + t.nq - 1, lo1, hi1);
+  const int64_t k0 = std::max(seg * kKiviSegKeys, lo0), k1 = std::min((seg + 1) * kKiviSegKeys, hi1 + 1);
+  for (int64_t key = k0; key < k1; ++key) {
+    const int64_t blk = a.bt[t.s * a.W + key / a.BS], off = key % a.BS;
+    kivi_row(a, false, blk, off, t.h, kr.data());
+    kivi_row(a, true, blk, off, t.h, vr.data());
+    for (int64_t x = 0; x < lanes; ++x) {
+      int64_t lo, hi;
+      kivi_visible(a, t.s, t.i0 + x / G, lo, hi);
+      if (key < lo || key > hi) continue;
+      float sc = 0.f;
+      for (int64_t d = 0; d < D; ++d) sc += qs[x * D + d] * kr[d];
+      const float mn = std::max(m[x], sc), corr = std::exp(m[x] - mn), p = std::exp(sc - mn);
+      l[x] = l[x] * corr + p;
+      for (int64_t d = 0; d < D; ++d) o[x * D + d] = o[x * D + d] * corr + p * vr[d];
+      m[x] = mn;
+    }
+  }
+}
+
+// 16 codes (channels c .. c + 15 of a packed row) as float32.
+KVK_AVX512 inline __m512 kivi_codes16(const uint8_t* row, int64_t c, int64_t bits) {
+  __m128i codes;
+  if (bits == 4) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2));
+    const __m128i mask = _mm_set1_epi8(15);
+    codes = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+  } else {
+    int32_t w;
+    std::memcpy(&w, row + c / 4, 4);
+    const __m128i b = _mm_cvtsi32_si128(w), mask = _mm_set1_epi8(3);
+    const __m128i c0 = _mm_and_si128(b, mask), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), mask);
+    const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), mask), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), mask);
+    codes = _mm_unpacklo_epi16(_mm_unpacklo_epi8(c0, c1), _mm_unpacklo_epi8(c2, c3));
+  }
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+}
+
+KVK_AVX512 inline __m512 kivi_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Dequantize 16 tokens [off, off + 16) of block blk, KV head h: kt (D, 16) keys transposed, vt (16, D) values.
+KVK_AVX512 void kivi_chunk_avx512(const KiviArgs& a, int64_t blk, int64_t off, int64_t h, float* kt, float* vt) {
+  const int64_t D = a.D, r = a.res_of[blk];
+  alignas(64) __m512 rows[16];
+  for (int64_t c = 0; c < D; c += 16) {
+    if (r >= 0) {
+      for (int t = 0; t < 16; ++t) rows[t] = kivi_bf16x16(a.rk + ((r * a.BS + off + t) * a.KVH + h) * D + c);
+      transpose16(rows);
+      for (int j = 0; j < 16; ++j) _mm512_store_ps(kt + (c + j) * 16, rows[j]);
+      for (int t = 0; t < 16; ++t)
+        _mm512_store_ps(vt + t * D + c, kivi_bf16x16(a.rv + ((r * a.BS + off + t) * a.KVH + h) * D + c));
+      continue;
+    }
+    for (int t = 0; t < 16; ++t) rows[t] = kivi_codes16(a.kp + ((blk * a.BS + off + t) * a.KVH + h) * a.PB, c, a.bits);
+    transpose16(rows);
+    const uint16_t *ks = a.ks + (blk * a.KVH + h) * D + c, *km = a.km + (blk * a.KVH + h) * D + c;
+    for (int j = 0; j < 16; ++j)
+      _mm512_store_ps(kt + (c + j) * 16, _mm512_fmadd_ps(rows[j], _mm512_set1_ps(half_to_float(ks[j])),
+                                                         _mm512_set1_ps(half_to_float(km[j]))));
+    for (int t = 0; t < 16; ++t) {
+      const int64_t row = (blk * a.BS + off + t) * a.KVH + h, g = row * a.NG + c / a.GV;
+      _mm512_store_ps(vt + t * D + c, _mm512_fmadd_ps(kivi_codes16(a.vp + row * a.PB, c, a.bits),
+                                                      _mm512_set1_ps(half_to_float(a.vs[g])),
+                                                      _mm512_set1_ps(half_to_float(a.vm[g]))));
+    }
+  }
+}
+
+// Segment seg of a tile, AVX-512: the same per-lane online softmax, 16 keys at a time.
+KVK_AVX512 void kivi_segment_avx512(const KiviArgs& a, const KiviTile& t, int64_t seg, float* o, float* m, float* l) {
+  const int64_t D = a.D, G = a.G, lanes = t.nq * G;
+  std::vector<float> qs(lanes * D);
+  std::vector<int64_t> los(lanes), his(lanes);
+  for (int64_t x = 0; x < lanes; ++x) {
+    const float* qrow = a.q + ((a.starts[t.s] + t.i0 + x / G) * a.H + t.h * G + x % G) * D;
+    for (int64_t d = 0; d < D; ++d) qs[x * D + d] = qrow[d] * a.scale;
+    kivi_visible(a, t.s, t.i0 + x / G, los[x], his[x]);
+    m[x] = -std::numeric_limits<float>::infinity();
+    l[x] = 0.f;
+    std::fill(o + x * D, o + (x + 1) * D, 0.f);
+  }
+  alignas(64) float kt[256 * 16];
+  alignas(64) float vt[16 * 256];
+  alignas(64) float pv[16];
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t k0 = std::max(seg * kKiviSegKeys, los[0] / 16 * 16);
+  const int64_t k1 = std::min((seg + 1) * kKiviSegKeys, his[lanes - 1] + 1);
+  for (int64_t c0 = k0; c0 < k1; c0 += 16) {
+    const int64_t blk = a.bt[t.s * a.W + c0 / a.BS];
+    kivi_chunk_avx512(a, blk, c0 % a.BS, t.h, kt, vt);
+    const __m512i pos = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(c0)));
+    for (int64_t x = 0; x < lanes; ++x) {
+      if (his[x] < c0 || los[x] > c0 + 15) continue;
+      const __mmask16 vis = _mm512_cmple_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(his[x]))) &
+                            _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(los[x])));
+      const float* qx = qs.data() + x * D;
+      __m512 sc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; ++d) sc = _mm512_fmadd_ps(_mm512_set1_ps(qx[d]), _mm512_load_ps(kt + d * 16), sc);
+      sc = _mm512_mask_blend_ps(vis, ninf, sc);
+      const float mn = std::max(m[x], _mm512_reduce_max_ps(sc));
+      const float corr = std::exp(m[x] - mn);
+      const __m512 p = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mn))));
+      l[x] = l[x] * corr + _mm512_reduce_add_ps(p);
+      _mm512_store_ps(pv, p);
+      float* ox = o + x * D;
+      for (int64_t c = 0; c < D; c += 16) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(ox + c), _mm512_set1_ps(corr));
+        for (int j = 0; j < 16; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(pv[j]), _mm512_load_ps(vt + j * D + c), acc);
+        _mm512_storeu_ps(ox + c, acc);
+      }
+      m[x] = mn;
+    }
+  }
+}
+
+// A tile's output from its segments' partials (in segment order; a segment without a visible key weighs 0).
+void kivi_combine(const KiviArgs& a, const KiviTile& t, const float* part, int64_t stride) {
+  const int64_t D = a.D, G = a.G, lanes = t.nq * G;
+  for (int64_t x = 0; x < lanes; ++x) {
+    float M = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < t.nseg; ++s) M = std::max(M, part[s * stride + lanes * D + x]);
+    float* out = a.out + ((a.starts[t.s] + t.i0 + x / G) * a.H + t.h * G + x % G) * D;
+    std::fill(out, out + D, 0.f);
+    if (M == -std::numeric_limits<float>::infinity()) continue;
+    float L = 0.f;
+    for (int64_t s = 0; s < t.nseg; ++s) {
+      const float ms = part[s * stride + lanes * D + x];
+      if (ms == -std::numeric_limits<float>::infinity()) continue;
+      const float w = std::exp(ms - M);
+      L += w * part[s * stride + lanes * D + lanes + x];
+      const float* os = part + s * stride + x * D;
+      for (int64_t d = 0; d < D; ++d) out[d] += w * os[d];
+    }
+    const float inv = 1.f / L;
+    for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+  }
+}
+
+}  // namespace
+
+torch::Tensor kivi_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const torch::Tensor& k_scale, const torch::Tensor& k_min, const torch::Tensor& v_scale,
+                             const torch::Tensor& v_min, const torch::Tensor& res_of, const torch::Tensor& res_k,
+                             const torch::Tensor& res_v, const torch::Tensor& starts, const torch::Tensor& q_lens,
+                             const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale,
+                             int64_t bits, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "kivi_attention: q must be (T, H, D) float32");
+  TORCH_CHECK(bits == 4 || bits == 2, "kivi_attention: bits must be 4 or 2, got ", bits);
+  TORCH_CHECK(k.dim() == 4 && k.scalar_type() == at::kByte && v.sizes() == k.sizes() && v.scalar_type() == at::kByte &&
+                  k.is_contiguous() && v.is_contiguous(),
+              "kivi_attention: k and v must be contiguous (blocks, block_size, kv_heads, packed) uint8");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), NB = k.size(0), BS = k.size(1), KVH = k.size(2);
+  TORCH_CHECK(D % 8 == 0 && k.size(3) == D * bits / 8 && H % KVH == 0,
+              "kivi_attention: head_dim, packed width or head counts do not match");
+  TORCH_CHECK(k_scale.scalar_type() == at::kHalf && k_min.scalar_type() == at::kHalf && k_scale.is_contiguous() &&
+                  k_min.is_contiguous() && k_scale.numel() == NB * KVH * D && k_min.numel() == NB * KVH * D,
+              "kivi_attention: k_scale and k_min must be contiguous (blocks, kv_heads, head_dim) float16");
+  TORCH_CHECK(v_scale.dim() == 4 && v_scale.scalar_type() == at::kHalf && v_min.scalar_type() == at::kHalf &&
+                  v_scale.is_contiguous() && v_min.is_contiguous() && v_min.sizes() == v_scale.sizes() &&
+                  v_scale.size(0) == NB && v_scale.size(1) == BS && v_scale.size(2) == KVH && D % v_scale.size(3) == 0,
+              "kivi_attention: v_scale and v_min must be contiguous (blocks, block_size, kv_heads, groups) float16");
+  TORCH_CHECK(res_of.scalar_type() == at::kInt && res_of.numel() == NB && res_of.is_contiguous(),
+              "kivi_attention: res_of must be (blocks,) int32");
+  TORCH_CHECK(res_k.dim() == 4 && res_k.scalar_type() == at::kBFloat16 && res_v.sizes() == res_k.sizes() &&
+                  res_v.scalar_type() == at::kBFloat16 && res_k.is_contiguous() && res_v.is_contiguous() &&
+                  res_k.size(1) == BS && res_k.size(2) == KVH && res_k.size(3) == D,
+              "kivi_attention: res_k and res_v must be contiguous (residual_blocks, block_size, kv_heads, head_dim) "
+              "bfloat16");
+  const int64_t S = starts.numel();
+  TORCH_CHECK(starts.scalar_type() == at::kLong && q_lens.scalar_type() == at::kLong &&
+                  context_lens.scalar_type() == at::kLong && block_tables.scalar_type() == at::kLong &&
+                  q_lens.numel() == S && context_lens.numel() == S && block_tables.dim() == 2 &&
+                  block_tables.size(0) == S,
+              "kivi_attention: starts, q_lens, context_lens (S,) and block_tables (S, W) must be int64");
+  const auto qc = q.contiguous();
+  const auto st = starts.contiguous(), ql = q_lens.contiguous(), cl = context_lens.contiguous();
+  const auto bt = block_tables.contiguous();
+  const int64_t W = bt.size(1);
+  const int64_t *stp = st.data_ptr<int64_t>(), *qlp = ql.data_ptr<int64_t>(), *clp = cl.data_ptr<int64_t>();
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const int32_t* rop = res_of.data_ptr<int32_t>();
+  const int64_t R = res_k.size(0);
+  for (int64_t i = 0; i < S; ++i) {
+    TORCH_CHECK(qlp[i] >= 1 && clp[i] >= qlp[i] && clp[i] <= W * BS && stp[i] >= 0 && stp[i] + qlp[i] <= T,
+                "kivi_attention: span ", i, " (start ", stp[i], ", ", qlp[i], " queries, context ", clp[i],
+                ") does not fit q or its block table");
+    for (int64_t j = 0; j < (clp[i] + BS - 1) / BS; ++j) {
+      const int64_t b = btp[i * W + j];
+      TORCH_CHECK(b >= 0 && b < NB && rop[b] < R, "kivi_attention: span ", i, " block ", b, " out of range");
+    }
+  }
+  const int64_t NG = v_scale.size(3), G = H / KVH;
+  auto out = torch::zeros({T, H, D}, q.options());
+  KiviArgs a{qc.data_ptr<float>(), out.data_ptr<float>(), k.data_ptr<uint8_t>(), v.data_ptr<uint8_t>(),
+             reinterpret_cast<const uint16_t*>(k_scale.data_ptr<at::Half>()),
+             reinterpret_cast<const uint16_t*>(k_min.data_ptr<at::Half>()),
+             reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>()),
+             reinterpret_cast<const uint16_t*>(v_min.data_ptr<at::Half>()), rop,
+             reinterpret_cast<const uint16_t*>(res_k.data_ptr<at::BFloat16>()),
+             reinterpret_cast<const uint16_t*>(res_v.data_ptr<at::BFloat16>()), stp, qlp, clp, btp, W, H, KVH, D, BS,
+             G, k.size(3), NG, D / NG, bits, std::max<int64_t>(0, window), static_cast<float>(scale)};
+  const bool fast = use_avx512() && D % 16 == 0 && D <= 256 && BS % 16 == 0 && a.GV % 16 == 0;
+  std::vector<KiviTile> tiles;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t i0 = 0; i0 < qlp[s]; i0 += 16) {
+        const int64_t nq = std::min<int64_t>(16, qlp[s] - i0);
+        int64_t lo0, hi0, lo1, hi1;
+        kivi_visible(a, s, i0, lo0, hi0);
+        kivi_visible(a, s, i0 + nq - 1, lo1, hi1);
+        const int64_t seg0 = lo0 / kKiviSegKeys;
+        tiles.push_back({s, h, i0, nq, seg0, hi1 / kKiviSegKeys + 1 - seg0});
+      }
+  auto segment = [&](const KiviTile& t, int64_t seg, float* part, int64_t lanes) {
+    float *o = part, *m = part + lanes * D, *l = m + lanes;
+    if (fast)
+      kivi_segment_avx512(a, t, seg, o, m, l);
+    else
+      kivi_segment_generic(a, t, seg, o, m, l);
+  };
+  const int64_t n = static_cast<int64_t>(tiles.size());
+  if (n >= 2 * pool_threads()) {  // enough tiles: one task each, its segments in order
+    parallel_tasks(n, [&](int64_t i) {
+      const KiviTile& t = tiles[i];
+      const int64_t lanes = t.nq * G, stride = lanes * (D + 2);
+      std::vector<float> part(t.nseg * stride);
+      for (int64_t s = 0; s < t.nseg; ++s) segment(t, t.seg0 + s, part.data() + s * stride, lanes);
+      kivi_combine(a, t, part.data(), stride);
+    });
+    return out;
+  }
+  // few tiles (decode): one task per (tile, segment), combined afterwards
+  std::vector<int64_t> first(n + 1, 0), offs(n, 0);
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    first[i + 1] = first[i] + tiles[i].nseg;
+    offs[i] = total;
+    total += tiles[i].nseg * tiles[i].nq * G * (D + 2);
+  }
+  std::vector<float> part(total);
+  parallel_tasks(first[n], [&](int64_t j) {
+    const int64_t i = std::upper_bound(first.begin(), first.end(), j) - first.begin() - 1;
+    const KiviTile& t = tiles[i];
+    const int64_t lanes = t.nq * G, stride = lanes * (D + 2), s = j - first[i];
+    segment(t, t.seg0 + s, part.data() + offs[i] + s * stride, lanes);
+  });
+  for (int64_t i = 0; i < n; ++i) kivi_combine(a, tiles[i], part.data() + offs[i], tiles[i].nq * G * (D + 2));
+  return out;
+}
+
 }  // namespace kvk

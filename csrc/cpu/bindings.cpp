@@ -27,6 +27,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_scale"), py::arg("v_scale"), py::arg("starts"),
         py::arg("q_lens"), py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("kind"),
         py::arg("window") = 0);
+  m.def("kivi_attention", &kivi_attention, "paged causal attention over KIVI int4/int2 KV, read in place (decode "
+        "tokens are spans of one query)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_scale"),
+        py::arg("k_min"), py::arg("v_scale"), py::arg("v_min"), py::arg("res_of"), py::arg("res_k"), py::arg("res_v"),
+        py::arg("starts"), py::arg("q_lens"), py::arg("context_lens"), py::arg("block_tables"), py::arg("scale"),
+        py::arg("bits"), py::arg("window") = 0);
   m.def("rmsnorm", &rmsnorm, "RMSNorm of x (..., N) float32 by w (N,) (the fused step's routine)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of gate_up (M, 2I) float32 -> (M, I)");
   m.def("gelu_mul", &gelu_mul, "GELU(tanh)(gate) * up of gate_up (M, 2I) float32 -> (M, I)");

@@ -214,6 +214,15 @@ torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                const torch::Tensor& q_lens, const torch::Tensor& context_lens,
                                const torch::Tensor& block_tables, double scale, int64_t kind, int64_t window);
 
+// KIVI int4 / int2 KV (section 2c of attention.cpp): causal attention of spans (a decode token: a span of one
+// query) over packed codes and the 16-bit window, read in place; returns (T, H, D) float32.
+torch::Tensor kivi_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const torch::Tensor& k_scale, const torch::Tensor& k_min, const torch::Tensor& v_scale,
+                             const torch::Tensor& v_min, const torch::Tensor& res_of, const torch::Tensor& res_k,
+                             const torch::Tensor& res_v, const torch::Tensor& starts, const torch::Tensor& q_lens,
+                             const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale,
+                             int64_t bits, int64_t window);
+
 // ---------------------------------------------------------------------------------------------------
 // 3. element-wise parts of a layer (elementwise.cpp)
 // ---------------------------------------------------------------------------------------------------

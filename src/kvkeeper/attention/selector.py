@@ -30,7 +30,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     """The step's attention by ``meta.backend``; same shapes and contract as the reference
     :func:`kvkeeper.attention.reference.paged_attention` (q (T, H, D), k and v (T, KVH, D) -> (T, H, D))."""
     backend = meta.backend
-    if meta.window is not None and backend == "triton":  # the Triton kernels have no window
+    if (meta.window is not None or cache.fmt.kivi) and backend == "triton":  # no window, no KIVI in Triton
         backend = "torch"
     if backend == "cpu":
         return cpu_attention.paged_attention(q, k, v, cache, meta, scale)

@@ -61,8 +61,8 @@ class EngineConfig:
     invariant_kernels: the C++ decode attention computes a token as the prefill kernel does (issue 26; False: the
     previous flash-decoding kernel, see ``ModelRunner.invariant``); a process-wide switch of the kernels.
     cuda_graphs: replay decode steps as CUDA graphs (CUDA only; a no-op on CPU).
-    kv_dtype: KV cache storage "fp32", "bf16", "fp16", "int8" or "fp8" (None: bf16 with quantized weights,
-    else the ``dtype``).
+    kv_dtype: KV cache storage "fp32", "bf16", "fp16", "int8", "fp8", "int4" or "int2" (int4 / int2: KIVI,
+    :mod:`kvkeeper.kvcache.quant`; None: bf16 with quantized weights, else the ``dtype``).
     hybrid_kv_cache: a model with sliding-window layers keeps their KV only for the window (see
     ``kvkeeper.kvcache.block_pool``); False gives every layer every token's block.
     block_size: tokens per KV block.  KV budget: ``num_kv_blocks``, else ``kv_cache_bytes`` (default 1 GiB).
@@ -107,7 +107,8 @@ class EngineConfig:
     cuda_graphs: bool = field(default=True, metadata=option(
         "--enforce-eager", "CUDA: no decode CUDA graphs", action="store_true", negate=True))
     kv_dtype: str | None = field(default=None, metadata=option(
-        "--kv-dtype", "KV cache storage; int8 and fp8 (e4m3) are quantized per token and KV head "
+        "--kv-dtype", "KV cache storage; int8 and fp8 (e4m3) are quantized per token and KV head, int4 and int2 "
+        "as KIVI (keys per channel over a block, values per token, a 16-bit window of unfilled blocks) "
         "(default: bf16 with quantized weights, else the --dtype)", choices=list(KV_DTYPE_CHOICES)))
     block_size: int = field(default=16, metadata=option(
         "--block-size", "tokens per KV block", type=positive_int, metavar="N"))

@@ -35,7 +35,7 @@ def bytes_per_block(kv_format: KVFormat, mcfg: ModelConfig, block_size: int, num
     """Bytes of one block of ``num_layers`` layers (default: all) in ``kv_format``."""
     parts, heads, dim = mcfg.kv_layout
     return kv_format.bytes_per_token(mcfg.num_layers if num_layers is None else num_layers, heads, dim,
-                                     parts) * block_size
+                                     parts, block_size=block_size) * block_size
 
 
 def blocks_for_budget(kv_format: KVFormat, mcfg: ModelConfig, budget_bytes: int, block_size: int) -> int:

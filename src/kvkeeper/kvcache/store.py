@@ -19,7 +19,8 @@ from typing import Iterator
 
 import torch
 
-from .quant import SCALE_DTYPE, KVFormat, dequantize, quantize
+from .quant import (RESIDUAL_DTYPE, SCALE_DTYPE, KVFormat, dequantize, kivi_dequantize_keys, kivi_dequantize_values,
+                    kivi_group_v, kivi_quantize_keys, kivi_quantize_values, quantize)
 
 __all__ = ["KVStore", "PagedKV", "zeros"]
 
@@ -49,7 +50,19 @@ class PagedKV:
     the model layers read these tensors; everything else goes through :class:`KVStore`.
 
     values=False: K only (an MLA latent row per token; ``v`` and ``v_scale`` are None).
+    A KIVI format (int4 / int2) makes a :class:`KiviPagedKV` instead (its layout: :mod:`kvkeeper.kvcache.quant`).
     """
+
+    def __new__(cls, num_blocks: int = 0, block_size: int = 0, num_kv_heads: int = 0, head_dim: int = 0,
+                fmt: KVFormat | None = None, *args, **kwargs):
+        if cls is PagedKV and fmt is not None and fmt.kivi:
+            return object.__new__(KiviPagedKV)
+        return object.__new__(cls)
+
+    @property
+    def head_dim(self) -> int:
+        """Elements per head and token (an MLA cache: its latent row)."""
+        return self.k.shape[3]
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  fmt: KVFormat, device: torch.device | str = "cpu", layer_idx: int = 0, values: bool = True):
@@ -309,7 +322,7 @@ class KVStore:
     @property
     def head_dim(self) -> int:
         """Elements per head and token (an MLA cache: kv_lora_rank + qk_rope_head_dim)."""
-        return self._layers[0].k.shape[3]
+        return self._layers[0].head_dim
 
     @property
     def latent(self) -> bool:
@@ -402,3 +415,311 @@ class KVStore:
         """Layer ``layer``'s K and V at global slot ids (n,) int64: ``{"k", "v"}`` CPU tensors (n, KVH, D) in the
         storage dtype, or float32 when quantized (``{"k"}`` only for an MLA latent cache)."""
         return self._layers[layer].read_slots(slots)
+
+
+class KiviPagedKV(PagedKV):
+    """One layer's KV in a KIVI format (int4 / int2: Liu et al., 2024): packed closed blocks plus a 16-bit window
+    of open blocks.  Tensors, shapes and the closing rule: :mod:`kvkeeper.kvcache.quant`.  Same methods as
+    :class:`PagedKV`; block payloads (:meth:`read_blocks`) carry the packed bytes and scales as they are plus,
+    for open blocks, their 16-bit tokens (``fill`` (n,) int16 tokens held, ``open`` (n,) bool, ``res_k`` /
+    ``res_v`` (number open, block_size, KVH, D) bfloat16), so an offload round trip is bit-exact.
+
+    residual_blocks: size of the 16-bit window's pool (default min(num_blocks, 128)).  Raises ValueError for an
+    MLA latent cache (values=False) or a head_dim that is not a multiple of 8.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, fmt: KVFormat,
+                 device: torch.device | str = "cpu", layer_idx: int = 0, values: bool = True,
+                 residual_blocks: int | None = None):
+        if not values:
+            raise ValueError(f"KV dtype {fmt.name} (KIVI) needs K and V heads; an MLA latent cache takes bf16, "
+                             "int8 or fp8")
+        self.fmt = fmt
+        self.layer_idx = layer_idx
+        self.bits = fmt.bits
+        self.group_v = kivi_group_v(fmt, head_dim)
+        self._head_dim = head_dim
+        nb, bs, kvh, d = num_blocks, block_size, num_kv_heads, head_dim
+        pb = d * fmt.bits // 8
+        self.k = zeros((nb, bs, kvh, pb), torch.uint8, device)
+        self.v = zeros((nb, bs, kvh, pb), torch.uint8, device)
+        self.k_scale = torch.ones((nb, kvh, d), dtype=SCALE_DTYPE, device=device)
+        self.k_min = torch.zeros((nb, kvh, d), dtype=SCALE_DTYPE, device=device)
+        self.v_scale = torch.ones((nb, bs, kvh, d // self.group_v), dtype=SCALE_DTYPE, device=device)
+        self.v_min = torch.zeros((nb, bs, kvh, d // self.group_v), dtype=SCALE_DTYPE, device=device)
+        r = min(nb, 128) if residual_blocks is None else residual_blocks
+        if r < 1:
+            raise ValueError(f"residual_blocks must be >= 1, got {r}")
+        self.res_k = torch.zeros((r, bs, kvh, d), dtype=RESIDUAL_DTYPE, device=device)
+        self.res_v = torch.zeros((r, bs, kvh, d), dtype=RESIDUAL_DTYPE, device=device)
+        self.res_of = torch.full((nb,), -1, dtype=torch.int32)  # residual block of each open block, -1: closed
+        self.fill = torch.zeros(nb, dtype=torch.int16)  # tokens written (an open block) or quantized (closed)
+        self._owner = [-1] * r  # block of each residual block
+        self._free = list(range(r - 1, -1, -1))
+        self._tick = [0] * r  # last write, for closing the least recently written block when the pool is full
+        self._clock = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+    @property
+    def latent(self) -> bool:
+        return False
+
+    def write_latent(self, rows, slots):
+        raise ValueError("an MLA latent cache cannot be stored in a KIVI format")
+
+    # ---- the 16-bit window -------------------------------------------------------------------------------
+    def _alloc(self, block: int, busy: set) -> int:
+        if not self._free:
+            cands = [(t, i) for i, t in enumerate(self._tick) if self._owner[i] not in busy]
+            if not cands:
+                raise RuntimeError(f"KIVI 16-bit window full: {len(self._tick)} residual blocks all written in one "
+                                   "step; raise residual_blocks")
+            _, i = min(cands)
+            self._close(self._owner[i])
+        i = self._free.pop()
+        self._owner[i] = block
+        self.res_of[block] = i
+        return i
+
+    def _release(self, block: int) -> None:
+        i = int(self.res_of[block])
+        if i >= 0:
+            self._owner[i] = -1
+            self._free.append(i)
+            self.res_of[block] = -1
+
+    def _close(self, block: int) -> None:
+        """Quantize an open block's tokens (its ``fill`` first ones) into its packed storage; free its window."""
+        i, n = int(self.res_of[block]), int(self.fill[block])
+        if n > 0:
+            self._store_closed(torch.tensor([block]), self.res_k[i: i + 1, :n], self.res_v[i: i + 1, :n])
+        self._release(block)
+
+    def _store_closed(self, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize k, v (n, T, KVH, D) of ``blocks`` (n,) into their first T slots (keys per channel over T)."""
+        T = k.shape[1]
+        kp, ks, km = kivi_quantize_keys(k, self.fmt)
+        vp, vs, vm = kivi_quantize_values(v, self.fmt)
+        idx = blocks.to(self.k.device)
+        if T == self.k.shape[1]:
+            self.k.index_copy_(0, idx, kp)
+            self.v.index_copy_(0, idx, vp)
+            self.v_scale.index_copy_(0, idx, vs)
+            self.v_min.index_copy_(0, idx, vm)
+        else:
+            for j, b in enumerate(blocks.tolist()):
+                self.k[b, :T] = kp[j]
+                self.v[b, :T] = vp[j]
+                self.v_scale[b, :T] = vs[j]
+                self.v_min[b, :T] = vm[j]
+        self.k_scale.index_copy_(0, idx, ks)
+        self.k_min.index_copy_(0, idx, km)
+        self.fill[blocks] = T
+
+    def _dequant_blocks(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks (n,) as held (packed dequantized, open blocks from the window): (n, bs, KVH, D)."""
+        idx = blocks.to(self.k.device)
+        k = kivi_dequantize_keys(self.k.index_select(0, idx), self.k_scale.index_select(0, idx),
+                                 self.k_min.index_select(0, idx), self.bits, dtype)
+        v = kivi_dequantize_values(self.v.index_select(0, idx), self.v_scale.index_select(0, idx),
+                                   self.v_min.index_select(0, idx), self.bits, dtype)
+        r = self.res_of[blocks.cpu()]
+        open_ = (r >= 0).nonzero().flatten()
+        if open_.numel():
+            ri = r[open_].long().to(self.k.device)
+            k[open_.to(k.device)] = self.res_k.index_select(0, ri).to(dtype)
+            v[open_.to(v.device)] = self.res_v.index_select(0, ri).to(dtype)
+        return k, v
+
+    def close_all(self) -> None:
+        """Close every open block (quantize the tokens it holds): e.g. before measuring closed-block bytes."""
+        for b in [o for o in self._owner if o >= 0]:
+            self._close(b)
+
+    # ---- writes -----------------------------------------------------------------------------------------
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store new keys/values k, v (T, KVH, D) into their slots (T,) int64 (distinct): a block whose every slot
+        is written here is quantized at once; other tokens go to their block's 16-bit window, and a block whose
+        last slot is written is closed (quantized).  A sequence appends in order, so a block then holds the tokens
+        up to the last slot written (a rewrite, e.g. after rejected draft tokens, truncates it there; a rewrite
+        into a closed block reopens it, its earlier tokens dequantized into the window)."""
+        if slots.numel() == 0:
+            return
+        bs = self.k.shape[1]
+        slots_c = slots.cpu()
+        order = torch.argsort(slots_c)
+        ss = slots_c[order]
+        blocks = ss // bs
+        ub, counts = torch.unique_consecutive(blocks, return_counts=True)
+        full = counts == bs
+        per_tok_full = full.repeat_interleave(counts)
+        if bool(full.any()):
+            fb = ub[full]
+            sel = order[per_tok_full].to(k.device)
+            # rounded to the window's 16 bits first: a block's bytes do not depend on how its tokens were written
+            kf = k.index_select(0, sel).to(RESIDUAL_DTYPE).float().view(len(fb), bs, *k.shape[1:])
+            vf = v.index_select(0, sel).to(RESIDUAL_DTYPE).float().view(len(fb), bs, *v.shape[1:])
+            for b in fb[self.res_of[fb] >= 0].tolist():
+                self._release(b)
+            self._store_closed(fb, kf, vf)
+        if bool(full.all()):
+            return
+        busy = set(ub[~full].tolist())
+        self._clock += 1
+        pos = 0
+        for b, n, f in zip(ub.tolist(), counts.tolist(), full.tolist()):
+            if f:
+                pos += n
+                continue
+            toks = order[pos: pos + n]
+            offs = (ss[pos: pos + n] - b * bs)
+            pos += n
+            r = int(self.res_of[b])
+            fresh = int(offs[0]) == 0
+            if r < 0:
+                held = None
+                if not fresh and int(self.fill[b]):  # a write into a closed block: reopen it (tokens dequantized)
+                    held = self._dequant_blocks(torch.tensor([b]), RESIDUAL_DTYPE)
+                r = self._alloc(b, busy)
+                if held is not None:
+                    self.res_k[r], self.res_v[r] = held[0][0], held[1][0]
+            elif fresh:
+                self.fill[b] = 0
+            t = toks.to(k.device)
+            o = offs.to(self.res_k.device)
+            self.res_k[r].index_copy_(0, o, k.index_select(0, t).to(RESIDUAL_DTYPE))
+            self.res_v[r].index_copy_(0, o, v.index_select(0, t).to(RESIDUAL_DTYPE))
+            self.fill[b] = int(offs[-1]) + 1  # a sequence appends in order: a write at o ends its block at o
+            self._tick[r] = self._clock
+            if int(self.fill[b]) == bs:
+                self._close(b)
+
+    # ---- reads ------------------------------------------------------------------------------------------
+    def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype):
+        k, v = self._dequant_blocks(block_table, dtype)
+        kvh, d = k.shape[2], k.shape[3]
+        return k.reshape(-1, kvh, d)[:length], v.reshape(-1, kvh, d)[:length]
+
+    def gather_keys(self, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.gather(block_table, length, dtype)[0]
+
+    def gather_padded(self, block_tables: torch.Tensor, dtype: torch.dtype):
+        B, nb = block_tables.shape
+        k, v = self._dequant_blocks(block_tables.reshape(-1), dtype)
+        bs, kvh, d = k.shape[1], k.shape[2], k.shape[3]
+        return (k.view(B, nb * bs, kvh, d).transpose(1, 2), v.view(B, nb * bs, kvh, d).transpose(1, 2))
+
+    def gather_keys_padded(self, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.gather_padded(block_tables, dtype)[0]
+
+    def read_slots(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """K and V at global slot ids (n,) int64 as float32 CPU tensors (n, KVH, D), as held (dequantized)."""
+        bs = self.k.shape[1]
+        s = slots.cpu()
+        ub, inv = torch.unique(s // bs, return_inverse=True)
+        k, v = self._dequant_blocks(ub, torch.float32)
+        off = (s % bs).to(k.device)
+        return {"k": k[inv.to(k.device), off].cpu(), "v": v[inv.to(k.device), off].cpu()}
+
+    def copy_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per KV head, copy the token in slot ``src[h, j]`` to slot ``dst[j]``: src (KVH, n), dst (n,) int64.
+        A KIVI block's keys share per-channel scales, so the tokens are dequantized and written again (the
+        destination blocks re-quantized: lossy, unlike the other formats' raw copies)."""
+        kvh = self.k.shape[2]
+        heads = torch.arange(kvh)
+        rows = self.read_slots(src.reshape(-1))
+        n = src.shape[1]
+        k = rows["k"].view(kvh, n, kvh, -1)[heads, :, heads].transpose(0, 1)  # (n, KVH, D)
+        v = rows["v"].view(kvh, n, kvh, -1)[heads, :, heads].transpose(0, 1)
+        self.write(k, v, dst)
+
+    # ---- whole blocks --------------------------------------------------------------------------------------
+    def _parts(self) -> dict[str, torch.Tensor]:
+        return {"k": self.k, "v": self.v, "k_scale": self.k_scale, "k_min": self.k_min, "v_scale": self.v_scale,
+                "v_min": self.v_min}
+
+    def nbytes(self) -> int:
+        """Bytes this layer's tensors hold: packed blocks, scales and mins, and the 16-bit window's pool."""
+        return sum(t.nbytes for t in self._parts().values()) + self.res_k.nbytes + self.res_v.nbytes
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token slot of a closed block takes in this layer (the window's pool not counted)."""
+        return round(sum(t.nbytes for t in self._parts().values()) / (self.k.shape[0] * self.k.shape[1]))
+
+    def move_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks ``src[i]`` to ``dst[i]`` (packed bytes, scales, and an open block's 16-bit tokens, raw);
+        all sources are read before any destination is written."""
+        src_c, dst_c = src.cpu(), dst.cpu()
+        for t in self._parts().values():
+            t[dst] = t[src]
+        r = self.res_of[src_c]
+        fill = self.fill[src_c].clone()
+        open_ = (r >= 0).nonzero().flatten()
+        rk = self.res_k[r[open_].long()].clone()
+        rv = self.res_v[r[open_].long()].clone()
+        for b in dst_c.tolist():
+            self._release(b)
+        self.fill[dst_c] = fill
+        busy = set(dst_c.tolist())
+        for j, i in enumerate(open_.tolist()):
+            b = int(dst_c[i])
+            ri = self._alloc(b, busy)
+            self.res_k[ri], self.res_v[ri] = rk[j], rv[j]
+            self._tick[ri] = self._clock
+
+    def read_blocks(self, block_ids) -> dict[str, torch.Tensor]:
+        """Raw copies of whole blocks: the parts of :meth:`_parts` ((n, ...) as stored) plus ``fill`` (n,) int16,
+        ``open`` (n,) bool and the open blocks' 16-bit tokens ``res_k`` / ``res_v`` (m, block_size, KVH, D)."""
+        idx = torch.as_tensor(block_ids, dtype=torch.int64)
+        out = {name: t.index_select(0, idx.to(t.device)).cpu() for name, t in self._parts().items()}
+        r = self.res_of[idx]
+        open_ = r >= 0
+        out["fill"] = self.fill[idx].clone()
+        out["open"] = open_.clone()
+        ri = r[open_].long().to(self.res_k.device)
+        out["res_k"] = self.res_k.index_select(0, ri).cpu()
+        out["res_v"] = self.res_v.index_select(0, ri).cpu()
+        for j, f in enumerate(out["fill"][open_].tolist()):  # rows past the tokens held: zeros, not stale bytes
+            out["res_k"][j, f:] = 0
+            out["res_v"][j, f:] = 0
+        return out
+
+    def write_blocks(self, block_ids, tensors: dict[str, torch.Tensor]) -> None:
+        """Write blocks read by :meth:`read_blocks` into ``block_ids`` (bit-exact; open blocks get a window)."""
+        self.check_blocks(len(block_ids), tensors)
+        idx = torch.as_tensor(block_ids, dtype=torch.int64)
+        for name, dst in self._parts().items():
+            dst.index_copy_(0, idx.to(dst.device), tensors[name].to(dst.device))
+        for b in idx.tolist():
+            self._release(b)
+        self.fill[idx] = tensors["fill"]
+        busy = set(idx.tolist())
+        for j, i in enumerate(tensors["open"].nonzero().flatten().tolist()):
+            ri = self._alloc(int(idx[i]), busy)
+            self.res_k[ri] = tensors["res_k"][j].to(self.res_k.device)
+            self.res_v[ri] = tensors["res_v"][j].to(self.res_v.device)
+
+    def check_blocks(self, n: int, tensors: dict[str, torch.Tensor]) -> None:
+        parts = self._parts()
+        want_names = set(parts) | {"fill", "open", "res_k", "res_v"}
+        if set(tensors) != want_names:
+            raise ValueError(f"layer {self.layer_idx}: KV parts {sorted(tensors)} do not match this cache's "
+                             f"{sorted(want_names)} (another KV dtype?)")
+        for name, dst in parts.items():
+            src = tensors[name]
+            want = (n, *dst.shape[1:])
+            if src.dtype != dst.dtype or tuple(src.shape) != want:
+                raise ValueError(f"layer {self.layer_idx} {name}: got {src.dtype} {tuple(src.shape)}, this cache "
+                                 f"needs {dst.dtype} {want}")
+        op, fill = tensors["open"], tensors["fill"]
+        if op.dtype != torch.bool or tuple(op.shape) != (n,) or fill.dtype != torch.int16 or tuple(fill.shape) != (n,):
+            raise ValueError(f"layer {self.layer_idx}: fill/open must be ({n},) int16 / bool")
+        m = int(op.sum())
+        for name in ("res_k", "res_v"):
+            src, want = tensors[name], (m, *self.res_k.shape[1:])
+            if src.dtype != RESIDUAL_DTYPE or tuple(src.shape) != want:
+                raise ValueError(f"layer {self.layer_idx} {name}: got {src.dtype} {tuple(src.shape)}, this cache "
+                                 f"needs {RESIDUAL_DTYPE} {want}")

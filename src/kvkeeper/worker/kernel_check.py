@@ -81,6 +81,10 @@ def random_step(seqs, num_heads: int, num_kv_heads: int, head_dim: int, block_si
         return m
 
     cache2 = PagedKV(nblocks, bs, num_kv_heads, head_dim, fmt, dev)
+    if fmt.kivi:  # packed blocks, scales, mins and the 16-bit window: a raw block copy
+        ids = list(range(nblocks))
+        cache2.write_blocks(ids, cache.read_blocks(ids))
+        return q, k, v, cache, cache2, meta(), meta()
     for a, b in ((cache2.k, cache.k), (cache2.v, cache.v), (cache2.k_scale, cache.k_scale),
                  (cache2.v_scale, cache.v_scale)):
         if a is not None:

@@ -1,0 +1,115 @@
+"""The KIVI int4 / int2 attention kernel (csrc/cpu/attention.cpp section 2c) against the reference path.
+
+The reference (:func:`kvkeeper.attention.reference.paged_attention`) dequantizes every block of the context
+(:meth:`kvkeeper.kvcache.store.KiviPagedKV.gather`) and runs SDPA; the kernel reads the packed codes and the
+16-bit window in place.  Tolerance: max |kernel - reference| / max |reference| <= 1e-5 (float32 rounding of two
+summation orders; measured 1e-7 to 6e-7 on these cases, 2026-12-06).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvkeeper.attention import cpu, reference
+from kvkeeper.attention.metadata import AttentionMetadata, PrefillSpan
+from kvkeeper.kernels import cpu as cpu_kernels
+from kvkeeper.kvcache.quant import parse_kv_format
+from kvkeeper.kvcache.store import KiviPagedKV, PagedKV
+from kvkeeper.worker.kernel_check import random_step
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
+TOL = 1e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / a.abs().max())
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int2"])
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 301, 7001])
+def test_kernel_equals_reference_decode_and_prefill(fmt, length):
+    """A decode token and a prefill chunk ending at ``length`` (plus a short second sequence), GQA 9/3."""
+    seqs = [(length, 1), (length, min(length, 37)), (40, 1)] if length > 1 else [(1, 1), (3, 3)]
+    q, k, v, c1, c2, m1, m2 = random_step(seqs, 9, 3, 64, 16, fmt, seed=length)
+    assert isinstance(c2, KiviPagedKV)
+    ref = reference.paged_attention(q, k, v, c1, m1, 0.125)
+    got = cpu.paged_attention(q, k, v, c2, m2, 0.125)
+    assert _rel(ref, got) <= TOL
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 32), (6, 1, 128)])
+@pytest.mark.parametrize("fmt", ["int4", "int2"])
+def test_gqa_shapes_and_block_size_32(heads, kv_heads, head_dim, fmt):
+    for bs in (16, 32):
+        q, k, v, c1, c2, m1, m2 = random_step([(203, 1), (90, 21), (33, 33)], heads, kv_heads, head_dim, bs, fmt,
+                                              seed=heads + bs)
+        assert _rel(reference.paged_attention(q, k, v, c1, m1, head_dim ** -0.5),
+                    cpu.paged_attention(q, k, v, c2, m2, head_dim ** -0.5)) <= TOL
+
+
+def _decode_meta(tables, lens, window=None):
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(len(tables), width, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.as_tensor(t)
+    n = len(tables)
+    return AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), decode_indices=torch.arange(n),
+                             decode_block_tables=bt, decode_context_lens=torch.tensor(lens), decode_max_len=max(lens),
+                             window=window)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int2"])
+def test_window_straddling_block_boundaries(fmt):
+    """Open (16-bit) blocks next to each other across a block boundary, and an open block before closed ones."""
+    g = torch.Generator().manual_seed(3)
+    cache = PagedKV(12, 16, 3, 64, parse_kv_format(fmt))
+    table = torch.tensor([7, 2, 9, 4])
+    n = 57
+    pos = torch.arange(n)
+    slots = table[pos // 16] * 16 + pos % 16
+    k, v = torch.randn(n, 3, 64, generator=g), torch.randn(n, 3, 64, generator=g)
+    cache.write(k, v, slots)  # blocks 7, 2, 9 closed, 4 open (9 tokens)
+    assert cache.res_of[table].tolist()[:3] == [-1, -1, -1] and int(cache.res_of[4]) >= 0
+    cache.write(k[40:41], v[40:41], slots[40:41])  # rewrite a slot of block 9: reopened
+    assert int(cache.res_of[9]) >= 0  # the window now holds tokens 32..56, straddling the boundary at 48
+    cache.write(k[3:4], v[3:4], slots[3:4])  # an open block before closed ones
+    assert int(cache.res_of[7]) >= 0
+    kd, _ = cache.gather(table, n, torch.float32)
+    assert torch.equal(kd[48:], k[48:].bfloat16().float())  # the tail is held in 16 bits
+    q = torch.randn(2, 9, 64, generator=g)
+    for window in (None, 20):
+        meta = _decode_meta([table.tolist(), table[:3].tolist()], [n, 41], window)
+        ref = reference.decode_attention(q, cache, meta, 0.125)
+        assert _rel(ref, cpu.decode_attention(q, cache, meta, 0.125)) <= TOL
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int2"])
+def test_a_token_decoded_equals_the_same_token_prefilled_bit_for_bit(fmt):
+    """The kernel's lane arithmetic does not depend on the tile or on the segment split (invariance)."""
+    g = torch.Generator().manual_seed(5)
+    n = 1100  # three 512-key segments
+    cache = PagedKV(80, 16, 3, 64, parse_kv_format(fmt))
+    table = torch.randperm(80, generator=g)[: -(-n // 16)]
+    pos = torch.arange(n)
+    slots = table[pos // 16] * 16 + pos % 16
+    cache.write(torch.randn(n, 3, 64, generator=g), torch.randn(n, 3, 64, generator=g), slots)
+    q = torch.randn(40, 9, 64, generator=g)
+    span = cpu.kivi_attention(q, cache, torch.tensor([0]), torch.tensor([40]), torch.tensor([n]), table[None], 0.125,
+                              None)
+    for j in (0, 17, 39):
+        one = cpu.kivi_attention(q[j: j + 1], cache, torch.tensor([0]), torch.tensor([1]),
+                                 torch.tensor([n - 40 + j + 1]), table[None], 0.125, None)
+        assert torch.equal(one[0], span[j])
+
+
+def test_bad_arguments_are_refused():
+    cache = PagedKV(4, 16, 1, 64, parse_kv_format("int4"))
+    q = torch.randn(1, 2, 64)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        cpu.kivi_attention(q, cache, torch.tensor([0]), torch.tensor([1]), torch.tensor([65]),
+                           torch.tensor([[0, 1, 2, 3]]), 0.1, None)
+    with pytest.raises(RuntimeError, match="bits"):
+        cpu_kernels.load().kivi_attention(q, cache.k, cache.v, cache.k_scale, cache.k_min, cache.v_scale,
+                                          cache.v_min, cache.res_of, cache.res_k, cache.res_v, torch.tensor([0]),
+                                          torch.tensor([1]), torch.tensor([1]), torch.tensor([[0]]), 0.1, 3, 0)
