@@ -47,9 +47,11 @@ ids = json.load(open(a["ids"]))
 llm = Llama(model_path=a["model"], n_ctx=8192, n_threads=a["threads"], n_threads_batch=a["threads"],
             n_batch=512, type_k=a["type"], type_v=a["type"], flash_attn=True, verbose=False, logits_all=False)
 t = time.perf_counter(); llm.eval(ids); prefill = time.perf_counter() - t
-tok = int(np.argmax(llm.scores[llm.n_tokens - 1])); t = time.perf_counter()
+# logits_all=False keeps no score rows (llm.scores has n_batch rows, never filled): read the last token's logits
+last = lambda: int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+tok = last(); t = time.perf_counter()
 for _ in range(a["n"]):
-    llm.eval([tok]); tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    llm.eval([tok]); tok = last()
 dec = time.perf_counter() - t
 print(json.dumps({"prefill_s": prefill, "decode_tok_s": a["n"] / dec}))
 '''
