@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1k perplexity, passkey at 2k only, 16 decode tokens")
     ap.add_argument("--trials", type=int, default=1, help="passkey keys per (length, depth)")
-    ap.add_argument("--llama-python", default="/work/llvenv/bin/python",
-                    help="a Python with llama-cpp-python ('' to skip llama.cpp)")
+    ap.add_argument("--llama-python", default=sys.executable,
+                    help="a Python with llama-cpp-python (default: this one; '' to skip llama.cpp)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES, help="KV dtypes to run, in this order")
     ap.add_argument("--resume", type=Path, help="a previous run's JSON (or .partial.json): its dtypes and decode "
