@@ -29,6 +29,31 @@ def tiny_llama_folder(out: Path, *, hidden_size: int = 32, head_dim: int = 8, nu
     return out
 
 
+def tiny_compression_llama(out: Path):
+    """The compression tests' tiny random Llama (2 layers, 4 heads over 2 KV heads of dim 16, eager attention,
+    float32, weights ~ N(0, 1/fan_in), residual projections x2, norms left at 1), saved with the embedded model's
+    tokenizer to ``out``.  Returns (out, the transformers model, the tokenizer)."""
+    import transformers
+    from kvkeeper.text.tokenizer import load_tokenizer
+    from kvkeeper.weights.sources import resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path())
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, head_dim=16,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                gain = 2.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+                p.copy_(gain * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    hf.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out, hf, tok
+
+
 def randomise_weights(model: torch.nn.Module, seed: int) -> None:
     """Large random weights (norm weights around 1, non-zero biases) so logits differ clearly."""
     g = torch.Generator().manual_seed(seed)

@@ -237,12 +237,13 @@ class PagedKV:
         for name, dst in self._parts().items():
             self._raw(dst).index_copy_(0, idx, self._raw(tensors[name].to(dst.device)))
 
-    def check_blocks(self, n: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Raise ValueError unless ``tensors`` are ``n`` blocks of this cache's parts, dtypes and shapes."""
+    def check_blocks(self, n: int, tensors: dict[str, torch.Tensor], extra: frozenset[str] = frozenset()) -> None:
+        """Raise ValueError unless ``tensors`` are ``n`` blocks of this cache's parts, dtypes and shapes (plus the
+        names in ``extra``, which a subclass checks itself)."""
         parts = self._parts()
-        if set(tensors) != set(parts):
+        if set(tensors) != set(parts) | extra:
             raise ValueError(f"layer {self.layer_idx}: KV parts {sorted(tensors)} do not match this cache's "
-                             f"{sorted(parts)} (another KV dtype?)")
+                             f"{sorted(set(parts) | extra)} (another KV dtype?)")
         for name, dst in parts.items():
             src = tensors[name]
             want = (n, *dst.shape[1:])
@@ -702,18 +703,8 @@ class KiviPagedKV(PagedKV):
             self.res_k[ri] = tensors["res_k"][j].to(self.res_k.device)
             self.res_v[ri] = tensors["res_v"][j].to(self.res_v.device)
 
-    def check_blocks(self, n: int, tensors: dict[str, torch.Tensor]) -> None:
-        parts = self._parts()
-        want_names = set(parts) | {"fill", "open", "res_k", "res_v"}
-        if set(tensors) != want_names:
-            raise ValueError(f"layer {self.layer_idx}: KV parts {sorted(tensors)} do not match this cache's "
-                             f"{sorted(want_names)} (another KV dtype?)")
-        for name, dst in parts.items():
-            src = tensors[name]
-            want = (n, *dst.shape[1:])
-            if src.dtype != dst.dtype or tuple(src.shape) != want:
-                raise ValueError(f"layer {self.layer_idx} {name}: got {src.dtype} {tuple(src.shape)}, this cache "
-                                 f"needs {dst.dtype} {want}")
+    def check_blocks(self, n: int, tensors: dict[str, torch.Tensor], extra: frozenset[str] = frozenset()) -> None:
+        super().check_blocks(n, tensors, extra | {"fill", "open", "res_k", "res_v"})
         op, fill = tensors["open"], tensors["fill"]
         if op.dtype != torch.bool or tuple(op.shape) != (n,) or fill.dtype != torch.int16 or tuple(fill.shape) != (n,):
             raise ValueError(f"layer {self.layer_idx}: fill/open must be ({n},) int16 / bool")

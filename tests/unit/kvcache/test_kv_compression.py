@@ -19,6 +19,7 @@ from kvkeeper.errors import InvalidRequestError
 from kvkeeper.kvcache.compression import POLICIES, KVCompression, PrefillObserver, select
 from kvkeeper.sessions import SessionManager
 from tests.utils.engines import make_engine
+from tests.utils.tiny_models import tiny_compression_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,24 +109,7 @@ def test_bad_policy_and_ratio_are_clear_errors():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from kvkeeper.weights.sources import resolve_model_path
-    from kvkeeper.text.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(resolve_model_path())
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, head_dim=16,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(1)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" not in name:
-                gain = 2.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-                p.copy_(gain * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    folder = tmp_path_factory.mktemp("tiny-compress")
-    hf.save_pretrained(folder)
-    tok.save_pretrained(folder)
+    folder, hf, tok = tiny_compression_llama(tmp_path_factory.mktemp("tiny-compress"))
     return folder, hf
 
 
