@@ -86,6 +86,8 @@ IMPLEMENTED = {
     "prompt_cache_key": "test_responses_api.py::test_prompt_cache_key_scopes_the_cache",
     "prediction": "test_speculative_server.py::test_prediction_is_used_and_counted_and_changes_nothing",
     "speculative_decoding": "test_speculative_server.py::test_prediction_is_used_and_counted_and_changes_nothing",
+    "session_compression": "test_session_compression_api.py::test_a_compressed_two_turn_session_and_its_errors",
+    "session_compression_ratio": "test_session_compression_api.py::test_a_compressed_two_turn_session_and_its_errors",
 }
 # a value that is not the field's no-op, for each refused field
 NOT_NOOP = {"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "function_call": "auto",

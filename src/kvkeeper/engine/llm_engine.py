@@ -317,6 +317,13 @@ class LLMEngine(EngineKV):
         blocks are not trimmed after a rejection)."""
         return not self.pool.hybrid
 
+    def write_kv_outside_scheduler(self, seq: Sequence, n: int) -> None:
+        """One forward pass over ``seq``'s ``n`` tokens from ``seq.num_computed`` on, writing their KV into its
+        block table's slots and keeping no logits; for a scratch sequence the scheduler does not hold (a session
+        compression's reconstruction pass, :mod:`kvkeeper.sessions.compress`).  The caller owns the blocks and
+        advances ``num_computed``.  Raises what the model runner raises."""
+        self.runner.forward(self.runner.build_batch([(seq, n)]), "none")
+
     def run_until_done(self, seqs: list[Sequence]) -> None:
         while any(not s.finished for s in seqs):
             self.step()

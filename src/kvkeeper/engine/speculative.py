@@ -85,8 +85,8 @@ class SpeculativeConfig:
     """
 
     method: str = "ngram"
-    disable_by_batch_size: int | None = None
     num_speculative_tokens: int = 4
+    disable_by_batch_size: int | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     suffix_decoding_max_cached_requests: int = 256

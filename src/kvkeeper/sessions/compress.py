@@ -172,7 +172,7 @@ def _kvzip_scores(engine, seq, slots: int) -> list[torch.Tensor] | None:
         with torch.inference_mode():
             while tmp.num_computed < len(tmp.token_ids):
                 n = min(_RECON_CHUNK, len(tmp.token_ids) - tmp.num_computed)
-                engine.runner.forward(engine.runner.build_batch([(tmp, n)]), "none")
+                engine.write_kv_outside_scheduler(tmp, n)
                 tmp.num_computed += n
     finally:
         engine.free_kv_blocks(extra)

@@ -60,7 +60,7 @@ def test_zero_and_plain_formats():
         assert torch.equal(dequantize(q, s, torch.float32), z) and torch.all(s > 0)
     assert parse_kv_format("fp32") is FORMATS["float32"] and parse_kv_format(torch.bfloat16).name == "bfloat16"
     with pytest.raises(ValueError, match="int8"):
-        parse_kv_format("int4")
+        parse_kv_format("int3")
 
 
 def test_bytes_per_token_smollm2_shape():
