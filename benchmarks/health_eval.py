@@ -51,6 +51,18 @@ def read_traces(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_training_traces(ap, path: str, max_seed: int, purpose: str, need_head_wait: bool = False) -> list[dict]:
+    """Traces for tuning or training: ``ap.error`` (exit 2) when a seed is above ``max_seed`` (held-out seeds
+    never tune or train) or, with need_head_wait, when the traces predate the generator's ``head_wait_s``."""
+    traces = read_traces(Path(path))
+    bad = sorted({t["seed"] for t in traces if t["seed"] > max_seed})
+    if bad:
+        ap.error(f"--traces holds seeds {bad} above --max-seed {max_seed}: held-out seeds must not {purpose}")
+    if need_head_wait and any("head_wait_s" not in t["samples"][0] for t in traces if t["samples"]):
+        ap.error("--traces lack head_wait_s (made before 2026-12-06's generator): generate them again")
+    return traces
+
+
 def write_traces(path: Path, traces: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(path, "wt") as f:

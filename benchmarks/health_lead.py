@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from health_eval import read_traces  # noqa: E402
+from health_eval import read_training_traces  # noqa: E402
 
 from kvkeeper.diagnostics.health_predict import Forecast, TrendPredictor  # noqa: E402
 from kvkeeper.eval.health_score import score_episode, summarize  # noqa: E402
@@ -83,12 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seed", type=int, default=99)
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
-    traces = read_traces(Path(a.traces))
-    bad = sorted({t["seed"] for t in traces if t["seed"] > a.max_seed})
-    if bad:
-        ap.error(f"--traces holds seeds {bad} above --max-seed {a.max_seed}: held-out seeds must not tune")
-    if any("head_wait_s" not in t["samples"][0] for t in traces if t["samples"]):
-        ap.error("--traces lack head_wait_s (made before 2026-12-06's generator): generate them again")
+    traces = read_training_traces(ap, a.traces, a.max_seed, "tune", need_head_wait=True)
     res = {"seeds": sorted({t["seed"] for t in traces}), "bound": bound(traces, a.evidence_tokens),
            "evidence_tokens": a.evidence_tokens, "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()),
            "variants": [variant(traces, **kw) for kw in ({}, {"head": 1.8}, {"head": 1.2}, {"backlog": 300},

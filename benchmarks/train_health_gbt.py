@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from health_eval import read_traces  # noqa: E402
+from health_eval import read_training_traces  # noqa: E402
 
 from kvkeeper.diagnostics.health_predict import (GBT_MODEL, GBT_SIGNALS, GBT_STATS, Forecast,  # noqa: E402
                                                  Predictor, gbt_raw, window_features)
@@ -119,12 +119,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     t0 = time.time()
-    traces = read_traces(Path(a.traces))
-    bad = sorted({t["seed"] for t in traces if t["seed"] > a.max_seed})
-    if bad:
-        ap.error(f"--traces holds seeds {bad} above --max-seed {a.max_seed}: held-out seeds must not train")
-    if any("head_wait_s" not in t["samples"][0] for t in traces if t["samples"]):
-        ap.error("--traces lack head_wait_s (made before 2026-12-06's generator): generate them again")
+    traces = read_training_traces(ap, a.traces, a.max_seed, "train", need_head_wait=True)
     seeds = sorted({t["seed"] for t in traces})
     folds = [seeds[i::a.folds] for i in range(a.folds)]
     wins = [episode_windows(t, a.window) for t in traces]

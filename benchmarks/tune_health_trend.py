@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from health_eval import read_traces  # noqa: E402
+from health_eval import read_training_traces  # noqa: E402
 
 from kvkeeper.diagnostics.health_predict import TrendConfig, TrendPredictor  # noqa: E402
 from kvkeeper.eval.health_score import score_episode, summarize  # noqa: E402
@@ -43,10 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seed", type=int, default=99)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    traces = read_traces(Path(a.traces))
-    bad = sorted({t["seed"] for t in traces if t["seed"] > a.max_seed})
-    if bad:
-        ap.error(f"--traces holds seeds {bad} above --max-seed {a.max_seed}: held-out seeds must not tune")
+    traces = read_training_traces(ap, a.traces, a.max_seed, "tune")
     results = []
     for values in itertools.product(*GRID.values()):
         kw = dict(zip(GRID, values))
