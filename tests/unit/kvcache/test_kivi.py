@@ -230,9 +230,9 @@ class KiviBlocksMachine(RuleBasedStateMachine):
         c = self.cache
         owned = {i: b for i, b in enumerate(c._owner) if b >= 0}
         assert len(owned) + len(c._free) == c.res_k.shape[0] and not set(owned) & set(c._free)
-        for i, b in owned.items():
-            assert int(c.res_of[b]) == i
-        assert int((c.res_of >= 0).sum()) == len(owned)
+        for i, b in owned.items():  # an open block's window index, or a kept copy's (-2 - index: closed block)
+            assert int(c.res_of[b]) == (-2 - i if b in c.kept else i)
+        assert int((c.res_of != -1).sum()) == len(owned) and c.kept <= set(owned.values())
         for s in self.seqs.values():  # a live sequence's partial last block is open
             n = len(s["k"])
             if n % self.bs:
