@@ -592,6 +592,8 @@ class KiviPagedKV(PagedKV):
             self._drop_kept()
         if slots.numel() == 0:
             return
+        if slots.numel() <= 8 and self._append_decode(k, v, slots_c.tolist()):
+            return
         order = torch.argsort(slots_c)
         ss = slots_c[order]
         blocks = ss // bs
@@ -640,6 +642,29 @@ class KiviPagedKV(PagedKV):
             self._tick[r] = self._clock
             if int(self.fill[b]) == bs:
                 self._close(b, keep=True)
+
+    def _append_decode(self, k: torch.Tensor, v: torch.Tensor, slots: list[int]) -> bool:
+        """The decode case of :meth:`write` without tensor bookkeeping: each token appended to its own open block
+        (distinct blocks, each slot the block's next one).  Returns False, writing nothing, for anything else."""
+        bs = self.k.shape[1]
+        at = [divmod(x, bs) for x in slots]
+        if len({b for b, _ in at}) != len(at):
+            return False
+        rows = []
+        for b, o in at:
+            r = int(self.res_of[b])
+            if r < 0 or o == 0 or o != int(self.fill[b]):
+                return False
+            rows.append(r)
+        self._clock += 1
+        for j, ((b, o), r) in enumerate(zip(at, rows)):
+            self.res_k[r, o] = k[j]
+            self.res_v[r, o] = v[j]
+            self.fill[b] = o + 1
+            self._tick[r] = self._clock
+            if o + 1 == bs:
+                self._close(b, keep=True)
+        return True
 
     # ---- reads ------------------------------------------------------------------------------------------
     def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype):
