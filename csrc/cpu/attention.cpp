@@ -982,7 +982,6 @@ namespace {
 
 constexpr int64_t kKiviSegKeys = 512;
 constexpr int64_t kMaxG = 16;  // query heads per KV head (the fast path's lane arrays)
-constexpr int64_t kKiviWideLanes = 8;  // a tile of this many lanes or more reads its keys transposed
 
 struct KiviArgs {
   const float* q;            // (T, H, D), not scaled
@@ -1119,27 +1118,6 @@ KVK_AVX512 inline void kivi_codes_row(const uint8_t* row, int64_t D, int64_t bit
   for (; c < D; c += 16) _mm512_store_ps(dst + c, kivi_codes16(row, c, bits));
 }
 
-// Token-major keys (16, D) -> channel-major (D, 16).
-template <int NV>
-KVK_AVX512 inline void kivi_transpose_keys(const float* rows, float* cols) {
-  constexpr int64_t D = 16 * NV;
-  alignas(64) __m512 r[16];
-  for (int v = 0; v < NV; ++v) {
-    for (int j = 0; j < 16; ++j) r[j] = _mm512_load_ps(rows + j * D + 16 * v);
-    transpose16(r);
-    for (int l = 0; l < 16; ++l) _mm512_store_ps(cols + (16 * v + l) * 16, r[l]);
-  }
-}
-
-// Lane t of the result = the sum over l of c[l]'s lane t, in transpose_reduce16's tree (pairs l, l + 8, then
-// l, l + 4, l, l + 2, l, l + 1): what transpose_reduce16 gives for the transposed input, bit for bit.
-KVK_AVX512 inline __m512 kivi_tree16(const __m512* c) {
-  __m512 s1[8], s2[4];
-  for (int l = 0; l < 8; ++l) s1[l] = _mm512_add_ps(c[l], c[l + 8]);
-  for (int l = 0; l < 4; ++l) s2[l] = _mm512_add_ps(s1[l], s1[l + 4]);
-  return _mm512_add_ps(_mm512_add_ps(s2[0], s2[2]), _mm512_add_ps(s2[1], s2[3]));
-}
-
 // Segment seg of a tile, AVX-512 (head_dim D = 16 * NV): per lane the same online softmax, 16 keys at a time.
 // For each chunk of 16 keys the codes (and, where a lane's own block is in the window, the 16-bit rows) are
 // converted once for every lane of the tile.  Scale and min are folded out of the inner loops: a closed block's
@@ -1167,8 +1145,6 @@ KVK_AVX512 void kivi_segment_avx512_t(const KiviArgs& a, const KiviTile& t, int6
   }
   alignas(64) float kc[16 * D], vc[16 * D];  // codes of the chunk's 16 tokens (token-major)
   alignas(64) float kw[16 * D], vw[16 * D];  // the window's rows
-  alignas(64) float kct[16 * D], kwt[16 * D];  // keys transposed (channel-major), for a wide tile
-  const bool wide = lanes >= kKiviWideLanes;
   alignas(64) float vsc[16][16], vmn[16][16];  // per value group: the 16 tokens' scales and minima
   alignas(64) float pg[16][16];               // per value group: p * scale
   float bias[16];
@@ -1226,35 +1202,20 @@ KVK_AVX512 void kivi_segment_avx512_t(const KiviArgs& a, const KiviTile& t, int6
           _mm512_store_ps(vw + j * D + 16 * v, kivi_bf16x16(a.rv + row + 16 * v));
         }
       }
-    if (wide) {  // keys transposed (channel-major) once for the tile's many lanes
-      if (need_codes) kivi_transpose_keys<NV>(kc, kct);
-      if (need_win) kivi_transpose_keys<NV>(kw, kwt);
-    }
     const __m512i pos = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(c0)));
     for (int64_t x = 0; x < lanes; ++x) {
       if (his[x] < c0 || los[x] > c0 + 15) continue;
       const bool win = kivi_reads_window(a, blk, ti, his[x]);
       const float* qx = win ? qs + x * D : qk + x * D;
-      __m512 sc;
-      if (wide) {  // the same products and sums as below, lane by lane: 16 chains over the channels, one tree
-        const float* Kt = win ? kwt : kct;
-        __m512 c[16];
-        for (int l = 0; l < 16; ++l) c[l] = _mm512_mul_ps(_mm512_set1_ps(qx[l]), _mm512_load_ps(Kt + l * 16));
-        for (int v = 1; v < NV; ++v)
-          for (int l = 0; l < 16; ++l)
-            c[l] = _mm512_fmadd_ps(_mm512_set1_ps(qx[16 * v + l]), _mm512_load_ps(Kt + (16 * v + l) * 16), c[l]);
-        sc = kivi_tree16(c);
-      } else {
-        const float* K = win ? kw : kc;
-        __m512 qv[NV];
-        for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qx + 16 * v);
-        for (int j = 0; j < 16; ++j) {
-          __m512 p = _mm512_mul_ps(qv[0], _mm512_load_ps(K + j * D));
-          for (int v = 1; v < NV; ++v) p = _mm512_fmadd_ps(qv[v], _mm512_load_ps(K + j * D + 16 * v), p);
-          part[j] = p;
-        }
-        sc = transpose_reduce16(part);
+      const float* K = win ? kw : kc;
+      __m512 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qx + 16 * v);
+      for (int j = 0; j < 16; ++j) {
+        __m512 p = _mm512_mul_ps(qv[0], _mm512_load_ps(K + j * D));
+        for (int v = 1; v < NV; ++v) p = _mm512_fmadd_ps(qv[v], _mm512_load_ps(K + j * D + 16 * v), p);
+        part[j] = p;
       }
+      __m512 sc = transpose_reduce16(part);
       if (!win) sc = _mm512_add_ps(sc, _mm512_set1_ps(bk[x]));
       const __mmask16 vis = _mm512_cmple_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(his[x]))) &
                             _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(los[x])));
