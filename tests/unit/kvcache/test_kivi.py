@@ -322,7 +322,8 @@ def test_engine_generates_with_kivi_kv_and_reuses_its_prefix(kv_dtype, bf16_repl
     from kvkeeper.kvcache.validate import check_engine
     from tests.utils.engines import make_engine
 
-    eng = make_engine(num_kv_blocks=64, kv_dtype=kv_dtype)
+    assert make_engine(num_kv_blocks=64, kv_dtype=kv_dtype).block_size == 32  # KIVI's default block
+    eng = make_engine(num_kv_blocks=64, kv_dtype=kv_dtype, block_size=16)
     assert eng.runner.kv_format.name == kv_dtype and eng.runner.attention_backend in ("cpu", "torch")
     greedy = SamplingParams(max_tokens=12, temperature=0)
     first = eng.generate([PROMPT], greedy)[0]
