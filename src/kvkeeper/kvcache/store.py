@@ -500,6 +500,16 @@ class KiviPagedKV(PagedKV):
         while self.kept:
             self._release(self.kept.pop())
 
+    def _end_kept(self, written: torch.Tensor) -> None:
+        """Before a write: a kept block written again (e.g. after rejected draft tokens) reopens from its exact
+        16-bit copy; the other kept copies are released.  written: the blocks (n,) the write touches."""
+        if not self.kept:
+            return
+        for b in set(written.tolist()) & self.kept:
+            self.kept.discard(b)
+            self.res_of[b] = -2 - int(self.res_of[b])
+        self._drop_kept()
+
     def _keep(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Attach a 16-bit copy k, v (block_size, KVH, D) to a block just closed, if the pool has a free block."""
         if not self._free:
@@ -579,17 +589,12 @@ class KiviPagedKV(PagedKV):
     # ---- writes -----------------------------------------------------------------------------------------
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store new keys/values k, v (T, KVH, D) into their slots (T,) int64 (distinct): a block whose every slot
-        is written here is quantized at once; other tokens go to their block's 16-bit window, and a block whose
-        last slot is written is closed (quantized).  A sequence appends in order, so a block then holds the tokens
-        up to the last slot written (a rewrite, e.g. after rejected draft tokens, truncates it there; a rewrite
-        into a closed block reopens it, its earlier tokens dequantized into the window)."""
-        bs = self.k.shape[1]
+        is written here is quantized at once (keeping a 16-bit copy for this step); other tokens go to their block's
+        window, a block whose last slot is written is closed.  A sequence appends in order: a block holds the tokens
+        up to the last slot written (a rewrite truncates it there; one into a closed block reopens it, dequantized)."""
         slots_c = slots.cpu()
-        if self.kept:  # a kept block written again (e.g. after rejected draft tokens) reopens from its exact copy
-            for b in set((slots_c // bs).tolist()) & self.kept:
-                self.kept.discard(b)
-                self.res_of[b] = -2 - int(self.res_of[b])
-            self._drop_kept()
+        self._end_kept(slots_c // self.k.shape[1])
+        bs = self.k.shape[1]
         if slots.numel() == 0:
             return
         if slots.numel() <= 8 and self._append_decode(k, v, slots_c.tolist()):
