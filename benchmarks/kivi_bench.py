@@ -17,7 +17,7 @@ default engine):
 
 Writes ``OUT/kivi_bench-smollm2-135m-<date>.json`` and ``.md``.
 
-    .venv/bin/python benchmarks/kivi_bench.py [--quick] [--llama-python /path/to/python] [--out DIR]
+    .venv/bin/python benchmarks/kivi_bench.py [--quick] [--kivi-block-size N] [--llama-python /path/to/python] [--out DIR]
 """
 
 from __future__ import annotations
@@ -61,10 +61,10 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def engine(kv_dtype: str):
+def engine(kv_dtype: str, block_size: int | None = None):
     from kvkeeper import LLMEngine
 
-    return LLMEngine(kv_dtype=kv_dtype, kv_cache_bytes=1 << 30)
+    return LLMEngine(kv_dtype=kv_dtype, kv_cache_bytes=1 << 30, **({"block_size": block_size} if block_size else {}))
 
 
 def decode_after(eng, ids: list[int], n: int) -> dict:
@@ -103,6 +103,9 @@ def main(argv=None) -> int:
                     "rows are kept (a loaded machine: run the dtypes in several processes)")
     ap.add_argument("--long-depths", type=float, nargs="+", default=[0.5, 0.1],
                     help="needle depths of the 7,000-token passkey prompts (each also times decode after it)")
+    ap.add_argument("--kivi-block-size", type=int, default=None,
+                    help="block size of the int4 / int2 engines (a KIVI key group is one block; default: the "
+                         "engine's, 16); bf16 and int8 keep the default")
     ap.add_argument("--llama-kv", nargs="+", default=["q4_0"], choices=["q4_0", "f16"],
                     help="llama.cpp K/V types to time")
     args = ap.parse_args(argv)
@@ -126,9 +129,10 @@ def main(argv=None) -> int:
         res["decode"].update(prev["decode"])
         res["resumed_from"] = {"file": args.resume.name, "date": prev["date"], "load_start": prev["load_start"]}
     for d in args.dtypes:
-        eng = engine(d)
         fmt = parse_kv_format(d)
-        row = {"kv_format": eng.runner.kv_format.name, "bytes_per_token": eng.runner.kv_store.bytes_per_token}
+        eng = engine(d, args.kivi_block_size if fmt.kivi else None)
+        row = {"kv_format": eng.runner.kv_format.name, "block_size": eng.block_size,
+               "bytes_per_token": eng.runner.kv_store.bytes_per_token}
         row["bytes_per_token_vs_bf16"] = row["bytes_per_token"] / parse_kv_format("bf16").bytes_per_token(30, 3, 64)
         window = sum(c.res_k.nbytes + c.res_v.nbytes for c in eng.runner.kv_store) if fmt.kivi else 0
         row["window_pool_bytes"] = window
@@ -186,11 +190,11 @@ def main(argv=None) -> int:
     (args.out / f"{name}.json").write_text(json.dumps(res, indent=1))
     md = [f"## kivi_bench: KV dtypes bf16 / int8 / int4 / int2 ({res['date']}, {res['cpu']}, {res['threads']} threads, "
           f"load {res['load_start']} -> {res['load_end']})", "", f"`{res['command']}`", "",
-          f"| KV dtype | bytes/token | x bf16 | sessions of 2k per GiB | ppl @{ctx} | ppl / bf16 | "
+          f"| KV dtype | block | bytes/token | x bf16 | sessions of 2k per GiB | ppl @{ctx} | ppl / bf16 | "
           + " | ".join(f"passkey @{x}" for x in lengths) + " |",
-          "|---|---:|---:|---:|---:|---:|" + "---:|" * len(lengths)]
+          "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(lengths)]
     for d, r in res["dtypes"].items():
-        md.append(f"| {d} | {r['bytes_per_token']:,} | {r['bytes_per_token_vs_bf16']:.3f} | {r['sessions_2k_per_gib']} | "
+        md.append(f"| {d} | {r.get('block_size', 16)} | {r['bytes_per_token']:,} | {r['bytes_per_token_vs_bf16']:.3f} | {r['sessions_2k_per_gib']} | "
                   f"{r['ppl']:.3f} | {r['ppl'] / b['ppl'] if b else float('nan'):.4f} | "
                   + " | ".join(f"{r['passkey'].get(str(x), float('nan')):.2f}" for x in lengths) + " |")
     md += ["", f"Decode after a {len(long_ids or []):,}-token prompt ({n_dec} tokens, greedy, EOS ignored):", "",

@@ -16,7 +16,7 @@ tokens >= 0.9x the uncompressed session's.  Writes ``benchmarks/results/session_
 and ``.md`` after each run.
 
     python benchmarks/session_compression.py [--conversations 3] [--min-tokens 1500] [--ratios 0.5 0.75]
-        [--policies streaming_llm knorm kvzip]
+        [--policies streaming_llm knorm kvzip] [--kv-dtype int4]
 """
 
 from __future__ import annotations
@@ -198,9 +198,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75])
     ap.add_argument("--policies", nargs="+", default=["streaming_llm", "knorm", "kvzip"])
+    ap.add_argument("--kv-dtype", default=None, help="the engine's KV dtype (default: the engine's, bf16)")
     ap.add_argument("--out", default=str(result_path("session_compression", suffix="")), help="OUT.json and OUT.md")
     args = ap.parse_args()
-    eng = LLMEngine()
+    eng = LLMEngine(**({"kv_dtype": args.kv_dtype} if args.kv_dtype else {}))
     count = lambda t: len(eng.tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
     convs = generate(load_dialogues(SOURCE), args.conversations, args.min_tokens, count, args.seed)
     toks = [len(eng.encode_chat(c["messages"])) for c in convs]
@@ -209,6 +210,8 @@ def main() -> int:
             "turns": turns, "turns_mean": sum(turns) / len(turns), "questions": sum(len(c["questions"]) for c in convs),
             "seed": args.seed, "model": eng.model_name, "weights": eng.runner.weight_description,
             "max_tokens": args.max_tokens, "load_average_start": os.getloadavg()[0],
+            "kv_dtype": eng.runner.kv_format.name, "block_size": eng.block_size,
+            "kv_bytes_per_token": eng.runner.kv_store.bytes_per_token,
             "machine": f"{platform.machine()}, 2 cores shared with other jobs",
             "command": "python benchmarks/session_compression.py " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d")}

@@ -961,22 +961,27 @@ torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k, c
 //    Spans of queries (a prefill span, or a decode token as a span of one query) attend causally to their
 //    sequence's paged K/V, held as packed 4- or 2-bit codes and read in place block by block.  A closed block's
 //    keys are codes * scale + min per (KV head, channel) over the block, its values codes * scale + min per
-//    (token, KV head, group of channels); an open block (res_of[block] >= 0) is read from the 16-bit window
-//    (bfloat16 rows of res_k / res_v).  Each 16-token chunk of one KV head is dequantized into a float32 tile
-//    (keys transposed to (D, 16), values (16, D)) once for all the query lanes that read it (up to 16 queries x
-//    the GQA group): no dequantized copy of the context is ever made.  Keys are split at fixed absolute positions
-//    (every kKiviSegKeys keys): each segment's online softmax (Milakov & Gimelshein, 2018) runs alone, the
-//    segments are combined in order (flash-decoding's split, Dao et al., 2023).  A query lane's arithmetic
-//    depends only on its own query and keys (not on the other lanes of its tile, nor on whether its segments ran
-//    in parallel), so a token's output is the same bit for bit whether it was prefilled, in any chunk, or
-//    decoded: the kernel is batch-invariant by construction, and runs alike in both modes of
-//    set_invariant_attention.  AVX-512 path: head_dim and block_size multiples of 16 and the value group a
-//    multiple of 16; otherwise the portable path (same algorithm, key by key; equal to the reference within
-//    rounding, not bit for bit to the AVX-512 path).
+//    (token, KV head, group of channels).  The own-block rule: a query reads the block of its own position from the
+//    16-bit window (bfloat16 rows of res_k / res_v: an open block's tokens, or the copy a block closed in this step
+//    keeps for the step, res_of = -2 - window block), every earlier block from its codes, so a prefilled token
+//    sees what it would see decoded (KIVI's full-precision recent tokens, Liu et al., 2024, section 3.3).  For each
+//    16-key chunk of one KV head the codes are converted to float32 once for all the query lanes that read them (up
+//    to 16 queries x the GQA group), and the scales are folded out of the inner loops: a score is
+//    (q * k_scale) . codes + q . k_min, a value group's sum (p * v_scale) . codes + p . v_min.  No dequantized copy
+//    of the context is ever made.  Keys are split at fixed absolute positions (every kKiviSegKeys keys): each
+//    segment's online softmax (Milakov & Gimelshein, 2018) runs alone, the segments are combined in order
+//    (flash-decoding's split, Dao et al., 2023).  A query lane's arithmetic depends only on its own query and keys
+//    (not on the other lanes of its tile, nor on whether its segments ran in parallel), so a token's output is the
+//    same bit for bit whether it was prefilled, in any chunk, or decoded: the kernel is batch-invariant by
+//    construction, and runs alike in both modes of set_invariant_attention.  AVX-512 path: head_dim and
+//    block_size multiples of 16, the value group a multiple of 16 and at most 16 query heads per KV head;
+//    otherwise the portable path (same rule, key by key; equal to the reference within rounding, not bit for bit
+//    to the AVX-512 path).
 // ===================================================================================================
 namespace {
 
 constexpr int64_t kKiviSegKeys = 512;
+constexpr int64_t kMaxG = 16;  // query heads per KV head (the fast path's lane arrays)
 
 struct KiviArgs {
   const float* q;            // (T, H, D), not scaled
@@ -1013,11 +1018,20 @@ inline void kivi_visible(const KiviArgs& a, int64_t s, int64_t i, int64_t& lo, i
   lo = a.window > 0 ? std::max<int64_t>(0, hi - a.window + 1) : 0;
 }
 
-// Key (or value) of token `off` of block blk, KV head h, as float32 (D,).
-void kivi_row(const KiviArgs& a, bool value, int64_t blk, int64_t off, int64_t h, float* x) {
-  const int64_t D = a.D, r = a.res_of[blk];
-  if (r >= 0) {
-    const uint16_t* src = (value ? a.rv : a.rk) + ((r * a.BS + off) * a.KVH + h) * D;
+// res_of[blk]: >= 0, an open block (its window block, read by every query); <= -2, a closed block whose 16-bit copy
+// is kept for this step (window block -2 - res_of, read by the queries of that block only: the own-block rule);
+// -1, closed.  Whether a query lane (its position hi) reads table entry ti (block blk) from the window:
+inline bool kivi_reads_window(const KiviArgs& a, int64_t blk, int64_t ti, int64_t hi) {
+  const int32_t r = a.res_of[blk];
+  return r >= 0 || (r <= -2 && ti == hi / a.BS);
+}
+inline int64_t kivi_window_block(int32_t r) { return r >= 0 ? r : -2 - r; }
+
+// Key (or value) of token `off` of block blk, KV head h, as float32 (D,): from the window or dequantized.
+void kivi_row(const KiviArgs& a, bool value, bool window, int64_t blk, int64_t off, int64_t h, float* x) {
+  const int64_t D = a.D;
+  if (window) {
+    const uint16_t* src = (value ? a.rv : a.rk) + ((kivi_window_block(a.res_of[blk]) * a.BS + off) * a.KVH + h) * D;
     for (int64_t d = 0; d < D; ++d) x[d] = kivi_bf16(src[d]);
     return;
   }
@@ -1048,13 +1062,14 @@ void kivi_segment_generic(const KiviArgs& a, const KiviTile& t, int64_t seg, flo
   kivi_visible(a, t.s, t.i0 + t.nq - 1, lo1, hi1);
   const int64_t k0 = std::max(seg * kKiviSegKeys, lo0), k1 = std::min((seg + 1) * kKiviSegKeys, hi1 + 1);
   for (int64_t key = k0; key < k1; ++key) {
-    const int64_t blk = a.bt[t.s * a.W + key / a.BS], off = key % a.BS;
-    kivi_row(a, false, blk, off, t.h, kr.data());
-    kivi_row(a, true, blk, off, t.h, vr.data());
+    const int64_t ti = key / a.BS, blk = a.bt[t.s * a.W + ti], off = key % a.BS;
     for (int64_t x = 0; x < lanes; ++x) {
       int64_t lo, hi;
       kivi_visible(a, t.s, t.i0 + x / G, lo, hi);
       if (key < lo || key > hi) continue;
+      const bool win = kivi_reads_window(a, blk, ti, hi);
+      kivi_row(a, false, win, blk, off, t.h, kr.data());
+      kivi_row(a, true, win, blk, off, t.h, vr.data());
       float sc = 0.f;
       for (int64_t d = 0; d < D; ++d) sc += qs[x * D + d] * kr[d];
       const float mn = std::max(m[x], sc), corr = std::exp(m[x] - mn), p = std::exp(sc - mn);
@@ -1088,39 +1103,38 @@ KVK_AVX512 inline __m512 kivi_bf16x16(const uint16_t* p) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// Dequantize 16 tokens [off, off + 16) of block blk, KV head h: kt (D, 16) keys transposed, vt (16, D) values.
-KVK_AVX512 void kivi_chunk_avx512(const KiviArgs& a, int64_t blk, int64_t off, int64_t h, float* kt, float* vt) {
-  const int64_t D = a.D, r = a.res_of[blk];
-  alignas(64) __m512 rows[16];
-  for (int64_t c = 0; c < D; c += 16) {
-    if (r >= 0) {
-      for (int t = 0; t < 16; ++t) rows[t] = kivi_bf16x16(a.rk + ((r * a.BS + off + t) * a.KVH + h) * D + c);
-      transpose16(rows);
-      for (int j = 0; j < 16; ++j) _mm512_store_ps(kt + (c + j) * 16, rows[j]);
-      for (int t = 0; t < 16; ++t)
-        _mm512_store_ps(vt + t * D + c, kivi_bf16x16(a.rv + ((r * a.BS + off + t) * a.KVH + h) * D + c));
-      continue;
-    }
-    for (int t = 0; t < 16; ++t) rows[t] = kivi_codes16(a.kp + ((blk * a.BS + off + t) * a.KVH + h) * a.PB, c, a.bits);
-    transpose16(rows);
-    const uint16_t *ks = a.ks + (blk * a.KVH + h) * D + c, *km = a.km + (blk * a.KVH + h) * D + c;
-    for (int j = 0; j < 16; ++j)
-      _mm512_store_ps(kt + (c + j) * 16, _mm512_fmadd_ps(rows[j], _mm512_set1_ps(half_to_float(ks[j])),
-                                                         _mm512_set1_ps(half_to_float(km[j]))));
-    for (int t = 0; t < 16; ++t) {
-      const int64_t row = (blk * a.BS + off + t) * a.KVH + h, g = row * a.NG + c / a.GV;
-      _mm512_store_ps(vt + t * D + c, _mm512_fmadd_ps(kivi_codes16(a.vp + row * a.PB, c, a.bits),
-                                                      _mm512_set1_ps(half_to_float(a.vs[g])),
-                                                      _mm512_set1_ps(half_to_float(a.vm[g]))));
+// A packed row's D codes as float32 (the codes themselves: scale and min are applied by the caller).
+KVK_AVX512 inline void kivi_codes_row(const uint8_t* row, int64_t D, int64_t bits, float* dst) {
+  int64_t c = 0;
+  if (bits == 4) {  // 32 channels from 16 bytes: low nibbles are the even channels, high the odd ones
+    const __m128i mask = _mm_set1_epi8(15);
+    for (; c + 32 <= D; c += 32) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2));
+      const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+      _mm512_store_ps(dst + c, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))));
+      _mm512_store_ps(dst + c + 16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi))));
     }
   }
+  for (; c < D; c += 16) _mm512_store_ps(dst + c, kivi_codes16(row, c, bits));
 }
 
-// Segment seg of a tile, AVX-512: the same per-lane online softmax, 16 keys at a time.
-KVK_AVX512 void kivi_segment_avx512(const KiviArgs& a, const KiviTile& t, int64_t seg, float* o, float* m, float* l) {
-  const int64_t D = a.D, G = a.G, lanes = t.nq * G;
-  std::vector<float> qs(lanes * D);
-  std::vector<int64_t> los(lanes), his(lanes);
+// Segment seg of a tile, AVX-512 (head_dim D = 16 * NV): per lane the same online softmax, 16 keys at a time.
+// For each chunk of 16 keys the codes (and, where a lane's own block is in the window, the 16-bit rows) are
+// converted once for every lane of the tile.  Scale and min are folded out of the inner loops: a closed block's
+// score is (q * k_scale) . codes + q . k_min; a value group's sum is sum_t (p_t * v_scale_t) codes_t +
+// sum_t p_t * v_min_t.  A lane's score is summed per token over the head dimension in 16-channel vectors, then
+// reduced by transpose_reduce16 (a fixed tree): a lane's arithmetic depends only on its own query and keys, never
+// on the other lanes of its tile.
+template <int NV>
+KVK_AVX512 void kivi_segment_avx512_t(const KiviArgs& a, const KiviTile& t, int64_t seg, float* o, float* m,
+                                      float* l) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t G = a.G, lanes = t.nq * G, NG = a.NG, vpg = a.GV / 16;
+  thread_local std::vector<float> qbuf;
+  qbuf.resize(2 * lanes * D);
+  float *qs = qbuf.data(), *qk = qs + lanes * D;  // the lanes' queries (scaled), and times the block's key scales
+  float bk[16 * kMaxG];
+  int64_t los[16 * kMaxG], his[16 * kMaxG];
   for (int64_t x = 0; x < lanes; ++x) {
     const float* qrow = a.q + ((a.starts[t.s] + t.i0 + x / G) * a.H + t.h * G + x % G) * D;
     for (int64_t d = 0; d < D; ++d) qs[x * D + d] = qrow[d] * a.scale;
@@ -1129,38 +1143,127 @@ KVK_AVX512 void kivi_segment_avx512(const KiviArgs& a, const KiviTile& t, int64_
     l[x] = 0.f;
     std::fill(o + x * D, o + (x + 1) * D, 0.f);
   }
-  alignas(64) float kt[256 * 16];
-  alignas(64) float vt[16 * 256];
-  alignas(64) float pv[16];
+  alignas(64) float kc[16 * D], vc[16 * D];  // codes of the chunk's 16 tokens (token-major)
+  alignas(64) float kw[16 * D], vw[16 * D];  // the window's rows
+  alignas(64) float vsc[16][16], vmn[16][16];  // per value group: the 16 tokens' scales and minima
+  alignas(64) float pg[16][16];               // per value group: p * scale
+  float bias[16];
+  int gof[NV];
+  for (int v = 0; v < NV; ++v) gof[v] = static_cast<int>(v / vpg);
+  alignas(64) __m512 part[16];
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t k0 = std::max(seg * kKiviSegKeys, los[0] / 16 * 16);
   const int64_t k1 = std::min((seg + 1) * kKiviSegKeys, his[lanes - 1] + 1);
+  int64_t qk_ti = -1;  // the table entry qk / bk were computed for
   for (int64_t c0 = k0; c0 < k1; c0 += 16) {
-    const int64_t blk = a.bt[t.s * a.W + c0 / a.BS];
-    kivi_chunk_avx512(a, blk, c0 % a.BS, t.h, kt, vt);
+    const int64_t ti = c0 / a.BS, blk = a.bt[t.s * a.W + ti], off = c0 % a.BS;
+    const int64_t r = kivi_window_block(a.res_of[blk]);
+    bool need_codes = false, need_win = false;
+    for (int64_t x = 0; x < lanes; ++x) {
+      if (his[x] < c0 || los[x] > c0 + 15) continue;
+      (kivi_reads_window(a, blk, ti, his[x]) ? need_win : need_codes) = true;
+    }
+    if (need_codes) {
+      const int64_t row0 = (blk * a.BS + off) * a.KVH + t.h;
+      for (int j = 0; j < 16; ++j) {
+        const int64_t row = row0 + j * a.KVH;
+        kivi_codes_row(a.kp + row * a.PB, D, a.bits, kc + j * D);
+        kivi_codes_row(a.vp + row * a.PB, D, a.bits, vc + j * D);
+        for (int64_t g = 0; g < NG; ++g) {
+          vsc[g][j] = _cvtsh_ss(a.vs[row * NG + g]);
+          vmn[g][j] = _cvtsh_ss(a.vm[row * NG + g]);
+        }
+      }
+      if (qk_ti != ti) {  // this block's key scales folded into every lane's query
+        qk_ti = ti;
+        const uint16_t *ks = a.ks + (blk * a.KVH + t.h) * D, *km = a.km + (blk * a.KVH + t.h) * D;
+        __m512 s[NV], mn[NV];
+        for (int v = 0; v < NV; ++v) {
+          s[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks + 16 * v)));
+          mn[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(km + 16 * v)));
+        }
+        for (int64_t x = 0; x < lanes; ++x) {
+          __m512 b = _mm512_setzero_ps();
+          for (int v = 0; v < NV; ++v) {
+            const __m512 q = _mm512_loadu_ps(qs + x * D + 16 * v);
+            _mm512_storeu_ps(qk + x * D + 16 * v, _mm512_mul_ps(q, s[v]));
+            b = _mm512_fmadd_ps(q, mn[v], b);
+          }
+          bk[x] = _mm512_reduce_add_ps(b);
+        }
+      }
+    }
+    if (need_win)
+      for (int j = 0; j < 16; ++j) {
+        const int64_t row = ((r * a.BS + off + j) * a.KVH + t.h) * D;
+        for (int v = 0; v < NV; ++v) {
+          _mm512_store_ps(kw + j * D + 16 * v, kivi_bf16x16(a.rk + row + 16 * v));
+          _mm512_store_ps(vw + j * D + 16 * v, kivi_bf16x16(a.rv + row + 16 * v));
+        }
+      }
     const __m512i pos = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(c0)));
     for (int64_t x = 0; x < lanes; ++x) {
       if (his[x] < c0 || los[x] > c0 + 15) continue;
+      const bool win = kivi_reads_window(a, blk, ti, his[x]);
+      const float* qx = win ? qs + x * D : qk + x * D;
+      const float* K = win ? kw : kc;
+      __m512 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qx + 16 * v);
+      for (int j = 0; j < 16; ++j) {
+        __m512 p = _mm512_mul_ps(qv[0], _mm512_load_ps(K + j * D));
+        for (int v = 1; v < NV; ++v) p = _mm512_fmadd_ps(qv[v], _mm512_load_ps(K + j * D + 16 * v), p);
+        part[j] = p;
+      }
+      __m512 sc = transpose_reduce16(part);
+      if (!win) sc = _mm512_add_ps(sc, _mm512_set1_ps(bk[x]));
       const __mmask16 vis = _mm512_cmple_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(his[x]))) &
                             _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(los[x])));
-      const float* qx = qs.data() + x * D;
-      __m512 sc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; ++d) sc = _mm512_fmadd_ps(_mm512_set1_ps(qx[d]), _mm512_load_ps(kt + d * 16), sc);
       sc = _mm512_mask_blend_ps(vis, ninf, sc);
-      const float mn = std::max(m[x], _mm512_reduce_max_ps(sc));
-      const float corr = std::exp(m[x] - mn);
-      const __m512 p = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mn))));
+      const float mx = std::max(m[x], _mm512_reduce_max_ps(sc));
+      const float corr = std::exp(m[x] - mx);
+      const __m512 p = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
       l[x] = l[x] * corr + _mm512_reduce_add_ps(p);
-      _mm512_store_ps(pv, p);
+      m[x] = mx;
       float* ox = o + x * D;
-      for (int64_t c = 0; c < D; c += 16) {
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(ox + c), _mm512_set1_ps(corr));
-        for (int j = 0; j < 16; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(pv[j]), _mm512_load_ps(vt + j * D + c), acc);
-        _mm512_storeu_ps(ox + c, acc);
+      const __m512 cv = _mm512_set1_ps(corr);
+      __m512 acc[NV];
+      for (int v = 0; v < NV; ++v) acc[v] = _mm512_mul_ps(_mm512_loadu_ps(ox + 16 * v), cv);
+      if (win) {
+        _mm512_store_ps(pg[0], p);
+        for (int j = 0; j < 16; ++j) {
+          const __m512 pj = _mm512_set1_ps(pg[0][j]);
+          for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(pj, _mm512_load_ps(vw + j * D + 16 * v), acc[v]);
+        }
+      } else {
+        for (int64_t g = 0; g < NG; ++g) {
+          _mm512_store_ps(pg[g], _mm512_mul_ps(p, _mm512_load_ps(vsc[g])));
+          bias[g] = _mm512_reduce_add_ps(_mm512_mul_ps(p, _mm512_load_ps(vmn[g])));
+        }
+        for (int j = 0; j < 16; ++j)
+          for (int v = 0; v < NV; ++v)
+            acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(pg[gof[v]][j]), _mm512_load_ps(vc + j * D + 16 * v), acc[v]);
+        for (int v = 0; v < NV; ++v) acc[v] = _mm512_add_ps(acc[v], _mm512_set1_ps(bias[gof[v]]));
       }
-      m[x] = mn;
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ox + 16 * v, acc[v]);
     }
+  }
+}
+
+KVK_AVX512 void kivi_segment_avx512(const KiviArgs& a, const KiviTile& t, int64_t seg, float* o, float* m, float* l) {
+  switch (a.D / 16) {
+    case 1: return kivi_segment_avx512_t<1>(a, t, seg, o, m, l);
+    case 2: return kivi_segment_avx512_t<2>(a, t, seg, o, m, l);
+    case 3: return kivi_segment_avx512_t<3>(a, t, seg, o, m, l);
+    case 4: return kivi_segment_avx512_t<4>(a, t, seg, o, m, l);
+    case 5: return kivi_segment_avx512_t<5>(a, t, seg, o, m, l);
+    case 6: return kivi_segment_avx512_t<6>(a, t, seg, o, m, l);
+    case 7: return kivi_segment_avx512_t<7>(a, t, seg, o, m, l);
+    case 8: return kivi_segment_avx512_t<8>(a, t, seg, o, m, l);
+    case 10: return kivi_segment_avx512_t<10>(a, t, seg, o, m, l);
+    case 12: return kivi_segment_avx512_t<12>(a, t, seg, o, m, l);
+    case 16: return kivi_segment_avx512_t<16>(a, t, seg, o, m, l);
+    default: return kivi_segment_generic(a, t, seg, o, m, l);
   }
 }
 
@@ -1237,7 +1340,8 @@ torch::Tensor kivi_attention(const torch::Tensor& q, const torch::Tensor& k, con
                 ") does not fit q or its block table");
     for (int64_t j = 0; j < (clp[i] + BS - 1) / BS; ++j) {
       const int64_t b = btp[i * W + j];
-      TORCH_CHECK(b >= 0 && b < NB && rop[b] < R, "kivi_attention: span ", i, " block ", b, " out of range");
+      TORCH_CHECK(b >= 0 && b < NB && rop[b] < R && rop[b] >= -1 - R, "kivi_attention: span ", i, " block ", b,
+                  " out of range");
     }
   }
   const int64_t NG = v_scale.size(3), G = H / KVH;
@@ -1250,7 +1354,7 @@ torch::Tensor kivi_attention(const torch::Tensor& q, const torch::Tensor& k, con
              reinterpret_cast<const uint16_t*>(res_k.data_ptr<at::BFloat16>()),
              reinterpret_cast<const uint16_t*>(res_v.data_ptr<at::BFloat16>()), stp, qlp, clp, btp, W, H, KVH, D, BS,
              G, k.size(3), NG, D / NG, bits, std::max<int64_t>(0, window), static_cast<float>(scale)};
-  const bool fast = use_avx512() && D % 16 == 0 && D <= 256 && BS % 16 == 0 && a.GV % 16 == 0;
+  const bool fast = use_avx512() && D % 16 == 0 && D <= 256 && BS % 16 == 0 && a.GV % 16 == 0 && G <= kMaxG;
   std::vector<KiviTile> tiles;
   for (int64_t s = 0; s < S; ++s)
     for (int64_t h = 0; h < KVH; ++h)

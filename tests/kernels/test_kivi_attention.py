@@ -1,8 +1,8 @@
 """The KIVI int4 / int2 attention kernel (csrc/cpu/attention.cpp section 2c) against the reference path.
 
-The reference (:func:`kvkeeper.attention.reference.paged_attention`) dequantizes every block of the context
-(:meth:`kvkeeper.kvcache.store.KiviPagedKV.gather`) and runs SDPA; the kernel reads the packed codes and the
-16-bit window in place.  Tolerance: max |kernel - reference| / max |reference| <= 1e-5 (float32 rounding of two
+The reference (:func:`kvkeeper.attention.reference.kivi_span_attention`) dequantizes every block of the context
+and applies the own-block rule (a query's own block from the 16-bit window) with plain matrix products; the
+kernel reads the packed codes and the 16-bit window in place.  Tolerance: max |kernel - reference| / max |reference| <= 1e-5 (float32 rounding of two
 summation orders; measured 1e-7 to 6e-7 on these cases, 2026-12-06).
 """
 
@@ -69,10 +69,13 @@ def test_window_straddling_block_boundaries(fmt):
     pos = torch.arange(n)
     slots = table[pos // 16] * 16 + pos % 16
     k, v = torch.randn(n, 3, 64, generator=g), torch.randn(n, 3, 64, generator=g)
-    cache.write(k, v, slots)  # blocks 7, 2, 9 closed, 4 open (9 tokens)
-    assert cache.res_of[table].tolist()[:3] == [-1, -1, -1] and int(cache.res_of[4]) >= 0
+    cache.write(k, v, slots)  # blocks 7, 2, 9 closed (their 16-bit copies kept for this step), 4 open (9 tokens)
+    assert cache.kept == {7, 2, 9} and int(cache.res_of[4]) >= 0
+    q = torch.randn(2, 9, 64, generator=g)
+    meta = _decode_meta([table.tolist(), table[:3].tolist()], [n, 41])  # row 1's own block 9 read in 16 bits
+    assert _rel(reference.decode_attention(q, cache, meta, 0.125), cpu.decode_attention(q, cache, meta, 0.125)) <= TOL
     cache.write(k[40:41], v[40:41], slots[40:41])  # rewrite a slot of block 9: reopened
-    assert int(cache.res_of[9]) >= 0  # the window now holds tokens 32..56, straddling the boundary at 48
+    assert int(cache.res_of[9]) >= 0 and not cache.kept  # the window: tokens 32..56, straddling the boundary at 48
     cache.write(k[3:4], v[3:4], slots[3:4])  # an open block before closed ones
     assert int(cache.res_of[7]) >= 0
     kd, _ = cache.gather(table, n, torch.float32)

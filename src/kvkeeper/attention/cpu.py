@@ -20,8 +20,10 @@ reference does; its output does not depend on whether it is observed.
 
 A KIVI int4 / int2 cache (:class:`kvkeeper.kvcache.store.KiviPagedKV`) goes through ``kivi_attention`` (section 2c of
 csrc/cpu/attention.cpp) for prefill spans and decode tokens alike (a decode token is a span of one query): packed
-codes and the 16-bit window read in place, 16 keys dequantized at a time into a tile shared by the query lanes
-that read them; invariant by construction (the same in both modes of ``set_invariant_attention``).
+codes and the 16-bit window read in place, a query's own block from the window (the own-block rule of
+:class:`kvkeeper.kvcache.store.KiviPagedKV`), 16 keys converted at a time for every query lane that reads them,
+scales folded into the query and the softmax weights; invariant by construction (the same in both modes of
+``set_invariant_attention``).
 """
 
 from __future__ import annotations

@@ -56,6 +56,14 @@ def paged_attention(
     out = torch.empty_like(q)
     for p in meta.prefills:
         qs = q[p.start : p.start + p.q_len].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
+        if cache.fmt.kivi:
+            out[p.start : p.start + p.q_len] = kivi_span_attention(q[p.start : p.start + p.q_len], cache,
+                                                                    p.block_table, p.context_len, meta.window, scale)
+            if p.observer is not None:
+                ks = cache.gather_for_reference(p.block_table, p.context_len, q.dtype)[0]
+                p.observer.observe(cache.layer_idx, q[p.start : p.start + p.q_len], ks,
+                                   p.context_len - p.q_len, scale)
+            continue
         if p.context_len == p.q_len and not cache.fmt.quantized:  # nothing cached: attend to the new tokens only
             ks = k[p.start : p.start + p.q_len]
             vs = v[p.start : p.start + p.q_len]
@@ -98,9 +106,36 @@ def decode_attention(qd: torch.Tensor, cache: PagedKV, meta: AttentionMetadata, 
     """One query token per decode sequence: qd (B, H, D) over gathered blocks -> (B, H, D).
 
     Gathers every block of every sequence into a padded (B, KVH, max_blocks * block_size, D) tensor in the
-    compute dtype, then one masked SDPA call: simple and device-agnostic, the reference for the kernels."""
+    compute dtype, then one masked SDPA call: simple and device-agnostic, the reference for the kernels.
+    A KIVI cache goes row by row through :func:`kivi_span_attention` (the own-block rule)."""
+    if cache.fmt.kivi:
+        lens = meta.decode_context_lens.tolist()
+        nb = [-(-n // cache.block_size) for n in lens]
+        return torch.cat([kivi_span_attention(qd[i : i + 1], cache, meta.decode_block_tables[i, : nb[i]], lens[i],
+                                              meta.window, scale) for i in range(qd.shape[0])])
     ks, vs = cache.gather_padded(meta.decode_block_tables, qd.dtype)  # (B, KVH, nb * bs, D) each
     o = F.scaled_dot_product_attention(
         qd.unsqueeze(2), ks, vs, attn_mask=meta.get_decode_mask(cache.block_size), scale=scale, enable_gqa=True
     )
     return o.squeeze(2)
+
+
+def kivi_span_attention(q: torch.Tensor, cache, block_table: torch.Tensor, context_len: int, window: int | None,
+                        scale: float) -> torch.Tensor:
+    """The last q.shape[0] positions of a sequence over a KIVI cache (:class:`kvkeeper.kvcache.store.KiviPagedKV`),
+    with its own-block rule: a query reads the keys and values of its own block (the block of its position) from
+    the 16-bit window when that block has a copy there, every other block dequantized from its codes.
+    q (n, H, D) -> (n, H, D) in q's dtype, computed in float32."""
+    k, v, kw, vw, has = cache.gather_for_reference(block_table, context_len, torch.float32)
+    n = q.shape[0]
+    qpos = torch.arange(n)[:, None] + (context_len - n)
+    kpos = torch.arange(context_len)[None, :]
+    own = (kpos // cache.block_size == qpos // cache.block_size) & has[None, :]  # (n, L)
+    G = q.shape[1] // k.shape[1]
+    qf = q.float().transpose(0, 1)  # (H, n, D)
+    rep = lambda x: x.transpose(0, 1).repeat_interleave(G, 0)  # noqa: E731  (L, KVH, D) -> (H, L, D)
+    s = torch.where(own, qf @ rep(kw).transpose(1, 2), qf @ rep(k).transpose(1, 2)) * scale
+    s = s.masked_fill(~_mask(n, context_len, window, q.device), float("-inf"))
+    p = s.softmax(-1)
+    o = (p * own) @ rep(vw) + (p * ~own) @ rep(v)
+    return o.transpose(0, 1).to(q.dtype)

@@ -65,7 +65,7 @@ class EngineConfig:
     :mod:`kvkeeper.kvcache.quant`; None: bf16 with quantized weights, else the ``dtype``).
     hybrid_kv_cache: a model with sliding-window layers keeps their KV only for the window (see
     ``kvkeeper.kvcache.block_pool``); False gives every layer every token's block.
-    block_size: tokens per KV block.  KV budget: ``num_kv_blocks``, else ``kv_cache_bytes`` (default 1 GiB).
+    block_size: tokens per KV block (None: 16, or 32 for the KIVI dtypes int4 / int2).  KV budget: ``num_kv_blocks``, else ``kv_cache_bytes`` (default 1 GiB).
     max_num_seqs: running sequences at most.  max_num_batched_tokens: tokens per step (the prefill chunk).
     max_model_len: cap on the context window (None: the model's own).  num_threads: torch CPU threads.
     validate_every: run the KV integrity validators before every N-th step (0: never).
@@ -110,8 +110,9 @@ class EngineConfig:
         "--kv-dtype", "KV cache storage; int8 and fp8 (e4m3) are quantized per token and KV head, int4 and int2 "
         "as KIVI (keys per channel over a block, values per token, a 16-bit window of unfilled blocks) "
         "(default: bf16 with quantized weights, else the --dtype)", choices=list(KV_DTYPE_CHOICES)))
-    block_size: int = field(default=16, metadata=option(
-        "--block-size", "tokens per KV block", type=positive_int, metavar="N"))
+    block_size: int | None = field(default=None, metadata=option(
+        "--block-size", "tokens per KV block (default 16; 32 with --kv-dtype int4 / int2, where a block is KIVI's "
+        "key group: 0.297x the bf16 bytes instead of 0.328x on a 64-dim head)", type=positive_int, metavar="N"))
     kv_cache_bytes: int | None = field(default=None, metadata=option(
         "--kv-cache-bytes", "KV cache budget in bytes, suffixes K/M/G allowed (default: 1G)", type=size,
         metavar="N", exclusive="kv"))
@@ -171,6 +172,8 @@ class EngineConfig:
         self.speculative_config = parse_speculative_config(self.speculative_config)
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(f"unknown load format {self.load_format!r}; choose auto or dummy")
+        if self.block_size is None:
+            self.block_size = 32 if str(self.kv_dtype) in ("int4", "int2") else 16
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -427,6 +427,13 @@ class KiviPagedKV(PagedKV):
 
     residual_blocks: size of the 16-bit window's pool (default min(num_blocks, 128)).  Raises ValueError for an
     MLA latent cache (values=False) or a head_dim that is not a multiple of 8.
+
+    The own-block rule: a query reads its own block (the block of its position) from the 16-bit window, every
+    earlier block from its codes, in prefill and decode alike.  A block closed by a write therefore keeps its
+    16-bit copy for the rest of that step (``kept``: ``res_of[block] = -2 - window index``; to everything but the
+    attention it is a closed block) so that the step's queries in it read it as a decode token would; the copies
+    are released by the next write (or move) of this layer, or first when the pool runs short.  When the pool has
+    no free block for such a copy, the block's queries read its codes instead (deterministic, but not the rule).
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, fmt: KVFormat,
@@ -459,6 +466,7 @@ class KiviPagedKV(PagedKV):
         self._free = list(range(r - 1, -1, -1))
         self._tick = [0] * r  # last write, for closing the least recently written block when the pool is full
         self._clock = 0
+        self.kept: set[int] = set()  # closed blocks whose 16-bit copy stays for this step (the own-block rule)
 
     @property
     def head_dim(self) -> int:
@@ -473,6 +481,8 @@ class KiviPagedKV(PagedKV):
 
     # ---- the 16-bit window -------------------------------------------------------------------------------
     def _alloc(self, block: int, busy: set) -> int:
+        if not self._free and self.kept:  # a kept copy goes first: its block's codes are already written
+            self._release(self.kept.pop())
         if not self._free:
             cands = [(t, i) for i, t in enumerate(self._tick) if self._owner[i] not in busy]
             if not cands:
@@ -485,19 +495,54 @@ class KiviPagedKV(PagedKV):
         self.res_of[block] = i
         return i
 
+    def _drop_kept(self) -> None:
+        """Release the 16-bit copies kept for the last step's own-block reads (their blocks are closed)."""
+        while self.kept:
+            self._release(self.kept.pop())
+
+    def _end_kept(self, written: torch.Tensor) -> None:
+        """Before a write: a kept block written again (e.g. after rejected draft tokens) reopens from its exact
+        16-bit copy; the other kept copies are released.  written: the blocks (n,) the write touches."""
+        if not self.kept:
+            return
+        for b in set(written.tolist()) & self.kept:
+            self.kept.discard(b)
+            self.res_of[b] = -2 - int(self.res_of[b])
+        self._drop_kept()
+
+    def _keep(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Attach a 16-bit copy k, v (block_size, KVH, D) to a block just closed, if the pool has a free block."""
+        if not self._free:
+            return
+        i = self._free.pop()
+        self._owner[i] = block
+        self.res_of[block] = -2 - i  # kept: closed, its copy read by its own queries only
+        self.res_k[i] = k.to(RESIDUAL_DTYPE)
+        self.res_v[i] = v.to(RESIDUAL_DTYPE)
+        self._tick[i] = self._clock
+        self.kept.add(block)
+
     def _release(self, block: int) -> None:
+        self.kept.discard(block)
         i = int(self.res_of[block])
+        if i <= -2:
+            i = -2 - i
         if i >= 0:
             self._owner[i] = -1
             self._free.append(i)
             self.res_of[block] = -1
 
-    def _close(self, block: int) -> None:
-        """Quantize an open block's tokens (its ``fill`` first ones) into its packed storage; free its window."""
+    def _close(self, block: int, keep: bool = False) -> None:
+        """Quantize an open block's tokens (its ``fill`` first ones) into its packed storage; free its window, or
+        with ``keep`` leave it attached for this step (the own-block rule)."""
         i, n = int(self.res_of[block]), int(self.fill[block])
         if n > 0:
             self._store_closed(torch.tensor([block]), self.res_k[i: i + 1, :n], self.res_v[i: i + 1, :n])
-        self._release(block)
+        if keep:
+            self.res_of[block] = -2 - i
+            self.kept.add(block)
+        else:
+            self._release(block)
 
     def _store_closed(self, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize k, v (n, T, KVH, D) of ``blocks`` (n,) into their first T slots (keys per channel over T)."""
@@ -537,20 +582,23 @@ class KiviPagedKV(PagedKV):
 
     def close_all(self) -> None:
         """Close every open block (quantize the tokens it holds): e.g. before measuring closed-block bytes."""
+        self._drop_kept()
         for b in [o for o in self._owner if o >= 0]:
             self._close(b)
 
     # ---- writes -----------------------------------------------------------------------------------------
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store new keys/values k, v (T, KVH, D) into their slots (T,) int64 (distinct): a block whose every slot
-        is written here is quantized at once; other tokens go to their block's 16-bit window, and a block whose
-        last slot is written is closed (quantized).  A sequence appends in order, so a block then holds the tokens
-        up to the last slot written (a rewrite, e.g. after rejected draft tokens, truncates it there; a rewrite
-        into a closed block reopens it, its earlier tokens dequantized into the window)."""
+        is written here is quantized at once (keeping a 16-bit copy for this step); other tokens go to their block's
+        window, a block whose last slot is written is closed.  A sequence appends in order: a block holds the tokens
+        up to the last slot written (a rewrite truncates it there; one into a closed block reopens it, dequantized)."""
+        slots_c = slots.cpu()
+        self._end_kept(slots_c // self.k.shape[1])
+        bs = self.k.shape[1]
         if slots.numel() == 0:
             return
-        bs = self.k.shape[1]
-        slots_c = slots.cpu()
+        if slots.numel() <= 8 and self._append_decode(k, v, slots_c.tolist()):
+            return
         order = torch.argsort(slots_c)
         ss = slots_c[order]
         blocks = ss // bs
@@ -566,6 +614,8 @@ class KiviPagedKV(PagedKV):
             for b in fb[self.res_of[fb] >= 0].tolist():
                 self._release(b)
             self._store_closed(fb, kf, vf)
+            for j, b in enumerate(fb.tolist()):  # this step's queries in these blocks read them in 16 bits
+                self._keep(b, kf[j], vf[j])
         if bool(full.all()):
             return
         busy = set(ub[~full].tolist())
@@ -596,7 +646,30 @@ class KiviPagedKV(PagedKV):
             self.fill[b] = int(offs[-1]) + 1  # a sequence appends in order: a write at o ends its block at o
             self._tick[r] = self._clock
             if int(self.fill[b]) == bs:
-                self._close(b)
+                self._close(b, keep=True)
+
+    def _append_decode(self, k: torch.Tensor, v: torch.Tensor, slots: list[int]) -> bool:
+        """The decode case of :meth:`write` without tensor bookkeeping: each token appended to its own open block
+        (distinct blocks, each slot the block's next one).  Returns False, writing nothing, for anything else."""
+        bs = self.k.shape[1]
+        at = [divmod(x, bs) for x in slots]
+        if len({b for b, _ in at}) != len(at):
+            return False
+        rows = []
+        for b, o in at:
+            r = int(self.res_of[b])
+            if r < 0 or o == 0 or o != int(self.fill[b]):
+                return False
+            rows.append(r)
+        self._clock += 1
+        for j, ((b, o), r) in enumerate(zip(at, rows)):
+            self.res_k[r, o] = k[j]
+            self.res_v[r, o] = v[j]
+            self.fill[b] = o + 1
+            self._tick[r] = self._clock
+            if o + 1 == bs:
+                self._close(b, keep=True)
+        return True
 
     # ---- reads ------------------------------------------------------------------------------------------
     def gather(self, block_table: torch.Tensor, length: int, dtype: torch.dtype):
@@ -606,6 +679,29 @@ class KiviPagedKV(PagedKV):
 
     def gather_keys(self, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
         return self.gather(block_table, length, dtype)[0]
+
+    def gather_for_reference(self, block_table: torch.Tensor, length: int, dtype: torch.dtype):
+        """What the reference attention needs for the own-block rule: (k, v) (length, KVH, D) as held (codes; an
+        open block from its window), (kw, vw) (length, KVH, D) from the 16-bit window of an open or kept block
+        (zeros where a block has none) and ``has`` (length,) bool: the key's block has such a copy."""
+        blocks = block_table.cpu()
+        idx = blocks.to(self.k.device)
+        k = kivi_dequantize_keys(self.k.index_select(0, idx), self.k_scale.index_select(0, idx),
+                                 self.k_min.index_select(0, idx), self.bits, dtype)
+        v = kivi_dequantize_values(self.v.index_select(0, idx), self.v_scale.index_select(0, idx),
+                                   self.v_min.index_select(0, idx), self.bits, dtype)
+        r = self.res_of[blocks]
+        has, open_ = r != -1, r >= 0
+        kw, vw = torch.zeros_like(k), torch.zeros_like(v)
+        if bool(has.any()):
+            ri = torch.where(r >= 0, r, -2 - r)[has].long().to(self.k.device)
+            kw[has.to(k.device)] = self.res_k.index_select(0, ri).to(dtype)
+            vw[has.to(k.device)] = self.res_v.index_select(0, ri).to(dtype)
+            k[open_.to(k.device)] = kw[open_.to(k.device)]  # an open block: its window is what it holds
+            v[open_.to(k.device)] = vw[open_.to(k.device)]
+        bs, kvh, d = k.shape[1], k.shape[2], k.shape[3]
+        flat = lambda x: x.reshape(-1, kvh, d)[:length]  # noqa: E731
+        return flat(k), flat(v), flat(kw), flat(vw), has.repeat_interleave(bs)[:length]
 
     def gather_padded(self, block_tables: torch.Tensor, dtype: torch.dtype):
         B, nb = block_tables.shape
@@ -653,6 +749,7 @@ class KiviPagedKV(PagedKV):
     def move_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks ``src[i]`` to ``dst[i]`` (packed bytes, scales, and an open block's 16-bit tokens, raw);
         all sources are read before any destination is written."""
+        self._drop_kept()
         src_c, dst_c = src.cpu(), dst.cpu()
         for t in self._parts().values():
             t[dst] = t[src]
@@ -691,6 +788,7 @@ class KiviPagedKV(PagedKV):
     def write_blocks(self, block_ids, tensors: dict[str, torch.Tensor]) -> None:
         """Write blocks read by :meth:`read_blocks` into ``block_ids`` (bit-exact; open blocks get a window)."""
         self.check_blocks(len(block_ids), tensors)
+        self._drop_kept()
         idx = torch.as_tensor(block_ids, dtype=torch.int64)
         for name, dst in self._parts().items():
             dst.index_copy_(0, idx.to(dst.device), tensors[name].to(dst.device))

@@ -228,7 +228,7 @@ def test_kv_audit_command(eng, monkeypatch, capsys, tmp_path):
 def test_quantized_cache_faults_are_named_above_the_rounding_noise(kv_dtype, mt_bench):
     """With int8/fp8/int4 KV the tolerances sit above quantization noise, yet a foreign block and shifted
     positions are still named at layer 0 and their first token; a clean two-turn session passes."""
-    eng = make_engine(num_kv_blocks=160, validate_every=0, kv_dtype=kv_dtype)
+    eng = make_engine(num_kv_blocks=160, validate_every=0, kv_dtype=kv_dtype, block_size=16)
     eng.auditor = ReuseAuditor(1.0).attach(eng)
     s = SessionManager(eng).open()
     for turn in mt_bench[0]["turns"]:

@@ -90,6 +90,39 @@ def test_window_pool_pressure_closes_the_least_recent_block_and_stays_readable()
     assert torch.equal(kd2[:5], kd.bfloat16().float()) and torch.equal(kd2[5], k[0][0].bfloat16().float())
 
 
+def test_a_block_closed_in_a_step_keeps_its_16_bit_copy_for_that_step_only():
+    """The own-block rule's bookkeeping: blocks closed by a write keep a 16-bit copy (res_of = -2 - window block)
+    that the attention of their own queries reads; to everything else they are closed (offload payload, gather);
+    the next write releases the copies, a kept block written again reopens from its exact copy, and a pool
+    without a free block keeps no copy rather than closing another sequence's open block."""
+    g = torch.Generator().manual_seed(2)
+    c = PagedKV(8, 16, 2, 64, FORMATS["int4"], residual_blocks=3)
+    k, v = torch.randn(40, 2, 64, generator=g), torch.randn(40, 2, 64, generator=g)
+    table = torch.tensor([5, 2, 7])
+    slots = table[torch.arange(40) // 16] * 16 + torch.arange(40) % 16
+    c.write(k, v, slots)  # blocks 5 and 2 closed in this write, 7 open (8 tokens)
+    assert c.kept == {5, 2} and int(c.res_of[5]) <= -2 and int(c.res_of[2]) <= -2 and int(c.res_of[7]) >= 0
+    blob = c.read_blocks(table)
+    assert blob["open"].tolist() == [False, False, True]  # a kept block travels as the closed block it is
+    kc, _, kw, _, has = c.gather_for_reference(table, 40, torch.float32)
+    assert has.tolist() == [True] * 40 and torch.equal(kw[:32], k[:32].bfloat16().float())
+    assert not torch.equal(kc[:32], kw[:32])  # the codes, not the copy, for everyone else
+    q = torch.randn(40, 4, 64, generator=g)  # every query of the step over the cache: kernel = reference
+    one = cpu.kivi_attention(q, c, torch.tensor([0]), torch.tensor([40]), torch.tensor([40]), table[None], 0.125,
+                             None) if cpu_kernels.available() else None
+    ref = reference.kivi_span_attention(q, c, table, 40, None, 0.125)
+    if one is not None:
+        assert float((one - ref).abs().max() / ref.abs().max()) <= 1e-5
+    c.write(k[8:9], v[8:9], torch.tensor([2 * 16 + 8]))  # block 2 written again: reopened from its exact copy
+    assert c.kept == set() and int(c.res_of[5]) == -1 and int(c.res_of[2]) >= 0 and int(c.fill[2]) == 9
+    kd, _ = c.gather(torch.tensor([2]), 9, torch.float32)
+    assert torch.equal(kd, torch.cat([k[16:24], k[8:9]]).bfloat16().float())  # exact, not re-quantized
+    full = PagedKV(8, 16, 1, 64, FORMATS["int4"], residual_blocks=1)
+    full.write(k[:3, :1], v[:3, :1], torch.arange(3) + 16)  # an open block holds the only window block
+    full.write(k[:16, :1], v[:16, :1], torch.arange(16) + 48)  # a full block: no free window block, no copy
+    assert full.kept == set() and int(full.res_of[3]) == -1 and int(full.res_of[1]) >= 0
+
+
 def test_store_payload_and_copy_tokens():
     g = torch.Generator().manual_seed(2)
     layers = [PagedKV(6, 16, 2, 64, FORMATS["int2"], layer_idx=i) for i in range(2)]
@@ -230,9 +263,9 @@ class KiviBlocksMachine(RuleBasedStateMachine):
         c = self.cache
         owned = {i: b for i, b in enumerate(c._owner) if b >= 0}
         assert len(owned) + len(c._free) == c.res_k.shape[0] and not set(owned) & set(c._free)
-        for i, b in owned.items():
-            assert int(c.res_of[b]) == i
-        assert int((c.res_of >= 0).sum()) == len(owned)
+        for i, b in owned.items():  # an open block's window index, or a kept copy's (-2 - index: closed block)
+            assert int(c.res_of[b]) == (-2 - i if b in c.kept else i)
+        assert int((c.res_of != -1).sum()) == len(owned) and c.kept <= set(owned.values())
         for s in self.seqs.values():  # a live sequence's partial last block is open
             n = len(s["k"])
             if n % self.bs:
@@ -289,7 +322,8 @@ def test_engine_generates_with_kivi_kv_and_reuses_its_prefix(kv_dtype, bf16_repl
     from kvkeeper.kvcache.validate import check_engine
     from tests.utils.engines import make_engine
 
-    eng = make_engine(num_kv_blocks=64, kv_dtype=kv_dtype)
+    assert make_engine(num_kv_blocks=64, kv_dtype=kv_dtype).block_size == 32  # KIVI's default block
+    eng = make_engine(num_kv_blocks=64, kv_dtype=kv_dtype, block_size=16)
     assert eng.runner.kv_format.name == kv_dtype and eng.runner.attention_backend in ("cpu", "torch")
     greedy = SamplingParams(max_tokens=12, temperature=0)
     first = eng.generate([PROMPT], greedy)[0]
