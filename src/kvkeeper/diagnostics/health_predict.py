@@ -290,11 +290,11 @@ class LstmPredictor(Predictor):
                                                       f"{self.info['horizon_s']:.0f} s", "lstm")
 
 
-def window_features(window: list[dict]) -> list[float]:
+def window_features(window: list[dict], signals: tuple[str, ...] | list[str] = GBT_SIGNALS) -> list[float]:
     """The trees' input of a window of samples (oldest first; each a dict with ``t`` in seconds): for each of
-    :data:`GBT_SIGNALS`, the :data:`GBT_STATS` (last, mean, max, min, the least-squares slope per second, last
-    minus first), signal-major; ``len(GBT_SIGNALS) * len(GBT_STATS)`` floats.  Raises ValueError for an empty
-    window."""
+    ``signals`` (default :data:`GBT_SIGNALS`), the :data:`GBT_STATS` (last, mean, max, min, the least-squares slope
+    per second, last minus first), signal-major; ``len(signals) * len(GBT_STATS)`` floats.  Raises ValueError for
+    an empty window."""
     if not window:
         raise ValueError("window_features needs at least one sample")
     ts = [float(s.get("t", 0.0)) for s in window]
@@ -302,7 +302,7 @@ def window_features(window: list[dict]) -> list[float]:
     tm = sum(ts) / n
     sxx = sum((t - tm) ** 2 for t in ts)
     out: list[float] = []
-    for k in GBT_SIGNALS:
+    for k in signals:
         dflt = 1.0 if k == "hit_rate" else 0.0
         ys = [float(s.get(k) if s.get(k) is not None else dflt) for s in window]
         ym = sum(ys) / n
@@ -354,7 +354,7 @@ class GbtPredictor(Predictor):
     def probability(self) -> float | None:
         if len(self.window) < self.window.maxlen:
             return None
-        raw = gbt_raw(self.model, window_features(list(self.window)))
+        raw = gbt_raw(self.model, window_features(list(self.window), self.model.get("signals", GBT_SIGNALS)))
         return 1.0 / (1.0 + math.exp(-raw)) if raw > -700 else 0.0
 
     def update(self, sample: dict) -> Forecast:
@@ -368,7 +368,27 @@ class GbtPredictor(Predictor):
                                                      f"{float(m['horizon_s']):.0f} s", "gbt")
 
 
-PREDICTORS = {"ewma": EwmaPredictor, "trend": TrendPredictor, "lstm": LstmPredictor, "gbt": GbtPredictor}
+class TrendOrTreesPredictor(Predictor):
+    """The trend forecast and the boosted trees side by side: warns when either warns.  The trend's forecast
+    (its ETA from the fitted slope, or its near miss) is reported when it warns, else the trees' (ETA: their
+    horizon).  The trend catches what the trees were never shown (a usage ramp with nothing else moving); the
+    trees warn earlier on what moves together before a breach (the host tier filling, TTFT and evictions creeping).
+    ``trend``, ``trees``: the two predictors (default: :class:`TrendPredictor` with its defaults, the shipped
+    trees)."""
+
+    name = "trend_gbt"
+
+    def __init__(self, trend: Predictor | None = None, trees: Predictor | None = None):
+        self.trend = trend if trend is not None else TrendPredictor()
+        self.trees = trees if trees is not None else GbtPredictor()
+
+    def update(self, sample: dict) -> Forecast:
+        a, b = self.trend.update(sample), self.trees.update(sample)
+        return a if a.warn else b
+
+
+PREDICTORS = {"ewma": EwmaPredictor, "trend": TrendPredictor, "lstm": LstmPredictor, "gbt": GbtPredictor,
+              "trend_gbt": TrendOrTreesPredictor}
 DEFAULT_PREDICTOR = "trend"
 
 
