@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from health_eval import read_training_traces  # noqa: E402
 
 from kvkeeper.diagnostics.health_predict import (GBT_MODEL, GBT_SIGNALS, GBT_STATS, Forecast,  # noqa: E402
-                                                 Predictor, TrendPredictor, gbt_raw, window_features)
+                                                 Predictor, TreesAndTrendPredictor, gbt_raw,
+                                                 window_features)
 from kvkeeper.eval.health_score import score_episode, summarize  # noqa: E402
 
 PARAMS = {"n_estimators": 150, "max_depth": 3, "learning_rate": 0.1, "subsample": 1.0, "random_state": 0}
@@ -93,17 +94,10 @@ class _Replay(Predictor):
         return Forecast(self._run >= self.confirm, self.h if self._run >= self.confirm else None, "", "gbt")
 
 
-class _Either(Predictor):
-    """The union the server's ``trend_gbt`` forecasts: the trend's forecast, else the replayed trees'."""
-
-    name = "trend_gbt"
-
-    def __init__(self, trees: Predictor):
-        self.trend, self.trees = TrendPredictor(), trees
-
-    def update(self, sample: dict) -> Forecast:
-        a, b = self.trend.update(sample), self.trees.update(sample)
-        return a if a.warn else b
+def _either(trees: Predictor, backstop_s: float) -> Predictor:
+    """The server's ``gbt_trend``: the replayed trees backed by the trend's forecast of a breach within
+    ``backstop_s`` seconds."""
+    return TreesAndTrendPredictor(trees, backstop_s)
 
 
 def choose(results: list[dict], max_fa: float) -> dict:
@@ -130,8 +124,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(GBT_MODEL))
     ap.add_argument("--json", help="also write the cross-validation grid here")
     ap.add_argument("--signals", default=",".join(GBT_SIGNALS), help="sample fields the trees read")
+    ap.add_argument("--thresholds", default="0.3,0.4,0.5,0.6,0.7,0.8,0.9,0.95,0.97,0.99",
+                    help="warning thresholds tried (probabilities)")
+    ap.add_argument("--confirms", default="1,2,3,5,8", help="samples in a row tried")
+    ap.add_argument("--save-oof", help="write the out-of-fold probabilities (per horizon, trace and sample time) here")
     ap.add_argument("--with-trend", action="store_true",
-                    help="choose the threshold and run length for the union with the trend forecast (trend_gbt)")
+                    help="choose the threshold and run length for the trees backed by the trend (gbt_trend)")
+    ap.add_argument("--backstop-s", type=float, default=20.0, help="with --with-trend: the trend's horizon (s)")
     a = ap.parse_args(argv)
     signals = tuple(a.signals.split(","))
     import numpy as np
@@ -142,7 +141,7 @@ def main(argv=None) -> int:
     folds = [seeds[i::a.folds] for i in range(a.folds)]
     wins = [episode_windows(t, a.window, signals) for t in traces]
     print(f"{len(traces)} traces, seeds {seeds}, {sum(len(w[0]) for w in wins)} windows", flush=True)
-    grid = []
+    grid, oof = [], {}
     for h in [float(v) for v in a.horizons.split(",")]:
         probs: list[dict] = [dict() for _ in traces]  # out-of-fold probability per sample time
         for fold in folds:
@@ -155,9 +154,12 @@ def main(argv=None) -> int:
                     p = m.predict_proba(np.array(wins[i][0]))[:, 1]
                     probs[i] = dict(zip(wins[i][1], p.tolist()))
             print(f"horizon {h:g}: fold {fold} fitted ({int(y.sum())} of {len(y)} positive)", flush=True)
-        for th in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.97, 0.99):
-            for confirm in (1, 2, 3, 5, 8):
-                rows = [score_episode(t, _Either(_Replay(probs[i], th, confirm, h)) if a.with_trend else
+        oof[h] = [{"kind": t["kind"], "seed": t["seed"], "probs": list(probs[i].items())} for i, t in enumerate(traces)]
+        if a.save_oof:
+            Path(a.save_oof).write_text(json.dumps(oof))
+        for th in [float(v) for v in a.thresholds.split(",")]:
+            for confirm in [int(v) for v in a.confirms.split(",")]:
+                rows = [score_episode(t, _either(_Replay(probs[i], th, confirm, h), a.backstop_s) if a.with_trend else
                                       _Replay(probs[i], th, confirm, h)) for i, t in enumerate(traces)]
                 s = summarize(rows)
                 kinds = sorted({r["kind"] for r in rows})

@@ -36,7 +36,7 @@ def test_a_leak_is_forecast_before_the_breaker_trips(tmp_path_factory, tmp_path)
     trace = tmp_path / "health.jsonl"
     with running_server(log, "--model", str(folder), "--kv-blocks", "96", "--block-size", "16",
                         "--health-interval", "0.25", "--health-warmup", "4", "--breaker-act-ahead", "0",
-                        "--health-trace", str(trace), timeout_s=180) as base:
+                        "--health-predictor", "trend", "--health-trace", str(trace), timeout_s=180) as base:
         assert _gauge(base, "kvkeeper:kv_health_breach_eta_seconds") == math.inf  # nothing forecast at rest
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
@@ -67,6 +67,6 @@ def test_a_leak_is_forecast_before_the_breaker_trips(tmp_path_factory, tmp_path)
     assert len(records) >= 8
     assert set(SAMPLE_FIELDS) <= set(records[-1]["sample"]), set(SAMPLE_FIELDS) - set(records[-1]["sample"])
     assert all(r["predictor"] == "trend" for r in records)
-    replay = rescore_server_trace(records, breach_forecaster(HealthConfig(), BreakerConfig()))
+    replay = rescore_server_trace(records, breach_forecaster(HealthConfig(predictor="trend"), BreakerConfig()))
     assert replay["compared"] == len(records) and replay["agree"] == len(records), replay
     assert replay["warnings"] >= 1

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from ..argtypes import port as port_number, positive_int, size
 from ..diagnostics.audit import AuditConfig, ReuseAuditor
 from ..diagnostics.health import ForecastFeed, HealthConfig, HealthMonitor, gates_from_breaker
-from ..diagnostics.health_predict import (GbtPredictor, Limits, LstmPredictor, TrendConfig, TrendOrTreesPredictor,
-                                          TrendPredictor)
+from ..diagnostics.health_predict import (GbtPredictor, Limits, LstmPredictor, TrendConfig, TrendPredictor,
+                                          TreesAndTrendPredictor)
 from ..engine.breaker import BreakerConfig, CircuitBreaker
 from ..options import option
 from ..sessions.manager import SessionConfig, SessionManager
@@ -95,7 +95,8 @@ def breach_forecaster(health: HealthConfig, breaker: BreakerConfig):
     """The server's breach forecaster (``--health-predictor``), None for ``none``: the trend forecast against the
     breaker's usage threshold and the TTFT objective (on the TTFT p99 of the last 10 s, which the detector's
     :class:`~kvkeeper.diagnostics.health.ForecastFeed` measures as the generated incidents do), the shipped
-    boosted trees, either of the two (``trend_gbt``), or the learned LSTM."""
+    boosted trees alone or backed by the trend's forecast of an imminent breach (``gbt_trend``), or the learned
+    LSTM."""
     if health.predictor == "none":
         return None
     if health.predictor == "lstm":
@@ -103,8 +104,9 @@ def breach_forecaster(health: HealthConfig, breaker: BreakerConfig):
     if health.predictor == "gbt":
         return GbtPredictor()
     limits = Limits(usage=breaker.usage_threshold, ttft_p99=health.ttft_objective_s)
-    trend = TrendPredictor(TrendConfig(limits=limits, ttft_field="ttft_p99"))
-    return TrendOrTreesPredictor(trend, GbtPredictor()) if health.predictor == "trend_gbt" else trend
+    if health.predictor == "gbt_trend":
+        return TreesAndTrendPredictor(GbtPredictor(), limits=limits)
+    return TrendPredictor(TrendConfig(limits=limits, ttft_field="ttft_p99"))
 
 
 def build_server(engine, config: ServerConfig | None = None, sessions: SessionConfig | None = None,

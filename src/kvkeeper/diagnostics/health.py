@@ -92,7 +92,7 @@ class HealthConfig:
     does not count (set from the breaker's thresholds by :func:`gates_from_breaker`); ``frag_min_usage``: the KV
     usage (0..1) below which fragmentation never counts, as the breaker's own ``frag_min_usage`` (on a pool mostly
     free, scattered blocks cost nothing: issue 29's warning at 1% usage); ``predictor``: the breach forecaster
-    the server builds (trend, lstm, none) and ``ttft_objective_s`` (s) the TTFT limit it forecasts against.
+    the server builds (:data:`PREDICTORS`; default ``gbt_trend``) and ``ttft_objective_s`` (s) the TTFT limit it forecasts against.
     Raises ValueError for values out of range."""
 
     interval_s: float = field(default=1.0, metadata=option(
@@ -105,12 +105,12 @@ class HealthConfig:
         "--health-limit-sigmas", "width L of the health detector's EWMA control limits, in standard deviations",
         type=float, metavar="L"))
     clear_after: int = 10
-    PREDICTORS = ("trend", "gbt", "trend_gbt", "lstm", "none")
-    predictor: str = field(default="trend", metadata=option(
+    PREDICTORS = ("trend", "gbt", "gbt_trend", "lstm", "none")
+    predictor: str = field(default="gbt_trend", metadata=option(
         "--health-predictor", "what forecasts a breach (kvkeeper:kv_health_breach_eta_seconds, the warnings' "
         "predicted breach): trend (time to breach from a fitted slope), gbt (boosted trees over a window of the "
-        "telemetry), trend_gbt (either of the two), lstm (the learned model), none",
-        choices=("trend", "gbt", "trend_gbt", "lstm", "none")))
+        "telemetry), gbt_trend (the trees, backed by the trend's forecast of a breach within 20 s), lstm (the "
+        "learned model), none", choices=("trend", "gbt", "gbt_trend", "lstm", "none")))
     ttft_objective_s: float = field(default=3.0, metadata=option(
         "--ttft-objective", "the TTFT objective (seconds) the forecast measures a breach against", type=float,
         metavar="S"))

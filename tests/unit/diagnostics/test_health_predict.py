@@ -174,3 +174,18 @@ def test_exported_trees_give_scikit_learns_scores():
     out = export(m, window=8, horizon_s=60.0)
     got = [gbt_raw(out, r.tolist()) for r in x[:50]]
     assert got == pytest.approx(m.decision_function(x[:50]).tolist(), abs=1e-6)
+
+
+def test_the_server_builds_the_default_predictor_and_every_choice():
+    from kvkeeper.api.server import breach_forecaster
+    from kvkeeper.diagnostics.health import HealthConfig
+    from kvkeeper.diagnostics.health_predict import DEFAULT_PREDICTOR
+    from kvkeeper.engine.breaker import BreakerConfig
+
+    assert HealthConfig().predictor == DEFAULT_PREDICTOR  # what `kvkeeper serve` runs is what the evaluation scores
+    assert breach_forecaster(HealthConfig(), BreakerConfig()).name == DEFAULT_PREDICTOR
+    for name in HealthConfig.PREDICTORS:
+        fc = breach_forecaster(HealthConfig(predictor=name), BreakerConfig(usage_threshold=0.9))
+        assert (fc is None) if name == "none" else fc.name == name
+    trend = breach_forecaster(HealthConfig(predictor="trend", ttft_objective_s=2.0), BreakerConfig(usage_threshold=0.9))
+    assert trend.signals == {"usage": 0.9, "ttft_p99": 2.0}
