@@ -35,7 +35,13 @@ way for the evaluation and the server.
   (:func:`window_features`: per signal the last value, mean, max, min, least-squares slope and change), giving
   the probability of a breach within its training horizon.  Trained by ``benchmarks/train_health_gbt.py`` on the
   training seeds' traces; the trees are shipped as JSON (``health_gbt.json``) and walked here in plain Python,
-  so that serving needs no scikit-learn.  Its ETA is its training horizon when it warns.
+  so that serving needs no scikit-learn.  Its ETA is its training horizon when it warns.  The shipped trees
+  (2026-12-06): seeds 0-47, horizon 60 s, threshold 0.93 for 2 samples in a row, chosen out of fold under 0.6
+  false alarms an hour.
+* :class:`TreesAndTrendPredictor` (``gbt_trend``, the default, :data:`DEFAULT_PREDICTOR`): the trees, backed by
+  the trend's forecast of a usage breach within 20 s, which catches the plain usage ramp the trees miss.  On
+  held-out seeds 500-519 (``benchmarks/health_eval.py``, 2026-12-06): precision 0.96, recall 1.00, median lead
+  31.3 s, 0.8 false alarms an hour (docs/serving/health.md).
 
 Limits (:class:`Limits`): usage 0.95 (the breaker's usage threshold: past it, compaction cannot help and it
 offloads), TTFT p99 ``ttft_objective_s`` (default 3 s, the scenarios' objective).
