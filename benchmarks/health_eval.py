@@ -12,7 +12,8 @@ clock, so the figures do not depend on this machine's load), each recorded as a 
 its per-kind results).  Seeds 0-11 trained and tuned the predictors; evaluate on seeds from 100 that were never
 looked at (100-119 had been by 2026-12-06; that day's evaluation used 300-319).  ``--traces`` saves the traces
 (gzip JSON lines); ``--from-traces`` scores saved traces
-without running an engine.  ``--soak-s S``: one fault-free episode of S simulated seconds per ``--soak-seeds`` seed
+without running an engine (with ``--proactive``, the saved traces are the reactive runs and only the acting runs
+are generated).  ``--soak-s S``: one fault-free episode of S simulated seconds per ``--soak-seeds`` seed
 (the ``swings`` kind, its false alarms reported apart).  ``--proactive``: every incident episode again with the
 breaker acting on the default predictor's forecast (:attr:`CircuitBreaker.forecast`), and the breaches of
 both runs side by side; ``--defer-new-s S`` a third run where, besides, admission control holds new conversations'
@@ -217,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                          "false_alarms_per_hour": t[
                                                                              "false_alarms_per_hour"]}
                                                                      for n, t in st.items()}}
-    if args.proactive and not args.from_traces:
-        res["proactive"] = proactive(kinds, seeds, config, traces, args.defer_new_s)
+    if args.proactive:  # the reactive runs: the episodes just generated, or the saved traces
+        res["proactive"] = proactive(sorted({t["kind"] for t in traces}, key=KINDS.index) if args.from_traces
+                                     else kinds, seeds, config, traces, args.defer_new_s)
     res["elapsed_s"] = round(time.time() - t0, 1)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

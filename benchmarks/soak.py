@@ -7,7 +7,9 @@ The health soak of issue 29 (the default engine and detector, fault-free light t
 bursts, one server life, an hour):
 
     python benchmarks/soak.py --minutes 60 --users 3 --swing-min 20 --burst-every-s 240 --burst-size 3 \
-        --no-restart --kv-cache-bytes default --audit-fraction 0 --max-tokens 16 --think-s 2 --name soak-health-DATE
+        --no-restart --kv-cache-bytes default --audit-fraction 0 --max-tokens 16 --think-s 2 --name soak-health-DATE \
+        --server-arg=--health-trace --server-arg=/tmp/health.jsonl   # record the samples; then rescore them with
+    python benchmarks/health_rescore.py --trace /tmp/health.jsonl    # any predictor (the server's code, offline)
 
 Starts a server (a subprocess on a free 127.0.0.1 port, ``--data-dir`` in a temporary folder, the reuse audit on)
 and runs ``--users`` simulated users (asyncio; the official ``openai`` client for completions, ``httpx`` for the

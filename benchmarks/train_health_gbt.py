@@ -29,20 +29,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from health_eval import read_training_traces  # noqa: E402
 
 from kvkeeper.diagnostics.health_predict import (GBT_MODEL, GBT_SIGNALS, GBT_STATS, Forecast,  # noqa: E402
-                                                 Predictor, gbt_raw, window_features)
+                                                 Predictor, TreesAndTrendPredictor, gbt_raw,
+                                                 window_features)
 from kvkeeper.eval.health_score import score_episode, summarize  # noqa: E402
 
 PARAMS = {"n_estimators": 150, "max_depth": 3, "learning_rate": 0.1, "subsample": 1.0, "random_state": 0}
 
 
-def episode_windows(tr: dict, window: int) -> tuple[list[list[float]], list[float]]:
+def episode_windows(tr: dict, window: int, signals=GBT_SIGNALS) -> tuple[list[list[float]], list[float]]:
     """(feature rows, their samples' times) of every full window of one trace, up to its breach."""
     xs, ts = [], []
     s, br = tr["samples"], tr["breach_s"]
     for i in range(window - 1, len(s)):
         if br is not None and s[i]["t"] > br:
             break
-        xs.append(window_features(s[i - window + 1: i + 1]))
+        xs.append(window_features(s[i - window + 1: i + 1], signals))
         ts.append(s[i]["t"])
     return xs, ts
 
@@ -58,7 +59,7 @@ def fit(x, y):
     return GradientBoostingClassifier(**PARAMS).fit(x, y)
 
 
-def export(model, window: int, horizon_s: float) -> dict:
+def export(model, window: int, horizon_s: float, signals=GBT_SIGNALS) -> dict:
     """The fitted classifier as the JSON :func:`~kvkeeper.diagnostics.health_predict.load_gbt` reads."""
     import numpy as np
 
@@ -69,12 +70,13 @@ def export(model, window: int, horizon_s: float) -> dict:
                       "feature": t.feature.tolist(), "threshold": [float(v) for v in t.threshold],
                       "value": [float(v) for v in t.value[:, 0, 0]]})
     # the raw score's constant (the prior log-odds): decision_function minus the trees' sum, at any row
-    zero = np.zeros((1, len(GBT_SIGNALS) * len(GBT_STATS)))
+    zero = np.zeros((1, len(signals) * len(GBT_STATS)))
     tree_sum = sum(float(e.predict(zero)[0]) for e in model.estimators_[:, 0])
     init = float(model.decision_function(zero)[0]) - model.learning_rate * tree_sum
     return {"init": init, "learning_rate": model.learning_rate, "trees": trees, "window": window,
             "horizon_s": horizon_s, "threshold": 0.5, "confirm": 1,
-            "features": [f"{k}.{st}" for k in GBT_SIGNALS for st in GBT_STATS], "params": PARAMS}
+            "signals": list(signals), "features": [f"{k}.{st}" for k in signals for st in GBT_STATS],
+            "params": PARAMS}
 
 
 class _Replay(Predictor):
@@ -90,6 +92,12 @@ class _Replay(Predictor):
         p = self.probs.get(sample["t"])
         self._run = self._run + 1 if p is not None and p >= self.th else 0
         return Forecast(self._run >= self.confirm, self.h if self._run >= self.confirm else None, "", "gbt")
+
+
+def _either(trees: Predictor, backstop_s: float) -> Predictor:
+    """The server's ``gbt_trend``: the replayed trees backed by the trend's forecast of a breach within
+    ``backstop_s`` seconds."""
+    return TreesAndTrendPredictor(trees, backstop_s)
 
 
 def choose(results: list[dict], max_fa: float) -> dict:
@@ -115,16 +123,25 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seed", type=int, default=99)
     ap.add_argument("--out", default=str(GBT_MODEL))
     ap.add_argument("--json", help="also write the cross-validation grid here")
+    ap.add_argument("--signals", default=",".join(GBT_SIGNALS), help="sample fields the trees read")
+    ap.add_argument("--thresholds", default="0.3,0.4,0.5,0.6,0.7,0.8,0.9,0.95,0.97,0.99",
+                    help="warning thresholds tried (probabilities)")
+    ap.add_argument("--confirms", default="1,2,3,5,8", help="samples in a row tried")
+    ap.add_argument("--save-oof", help="write the out-of-fold probabilities (per horizon, trace and sample time) here")
+    ap.add_argument("--with-trend", action="store_true",
+                    help="choose the threshold and run length for the trees backed by the trend (gbt_trend)")
+    ap.add_argument("--backstop-s", type=float, default=20.0, help="with --with-trend: the trend's horizon (s)")
     a = ap.parse_args(argv)
+    signals = tuple(a.signals.split(","))
     import numpy as np
 
     t0 = time.time()
     traces = read_training_traces(ap, a.traces, a.max_seed, "train", need_head_wait=True)
     seeds = sorted({t["seed"] for t in traces})
     folds = [seeds[i::a.folds] for i in range(a.folds)]
-    wins = [episode_windows(t, a.window) for t in traces]
+    wins = [episode_windows(t, a.window, signals) for t in traces]
     print(f"{len(traces)} traces, seeds {seeds}, {sum(len(w[0]) for w in wins)} windows", flush=True)
-    grid = []
+    grid, oof = [], {}
     for h in [float(v) for v in a.horizons.split(",")]:
         probs: list[dict] = [dict() for _ in traces]  # out-of-fold probability per sample time
         for fold in folds:
@@ -137,9 +154,13 @@ def main(argv=None) -> int:
                     p = m.predict_proba(np.array(wins[i][0]))[:, 1]
                     probs[i] = dict(zip(wins[i][1], p.tolist()))
             print(f"horizon {h:g}: fold {fold} fitted ({int(y.sum())} of {len(y)} positive)", flush=True)
-        for th in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
-            for confirm in (1, 2, 3, 5):
-                rows = [score_episode(t, _Replay(probs[i], th, confirm, h)) for i, t in enumerate(traces)]
+        oof[h] = [{"kind": t["kind"], "seed": t["seed"], "probs": list(probs[i].items())} for i, t in enumerate(traces)]
+        if a.save_oof:
+            Path(a.save_oof).write_text(json.dumps(oof))
+        for th in [float(v) for v in a.thresholds.split(",")]:
+            for confirm in [int(v) for v in a.confirms.split(",")]:
+                rows = [score_episode(t, _either(_Replay(probs[i], th, confirm, h), a.backstop_s) if a.with_trend else
+                                      _Replay(probs[i], th, confirm, h)) for i, t in enumerate(traces)]
                 s = summarize(rows)
                 kinds = sorted({r["kind"] for r in rows})
                 s["per_kind_lead_s"] = {k: summarize([r for r in rows if r["kind"] == k])["median_lead_s"]
@@ -156,9 +177,9 @@ def main(argv=None) -> int:
     x = np.array([r for w in wins for r in w[0]], dtype=np.float64)
     y = np.array([v for i, t in enumerate(traces) for v in labels(t, wins[i][1], h)])
     m = fit(x, y)
-    out = export(m, a.window, h)
+    out = export(m, a.window, h, signals)
     out.update(threshold=best["threshold"], confirm=best["confirm"], seeds=f"train {seeds[0]}-{seeds[-1]}",
-               cross_validation={k: best[k] for k in ("precision", "recall", "median_lead_s",
+               scored_with_trend=a.with_trend, cross_validation={k: best[k] for k in ("precision", "recall", "median_lead_s",
                                                       "false_alarms_per_hour", "per_kind_lead_s")})
     # the exported trees must give scikit-learn's own scores
     rows = x[:: max(1, len(x) // 500)]

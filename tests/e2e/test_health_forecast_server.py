@@ -11,6 +11,11 @@ import time
 import httpx
 import pytest
 
+from kvkeeper.api.server import breach_forecaster
+from kvkeeper.diagnostics.health import HealthConfig
+from kvkeeper.engine.breaker import BreakerConfig
+from kvkeeper.eval.health_scenarios import SAMPLE_FIELDS
+from kvkeeper.eval.health_score import read_server_trace, rescore_server_trace
 from tests.utils.serverproc import running_server
 from tests.utils.tiny_models import tiny_llama_folder
 
@@ -28,9 +33,10 @@ def _gauge(base: str, name: str) -> float | None:
 def test_a_leak_is_forecast_before_the_breaker_trips(tmp_path_factory, tmp_path):
     folder = tiny_llama_folder(tmp_path_factory.mktemp("tiny-forecast"))
     log = tmp_path / "server.log"
+    trace = tmp_path / "health.jsonl"
     with running_server(log, "--model", str(folder), "--kv-blocks", "96", "--block-size", "16",
                         "--health-interval", "0.25", "--health-warmup", "4", "--breaker-act-ahead", "0",
-                        timeout_s=180) as base:
+                        "--health-predictor", "trend", "--health-trace", str(trace), timeout_s=180) as base:
         assert _gauge(base, "kvkeeper:kv_health_breach_eta_seconds") == math.inf  # nothing forecast at rest
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
@@ -55,3 +61,12 @@ def test_a_leak_is_forecast_before_the_breaker_trips(tmp_path_factory, tmp_path)
                 break
             time.sleep(0.1)
         assert "KV cache health forecast: breach in about" in log.read_text()
+    # the recorded samples carry every field the generated incidents record, and replaying them through the
+    # server's own forecaster gives the live forecasts, sample by sample (the rescoring of a soak rests on this)
+    records = read_server_trace(trace)
+    assert len(records) >= 8
+    assert set(SAMPLE_FIELDS) <= set(records[-1]["sample"]), set(SAMPLE_FIELDS) - set(records[-1]["sample"])
+    assert all(r["predictor"] == "trend" for r in records)
+    replay = rescore_server_trace(records, breach_forecaster(HealthConfig(predictor="trend"), BreakerConfig()))
+    assert replay["compared"] == len(records) and replay["agree"] == len(records), replay
+    assert replay["warnings"] >= 1

@@ -313,7 +313,11 @@ class AsyncEngine:
     def _iterate(self) -> None:
         """One step and its output when there is work; else let the breaker cool down; then the telemetry."""
         if self.engine.has_unfinished():
+            t0 = time.perf_counter()
             self.engine.step()
+            feed = getattr(self.health, "feed", None)
+            if feed is not None:
+                feed.add_busy(time.perf_counter() - t0)
             self.tracker.release_siblings()
             self.tracker.publish(before_send=self._publish_stats)  # gauges first: a response sees its effect
         elif self.breaker is not None:

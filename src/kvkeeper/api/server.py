@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 from ..argtypes import port as port_number, positive_int, size
 from ..diagnostics.audit import AuditConfig, ReuseAuditor
-from ..diagnostics.health import HealthConfig, HealthMonitor, gates_from_breaker
-from ..diagnostics.health_predict import Limits, LstmPredictor, TrendConfig, TrendPredictor
+from ..diagnostics.health import ForecastFeed, HealthConfig, HealthMonitor, gates_from_breaker
+from ..diagnostics.health_predict import (GbtPredictor, Limits, LstmPredictor, TrendConfig, TrendPredictor,
+                                          TreesAndTrendPredictor)
 from ..engine.breaker import BreakerConfig, CircuitBreaker
 from ..options import option
 from ..sessions.manager import SessionConfig, SessionManager
@@ -91,14 +92,21 @@ class ServerConfig:
 
 
 def breach_forecaster(health: HealthConfig, breaker: BreakerConfig):
-    """The server's breach forecaster (``--health-predictor``): the trend forecast against the breaker's usage
-    threshold and the TTFT objective (on the detector's interval mean TTFT), the learned model, or None."""
+    """The server's breach forecaster (``--health-predictor``), None for ``none``: the trend forecast against the
+    breaker's usage threshold and the TTFT objective (on the TTFT p99 of the last 10 s, which the detector's
+    :class:`~kvkeeper.diagnostics.health.ForecastFeed` measures as the generated incidents do), the shipped
+    boosted trees alone or backed by the trend's forecast of an imminent breach (``gbt_trend``), or the learned
+    LSTM."""
     if health.predictor == "none":
         return None
     if health.predictor == "lstm":
         return LstmPredictor()
+    if health.predictor == "gbt":
+        return GbtPredictor()
     limits = Limits(usage=breaker.usage_threshold, ttft_p99=health.ttft_objective_s)
-    return TrendPredictor(TrendConfig(limits=limits, ttft_field="ttft_mean"))
+    if health.predictor == "gbt_trend":
+        return TreesAndTrendPredictor(GbtPredictor(), limits=limits)
+    return TrendPredictor(TrendConfig(limits=limits, ttft_field="ttft_p99"))
 
 
 def build_server(engine, config: ServerConfig | None = None, sessions: SessionConfig | None = None,
@@ -141,6 +149,7 @@ def build_server(engine, config: ServerConfig | None = None, sessions: SessionCo
     br = CircuitBreaker(engine, manager, breaker) if config.breaker else None
     monitor = HealthMonitor(gates_from_breaker(health or HealthConfig(), breaker))
     monitor.forecaster = breach_forecaster(monitor.config, breaker)
+    monitor.feed = ForecastFeed(engine, manager, br)
     if br is not None:
         br.early_warning = monitor.active_signals
         br.forecast = lambda: monitor.forecast

@@ -42,11 +42,13 @@ circuit breaker reads (it compacts ahead of a trip when usage or fragmentation w
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from ..argtypes import positive_int
 from ..options import option
@@ -90,7 +92,7 @@ class HealthConfig:
     does not count (set from the breaker's thresholds by :func:`gates_from_breaker`); ``frag_min_usage``: the KV
     usage (0..1) below which fragmentation never counts, as the breaker's own ``frag_min_usage`` (on a pool mostly
     free, scattered blocks cost nothing: issue 29's warning at 1% usage); ``predictor``: the breach forecaster
-    the server builds (trend, lstm, none) and ``ttft_objective_s`` (s) the TTFT limit it forecasts against.
+    the server builds (:data:`PREDICTORS`; default ``gbt_trend``) and ``ttft_objective_s`` (s) the TTFT limit it forecasts against.
     Raises ValueError for values out of range."""
 
     interval_s: float = field(default=1.0, metadata=option(
@@ -103,13 +105,19 @@ class HealthConfig:
         "--health-limit-sigmas", "width L of the health detector's EWMA control limits, in standard deviations",
         type=float, metavar="L"))
     clear_after: int = 10
-    predictor: str = field(default="trend", metadata=option(
+    PREDICTORS = ("trend", "gbt", "gbt_trend", "lstm", "none")
+    predictor: str = field(default="gbt_trend", metadata=option(
         "--health-predictor", "what forecasts a breach (kvkeeper:kv_health_breach_eta_seconds, the warnings' "
-        "predicted breach): trend (time to breach from a fitted slope), lstm (the learned model), none",
-        choices=("trend", "lstm", "none")))
+        "predicted breach): trend (time to breach from a fitted slope), gbt (boosted trees over a window of the "
+        "telemetry), gbt_trend (the trees, backed by the trend's forecast of a breach within 20 s), lstm (the "
+        "learned model), none", choices=("trend", "gbt", "gbt_trend", "lstm", "none")))
     ttft_objective_s: float = field(default=3.0, metadata=option(
         "--ttft-objective", "the TTFT objective (seconds) the forecast measures a breach against", type=float,
         metavar="S"))
+    trace: str | None = field(default=None, metadata=option(
+        "--health-trace", "append every health sample (the detector's signals and the forecaster's sample, with its "
+        "forecast) to FILE as JSON lines, for rescoring any predictor offline (benchmarks/health_rescore.py)",
+        metavar="FILE"))
     usage_gate: float = 0.57
     frag_gate: float = 0.41
     frag_min_usage: float = 0.5
@@ -119,8 +127,8 @@ class HealthConfig:
             raise ValueError(f"lam must be in (0, 1], got {self.lam}")
         if not 0.0 <= self.frag_min_usage <= 1.0:
             raise ValueError(f"frag_min_usage must be in [0, 1], got {self.frag_min_usage}")
-        if self.predictor not in ("trend", "lstm", "none"):
-            raise ValueError(f"predictor must be trend, lstm or none, got {self.predictor!r}")
+        if self.predictor not in self.PREDICTORS:
+            raise ValueError(f"predictor must be one of {', '.join(self.PREDICTORS)}, got {self.predictor!r}")
         if self.ttft_objective_s <= 0:
             raise ValueError(f"ttft_objective_s must be > 0 seconds, got {self.ttft_objective_s}")
         if self.limit_sigmas <= 0 or self.interval_s < 0 or self.warmup < 2 or self.clear_after < 1:
@@ -252,6 +260,65 @@ def engine_counters(engine, auditor=None, ttft_sum: float = 0.0, ttft_count: int
             "ttft_sum": ttft_sum, "ttft_count": ttft_count}
 
 
+def prefill_backlog(scheduler) -> int:
+    """Prompt tokens admitted to ``scheduler`` (waiting or running) and not yet computed: the prefill work
+    queued ahead of a new request's first token (tokens)."""
+    return sum(max(0, s.num_prompt_tokens - s.num_computed) for s in list(scheduler.waiting) + list(scheduler.running))
+
+
+class ForecastFeed:
+    """The breach forecaster's queue, latency and tier fields from a live engine, measured as the generated
+    incidents (:mod:`kvkeeper.eval.health_scenarios`) measure them, so that a predictor scored there reads the
+    same fields on a server.
+
+    :meth:`fields` returns, at monotonic time ``now`` (s): ``ttft_p99`` and ``ttft_mean`` (s) of the first tokens
+    of the last ``ttft_window_s`` seconds (0 when none; recorded at the first token by an engine
+    ``first_token_hooks`` hook, not when the request ends), ``waiting`` and ``running`` (sequences),
+    ``prefill_backlog`` (tokens, :func:`prefill_backlog`), ``head_wait_s`` (how long the oldest request still
+    without a first token has waited, s; 0 when none), ``busy`` (fraction of the time since the previous call the
+    engine spent in steps, 0..1, from :meth:`add_busy`), ``sessions`` (open sessions), ``host_fill`` (host-tier
+    bytes / its budget, 0 without a host tier) and ``tier`` (the circuit breaker's, 0 without one).  Call
+    :meth:`fields` and the hook from the engine thread."""
+
+    def __init__(self, engine, sessions=None, breaker=None, ttft_window_s: float = 10.0, clock=time.monotonic):
+        self.engine, self.sessions, self.breaker = engine, sessions, breaker
+        self.ttft_window_s, self.clock = ttft_window_s, clock
+        self.first: deque[tuple[float, float]] = deque()  # (clock time, ttft s)
+        self.busy_s = 0.0
+        self._prev: tuple[float, float] | None = None  # (time, busy_s) at the previous fields()
+        engine.first_token_hooks.append(self._first_token)
+
+    def _first_token(self, seq, logits) -> None:
+        self.first.append((self.clock(), time.perf_counter() - seq.t_arrival))
+
+    def add_busy(self, seconds: float) -> None:
+        """Add ``seconds`` the engine spent computing a step."""
+        self.busy_s += seconds
+
+    def fields(self, now: float) -> dict:
+        while self.first and self.first[0][0] <= now - self.ttft_window_s:
+            self.first.popleft()
+        w = sorted(x for _, x in self.first)
+        p99 = w[min(len(w) - 1, math.ceil(0.99 * len(w)) - 1)] if w else 0.0
+        busy = 0.0
+        if self._prev is not None and now > self._prev[0]:
+            busy = min(1.0, (self.busy_s - self._prev[1]) / (now - self._prev[0]))
+        self._prev = (now, self.busy_s)
+        sched = self.engine.scheduler
+        seqs = list(sched.waiting) + list(sched.running)
+        heads = [s.t_arrival for s in seqs if s.t_first_token is None]
+        out = {"ttft_p99": p99, "ttft_mean": sum(w) / len(w) if w else 0.0, "waiting": len(sched.waiting),
+               "running": len(sched.running), "prefill_backlog": prefill_backlog(sched),
+               "head_wait_s": max(0.0, time.perf_counter() - min(heads)) if heads else 0.0, "busy": busy,
+               "sessions": 0, "host_fill": 0.0, "tier": self.breaker.tier if self.breaker is not None else 0}
+        m = self.sessions
+        if m is not None:
+            out["sessions"] = sum(1 for s in list(m.sessions.values()) if not s.closed)
+            budget = m.store.host_budget
+            out["host_fill"] = m.store.bytes_in("host") / budget if budget > 0 else 0.0
+        return out
+
+
 class HealthMonitor:
     """The online detector: one :class:`EwmaChart` per signal, the score, warning events.
 
@@ -262,9 +329,14 @@ class HealthMonitor:
 
     ``forecaster``: None, or an object whose ``update(sample) -> Forecast`` (:mod:`kvkeeper.diagnostics.
     health_predict`) is fed each sample (``t``, ``usage``, ``pool_rate``, ``eviction_rate``,
-    ``preemption_rate``, ``hit_rate``, ``ttft_mean``: the interval's mean TTFT, s); a forecast that warns opens a
+    ``preemption_rate``, ``hit_rate``, ``ttft_mean``: the interval's mean TTFT, s; and, with ``feed`` (a
+    :class:`ForecastFeed`), its fields, whose windowed ``ttft_mean`` replaces the interval's); a forecast that warns opens a
     ``forecast`` event (logged: "breach in about N s", the reason), closed after ``clear_after`` samples without
-    one; :meth:`breach_eta` is its predicted seconds to the breach (inf when none is forecast).
+    one; :meth:`breach_eta` is its predicted seconds to the breach (inf when none is forecast).  With
+    ``config.trace`` each sample is appended to that file as a JSON line: ``t`` (monotonic s), ``wall_t`` (Unix s),
+    ``signals`` (the charts' input), ``sample`` (the forecaster's input), ``forecast`` (``warn``, ``eta_s``,
+    ``signal``; null without a forecaster), ``warning`` (an EWMA warning open); an OSError writing it is logged
+    once and stops the trace, never the detector.
     """
 
     def __init__(self, config: HealthConfig | None = None, clock=time.monotonic):
@@ -286,6 +358,8 @@ class HealthMonitor:
         self.forecasting = False
         self.forecasts = 0  # forecast warnings opened
         self._fc_calm = 0
+        self.feed: ForecastFeed | None = None
+        self._trace = None  # the open --health-trace file
 
     def observe(self, counters: dict, now: float | None = None) -> bool:
         """Take a sample if ``interval_s`` has passed since the last one; returns whether it did."""
@@ -293,17 +367,22 @@ class HealthMonitor:
         if now < self._next:
             return False
         self._next = now + self.config.interval_s
-        self.observe_signals(self.deltas.signals(now, counters), now)
+        extra = self.feed.fields(now) if self.feed is not None else None
+        self.observe_signals(self.deltas.signals(now, counters), now, extra)
         return True
 
-    def observe_signals(self, signals: dict[str, float], now: float | None = None) -> None:
-        """One sample of (some of) the signals, by name; unknown names raise KeyError."""
+    def observe_signals(self, signals: dict[str, float], now: float | None = None, extra: dict | None = None) -> None:
+        """One sample of (some of) the signals, by name; unknown names raise KeyError.  ``extra``: more fields
+        of the forecaster's sample (:class:`ForecastFeed`'s)."""
         now = self.clock() if now is None else now
         self.samples += 1
         for name, x in signals.items():
             self.charts[name].update(float(x))
+        sample = None
+        if self.forecaster is not None or self.config.trace:
+            sample = self.forecast_sample(signals, now, extra)
         if self.forecaster is not None:
-            self._forecast(signals, now)
+            self._forecast(sample, now)
         usage = self.charts["usage"].value
         frag_counts = usage is not None and usage >= self.config.frag_min_usage
         counting = [ch for ch in self.charts.values() if ch.ready and ch.n > 0 and ch.gated()
@@ -322,11 +401,34 @@ class HealthMonitor:
             if self._calm >= self.config.clear_after:
                 self.warning = False
                 self._event("clear", now, [])
+        if self.config.trace and sample is not None:
+            self._write_trace(now, signals, sample)
 
-    def _forecast(self, signals: dict[str, float], now: float) -> None:
+    @staticmethod
+    def forecast_sample(signals: dict[str, float], now: float, extra: dict | None = None) -> dict:
+        """The forecaster's input: ``t`` and the signals under the generated incidents' field names (``hit_rate``
+        1 for an interval without lookups, as they record it), then ``extra`` (which may replace them)."""
         names = {"usage": "usage", "pool_rate": "pool_rate", "eviction_rate": "eviction_rate",
                  "preemption_rate": "preemption_rate", "prefix_hit_rate": "hit_rate", "ttft": "ttft_mean"}
-        sample = {"t": now, **{names[k]: v for k, v in signals.items() if k in names}}
+        out = {"t": now, "hit_rate": 1.0, **{names[k]: v for k, v in signals.items() if k in names}}
+        return {**out, **(extra or {})}
+
+    def _write_trace(self, now: float, signals: dict, sample: dict) -> None:
+        fc = self.forecast if self.forecaster is not None else None
+        rec = {"t": now, "wall_t": round(time.time(), 3), "signals": signals, "sample": sample,
+               "forecast": None if fc is None else {"warn": fc.warn, "eta_s": fc.eta_s, "signal": fc.signal},
+               "warning": self.warning, "predictor": getattr(self.forecaster, "name", None)}
+        try:
+            if self._trace is None:
+                path = Path(self.config.trace)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._trace = open(path, "a", buffering=1)  # line-buffered: each sample reaches the file
+            self._trace.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        except OSError as e:
+            log.error("--health-trace %s: %s; the trace stops here (the detector goes on)", self.config.trace, e)
+            self.config.trace = None
+
+    def _forecast(self, sample: dict, now: float) -> None:
         fc = self.forecast = self.forecaster.update(sample)
         if fc.warn:
             self._fc_calm = 0

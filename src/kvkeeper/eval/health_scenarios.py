@@ -38,6 +38,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..diagnostics.health import prefill_backlog  # noqa: F401 (the server's feed measures it the same way)
 from ..engine.breaker import BreakerConfig, CircuitBreaker
 from ..engine.llm_engine import LLMEngine
 from ..errors import KVKeeperError, OverloadedError
@@ -404,12 +405,6 @@ class Episode:
                 "breaker_actions": {f"{t}:{a}": n for (t, a), n in sorted(self.breaker.actions.items())},
                 "deferred_first_turns": self.deferred,
                 "samples": self.samples, "config": _jsonable(asdict(c))}
-
-
-def prefill_backlog(scheduler) -> int:
-    """Prompt tokens admitted to ``scheduler`` (waiting or running) and not yet computed: the prefill work
-    queued ahead of a new request's first token (tokens)."""
-    return sum(max(0, s.num_prompt_tokens - s.num_computed) for s in list(scheduler.waiting) + scheduler.running)
 
 
 def _jsonable(d: dict) -> dict:

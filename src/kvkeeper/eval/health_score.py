@@ -101,3 +101,46 @@ def per_kind_table(table: dict) -> str:
         lines.append(f"| {k} | {t['episodes']} ({t['breaching_episodes']}) | {f(t['recall'])} | "
                      f"{f(t['median_lead_s'], 1)} | {t['false_alarms']} | {t['unresolved']} |")
     return "\n".join(lines) + "\n"
+
+
+def read_server_trace(path) -> list[dict]:
+    """The records of a server's ``--health-trace`` file (JSON lines; see
+    :class:`~kvkeeper.diagnostics.health.HealthMonitor`).  Raises ValueError naming the line of a malformed one."""
+    import json
+    from pathlib import Path
+
+    out = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            rec["sample"], rec["t"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{path}:{i}: not a --health-trace record (JSON with 't' and 'sample')") from None
+        out.append(rec)
+    return out
+
+
+def rescore_server_trace(records: list[dict], predictor, clear_after: int = 10) -> dict:
+    """Replay a server's recorded samples (:func:`read_server_trace`) through ``predictor`` (an object with
+    ``update(sample) -> Forecast``, as the server builds it) and a :class:`WarningTracker` closing after
+    ``clear_after`` calm samples (the server's ``HealthConfig.clear_after``): ``warnings`` opened, ``hours``
+    covered (first to last sample), ``per_hour``, ``first`` (t, reason) of each warning, and, where the trace
+    was recorded with a predictor of the same name, ``agree``: samples whose replayed ``warn`` equals the recorded
+    one (the replay runs the server's code: all of them, when nothing differs)."""
+    tracker = WarningTracker(clear_after)
+    name = getattr(predictor, "name", None)
+    opened, agree, compared = [], 0, 0
+    for rec in records:
+        fc = predictor.update(rec["sample"])
+        if tracker.update(rec["t"], fc):
+            opened.append((rec["t"], fc.reason))
+        live = rec.get("forecast")
+        if live is not None and rec.get("predictor") == name:
+            compared += 1
+            agree += bool(live["warn"]) == fc.warn
+    hours = (records[-1]["t"] - records[0]["t"]) / 3600.0 if len(records) > 1 else 0.0
+    return {"predictor": name, "samples": len(records), "warnings": len(opened), "hours": round(hours, 4),
+            "per_hour": len(opened) / hours if hours else None, "first": opened,
+            "compared": compared, "agree": agree}

@@ -227,3 +227,63 @@ def test_breaker_offloads_ahead_of_a_forecast_usage_breach():
     fc[0] = Forecast(True, 10.0, "usage", "usage")
     br.evaluate(now=200.0, force=True)
     assert len(ss.asked) == 2
+
+
+class _Seq:
+    def __init__(self, t_arrival, prompt=0, computed=0, first=None):
+        self.t_arrival, self.num_prompt_tokens, self.num_computed, self.t_first_token = t_arrival, prompt, computed, first
+
+
+def test_forecast_feed_measures_what_the_generated_incidents_record():
+    """The server's feed: TTFTs at the first token over the last 10 s (p99 and mean), the queue's head wait,
+    prefill backlog, busy fraction, open sessions, host-tier fill and breaker tier."""
+    import time
+    from types import SimpleNamespace
+
+    from kvkeeper.diagnostics.health import ForecastFeed
+
+    now = [100.0]
+    sched = SimpleNamespace(waiting=[], running=[])
+    eng = SimpleNamespace(scheduler=sched, first_token_hooks=[])
+    store = SimpleNamespace(host_budget=1000, bytes_in=lambda tier: 250 if tier == "host" else 0)
+    mgr = SimpleNamespace(sessions={"a": SimpleNamespace(closed=False), "b": SimpleNamespace(closed=True)},
+                          store=store)
+    feed = ForecastFeed(eng, mgr, SimpleNamespace(tier=1), clock=lambda: now[0])
+    assert eng.first_token_hooks == [feed._first_token]
+    pc = time.perf_counter()
+    for ttft in (0.5, 1.5, 2.5):  # first tokens at t = 100 (their TTFTs measured from perf_counter arrivals)
+        feed._first_token(_Seq(pc - ttft), None)
+    sched.waiting = [_Seq(pc - 4.0, prompt=300, computed=100)]
+    sched.running = [_Seq(pc - 9.0, prompt=50, computed=50, first=pc - 8.0)]  # has its first token: not a head
+    f = feed.fields(100.0)
+    assert f["ttft_p99"] == pytest.approx(2.5, abs=0.05) and f["ttft_mean"] == pytest.approx(1.5, abs=0.05)
+    assert f["waiting"] == 1 and f["running"] == 1 and f["prefill_backlog"] == 200
+    assert f["head_wait_s"] == pytest.approx(4.0, abs=0.5)
+    assert f["sessions"] == 1 and f["host_fill"] == 0.25 and f["tier"] == 1 and f["busy"] == 0.0
+    feed.add_busy(0.5)
+    now[0] = 110.5  # the three first tokens left the 10-s window
+    f = feed.fields(110.5)
+    assert f["ttft_p99"] == 0.0 and f["ttft_mean"] == 0.0 and f["busy"] == pytest.approx(0.5 / 10.5)
+
+
+def test_health_trace_records_every_sample_and_a_bad_path_stops_only_the_trace(tmp_path, caplog):
+    from kvkeeper.diagnostics.health_predict import TrendPredictor
+    from kvkeeper.eval.health_score import read_server_trace, rescore_server_trace
+
+    path = tmp_path / "h.jsonl"
+    mon = HealthMonitor(HealthConfig(warmup=5, trace=str(path), predictor="trend"))
+    mon.forecaster = TrendPredictor()
+    rng = random.Random(3)
+    for i in range(40):  # a usage ramp: the trend forecasts it
+        sig = {"usage": 0.3 + 0.015 * i + rng.gauss(0, 0.005), "pool_rate": 0.2}
+        mon.observe_signals(sig, now=float(i), extra={"ttft_p99": 0.2})
+    recs = read_server_trace(path)
+    assert len(recs) == 40 and recs[0]["sample"]["ttft_p99"] == 0.2 and recs[0]["sample"]["hit_rate"] == 1.0
+    assert recs[-1]["predictor"] == "trend" and recs[-1]["forecast"]["warn"] and mon.forecasts == 1
+    replay = rescore_server_trace(recs, TrendPredictor())
+    assert replay["warnings"] == 1 and replay["agree"] == replay["compared"] == 40
+    bad = HealthMonitor(HealthConfig(trace=str(tmp_path / "f" / "x.jsonl")))
+    (tmp_path / "f").write_text("a file where a folder is needed")
+    bad.observe_signals({"usage": 0.1, "pool_rate": 0.0}, now=0.0)
+    bad.observe_signals({"usage": 0.1, "pool_rate": 0.0}, now=1.0)
+    assert bad.config.trace is None and bad.samples == 2 and "--health-trace" in caplog.text

@@ -44,7 +44,8 @@ def test_the_table_is_recomputed_from_saved_traces(health_eval, tmp_path):
     res = json.loads(out.read_text())
     traces = health_eval.read_traces(TRACES)
     assert res["episodes"] == len(traces) == 14 and res["seeds"] == "0-1"
-    assert res["default_predictor"] == "trend" and set(res["predictors"]) == {"ewma", "trend", "lstm", "gbt"}
+    assert res["default_predictor"] == "gbt_trend"
+    assert set(res["predictors"]) == {"ewma", "trend", "lstm", "gbt", "gbt_trend"}
     for name, table in res["predictors"].items():
         again = score(traces, name)
         for k in ("precision", "recall", "median_lead_s", "false_alarms_per_hour", "true_positives",
@@ -52,20 +53,19 @@ def test_the_table_is_recomputed_from_saved_traces(health_eval, tmp_path):
             assert table[k] == again[k], (name, k)
         assert set(table["per_kind"]) == set(health_scenarios.KINDS)
     for k in ("precision", "recall", "median_lead_s", "false_alarms_per_hour"):
-        assert res[k] == res["predictors"]["trend"][k]
+        assert res[k] == res["predictors"]["gbt_trend"][k]
     # the traces breach where they say: every incident breached, no fault-free episode did
     assert res["predictors"]["trend"]["breaching_episodes"] == sum(t["breach_s"] is not None for t in traces)
     assert all(t["breach_s"] is None for t in traces if t["kind"] in health_scenarios.FAULT_FREE)
     md = out.with_suffix(".md").read_text()
-    assert "| trend |" in md and "| ewma |" in md
+    assert "| trend |" in md and "| ewma |" in md and "| gbt_trend |" in md
 
 
 def test_the_default_predictor_warns_ahead_of_the_saved_breaches():
-    """On the saved traces the default predictor warns before every incident's breach, long-context crowding
-    included (its near-miss warning: the trend alone missed longctx seed 0), and never in a fault-free episode;
-    the one miss is host seed 1, whose usage falls back with every offload to the host tier so that the
-    12-sample half-windows of the tuned defaults do not both rise (the defaults before 2026-12-06, a 20-sample
-    window, caught it 11 s ahead but with a shorter median lead on the tuning seeds)."""
+    """On the saved traces the default predictor warns before every incident's breach and never in a fault-free
+    episode.  These are training seeds (0-1) of the shipped trees, so this checks the wiring, not the accuracy
+    (that is the held-out evaluation's).  The trend alone misses host seed 1, whose usage falls back with every
+    offload to the host tier so that its 12-sample half-windows do not both rise; the trees read the host tier."""
     missed = []
     for tr in read_saved():
         row = score_episode(tr, make_predictor(DEFAULT_PREDICTOR))
@@ -75,7 +75,10 @@ def test_the_default_predictor_warns_ahead_of_the_saved_breaches():
             missed.append((tr["kind"], tr["seed"]))
         else:
             assert row["lead_s"] > 0 and row["fp"] == 0, (tr["kind"], tr["seed"])
-    assert missed == [("host", 1)]
+    assert missed == []
+    trend_missed = [(t["kind"], t["seed"]) for t in read_saved()
+                    if t["breach_s"] is not None and score_episode(t, make_predictor("trend"))["tp"] == 0]
+    assert trend_missed == [("host", 1)]
 
 
 def test_seeds_are_parsed_or_refused(health_eval):
