@@ -55,7 +55,6 @@ def paged_attention(
         return decode(q, cache, meta, scale)  # decode-only step: no scatter
     out = torch.empty_like(q)
     for p in meta.prefills:
-        qs = q[p.start : p.start + p.q_len].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
         if cache.fmt.kivi:
             out[p.start : p.start + p.q_len] = kivi_span_attention(q[p.start : p.start + p.q_len], cache,
                                                                     p.block_table, p.context_len, meta.window, scale)
@@ -64,6 +63,7 @@ def paged_attention(
                 p.observer.observe(cache.layer_idx, q[p.start : p.start + p.q_len], ks,
                                    p.context_len - p.q_len, scale)
             continue
+        qs = q[p.start : p.start + p.q_len].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
         if p.context_len == p.q_len and not cache.fmt.quantized:  # nothing cached: attend to the new tokens only
             ks = k[p.start : p.start + p.q_len]
             vs = v[p.start : p.start + p.q_len]

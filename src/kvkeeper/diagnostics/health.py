@@ -110,7 +110,7 @@ class HealthConfig:
         "--health-predictor", "what forecasts a breach (kvkeeper:kv_health_breach_eta_seconds, the warnings' "
         "predicted breach): trend (time to breach from a fitted slope), gbt (boosted trees over a window of the "
         "telemetry), gbt_trend (the trees, backed by the trend's forecast of a breach within 20 s), lstm (the "
-        "learned model), none", choices=("trend", "gbt", "gbt_trend", "lstm", "none")))
+        "learned model), none", choices=PREDICTORS))
     ttft_objective_s: float = field(default=3.0, metadata=option(
         "--ttft-objective", "the TTFT objective (seconds) the forecast measures a breach against", type=float,
         metavar="S"))

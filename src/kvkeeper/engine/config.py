@@ -173,7 +173,11 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(f"unknown load format {self.load_format!r}; choose auto or dummy")
         if self.block_size is None:
-            self.block_size = 32 if str(self.kv_dtype) in ("int4", "int2") else 16
+            try:
+                kivi = self.kv_dtype is not None and parse_kv_format(self.kv_dtype).kivi
+            except ValueError:  # a bad --kv-dtype is refused where the KV format is chosen
+                kivi = False
+            self.block_size = 32 if kivi else 16
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -592,9 +592,8 @@ class KiviPagedKV(PagedKV):
         is written here is quantized at once (keeping a 16-bit copy for this step); other tokens go to their block's
         window, a block whose last slot is written is closed.  A sequence appends in order: a block holds the tokens
         up to the last slot written (a rewrite truncates it there; one into a closed block reopens it, dequantized)."""
-        slots_c = slots.cpu()
-        self._end_kept(slots_c // self.k.shape[1])
-        bs = self.k.shape[1]
+        bs, slots_c = self.k.shape[1], slots.cpu()
+        self._end_kept(slots_c // bs)
         if slots.numel() == 0:
             return
         if slots.numel() <= 8 and self._append_decode(k, v, slots_c.tolist()):
@@ -685,20 +684,14 @@ class KiviPagedKV(PagedKV):
         open block from its window), (kw, vw) (length, KVH, D) from the 16-bit window of an open or kept block
         (zeros where a block has none) and ``has`` (length,) bool: the key's block has such a copy."""
         blocks = block_table.cpu()
-        idx = blocks.to(self.k.device)
-        k = kivi_dequantize_keys(self.k.index_select(0, idx), self.k_scale.index_select(0, idx),
-                                 self.k_min.index_select(0, idx), self.bits, dtype)
-        v = kivi_dequantize_values(self.v.index_select(0, idx), self.v_scale.index_select(0, idx),
-                                   self.v_min.index_select(0, idx), self.bits, dtype)
+        k, v = self._dequant_blocks(blocks, dtype)  # as held: codes, an open block from its window
         r = self.res_of[blocks]
-        has, open_ = r != -1, r >= 0
+        has = r != -1
         kw, vw = torch.zeros_like(k), torch.zeros_like(v)
         if bool(has.any()):
             ri = torch.where(r >= 0, r, -2 - r)[has].long().to(self.k.device)
             kw[has.to(k.device)] = self.res_k.index_select(0, ri).to(dtype)
             vw[has.to(k.device)] = self.res_v.index_select(0, ri).to(dtype)
-            k[open_.to(k.device)] = kw[open_.to(k.device)]  # an open block: its window is what it holds
-            v[open_.to(k.device)] = vw[open_.to(k.device)]
         bs, kvh, d = k.shape[1], k.shape[2], k.shape[3]
         flat = lambda x: x.reshape(-1, kvh, d)[:length]  # noqa: E731
         return flat(k), flat(v), flat(kw), flat(vw), has.repeat_interleave(bs)[:length]
