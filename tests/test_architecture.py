@@ -179,6 +179,36 @@ def test_no_repeated_code_in_the_package():
     assert out.startswith("no duplicates"), out
 
 
+def documented_modules(doc: Path) -> set[str]:
+    """Module paths (relative to ``src/kvkeeper``) that docs/architecture.md's package tree names.
+
+    The tree is the code block under ``## The package``: a line ``  folder/  ...`` opens that folder's entry
+    (``api/chat/`` included), a line starting with anything else is the package root's; every ``name.py`` on an
+    entry's lines is read as ``folder/name.py``."""
+    text = doc.read_text(encoding="utf-8")
+    m = re.search(r"^## The package\n.*?```\n(.*?)```", text, re.S | re.M)
+    assert m, f"{doc.name} lacks the package tree (a code block under '## The package')"
+    found: set[str] = set()
+    folder = ""
+    for line in m.group(1).splitlines():
+        head = re.match(r"  (\S+/)\s", line)
+        if head:
+            folder = head.group(1).removeprefix("src/kvkeeper/")
+        elif re.match(r"  \S", line):
+            folder = ""
+        found |= {folder + name + ".py" for name in re.findall(r"\b(\w+)\.py\b", line)}
+    return found - {"kvkeeper/"}
+
+
+def package_modules(pkg_dir: Path) -> set[str]:
+    return {p.relative_to(pkg_dir).as_posix() for p in pkg_dir.rglob("*.py") if p.name != "__init__.py"}
+
+
+def test_every_module_is_listed_in_the_architecture_page():
+    missing = package_modules(SRC / PKG) - documented_modules(LAYER_DOC)
+    assert missing == set(), f"add these modules to docs/architecture.md's package tree: {sorted(missing)}"
+
+
 # ---- the checks themselves can fail -----------------------------------------------------------
 
 
@@ -242,3 +272,14 @@ def test_tests_build_their_engines_through_make_engine(tmp_path):
     assert calls == [], f"build engines with tests.utils.engines.make_engine(...), not LLMEngine(...): {calls}"
     (tmp_path / "test_x.py").write_text("import kvkeeper\nLLMEngine(1)\n# LLMEngine(\nkvkeeper.LLMEngine()\n")
     assert llm_engine_calls(tmp_path, tests / "utils" / "engines.py") == ["test_x.py:2", "test_x.py:4"]
+
+
+def test_a_module_missing_from_the_architecture_page_is_caught(tmp_path):
+    doc = tmp_path / "architecture.md"
+    doc.write_text("# A\n\n## The package\n\n```\nsrc/kvkeeper/\n  api/chat/       route.py (the route),\n"
+                   "                  serving.py\n  errors.py       errors\n```\n")
+    pkg = _fake_package(tmp_path, {"__init__.py": "", "errors.py": "", "api/__init__.py": "",
+                                   "api/chat/__init__.py": "", "api/chat/route.py": "", "api/chat/serving.py": "",
+                                   "api/chat/protocol.py": ""}) / "fake"
+    assert documented_modules(doc) == {"api/chat/route.py", "api/chat/serving.py", "errors.py"}
+    assert package_modules(pkg) - documented_modules(doc) == {"api/chat/protocol.py"}
