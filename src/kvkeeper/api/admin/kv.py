@@ -1,6 +1,6 @@
 """Admin routes: the live KV block map, KV dumps of a session, the circuit breaker's state.
 
-Every route needs an admin key when the server has API keys (:func:`kvkeeper.api.auth.admin_caller`:
+Every route needs an admin key when the server has API keys (:func:`kvkeeper.api.common.auth.admin_caller`:
 401 without a valid key, 403 for a tenant's key), except ``/admin/kv/dump``, which also answers the
 session's own tenant (another tenant gets 404).  With ``serve --admin-port`` these routes are served
 only by a second app bound to 127.0.0.1 (:func:`kvkeeper.api.app.create_admin_app`).
@@ -43,11 +43,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from ..diagnostics.kvdump import dump_session, to_bytes
-from ..kvcache.blockmap import OWNER_PALETTE, PAGE_BACKGROUND, STATE_COLOURS
-from .auth import Caller, admin_caller, caller
-from .errors import APIError
-from .session_routes import managed_sessions, owned_session
+from ...diagnostics.kvdump import dump_session, to_bytes
+from ...kvcache.blockmap import OWNER_PALETTE, PAGE_BACKGROUND, STATE_COLOURS
+from ..common.auth import Caller, admin_caller, caller
+from ..common.errors import APIError
+from ..sessions.routes import managed_sessions, owned_session
 
 router = APIRouter()
 

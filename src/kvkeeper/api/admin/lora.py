@@ -3,7 +3,7 @@ endpoints and request bodies).
 
 Loading reads a local directory the request names, so the endpoints answer 403 unless the server was
 started with ``--allow-runtime-lora`` (vLLM gates them behind ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), and
-with API keys they need an admin key (401 / 403 otherwise, :func:`kvkeeper.api.auth.admin_caller`).
+with API keys they need an admin key (401 / 403 otherwise, :func:`kvkeeper.api.common.auth.admin_caller`).
 The adapter is read and registered on the engine thread (between steps).  Requests then select it by
 name in ``model``; see :mod:`kvkeeper.layers.lora` for the file format and the KV namespace.
 """
@@ -14,8 +14,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from ..errors import KVKeeperError
-from .errors import APIError
+from ...errors import KVKeeperError
+from ..common.errors import APIError
 
 router = APIRouter()
 

@@ -17,20 +17,20 @@ import time
 
 from fastapi import APIRouter, Depends, Request
 
-from ..sampling.structured import StructuredOutput
-from .access_log import record_usage
-from .auth import Caller, caller
-from .errors import APIError
-from .messages import messages_of
-from .protocol import check_body, generation_fields, prediction_text, sampling_params, structured_output
-from .request_parsing import RequestContext, request_context
-from .responses import (Collected, Renderer, continuous_usage, finish_reason, include_usage, respond, usage_of,
+from ...sampling.structured import StructuredOutput
+from ..common.access_log import record_usage
+from ..common.auth import Caller, caller
+from ..common.errors import APIError
+from ..common.messages import messages_of
+from ..common.protocol import check_body, generation_fields, prediction_text, sampling_params, structured_output
+from ..common.context import RequestContext, request_context
+from ..common.rendering import (Collected, Renderer, continuous_usage, finish_reason, include_usage, respond, usage_of,
                         vllm_prompt_logprobs)
-from .schemas import ChatCompletionRequest
-from .streams import ChoiceDelta, GenerationRequest, RequestStream
-from .tools import ChoiceCalls, ToolUse, finish_with_calls, tool_use_of
+from ..common.schemas import ChatCompletionRequest
+from ..common.streams import ChoiceDelta, GenerationRequest, RequestStream
+from ..common.tools import ChoiceCalls, ToolUse, finish_with_calls, tool_use_of
 
-router = APIRouter()  # included behind the caller dependency (kvkeeper.api.auth): a key when keys are set
+router = APIRouter()  # included behind the caller dependency (kvkeeper.api.common.auth): a key when keys are set
 
 
 def chat_request(body: ChatCompletionRequest, ctx: RequestContext, request_id: str

@@ -22,7 +22,7 @@ _KEY = "kvkeeper.access"  # the scope entry a handler fills (a dict shared with 
 
 
 def record_usage(scope: dict, usage=None, user: str | None = None) -> None:
-    """Note a request's usage (a :class:`kvkeeper.api.streams.Usage`) and user for its access-log line."""
+    """Note a request's usage (a :class:`kvkeeper.api.common.streams.Usage`) and user for its access-log line."""
     entry = scope.get(_KEY)
     if entry is None:
         return
@@ -49,7 +49,7 @@ def configure_access_log(enabled: bool) -> logging.Logger:
 
 
 class AccessLogMiddleware:
-    """ASGI middleware writing :mod:`this module's <kvkeeper.api.access_log>` line per HTTP request."""
+    """ASGI middleware writing :mod:`this module's <kvkeeper.api.common.access_log>` line per HTTP request."""
 
     def __init__(self, app, logger: logging.Logger | None = None):
         self.app = app

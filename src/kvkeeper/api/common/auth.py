@@ -38,7 +38,7 @@ from pathlib import Path
 
 from fastapi import Depends, Request
 
-from ..sessions.manager import TenantQuota
+from ...sessions.manager import TenantQuota
 from .errors import APIError
 
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")

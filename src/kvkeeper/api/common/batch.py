@@ -85,7 +85,7 @@ def _summed(usages: list[Usage | None]) -> Usage:
 async def submit_all(engine, gens) -> MergedStream:
     """Submit one request per prompt (``gens``, the same ``n`` each) and merge their streams; a prompt the engine
     refuses (a 400 for its length or ids, a full queue) aborts those already accepted and raises as
-    :meth:`~kvkeeper.api.async_engine.AsyncEngine.submit` does."""
+    :meth:`~kvkeeper.api.engine_client.async_engine.AsyncEngine.submit` does."""
     parts: list[RequestStream] = []
     try:
         for g in gens:

@@ -1,7 +1,7 @@
 """A request's headers and caller, parsed once: the :class:`RequestContext` a body converts itself under.
 
 Headers: ``X-Session-ID``, ``X-Session-Priority``, ``X-Cache-Salt``, ``X-Context-Policy`` /
-``X-Context-Budget`` (chat only).  Every parser raises :class:`~kvkeeper.api.errors.APIError` (400) naming
+``X-Context-Budget`` (chat only).  Every parser raises :class:`~kvkeeper.api.common.errors.APIError` (400) naming
 the header at fault.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
-from ..sessions.context import POLICIES
+from ...sessions.context import POLICIES
 from .auth import Caller
 from .errors import APIError
 from .served import ServedModels
@@ -26,8 +26,8 @@ _CONTEXT_HEADERS = ("X-Context-Policy", "X-Context-Budget")
 class RequestContext:
     """What a request body is converted under, besides itself.
 
-    served: the engine thread's snapshot (:class:`~kvkeeper.api.served.ServedModels`).  tenant, quota: the
-    caller's (:mod:`kvkeeper.api.auth`).  refuse_unknown_fields: 400 for a field no schema declares.
+    served: the engine thread's snapshot (:class:`~kvkeeper.api.common.served.ServedModels`).  tenant, quota: the
+    caller's (:mod:`kvkeeper.api.common.auth`).  refuse_unknown_fields: 400 for a field no schema declares.
     session_id, session_priority, cache_salt: the headers' values (None: absent).  context_policy,
     context_budget (tokens): ``X-Context-Policy`` / ``X-Context-Budget`` (policy lower-cased).
     session_compression, session_compression_ratio: ``X-Session-Compression`` / ``X-Session-Compression-Ratio``
@@ -90,7 +90,7 @@ def context_headers(request: Request) -> tuple[str | None, int | None]:
 def compression_headers(request: Request) -> tuple[str | None, float | None]:
     """(policy, ratio) of ``X-Session-Compression`` / ``X-Session-Compression-Ratio`` (None where absent); a 400
     naming the header for an unknown policy or a ratio that is not a number in [0, 1)."""
-    from ..sessions.compress import POLICIES as COMPRESSION_POLICIES
+    from ...sessions.compress import POLICIES as COMPRESSION_POLICIES
 
     policy = request.headers.get("x-session-compression")
     raw = request.headers.get("x-session-compression-ratio")

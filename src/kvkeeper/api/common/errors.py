@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import (ContextLengthError, KVKeeperError, ModelNotFoundError, OverloadedError, QuotaExceededError,
+from ...errors import (ContextLengthError, KVKeeperError, ModelNotFoundError, OverloadedError, QuotaExceededError,
                       SessionBusyError, SessionNotFoundError)
 
 

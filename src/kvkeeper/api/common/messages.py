@@ -1,6 +1,6 @@
 """Chat messages of a request body to the engine's message dicts (``/v1/chat/completions`` and ``/tokenize``).
 
-Raises :class:`~kvkeeper.api.errors.APIError` (400) naming the message field at fault.
+Raises :class:`~kvkeeper.api.common.errors.APIError` (400) naming the message field at fault.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 fields, and the fields chat and text completions share (one SamplingParams per choice, the output
 constraint, logit bias, stop strings, seeds, the cache namespace, KV compression).
 
-Every function raises :class:`~kvkeeper.api.errors.APIError` naming the field at fault (400; 404 for a
+Every function raises :class:`~kvkeeper.api.common.errors.APIError` naming the field at fault (400; 404 for a
 model that is not served).  Token ids are checked against the vocabulary by the engine (an
 ``InvalidRequestError`` naming the field, a 400).
 """
@@ -12,20 +12,20 @@ from __future__ import annotations
 import json
 import re
 
-from ..errors import KVKeeperError
-from ..kvcache.compression import KVCompression
-from ..kvcache.namespace import tenant_namespace
-from ..sampling.params import SamplingParams
-from ..sampling.structured import StructuredOutput
+from ...errors import KVKeeperError
+from ...kvcache.compression import KVCompression
+from ...kvcache.namespace import tenant_namespace
+from ...sampling.params import SamplingParams
+from ...sampling.structured import StructuredOutput
 from .errors import APIError
 from .prompt_cache import cache_salt_of
-from .request_parsing import RequestContext
+from .context import RequestContext
 from .schemas import _SamplingFields, refused_field, unknown_fields
 
 
 def check_body(body, ctx: RequestContext) -> str | None:
     """The LoRA adapter ``body.model`` selects (None: omitted or the base model; 404 for a model not served),
-    after the body's field rules: 400 for a field refused in its value (:data:`~kvkeeper.api.schemas.REFUSED`),
+    after the body's field rules: 400 for a field refused in its value (:data:`~kvkeeper.api.common.schemas.REFUSED`),
     ``stream_options`` without ``stream`` and, unless the server ignores them (``--ignore-unknown-fields``),
     a field no schema declares."""
     adapter = ctx.served.adapter(body.model)
@@ -57,9 +57,9 @@ def refuse_unknown(body, ctx: RequestContext) -> None:
 
 
 def generation_fields(body: _SamplingFields, ctx: RequestContext, lora: str | None) -> dict:
-    """The :class:`~kvkeeper.api.streams.GenerationRequest` fields both completions endpoints take from the
+    """The :class:`~kvkeeper.api.common.streams.GenerationRequest` fields both completions endpoints take from the
     body and its context: the cache namespace (the served one salted by the caller's tenant and the client's
-    ``cache_salt`` or ``X-Cache-Salt``, narrowed by ``prompt_cache_key``: :mod:`~kvkeeper.api.prompt_cache`;
+    ``cache_salt`` or ``X-Cache-Salt``, narrowed by ``prompt_cache_key``: :mod:`~kvkeeper.api.common.prompt_cache`;
     :func:`~kvkeeper.kvcache.namespace.tenant_namespace`: a salt narrows the tenant's namespace, never widens
     it; None for neither), the LoRA adapter (``lora``, which the
     engine thread puts the namespace under), the session headers (``X-Session-Compression`` /

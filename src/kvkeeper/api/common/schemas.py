@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic v2 models).
 
-Validation failures become 400 errors (see :mod:`kvkeeper.api.errors`).  Every field here is
+Validation failures become 400 errors (see :mod:`kvkeeper.api.common.errors`).  Every field here is
 either applied or refused with a 400 that names it: the fields in :data:`REFUSED` are accepted only
 with their no-op value (so a client library that always sends, say, ``store: false`` still works).
 Fields no model here declares are collected (``extra="allow"``) and refused by the routes
@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..sessions.compress import POLICIES as COMPRESSION_POLICIES
-from ..sessions.context import POLICIES
+from ...sessions.compress import POLICIES as COMPRESSION_POLICIES
+from ...sessions.context import POLICIES
 
 # Unknown fields are kept, to be refused by name (or ignored with --ignore-unknown-fields); the published
 # schema (/openapi.json) says what the server accepts by default: no additional properties.  Strict types, as

@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..sampling.params import SamplingParams
-from ..kvcache.namespace import Namespace
+from ...sampling.params import SamplingParams
+from ...kvcache.namespace import Namespace
 
 
 class EngineDeadError(RuntimeError):
@@ -32,7 +32,7 @@ class GenerationRequest:
     context: tuple[str | None, int | None] | None = None  # (policy, budget) a session's turn runs under
     session_compression: tuple[str | None, float | None] | None = None  # (policy, ratio): kvkeeper.sessions.compress
     echo: bool = False  # completions: the prompt's text comes back before each choice's text
-    tenant: str | None = None  # the caller's tenant (kvkeeper.api.auth): owns the session it names
+    tenant: str | None = None  # the caller's tenant (kvkeeper.api.common.auth): owns the session it names
     quota: Any = None  # the tenant's kvkeeper.sessions.manager.TenantQuota (None: no limits)
 
 
@@ -132,7 +132,7 @@ class RequestStream:
 
     def part(self, index: int) -> "RequestStream":
         """The stream of the prompt choice ``index`` belongs to: this one (a merged stream of several
-        prompts answers the prompt's own, :class:`kvkeeper.api.batch.MergedStream`)."""
+        prompts answers the prompt's own, :class:`kvkeeper.api.common.batch.MergedStream`)."""
         return self
 
     def abort(self) -> None:

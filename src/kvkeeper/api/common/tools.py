@@ -20,8 +20,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from ..sampling.structured import StructuredOutput
-from ..text.tool_format import CallParser, call_grammar
+from ...sampling.structured import StructuredOutput
+from ...text.tool_format import CallParser, call_grammar
 from .errors import APIError
 from .schemas import ChatCompletionRequest
 

@@ -1,8 +1,8 @@
 """``POST /v1/completions``: the body converted into the engine's requests, one per prompt
-(:func:`completion_request`, every rule checked once; several prompts: :mod:`kvkeeper.api.batch`), the route, and
+(:func:`completion_request`, every rule checked once; several prompts: :mod:`kvkeeper.api.common.batch`), the route, and
 how its output is rendered (text, legacy logprobs, the echoed prompt).
 
-The extension fields are chat's (:mod:`kvkeeper.api.chat`) but for the chat-only ones; ``X-Context-Policy``
+The extension fields are chat's (:mod:`kvkeeper.api.chat.route`) but for the chat-only ones; ``X-Context-Policy``
 and ``X-Context-Budget`` are refused (a text completion has no messages for a policy to keep or drop).
 """
 
@@ -12,17 +12,17 @@ import time
 
 from fastapi import APIRouter, Depends, Request
 
-from .access_log import record_usage
-from .auth import Caller, caller
-from .errors import APIError
-from .protocol import check_body, generation_fields, sampling_params, structured_output
-from .request_parsing import RequestContext, request_context
-from .responses import (Collected, Renderer, continuous_usage, finish_reason, include_usage, respond, usage_of,
+from ..common.access_log import record_usage
+from ..common.auth import Caller, caller
+from ..common.errors import APIError
+from ..common.protocol import check_body, generation_fields, sampling_params, structured_output
+from ..common.context import RequestContext, request_context
+from ..common.rendering import (Collected, Renderer, continuous_usage, finish_reason, include_usage, respond, usage_of,
                         vllm_prompt_logprobs)
-from .schemas import CompletionRequest
-from .streams import ChoiceDelta, GenerationRequest, RequestStream
+from ..common.schemas import CompletionRequest
+from ..common.streams import ChoiceDelta, GenerationRequest, RequestStream
 
-router = APIRouter()  # included behind the caller dependency (kvkeeper.api.auth): a key when keys are set
+router = APIRouter()  # included behind the caller dependency (kvkeeper.api.common.auth): a key when keys are set
 
 
 MAX_PROMPTS = 128  # prompts in one request (each is an engine request: the queue's limit applies to all of them)
@@ -97,7 +97,7 @@ def _top_with_chosen(e: dict) -> dict:
 
 class _CompletionChoices:
     """Per-choice state of a completions response: the echoed prompt (text, logprobs) each choice starts with.
-    Choice ``i`` belongs to prompt ``i // n`` (:mod:`kvkeeper.api.batch`); ``s.part(i)`` is that prompt's stream."""
+    Choice ``i`` belongs to prompt ``i // n`` (:mod:`kvkeeper.api.common.batch`); ``s.part(i)`` is that prompt's stream."""
 
     def __init__(self, body: CompletionRequest, prompts: int):
         self.body = body

@@ -3,11 +3,11 @@
 The HTTP handlers run on an asyncio event loop.  They never call the engine, nor read it, but for its two
 thread-safe parts, used in worker threads: the grammar compiler and the input processor (a prompt is rendered,
 tokenized and checked against the context window before its :class:`Add`, so that a prompt of megabytes never
-stalls the running streams).  They read the snapshot the engine thread publishes (``served``, a :class:`~kvkeeper.api.served.ServedModels`: model name,
+stalls the running streams).  They read the snapshot the engine thread publishes (``served``, a :class:`~kvkeeper.api.common.served.ServedModels`: model name,
 LoRA adapters, context window, vocabulary size), and put typed commands on a thread-safe queue:
 
 * :class:`Add` (``submit(GenerationRequest)``) -- the engine thread adds the request
-  (:class:`~kvkeeper.api.tracker.RequestTracker`: a session turn when it names a session)
+  (:class:`~kvkeeper.api.engine_client.tracker.RequestTracker`: a session turn when it names a session)
   and answers with a :class:`RequestStream`; errors (:class:`KVKeeperError`) are raised to the caller.
 * :class:`Abort` (``abort(request_id)``) -- a client went away: every sequence of the request is aborted at once.
 * :class:`Call` (``call(fn)``) -- run ``fn(engine)`` on the engine thread (tokenizing, session listing and
@@ -36,14 +36,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..diagnostics.health import engine_counters
-from ..errors import KVKeeperError
-from ..kvcache.blockmap import engine_block_map
-from ..kvcache.telemetry import FragmentationMonitor
-from .errors import QueueFullError
+from ...diagnostics.health import engine_counters
+from ...errors import KVKeeperError
+from ...kvcache.blockmap import engine_block_map
+from ...kvcache.telemetry import FragmentationMonitor
+from ..common.errors import QueueFullError
 from .metrics import ServerMetrics
-from .served import ServedModels
-from .streams import Accepted, EngineDeadError, GenerationRequest, RequestStream
+from ..common.served import ServedModels
+from ..common.streams import Accepted, EngineDeadError, GenerationRequest, RequestStream
 from .tracker import RequestTracker
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Abort", "Add", "AsyncEngine", "Call", "Command", "EngineDeadError", "GenerationRequest",
            "RequestStream", "Wake"]
 
-from .limits import DEFAULT_MAX_QUEUE  # noqa: E402  (ServerConfig.max_queue)
+from ..common.limits import DEFAULT_MAX_QUEUE  # noqa: E402  (ServerConfig.max_queue)
 
 
 PROMPT_WORKERS = 2  # threads rendering and tokenizing prompts (AsyncEngine._off_thread)
@@ -119,9 +119,9 @@ class AsyncEngine:
     session id are refused).  breaker: a circuit breaker to evaluate while idle.  auditor: a reuse
     auditor whose counters go to /metrics.  max_queue: requests that may wait (not yet admitted)
     before :meth:`submit` raises :class:`QueueFullError` (HTTP 503).  max_new_tokens: cap on tokens
-    per choice.  tracer: a :class:`kvkeeper.api.tracing.RequestTracer` (None: no traces).  health: a
+    per choice.  tracer: a :class:`kvkeeper.api.engine_client.tracing.RequestTracer` (None: no traces).  health: a
     :class:`~kvkeeper.diagnostics.health.HealthMonitor` fed with the telemetry samples (None: none).
-    ``served``: the :class:`~kvkeeper.api.served.ServedModels` snapshot handlers read (replaced, never changed,
+    ``served``: the :class:`~kvkeeper.api.common.served.ServedModels` snapshot handlers read (replaced, never changed,
     by the engine thread after each :class:`Call`).
     """
 

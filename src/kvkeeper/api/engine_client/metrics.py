@@ -62,7 +62,7 @@ kvkeeper:context_summary_seconds           histogram  time a turn spent writing 
 =========================================  =========  =====================================================
 
 The fragmentation figures are defined in :mod:`kvkeeper.kvcache.telemetry`; the engine
-thread samples them at most every 0.1 s (see :mod:`kvkeeper.api.async_engine`).
+thread samples them at most every 0.1 s (see :mod:`kvkeeper.api.engine_client.async_engine`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..engine.breaker import ACTIONS
+from ...engine.breaker import ACTIONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

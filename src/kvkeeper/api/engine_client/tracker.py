@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..sampling.params import SamplingParams
-from ..engine.sequence import Sequence
-from ..errors import InvalidRequestError, ModelNotFoundError
-from ..sessions.session import session_key
+from ...sampling.params import SamplingParams
+from ...engine.sequence import Sequence
+from ...errors import InvalidRequestError, ModelNotFoundError
+from ...sessions.session import session_key
 from .metrics import ServerMetrics
-from .streams import Accepted, ChoiceDelta, EngineDeadError, GenerationRequest, StepOutput, Usage
+from ..common.streams import Accepted, ChoiceDelta, EngineDeadError, GenerationRequest, StepOutput, Usage
 from .token_text import TokenText
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class RequestTracker:
     """Requests of the HTTP server on one engine (and its sessions, when given).
 
     max_new_tokens: the operator's cap on tokens per choice (``serve --max-new-tokens``).
-    tracer: a :class:`kvkeeper.api.tracing.RequestTracer` or None.
+    tracer: a :class:`kvkeeper.api.engine_client.tracing.RequestTracer` or None.
     """
 
     def __init__(self, engine, sessions=None, metrics: ServerMetrics | None = None, tracer=None,

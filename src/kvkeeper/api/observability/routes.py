@@ -1,7 +1,7 @@
-"""The OpenAI-compatible endpoints besides the completions (:mod:`kvkeeper.api.chat`,
-:mod:`kvkeeper.api.completions`): models, tokenize, detokenize, tokenizer_info, health and metrics.
+"""The OpenAI-compatible endpoints besides the completions (:mod:`kvkeeper.api.chat.route`,
+:mod:`kvkeeper.api.completions.route`): models, tokenize, detokenize, tokenizer_info, health and metrics.
 
-Handlers read ``request.app.state``: ``engine`` (the :class:`~kvkeeper.api.async_engine.AsyncEngine`: its
+Handlers read ``request.app.state``: ``engine`` (the :class:`~kvkeeper.api.engine_client.async_engine.AsyncEngine`: its
 ``served`` snapshot, its commands), ``created``, ``refuse_unknown_fields``.
 """
 
@@ -10,15 +10,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from .errors import APIError
-from .messages import messages_of
-from .metrics import CONTENT_TYPE
-from .protocol import check_body
-from .request_parsing import served_context
-from .schemas import DetokenizeRequest, TokenizeRequest
-from .served import ServedAdapter, ServedModels
+from ..common.errors import APIError
+from ..common.messages import messages_of
+from ..engine_client.metrics import CONTENT_TYPE
+from ..common.protocol import check_body
+from ..common.context import served_context
+from ..common.schemas import DetokenizeRequest, TokenizeRequest
+from ..common.served import ServedAdapter, ServedModels
 
-router = APIRouter()  # included behind the caller dependency (kvkeeper.api.auth): a key when keys are set
+router = APIRouter()  # included behind the caller dependency (kvkeeper.api.common.auth): a key when keys are set
 public_router = APIRouter()  # /health and /metrics: open to every client
 
 

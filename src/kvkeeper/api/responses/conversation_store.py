@@ -1,7 +1,7 @@
 """The conversations of ``/v1/conversations``: items the server holds for a client, and their KV.
 
 A conversation is a list of items (messages, ``function_call``, ``function_call_output``; the model's replies
-marked as such, :func:`~kvkeeper.api.responses_items.reply_items`) and its KV is the session of the same id
+marked as such, :func:`~kvkeeper.api.responses.items.reply_items`) and its KV is the session of the same id
 (:mod:`kvkeeper.sessions`): a response with ``conversation`` runs as that session's next turn, rendering every
 item, so the session's reuse rule hands its KV over (the whole previous turn, or the longest common prefix when
 items were deleted or added by hand).  Conversations belong to the tenant that created them (another tenant's
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .json_records import OwnedRecords
+from .records import OwnedRecords
 
 
 @dataclass

@@ -12,7 +12,7 @@ with ``conversation``.
     GET    /v1/conversations/{id}/items/{item_id}     one item
     DELETE /v1/conversations/{id}/items/{item_id}     remove one item (the next turn reuses the KV up to it)
 
-How a conversation keeps its KV: :mod:`kvkeeper.api.conversation_store`.  Every route sees only the caller's
+How a conversation keeps its KV: :mod:`kvkeeper.api.responses.conversation_store`.  Every route sees only the caller's
 tenant's conversations: another tenant's id is a 404 exactly as an unknown one.
 """
 
@@ -20,16 +20,16 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from .auth import Caller, caller
+from ..common.auth import Caller, caller
 from .conversation_store import Conversation
-from .errors import APIError
-from .protocol import refuse_unknown
-from .request_parsing import request_context
-from .responses_items import input_messages, item_id, item_page, public
-from .responses_route import Paging, close_sessions, conversation_store
-from .responses_schema import ConversationCreate, ConversationUpdate, ItemsCreate, ResponsesRequest
+from ..common.errors import APIError
+from ..common.protocol import refuse_unknown
+from ..common.context import request_context
+from .items import input_messages, item_id, item_page, public
+from .route import Paging, close_sessions, conversation_store
+from .schema import ConversationCreate, ConversationUpdate, ItemsCreate, ResponsesRequest
 
-router = APIRouter()  # included behind the caller dependency (kvkeeper.api.auth)
+router = APIRouter()  # included behind the caller dependency (kvkeeper.api.common.auth)
 
 
 def _add(c: Conversation, items: list, request: Request, who: Caller, body) -> list[dict]:

@@ -1,7 +1,7 @@
 """Responses API items: input items to the engine's chat messages, tools and ``text.format`` to the engine's
 forms, and a reply's text to output items (``message`` with ``output_text``, ``function_call``).
 
-Every function raises :class:`~kvkeeper.api.errors.APIError` (400) naming the field at fault.
+Every function raises :class:`~kvkeeper.api.common.errors.APIError` (400) naming the field at fault.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import json
 import uuid
 from types import SimpleNamespace
 
-from ..sampling.structured import StructuredOutput
-from .errors import APIError
-from .responses_schema import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
-from .schemas import FunctionDefinition, FunctionName, NamedToolChoice, Tool
-from .tools import ChoiceCalls, ToolUse, tool_use_of
+from ...sampling.structured import StructuredOutput
+from ..common.errors import APIError
+from .schema import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
+from ..common.schemas import FunctionDefinition, FunctionName, NamedToolChoice, Tool
+from ..common.tools import ChoiceCalls, ToolUse, tool_use_of
 
 
 def item_id(prefix: str) -> str:
@@ -123,8 +123,8 @@ def _stored_item(it) -> dict:
 
 
 def tool_use_of_body(body: ResponsesRequest) -> ToolUse | None:
-    """The request's :class:`~kvkeeper.api.tools.ToolUse` (tools in the chat form the engine renders), or None;
-    the rules of :func:`~kvkeeper.api.tools.tool_use_of` (400 naming the field)."""
+    """The request's :class:`~kvkeeper.api.common.tools.ToolUse` (tools in the chat form the engine renders), or None;
+    the rules of :func:`~kvkeeper.api.common.tools.tool_use_of` (400 naming the field)."""
     tc = body.tool_choice
     chat = SimpleNamespace(
         tools=[Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"})))

@@ -12,9 +12,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..sessions.disk import session_dir_name
-from ..sessions.session import session_key
-from .errors import APIError
+from ...sessions.disk import session_dir_name
+from ...sessions.session import session_key
+from ..common.errors import APIError
 
 log = logging.getLogger(__name__)
 

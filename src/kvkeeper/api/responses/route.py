@@ -2,12 +2,12 @@
 
 ::
 
-    POST   /v1/responses                       a response; stream=true: typed SSE events (api/responses_events.py)
+    POST   /v1/responses                       a response; stream=true: typed SSE events (api/responses/events.py)
     GET    /v1/responses/{id}                  a stored response
     DELETE /v1/responses/{id}                  forget it and close its session (its KV freed)
     GET    /v1/responses/{id}/input_items      its input items (?order=asc|desc, default desc; limit 1-100; after)
 
-How a response runs as a session turn: :mod:`kvkeeper.api.responses_run`.  Every route sees only the caller's
+How a response runs as a session turn: :mod:`kvkeeper.api.responses.run`.  Every route sees only the caller's
 tenant's responses: another tenant's id is a 404 exactly as an unknown one.
 """
 
@@ -18,21 +18,21 @@ from typing import AsyncIterator, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..sessions.session import session_key
-from .access_log import record_usage
-from .auth import Caller, caller
-from .errors import error_body
-from .request_parsing import request_context
+from ...sessions.session import session_key
+from ..common.access_log import record_usage
+from ..common.auth import Caller, caller
+from ..common.errors import error_body
+from ..common.context import request_context
 from .conversation_store import ConversationStore
-from .response_store import ResponseStore
-from .responses import collect
-from .responses_events import ResponseEvents
-from .responses_items import item_page, output_items, reply_items
-from .responses_run import ResponseRun, new_response_id, plan_response
-from .responses_schema import ResponsesRequest
-from .streams import EngineDeadError, RequestStream, Usage
+from .store import ResponseStore
+from ..common.rendering import collect
+from .events import ResponseEvents
+from .items import item_page, output_items, reply_items
+from .run import ResponseRun, new_response_id, plan_response
+from .schema import ResponsesRequest
+from ..common.streams import EngineDeadError, RequestStream, Usage
 
-router = APIRouter()  # included behind the caller dependency (kvkeeper.api.auth)
+router = APIRouter()  # included behind the caller dependency (kvkeeper.api.common.auth)
 
 
 def _session_config(request: Request):

@@ -17,19 +17,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..errors import KVKeeperError
-from ..kvcache.namespace import tenant_namespace
-from ..sampling.params import SamplingParams
-from .errors import APIError
-from .prompt_cache import cache_salt_of
-from .protocol import refuse_unknown
-from .request_parsing import RequestContext
+from ...errors import KVKeeperError
+from ...kvcache.namespace import tenant_namespace
+from ...sampling.params import SamplingParams
+from ..common.errors import APIError
+from ..common.prompt_cache import cache_salt_of
+from ..common.protocol import refuse_unknown
+from ..common.context import RequestContext
 from .conversation_store import Conversation, ConversationStore
-from .response_store import ResponseStore, StoredResponse
-from .responses_items import format_of, input_messages, item_id, messages_of_items, text_format, tool_use_of_body
-from .responses_schema import ResponsesRequest, refused_response_field
-from .streams import GenerationRequest, Usage
-from .tools import ToolUse
+from .store import ResponseStore, StoredResponse
+from .items import format_of, input_messages, item_id, messages_of_items, text_format, tool_use_of_body
+from .schema import ResponsesRequest, refused_response_field
+from ..common.streams import GenerationRequest, Usage
+from ..common.tools import ToolUse
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from .schemas import _OPEN, FunctionDefinition, FunctionName, _only
+from ..common.schemas import _OPEN, FunctionDefinition, FunctionName, _only
 
 
 class InputContent(BaseModel):

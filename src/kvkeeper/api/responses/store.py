@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .json_records import OwnedRecords
+from .records import OwnedRecords
 
 
 @dataclass

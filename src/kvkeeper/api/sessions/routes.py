@@ -1,6 +1,6 @@
 """Session endpoints: list, close, offload and fork the caller's sessions.
 
-Every handler resolves the caller's tenant (:func:`kvkeeper.api.auth.caller`) and sees only that
+Every handler resolves the caller's tenant (:func:`kvkeeper.api.common.auth.caller`) and sees only that
 tenant's sessions: another tenant's id answers 404 exactly as an unknown one and touches nothing.
 The work runs on the engine thread (``AsyncEngine.call``).
 """
@@ -11,8 +11,8 @@ import re
 
 from fastapi import APIRouter, Depends, Request
 
-from .auth import Caller, caller
-from .errors import APIError
+from ..common.auth import Caller, caller
+from ..common.errors import APIError
 
 router = APIRouter()
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from ..sessions.portable import export_session, import_session
-from .auth import Caller, admin_caller, caller
-from .session_routes import managed_sessions, owned_session
+from ...sessions.portable import export_session, import_session
+from ..common.auth import Caller, admin_caller, caller
+from .routes import managed_sessions, owned_session
 
 router = APIRouter()  # behind the caller dependency, as /v1/sessions
 admin_router = APIRouter()  # served with the /admin routes (on --admin-port when given)
