@@ -57,7 +57,7 @@ from .sessions.transfer import router as transfer_router
 from .common.streams import EngineDeadError
 from .engine_client.tracing import flush_traces
 
-from .common.limits import DEFAULT_MAX_BODY_BYTES  # noqa: E402  (4 MiB)
+from .common.errors import DEFAULT_MAX_BODY_BYTES  # noqa: E402  (4 MiB)
 
 
 class BodyLimitMiddleware:

@@ -19,7 +19,7 @@ from ..diagnostics.health_predict import (GbtPredictor, Limits, LstmPredictor, T
 from ..engine.breaker import BreakerConfig, CircuitBreaker
 from ..options import option
 from ..sessions.manager import SessionConfig, SessionManager
-from .common.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+from .common.errors import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from .engine_client.tracing import EXPORTERS, RequestTracer, configure_tracing
 
 if TYPE_CHECKING:

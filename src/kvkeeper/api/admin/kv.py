@@ -47,7 +47,7 @@ from ...diagnostics.kvdump import dump_session, to_bytes
 from ...kvcache.blockmap import OWNER_PALETTE, PAGE_BACKGROUND, STATE_COLOURS
 from ..common.auth import Caller, admin_caller, caller
 from ..common.errors import APIError
-from ..sessions.routes import managed_sessions, owned_session
+from ..common.context import managed_sessions, owned_session
 
 router = APIRouter()
 

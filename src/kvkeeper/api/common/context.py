@@ -3,6 +3,9 @@
 Headers: ``X-Session-ID``, ``X-Session-Priority``, ``X-Cache-Salt``, ``X-Context-Policy`` /
 ``X-Context-Budget`` (chat only).  Every parser raises :class:`~kvkeeper.api.common.errors.APIError` (400) naming
 the header at fault.
+
+What a request reaches of the server's sessions (:func:`managed_sessions`, :func:`owned_session`): only its
+caller's tenant's, another tenant's id answering 404 exactly as an unknown one.
 """
 
 from __future__ import annotations
@@ -127,3 +130,20 @@ def _session_priority(raw: str | None) -> int | None:
         raise APIError(400, f"X-Session-Priority must be an integer from -1000 to 1000, got {raw!r}",
                        param="X-Session-Priority")
     return p
+
+
+def managed_sessions(request: Request):
+    """The server's SessionManager; 404 when the server keeps no sessions."""
+    sessions = request.app.state.engine.sessions
+    if sessions is None:
+        raise APIError(404, "this server keeps no sessions", type="not_found_error", code="session_not_found")
+    return sessions
+
+
+def owned_session(sessions, tenant: str | None, sid: str):
+    """``tenant``'s open session ``sid`` (engine thread); 404 when it has none of that id (another tenant's
+    session of the same id included: the answer does not tell them apart)."""
+    s = sessions.find(tenant, sid)
+    if s is None:
+        raise APIError(404, f"no open session {sid!r}", type="not_found_error", code="session_not_found")
+    return s

@@ -1,4 +1,5 @@
-"""OpenAI-style error bodies and the exceptions the HTTP layer raises.
+"""OpenAI-style error bodies, the exceptions the HTTP layer raises, and the server's default limits behind two of
+them (the body size of a 413, the waiting queue of a 503).
 
 Every error a client sees has the shape ``{"error": {"message", "type", "param", "code"}}``
 (the OpenAI API's), with one of these statuses:
@@ -25,6 +26,11 @@ from typing import Any
 
 from ...errors import (ContextLengthError, KVKeeperError, ModelNotFoundError, OverloadedError, QuotaExceededError,
                       SessionBusyError, SessionNotFoundError)
+
+# The server's default limits (ServerConfig and the command line's ``serve`` options read them: this module imports
+# FastAPI only inside install_error_handlers, so that a ServerConfig is built without it).
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: larger request bodies get 413 (ServerConfig.max_body_bytes)
+DEFAULT_MAX_QUEUE = 256  # requests that may wait before new ones get 503 (ServerConfig.max_queue)
 
 
 class APIError(Exception):

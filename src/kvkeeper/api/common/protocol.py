@@ -2,6 +2,12 @@
 fields, and the fields chat and text completions share (one SamplingParams per choice, the output
 constraint, logit bias, stop strings, seeds, the cache namespace, KV compression).
 
+Prompt caching (OpenAI's ``prompt_cache_key``, :func:`cache_salt_of`): the key names the cache entry a
+request's prefixes belong to: requests of one tenant with the same key share their cached prefixes, requests with
+another key (or none) never hit them, and another tenant's requests never do, whatever key they send (the key
+narrows the tenant's namespace like ``cache_salt``: :func:`~kvkeeper.kvcache.namespace.tenant_namespace`).  With
+``cache_salt`` as well, both narrow it.
+
 Every function raises :class:`~kvkeeper.api.common.errors.APIError` naming the field at fault (400; 404 for a
 model that is not served).  Token ids are checked against the vocabulary by the engine (an
 ``InvalidRequestError`` naming the field, a 400).
@@ -18,7 +24,6 @@ from ...kvcache.namespace import tenant_namespace
 from ...sampling.params import SamplingParams
 from ...sampling.structured import StructuredOutput
 from .errors import APIError
-from .prompt_cache import cache_salt_of
 from .context import RequestContext
 from .schemas import _SamplingFields, refused_field, unknown_fields
 
@@ -86,6 +91,18 @@ def prediction_text(body) -> str | None:
             raise APIError(400, f"prediction.content.{i}: only text parts are supported (type \"text\" with its "
                                 "\"text\")", param=f"prediction.content.{i}")
     return "".join(part.text for part in pred.content)
+
+
+def cache_salt_of(salt: str | None, prompt_cache_key: str | None) -> str | None:
+    """The client salt of a request's cache namespace: ``salt`` (``cache_salt`` or ``X-Cache-Salt``) narrowed by
+    ``prompt_cache_key`` (None: neither).  Raises APIError (400) for a salt or key that is empty or longer than
+    256 characters."""
+    for value, param in ((salt, "cache_salt"), (prompt_cache_key, "prompt_cache_key")):
+        if value is not None and (not value or len(value) > 256):
+            raise APIError(400, f"{param} must be 1 to 256 characters", param=param)
+    if prompt_cache_key is None:
+        return salt
+    return json.dumps(["prompt_cache_key", salt, prompt_cache_key])
 
 
 def logit_bias_of(body: _SamplingFields) -> dict[int, float]:

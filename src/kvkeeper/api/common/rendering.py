@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .access_log import record_usage
-from .batch import submit_all
+from .streams import submit_all
 from .errors import APIError, error_body
 from .streams import ChoiceDelta, EngineDeadError, GenerationRequest, RequestStream, Usage
 
@@ -167,7 +167,7 @@ class Renderer:
 async def respond(request: Request, engine, gen: GenerationRequest | list[GenerationRequest], stream: bool,
                   include_usage: bool, render: Renderer, continuous: bool = False):
     """Submit ``gen`` (a list: one request per prompt, their streams merged by
-    :func:`~kvkeeper.api.common.batch.submit_all`) and answer with SSE (``stream``) or one JSON body; ``continuous``:
+    :func:`~kvkeeper.api.common.streams.submit_all`) and answer with SSE (``stream``) or one JSON body; ``continuous``:
     every chunk carries its choice's usage so far (:func:`continuous_usage`).  A degraded session's trimmed turns
     are named in ``X-KVKeeper-Trimmed-Turns``, a session turn's context report in ``X-KVKeeper-Context``."""
     gens = gen if isinstance(gen, list) else [gen]

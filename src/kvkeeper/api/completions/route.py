@@ -1,5 +1,5 @@
 """``POST /v1/completions``: the body converted into the engine's requests, one per prompt
-(:func:`completion_request`, every rule checked once; several prompts: :mod:`kvkeeper.api.common.batch`), the route, and
+(:func:`completion_request`, every rule checked once; several prompts: :func:`kvkeeper.api.common.streams.submit_all`), the route, and
 how its output is rendered (text, legacy logprobs, the echoed prompt).
 
 The extension fields are chat's (:mod:`kvkeeper.api.chat.route`) but for the chat-only ones; ``X-Context-Policy``
@@ -97,7 +97,7 @@ def _top_with_chosen(e: dict) -> dict:
 
 class _CompletionChoices:
     """Per-choice state of a completions response: the echoed prompt (text, logprobs) each choice starts with.
-    Choice ``i`` belongs to prompt ``i // n`` (:mod:`kvkeeper.api.common.batch`); ``s.part(i)`` is that prompt's stream."""
+    Choice ``i`` belongs to prompt ``i // n`` (:func:`kvkeeper.api.common.streams.submit_all`); ``s.part(i)`` is that prompt's stream."""
 
     def __init__(self, body: CompletionRequest, prompts: int):
         self.body = body

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Abort", "Add", "AsyncEngine", "Call", "Command", "EngineDeadError", "GenerationRequest",
            "RequestStream", "Wake"]
 
-from ..common.limits import DEFAULT_MAX_QUEUE  # noqa: E402  (ServerConfig.max_queue)
+from ..common.errors import DEFAULT_MAX_QUEUE  # noqa: E402  (ServerConfig.max_queue)
 
 
 PROMPT_WORKERS = 2  # threads rendering and tokenizing prompts (AsyncEngine._off_thread)

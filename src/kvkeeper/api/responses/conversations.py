@@ -26,7 +26,7 @@ from ..common.errors import APIError
 from ..common.protocol import refuse_unknown
 from ..common.context import request_context
 from .items import input_messages, item_id, item_page, public
-from .route import Paging, close_sessions, conversation_store
+from .deps import Paging, close_sessions, conversation_store
 from .schema import ConversationCreate, ConversationUpdate, ItemsCreate, ResponsesRequest
 
 router = APIRouter()  # included behind the caller dependency (kvkeeper.api.common.auth)

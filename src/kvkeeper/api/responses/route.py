@@ -13,65 +13,24 @@ tenant's responses: another tenant's id is a 404 exactly as an unknown one.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ...sessions.session import session_key
 from ..common.access_log import record_usage
 from ..common.auth import Caller, caller
 from ..common.errors import error_body
 from ..common.context import request_context
-from .conversation_store import ConversationStore
-from .store import ResponseStore
+from .deps import Paging, close_sessions, conversation_store, response_store
 from ..common.rendering import collect
 from .events import ResponseEvents
-from .items import item_page, output_items, reply_items
+from .items import output_items, reply_items
 from .run import ResponseRun, new_response_id, plan_response
 from .schema import ResponsesRequest
 from ..common.streams import EngineDeadError, RequestStream, Usage
 
 router = APIRouter()  # included behind the caller dependency (kvkeeper.api.common.auth)
-
-
-def _session_config(request: Request):
-    sessions = request.app.state.engine.sessions
-    return sessions.config if sessions is not None else None
-
-
-def response_store(request: Request) -> ResponseStore:
-    """The app's stored responses (opened on first use: read back from the sessions' data directory, if any),
-    those unused for ``--session-ttl`` forgotten first (their sessions expire on the engine thread)."""
-    st, cfg = request.app.state, _session_config(request)
-    if getattr(st, "responses", None) is None:
-        st.responses = ResponseStore(data_dir=cfg.data_dir if cfg is not None else None)
-    st.responses.expire(cfg.session_ttl_s if cfg is not None else None)
-    return st.responses
-
-
-def conversation_store(request: Request) -> ConversationStore:
-    """The app's conversations (opened on first use and expired, as :func:`response_store`)."""
-    st, cfg = request.app.state, _session_config(request)
-    if getattr(st, "conversations", None) is None:
-        st.conversations = ConversationStore(cfg.data_dir if cfg is not None else None)
-    st.conversations.expire(cfg.session_ttl_s if cfg is not None else None)
-    return st.conversations
-
-
-async def close_sessions(request: Request, tenant: str | None, ids: list[str]) -> None:
-    """Close the sessions of these responses (those still open), on the engine thread."""
-    sessions = request.app.state.engine.sessions
-    if sessions is None or not ids:
-        return
-
-    def close(_):
-        for rid in ids:
-            key = session_key(tenant, rid)
-            if key in sessions:
-                sessions.close(key)
-
-    await request.app.state.engine.call(close)
 
 
 async def _fork_previous(request: Request, run: ResponseRun) -> None:
@@ -179,18 +138,6 @@ async def delete_response(rid: str, request: Request, who: Caller = Depends(call
     response_store(request).delete(who.tenant, rid)
     await close_sessions(request, who.tenant, [rid])
     return {"id": rid, "object": "response", "deleted": True}
-
-
-class Paging:
-    """The query of an item list: ``order`` ("desc", the default, or "asc"), ``limit`` (1-100, default 20) and
-    ``after`` (an item id)."""
-
-    def __init__(self, order: Literal["asc", "desc"] = "desc", limit: int = Query(20, ge=1, le=100),
-                 after: str | None = None):
-        self.order, self.limit, self.after = order, limit, after
-
-    def page(self, items: list[dict]) -> dict:
-        return item_page(items, self.order, self.limit, self.after)
 
 
 @router.get("/v1/responses/{rid}/input_items")

@@ -21,7 +21,7 @@ from ...errors import KVKeeperError
 from ...kvcache.namespace import tenant_namespace
 from ...sampling.params import SamplingParams
 from ..common.errors import APIError
-from ..common.prompt_cache import cache_salt_of
+from ..common.protocol import cache_salt_of
 from ..common.protocol import refuse_unknown
 from ..common.context import RequestContext
 from .conversation_store import Conversation, ConversationStore

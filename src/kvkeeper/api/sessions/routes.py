@@ -12,26 +12,10 @@ import re
 from fastapi import APIRouter, Depends, Request
 
 from ..common.auth import Caller, caller
+from ..common.context import managed_sessions, owned_session
 from ..common.errors import APIError
 
 router = APIRouter()
-
-
-def managed_sessions(request: Request):
-    """The server's SessionManager; 404 when the server keeps no sessions."""
-    sessions = request.app.state.engine.sessions
-    if sessions is None:
-        raise APIError(404, "this server keeps no sessions", type="not_found_error", code="session_not_found")
-    return sessions
-
-
-def owned_session(sessions, tenant: str | None, sid: str):
-    """``tenant``'s open session ``sid`` (engine thread); 404 when it has none of that id (another tenant's
-    session of the same id included: the answer does not tell them apart)."""
-    s = sessions.find(tenant, sid)
-    if s is None:
-        raise APIError(404, f"no open session {sid!r}", type="not_found_error", code="session_not_found")
-    return s
 
 
 @router.get("/v1/sessions")

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 
 from ...sessions.portable import export_session, import_session
 from ..common.auth import Caller, admin_caller, caller
-from .routes import managed_sessions, owned_session
+from ..common.context import managed_sessions, owned_session
 
 router = APIRouter()  # behind the caller dependency, as /v1/sessions
 admin_router = APIRouter()  # served with the /admin routes (on --admin-port when given)
