@@ -133,13 +133,13 @@ async def get_response(rid: str, request: Request, who: Caller = Depends(caller)
     return response_store(request).get(who.tenant, rid).body
 
 
+@router.get("/v1/responses/{rid}/input_items")
+async def list_input_items(rid: str, request: Request, paging: Paging = Depends(), who: Caller = Depends(caller)):
+    return paging.page(response_store(request).get(who.tenant, rid).input_items)
+
+
 @router.delete("/v1/responses/{rid}")
 async def delete_response(rid: str, request: Request, who: Caller = Depends(caller)):
     response_store(request).delete(who.tenant, rid)
     await close_sessions(request, who.tenant, [rid])
     return {"id": rid, "object": "response", "deleted": True}
-
-
-@router.get("/v1/responses/{rid}/input_items")
-async def list_input_items(rid: str, request: Request, paging: Paging = Depends(), who: Caller = Depends(caller)):
-    return paging.page(response_store(request).get(who.tenant, rid).input_items)
