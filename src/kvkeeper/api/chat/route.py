@@ -17,12 +17,12 @@ import time
 
 from fastapi import APIRouter, Depends, Request
 
-from ...sampling.structured import StructuredOutput
 from ..common.access_log import record_usage
 from ..common.auth import Caller, caller
 from ..common.errors import APIError
 from ..common.messages import messages_of
-from ..common.protocol import check_body, generation_fields, prediction_text, sampling_params, structured_output
+from ..common.protocol import (check_body, generation_fields, output_constraint, prediction_text, sampling_params,
+                               session_compression, structured_output)
 from ..common.context import RequestContext, request_context
 from ..common.rendering import (Collected, Renderer, continuous_usage, finish_reason, include_usage, respond, usage_of,
                         vllm_prompt_logprobs)
@@ -46,7 +46,7 @@ def chat_request(body: ChatCompletionRequest, ctx: RequestContext, request_id: s
                        param="prompt_logprobs")
     tools = tool_use_of(body)
     params = sampling_params(body, body.max_completion_tokens or body.max_tokens,
-                             (body.top_logprobs or 0) if body.logprobs else None, _constraint(body, tools),
+                             (body.top_logprobs or 0) if body.logprobs else None, output_constraint(structured_output(body), tools),
                              body.prompt_logprobs, prediction_text(body))
     chat = dict(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
                 tools=tools.tools if tools is not None else None)
@@ -57,19 +57,9 @@ def chat_request(body: ChatCompletionRequest, ctx: RequestContext, request_id: s
     comp = body.session_compression or ctx.session_compression
     ratio = body.session_compression_ratio if body.session_compression_ratio is not None \
         else ctx.session_compression_ratio
-    fields["session_compression"] = None if comp is None and ratio is None else (comp, ratio)
+    fields["session_compression"] = session_compression(comp, ratio)
     return GenerationRequest(request_id, params, messages=messages_of(body.messages), chat=chat, context=context,
                              **fields), tools
-
-
-def _constraint(body: ChatCompletionRequest, tools: ToolUse | None) -> StructuredOutput | None:
-    """The output's grammar: the tool calls' or the requested format's (both at once is a 400)."""
-    fmt = structured_output(body)
-    calls = tools.structured() if tools is not None else None
-    if fmt is not None and calls is not None:
-        raise APIError(400, f"{fmt.param} and tools (tool_choice {tools.choice}) both constrain the output; send "
-                            "tool_choice \"none\" or drop the output format", param=fmt.param)
-    return fmt or calls
 
 
 @router.post("/v1/chat/completions")

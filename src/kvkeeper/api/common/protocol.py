@@ -26,15 +26,17 @@ from ...sampling.structured import StructuredOutput
 from .errors import APIError
 from .context import RequestContext
 from .schemas import _SamplingFields, refused_field, unknown_fields
+from .tools import ToolUse
 
 
-def check_body(body, ctx: RequestContext) -> str | None:
+def check_body(body, ctx: RequestContext, refused: dict[str, tuple[tuple, str]] | None = None) -> str | None:
     """The LoRA adapter ``body.model`` selects (None: omitted or the base model; 404 for a model not served),
     after the body's field rules: 400 for a field refused in its value (:data:`~kvkeeper.api.common.schemas.REFUSED`),
     ``stream_options`` without ``stream`` and, unless the server ignores them (``--ignore-unknown-fields``),
-    a field no schema declares."""
+    a field no schema declares.  refused: the table of refused fields (default
+    :data:`~kvkeeper.api.common.schemas.REFUSED`; the Responses API's is its own)."""
     adapter = ctx.served.adapter(body.model)
-    bad = refused_field(body)
+    bad = refused_field(body, refused)
     if bad is not None:
         raise APIError(400, f"{bad[0]} is not supported: {bad[1]}", param=bad[0])
     so = getattr(body, "stream_options", None)
@@ -63,19 +65,28 @@ def refuse_unknown(body, ctx: RequestContext) -> None:
 
 def generation_fields(body: _SamplingFields, ctx: RequestContext, lora: str | None) -> dict:
     """The :class:`~kvkeeper.api.common.streams.GenerationRequest` fields both completions endpoints take from the
-    body and its context: the cache namespace (the served one salted by the caller's tenant and the client's
-    ``cache_salt`` or ``X-Cache-Salt``, narrowed by ``prompt_cache_key``: :mod:`~kvkeeper.api.common.prompt_cache`;
-    :func:`~kvkeeper.kvcache.namespace.tenant_namespace`: a salt narrows the tenant's namespace, never widens
-    it; None for neither), the LoRA adapter (``lora``, which the
+    body and its context: the cache namespace (:func:`cache_namespace`), the LoRA adapter (``lora``, which the
     engine thread puts the namespace under), the session headers (``X-Session-Compression`` /
-    ``X-Session-Compression-Ratio`` included) and ``kv_compression``."""
-    salt = cache_salt_of(body.cache_salt if body.cache_salt is not None else ctx.cache_salt, body.prompt_cache_key)
-    ns = None if salt is None and ctx.tenant is None else tenant_namespace(ctx.served.namespace, ctx.tenant, salt)
+    ``X-Session-Compression-Ratio`` included: :func:`session_compression`) and ``kv_compression``."""
     kv = body.kv_compression
-    return dict(namespace=ns, lora=lora, session_id=ctx.session_id, session_priority=ctx.session_priority,
-                compression=None if kv is None else KVCompression(kv.policy, kv.ratio), tenant=ctx.tenant,
-                quota=ctx.quota, session_compression=None if ctx.session_compression is None
-                and ctx.session_compression_ratio is None else (ctx.session_compression, ctx.session_compression_ratio))
+    return dict(namespace=cache_namespace(body, ctx), lora=lora, session_id=ctx.session_id,
+                session_priority=ctx.session_priority, tenant=ctx.tenant, quota=ctx.quota,
+                compression=None if kv is None else KVCompression(kv.policy, kv.ratio),
+                session_compression=session_compression(ctx.session_compression, ctx.session_compression_ratio))
+
+
+def session_compression(policy: str | None, ratio: float | None) -> tuple[str | None, float | None] | None:
+    """A session's compression as the engine's request takes it: ``(policy, ratio)``, None for neither."""
+    return None if policy is None and ratio is None else (policy, ratio)
+
+
+def cache_namespace(body, ctx: RequestContext):
+    """The request's prefix-cache namespace (every endpoint's one rule): the served one salted by the caller's
+    tenant and the client's ``cache_salt`` (or ``X-Cache-Salt``), narrowed by ``prompt_cache_key``
+    (:func:`cache_salt_of`; :func:`~kvkeeper.kvcache.namespace.tenant_namespace`: a salt narrows the tenant's
+    namespace, never widens it); None for neither."""
+    salt = cache_salt_of(body.cache_salt if body.cache_salt is not None else ctx.cache_salt, body.prompt_cache_key)
+    return None if salt is None and ctx.tenant is None else tenant_namespace(ctx.served.namespace, ctx.tenant, salt)
 
 
 def prediction_text(body) -> str | None:
@@ -105,10 +116,11 @@ def cache_salt_of(salt: str | None, prompt_cache_key: str | None) -> str | None:
     return json.dumps(["prompt_cache_key", salt, prompt_cache_key])
 
 
-def logit_bias_of(body: _SamplingFields) -> dict[int, float]:
-    """``{token id: bias}`` from OpenAI's ``{"id as a string": bias}``; 400 for other keys or out-of-range biases."""
+def logit_bias_of(body) -> dict[int, float]:
+    """``{token id: bias}`` from OpenAI's ``{"id as a string": bias}`` (none for a body without ``logit_bias``); 400
+    for other keys or out-of-range biases."""
     out = {}
-    for k, v in (body.logit_bias or {}).items():
+    for k, v in (getattr(body, "logit_bias", None) or {}).items():
         if not re.fullmatch(r"[0-9]{1,9}", k.strip()):
             raise APIError(400, f"logit_bias keys must be token ids written as strings, e.g. {{\"35716\": -100}}; "
                                 f"got {k!r}", param="logit_bias")
@@ -187,29 +199,52 @@ def _guided(body: _SamplingFields) -> list[StructuredOutput]:
     return out
 
 
-def sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
+def _field(body, name: str, default):
+    """``body.name``, or ``default`` when it is None or the body's schema has no such field (the Responses API's
+    body has none of the completions' extension fields)."""
+    value = getattr(body, name, None)
+    return default if value is None else value
+
+
+def sampling_params(body, max_tokens: int | None, logprobs: int | None = None,
                     structured: StructuredOutput | None = None, prompt_logprobs: int | None = None,
                     prediction: str | None = None) -> list[SamplingParams]:
-    """One SamplingParams per choice; seeds seed, seed+1, ... when a seed is given.  Prompt logprobs go to the
+    """One SamplingParams per choice of a body of any endpoint (chat, text completions, responses): the one
+    conversion of the sampling fields.  Seeds seed, seed+1, ... when a seed is given.  Prompt logprobs go to the
     first choice only (the others share its prompt).  prediction: the text of chat's ``prediction`` (every choice
-    drafts from it); ``speculative_decoding`` false opts out of speculative decoding."""
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    drafts from it); ``speculative_decoding`` false opts out of speculative decoding.  A field the body's schema
+    lacks takes its default (one choice, no seed, no stop strings...).  max_tokens: the endpoint's field
+    (``max_completion_tokens`` / ``max_tokens`` / ``max_output_tokens``).  Raises APIError (400) naming the field
+    at fault."""
+    stop = _field(body, "stop", [])
+    stop = [stop] if isinstance(stop, str) else list(stop)
     if len(stop) > 16:
         raise APIError(400, f"at most 16 stop strings, got {len(stop)}", param="stop")
-    kw = dict(temperature=1.0 if body.temperature is None else body.temperature,
-              top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, max_tokens=max_tokens,
-              min_p=body.min_p or 0.0, stop=stop, stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
-              logprobs=logprobs, presence_penalty=body.presence_penalty or 0.0,
-              frequency_penalty=body.frequency_penalty or 0.0,
-              repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-              logit_bias=logit_bias_of(body), bad_words=body.bad_words or [], structured=structured,
-              prediction=prediction or None, speculative=body.speculative_decoding)
-    if body.seed is not None and body.seed + body.n - 1 > 2**63 - 1:
-        raise APIError(400, f"seed + n - 1 must fit in 64 bits (choice i uses seed + i): seed {body.seed}, n {body.n}",
+    kw = dict(temperature=_field(body, "temperature", 1.0), top_p=_field(body, "top_p", 1.0),
+              top_k=_field(body, "top_k", 0), max_tokens=max_tokens, min_p=_field(body, "min_p", 0.0), stop=stop,
+              stop_token_ids=_field(body, "stop_token_ids", []), ignore_eos=_field(body, "ignore_eos", False),
+              logprobs=logprobs, presence_penalty=_field(body, "presence_penalty", 0.0),
+              frequency_penalty=_field(body, "frequency_penalty", 0.0),
+              repetition_penalty=_field(body, "repetition_penalty", 1.0), logit_bias=logit_bias_of(body),
+              bad_words=_field(body, "bad_words", []), structured=structured, prediction=prediction or None,
+              speculative=_field(body, "speculative_decoding", True))
+    n, seed = _field(body, "n", 1), _field(body, "seed", None)
+    if seed is not None and seed + n - 1 > 2**63 - 1:
+        raise APIError(400, f"seed + n - 1 must fit in 64 bits (choice i uses seed + i): seed {seed}, n {n}",
                        param="seed")
     try:
-        return [SamplingParams(seed=None if body.seed is None else body.seed + i,
-                               prompt_logprobs=prompt_logprobs if i == 0 else None, **kw) for i in range(body.n)]
+        return [SamplingParams(seed=None if seed is None else seed + i,
+                               prompt_logprobs=prompt_logprobs if i == 0 else None, **kw) for i in range(n)]
     except KVKeeperError as e:
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
 
+
+def output_constraint(fmt: StructuredOutput | None, tools: ToolUse | None) -> StructuredOutput | None:
+    """The output's grammar, the one rule of every endpoint: the requested format's (``fmt``: from
+    ``response_format``, ``guided_*``, ``structured_outputs`` or the Responses API's ``text.format``) or the tool
+    calls' (None for neither).  Both at once is a 400 naming the format's field."""
+    calls = tools.structured() if tools is not None else None
+    if fmt is not None and calls is not None:
+        raise APIError(400, f"{fmt.param} and tools (tool_choice {tools.choice}) both constrain the output; send "
+                            f"tool_choice \"none\" or drop {fmt.param}", param=fmt.param)
+    return fmt or calls

@@ -272,11 +272,19 @@ REFUSED: dict[str, tuple[tuple, str]] = {
 }
 
 
-def refused_field(body: BaseModel) -> tuple[str, str] | None:
-    """(field, why) of the first :data:`REFUSED` field of ``body`` set to something else than a no-op."""
-    for name, (noop, why) in REFUSED.items():
-        if name in type(body).model_fields and getattr(body, name) not in noop:
-            return name, why
+def refused_field(body: BaseModel, table: dict[str, tuple[tuple, str]] | None = None) -> tuple[str, str] | None:
+    """(field, why) of the first field of ``table`` (default :data:`REFUSED`; the Responses API passes its own) that
+    ``body`` sets to something else than a no-op.  A dotted name is a field of a field (``text.verbosity``; an
+    absent parent reads as None); a name the body's schema does not declare is skipped."""
+    for name, (noop, why) in (REFUSED if table is None else table).items():
+        obj: Any = body
+        for part in name.split("."):
+            if obj is not None and part not in type(obj).model_fields:
+                break
+            obj = getattr(obj, part) if obj is not None else None
+        else:
+            if obj not in noop:
+                return name, why
     return None
 
 

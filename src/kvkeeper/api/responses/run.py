@@ -17,17 +17,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ...errors import KVKeeperError
-from ...kvcache.namespace import tenant_namespace
-from ...sampling.params import SamplingParams
 from ..common.errors import APIError
-from ..common.protocol import cache_salt_of
-from ..common.protocol import refuse_unknown
+from ..common.protocol import (cache_namespace, check_body, output_constraint, sampling_params,
+                               session_compression)
 from ..common.context import RequestContext
 from .conversation_store import Conversation, ConversationStore
 from .store import ResponseStore, StoredResponse
 from .items import format_of, input_messages, item_id, messages_of_items, text_format, tool_use_of_body
-from .schema import ResponsesRequest, refused_response_field
+from .schema import RESPONSES_REFUSED, ResponsesRequest
 from ..common.streams import GenerationRequest, Usage
 from ..common.tools import ToolUse
 
@@ -94,16 +91,13 @@ def _usage(u: Usage | None) -> dict | None:
 
 def check_response_body(body: ResponsesRequest, ctx: RequestContext) -> str | None:
     """The LoRA adapter ``body.model`` names (None: the base model; 404 for a model not served), after the
-    refused and unknown fields (400 naming them)."""
-    adapter = ctx.served.adapter(body.model)
-    bad = refused_response_field(body)
-    if bad is not None:
-        raise APIError(400, f"{bad[0]} is not supported: {bad[1]}", param=bad[0])
-    refuse_unknown(body, ctx)
+    refused (:data:`~kvkeeper.api.responses.schema.RESPONSES_REFUSED`) and unknown fields (400 naming them):
+    :func:`~kvkeeper.api.common.protocol.check_body`'s rules."""
+    lora = check_body(body, ctx, RESPONSES_REFUSED)
     if ctx.session_id is not None:
         raise APIError(400, "X-Session-ID does not apply to /v1/responses: a stored response is its own session "
                             "turn; continue it with previous_response_id", param="X-Session-ID")
-    return adapter.name if adapter is not None else None
+    return lora
 
 
 def _before(body: ResponsesRequest, tenant: str | None, store: ResponseStore, conversations: ConversationStore):
@@ -122,19 +116,6 @@ def _before(body: ResponsesRequest, tenant: str | None, store: ResponseStore, co
     return None, None, [], set()
 
 
-def _params(body: ResponsesRequest, tools: ToolUse | None) -> SamplingParams:
-    fmt, constraint = text_format(body), tools.structured() if tools is not None else None
-    if fmt is not None and constraint is not None:
-        raise APIError(400, f"text.format and tools (tool_choice {tools.choice}) both constrain the output; send "
-                            "tool_choice \"none\" or drop the format", param="text.format")
-    try:
-        return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p, max_tokens=body.max_output_tokens,
-                              structured=fmt or constraint)
-    except KVKeeperError as e:
-        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
-
-
 def plan_response(body: ResponsesRequest, ctx: RequestContext, store: ResponseStore, conversations: ConversationStore,
                   rid: str) -> ResponseRun:
     """The run of ``body``: every rule checked (APIError naming the field; 404 for an unknown
@@ -144,11 +125,10 @@ def plan_response(body: ResponsesRequest, ctx: RequestContext, store: ResponseSt
     prev, conv, before, known = _before(body, ctx.tenant, store, conversations)
     msgs, items, calls = input_messages(body, known)
     tools = tool_use_of_body(body)
-    params = _params(body, tools)
+    params = sampling_params(body, body.max_output_tokens, structured=output_constraint(text_format(body), tools))
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     session = conv is None and (body.store or prev is not None)
-    salt = cache_salt_of(body.cache_salt if body.cache_salt is not None else ctx.cache_salt, body.prompt_cache_key)
-    ns = None if salt is None and ctx.tenant is None else tenant_namespace(ctx.served.namespace, ctx.tenant, salt)
+    ns = cache_namespace(body, ctx)
     policy, budget = ctx.context_policy, ctx.context_budget
     if not session and conv is None and (policy is not None or budget is not None):
         raise APIError(400, "X-Context-Policy / X-Context-Budget apply to a conversation's turns: store the response "
@@ -158,14 +138,13 @@ def plan_response(body: ResponsesRequest, ctx: RequestContext, store: ResponseSt
         raise APIError(400, "X-Session-Compression / X-Session-Compression-Ratio apply to a conversation's turns: store "
                             "the response (store: true), continue one or add to a conversation",
                        param="X-Session-Compression")
-    gen = GenerationRequest(rid, [params], messages=system + before + msgs,
+    gen = GenerationRequest(rid, params, messages=system + before + msgs,
                             chat={"tools": tools.tools} if tools is not None else {}, namespace=ns, lora=lora,
                             session_id=conv.id if conv else rid if session else None, tenant=ctx.tenant,
                             quota=ctx.quota, session_priority=ctx.session_priority,
                             context=None if policy is None and budget is None else (policy, budget),
-                            session_compression=None if ctx.session_compression is None
-                            and ctx.session_compression_ratio is None
-                            else (ctx.session_compression, ctx.session_compression_ratio))
+                            session_compression=session_compression(ctx.session_compression,
+                                                                    ctx.session_compression_ratio))
     return ResponseRun(rid, body, body.model or ctx.served.name, ctx.tenant, prev, conv, before, known, msgs, items,
                        calls, gen, tools, session, int(time.time()))
 

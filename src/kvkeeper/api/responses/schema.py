@@ -149,17 +149,6 @@ RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
 }
 
 
-def refused_response_field(body: ResponsesRequest) -> tuple[str, str] | None:
-    """(field, why) of the first :data:`RESPONSES_REFUSED` field of ``body`` set to something else than a no-op."""
-    for name, (noop, why) in RESPONSES_REFUSED.items():
-        obj: Any = body
-        for part in name.split("."):
-            obj = getattr(obj, part, None) if obj is not None else None
-        if obj not in noop:
-            return name, why
-    return None
-
-
 class ConversationCreate(BaseModel):
     """``POST /v1/conversations``: its first items (at most 20, as OpenAI's) and metadata."""
 
