@@ -19,10 +19,10 @@ Endpoints::
     GET    /admin/breaker           the KV circuit breaker: tier, trips, action counts, recent events
     GET    /admin/health            the cache-health detector: score, signals, warning events (kvkeeper.api.admin.kv)
 
-Keys (:mod:`kvkeeper.api.common.auth`): with API keys every route but ``/health``, ``/metrics`` and ``/openapi.json`` needs
-``Authorization: Bearer <key>`` (401 otherwise); sessions and the cache namespace belong to the key's
-tenant (``/v1/sessions*`` see only the caller's sessions); ``/admin/*`` needs an admin key (a dump also
-answers the session's tenant).  ``/metrics`` names no session and holds no token.
+Keys (:mod:`kvkeeper.api.common.auth`): with API keys every route but ``/health``, ``/metrics`` and
+``/openapi.json`` needs ``Authorization: Bearer <key>`` (401 otherwise); sessions and the cache namespace belong
+to the key's tenant (``/v1/sessions*`` see only the caller's sessions); ``/admin/*`` needs an admin key (a dump
+also answers the session's tenant).  ``/metrics`` names no session and holds no token.
 
 Headers: ``X-Session-ID`` runs the request as a turn of that session (the client resends its
 history; the session's KV is reused by the rule of :mod:`kvkeeper.sessions.session`);
@@ -39,14 +39,16 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, HTTPException
 
-from .common.access_log import AccessLogMiddleware
 from .admin.kv import router as admin_router
-from .engine_client.async_engine import AsyncEngine
-from .common.auth import KeyRing, admin_caller, caller
-from .common.errors import BodyTooLargeError, install_error_handlers
 from .admin.lora import router as lora_router
 from .chat.route import router as chat_router
+from .common.access_log import AccessLogMiddleware
+from .common.auth import KeyRing, admin_caller, caller
+from .common.errors import DEFAULT_MAX_BODY_BYTES, BodyTooLargeError, install_error_handlers
+from .common.streams import EngineDeadError
 from .completions.route import router as completions_router
+from .engine_client.async_engine import AsyncEngine
+from .engine_client.tracing import flush_traces
 from .observability.routes import public_router
 from .observability.routes import router as openai_router
 from .responses.conversations import router as conversations_router
@@ -54,10 +56,6 @@ from .responses.route import router as responses_router
 from .sessions.routes import router as session_router
 from .sessions.transfer import admin_router as import_router
 from .sessions.transfer import router as transfer_router
-from .common.streams import EngineDeadError
-from .engine_client.tracing import flush_traces
-
-from .common.errors import DEFAULT_MAX_BODY_BYTES  # noqa: E402  (4 MiB)
 
 
 class BodyLimitMiddleware:

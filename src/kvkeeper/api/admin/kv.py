@@ -46,8 +46,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ...diagnostics.kvdump import dump_session, to_bytes
 from ...kvcache.blockmap import OWNER_PALETTE, PAGE_BACKGROUND, STATE_COLOURS
 from ..common.auth import Caller, admin_caller, caller
-from ..common.errors import APIError
 from ..common.context import managed_sessions, owned_session
+from ..common.errors import APIError
 
 router = APIRouter()
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import (ContextLengthError, KVKeeperError, ModelNotFoundError, OverloadedError, QuotaExceededError,
-                      SessionBusyError, SessionNotFoundError)
+                       SessionBusyError, SessionNotFoundError)
 
 # The server's default limits (ServerConfig and the command line's ``serve`` options read them: this module imports
 # FastAPI only inside install_error_handlers, so that a ServerConfig is built without it).

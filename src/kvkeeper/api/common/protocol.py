@@ -23,8 +23,8 @@ from ...kvcache.compression import KVCompression
 from ...kvcache.namespace import tenant_namespace
 from ...sampling.params import SamplingParams
 from ...sampling.structured import StructuredOutput
-from .errors import APIError
 from .context import RequestContext
+from .errors import APIError
 from .schemas import _SamplingFields, refused_field, unknown_fields
 from .tools import ToolUse
 

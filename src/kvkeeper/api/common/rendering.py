@@ -16,8 +16,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .access_log import record_usage
-from .streams import submit_all
 from .errors import APIError, error_body
+from .streams import submit_all
 from .streams import ChoiceDelta, EngineDeadError, GenerationRequest, RequestStream, Usage
 
 log = logging.getLogger(__name__)

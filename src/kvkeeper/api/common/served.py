@@ -1,8 +1,9 @@
 """What the server serves, as the engine thread last published it: the handlers' only view of the engine.
 
-The engine thread builds a :class:`ServedModels` (frozen) when the :class:`~kvkeeper.api.engine_client.async_engine.AsyncEngine`
-is made and again after every command that may change it (loading or unloading a LoRA adapter); handlers read
-``AsyncEngine.served`` and never the engine itself, whose attributes the engine thread may be changing.
+The engine thread builds a :class:`ServedModels` (frozen) when the
+:class:`~kvkeeper.api.engine_client.async_engine.AsyncEngine` is made and again after every command that may change
+it (loading or unloading a LoRA adapter); handlers read ``AsyncEngine.served`` and never the engine itself, whose
+attributes the engine thread may be changing.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ...sampling.params import SamplingParams
 from ...kvcache.namespace import Namespace
+from ...sampling.params import SamplingParams
 
 
 class EngineDeadError(RuntimeError):

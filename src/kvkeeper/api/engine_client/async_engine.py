@@ -41,9 +41,9 @@ from ...errors import KVKeeperError
 from ...kvcache.blockmap import engine_block_map
 from ...kvcache.telemetry import FragmentationMonitor
 from ..common.errors import QueueFullError
-from .metrics import ServerMetrics
 from ..common.served import ServedModels
 from ..common.streams import Accepted, EngineDeadError, GenerationRequest, RequestStream
+from .metrics import ServerMetrics
 from .tracker import RequestTracker
 
 log = logging.getLogger(__name__)

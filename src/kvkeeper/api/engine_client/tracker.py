@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ...sampling.params import SamplingParams
 from ...engine.sequence import Sequence
 from ...errors import InvalidRequestError, ModelNotFoundError
+from ...sampling.params import SamplingParams
 from ...sessions.session import session_key
-from .metrics import ServerMetrics
 from ..common.streams import Accepted, ChoiceDelta, EngineDeadError, GenerationRequest, StepOutput, Usage
+from .metrics import ServerMetrics
 from .token_text import TokenText
 
 log = logging.getLogger(__name__)

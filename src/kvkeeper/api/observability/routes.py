@@ -10,13 +10,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..common.context import served_context
 from ..common.errors import APIError
 from ..common.messages import messages_of
-from ..engine_client.metrics import CONTENT_TYPE
 from ..common.protocol import check_body
-from ..common.context import served_context
 from ..common.schemas import DetokenizeRequest, TokenizeRequest
 from ..common.served import ServedAdapter, ServedModels
+from ..engine_client.metrics import CONTENT_TYPE
 
 router = APIRouter()  # included behind the caller dependency (kvkeeper.api.common.auth): a key when keys are set
 public_router = APIRouter()  # /health and /metrics: open to every client

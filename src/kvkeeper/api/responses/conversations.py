@@ -21,12 +21,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from ..common.auth import Caller, caller
-from .conversation_store import Conversation
+from ..common.context import request_context
 from ..common.errors import APIError
 from ..common.protocol import refuse_unknown
-from ..common.context import request_context
-from .items import input_messages, item_id, item_page, public
+from .conversation_store import Conversation
 from .deps import Paging, close_sessions, conversation_store
+from .items import input_messages, item_id, item_page, public
 from .schema import ConversationCreate, ConversationUpdate, ItemsCreate, ResponsesRequest
 
 router = APIRouter()  # included behind the caller dependency (kvkeeper.api.common.auth)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 
-from .items import call_item, message_item
 from ..common.tools import ChoiceCalls, ToolUse
+from .items import call_item, message_item
 
 
 class ResponseEvents:

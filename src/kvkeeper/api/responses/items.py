@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 from ...sampling.structured import StructuredOutput
 from ..common.errors import APIError
-from .schema import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
 from ..common.schemas import FunctionDefinition, FunctionName, NamedToolChoice, Tool
 from ..common.tools import ChoiceCalls, ToolUse, tool_use_of
+from .schema import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
 
 
 def item_id(prefix: str) -> str:

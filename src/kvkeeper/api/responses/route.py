@@ -20,15 +20,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..common.access_log import record_usage
 from ..common.auth import Caller, caller
-from ..common.errors import error_body
 from ..common.context import request_context
-from .deps import Paging, close_sessions, conversation_store, response_store
+from ..common.errors import error_body
 from ..common.rendering import collect
+from ..common.streams import EngineDeadError, RequestStream, Usage
+from .deps import Paging, close_sessions, conversation_store, response_store
 from .events import ResponseEvents
 from .items import output_items, reply_items
 from .run import ResponseRun, new_response_id, plan_response
 from .schema import ResponsesRequest
-from ..common.streams import EngineDeadError, RequestStream, Usage
 
 router = APIRouter()  # included behind the caller dependency (kvkeeper.api.common.auth)
 

@@ -17,16 +17,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ..common.context import RequestContext
 from ..common.errors import APIError
 from ..common.protocol import (cache_namespace, check_body, output_constraint, sampling_params,
                                session_compression)
-from ..common.context import RequestContext
-from .conversation_store import Conversation, ConversationStore
-from .store import ResponseStore, StoredResponse
-from .items import format_of, input_messages, item_id, messages_of_items, text_format, tool_use_of_body
-from .schema import RESPONSES_REFUSED, ResponsesRequest
 from ..common.streams import GenerationRequest, Usage
 from ..common.tools import ToolUse
+from .conversation_store import Conversation, ConversationStore
+from .items import format_of, input_messages, item_id, messages_of_items, text_format, tool_use_of_body
+from .schema import RESPONSES_REFUSED, ResponsesRequest
+from .store import ResponseStore, StoredResponse
 
 
 @dataclass
