@@ -297,7 +297,8 @@ def test_context_length_error_names_the_prompt_on_text_completions():
 
 def test_null_in_openai_nullable_fields_means_the_default():
     # "n": null, "stream": null, "logprobs": null (chat) and "echo": null were 400s; OpenAI's schemas allow null
-    from kvkeeper.api.common.schemas import ChatCompletionRequest, CompletionRequest
+    from kvkeeper.api.chat.protocol import ChatCompletionRequest
+    from kvkeeper.api.completions.protocol import CompletionRequest
 
     chat = ChatCompletionRequest.model_validate({**BODY, "n": None, "stream": None, "logprobs": None})
     assert (chat.n, chat.stream, chat.logprobs) == (1, False, False)
@@ -417,7 +418,7 @@ def test_the_snapshot_follows_an_adapter_loaded_on_the_engine_thread():
 def test_context_policies_are_the_sessions_own():
     from typing import get_args
 
-    from kvkeeper.api.common.schemas import ChatCompletionRequest
+    from kvkeeper.api.chat.protocol import ChatCompletionRequest
     from kvkeeper.sessions.context import POLICIES
 
     assert set(get_args(get_args(ChatCompletionRequest.model_fields["context_policy"].annotation)[0])) == set(POLICIES)

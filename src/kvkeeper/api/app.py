@@ -49,8 +49,8 @@ from .common.streams import EngineDeadError
 from .completions.route import router as completions_router
 from .engine_client.async_engine import AsyncEngine
 from .engine_client.tracing import flush_traces
-from .observability.routes import public_router
-from .observability.routes import router as openai_router
+from .observability.health import public_router
+from .observability.models import router as models_router
 from .responses.conversations import router as conversations_router
 from .responses.route import router as responses_router
 from .sessions.routes import router as session_router
@@ -122,7 +122,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
     app.state.allow_runtime_lora = False  # build_server sets --allow-runtime-lora
     install_error_handlers(app, EngineDeadError)
     app.include_router(public_router)
-    for r in (chat_router, completions_router, openai_router, responses_router, conversations_router):
+    for r in (chat_router, completions_router, models_router, responses_router, conversations_router):
         app.include_router(r, dependencies=[Depends(caller)])
     app.include_router(lora_router, dependencies=[Depends(admin_caller)])
     app.include_router(session_router, dependencies=[Depends(caller)])

@@ -106,7 +106,7 @@ class GatewayTokenizer:
 
     def _chat(self, doc: dict) -> list[int] | None:
         from ..api.common.messages import messages_of
-        from ..api.common.schemas import ChatCompletionRequest
+        from ..api.chat.protocol import ChatCompletionRequest
         from ..api.common.tools import tool_use_of
 
         body = ChatCompletionRequest.model_validate(doc)

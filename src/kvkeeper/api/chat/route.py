@@ -12,9 +12,9 @@ from ..common.auth import Caller, caller
 from ..common.context import request_context
 from ..common.rendering import (Collected, Renderer, continuous_usage, finish_reason, include_usage, respond, usage_of,
                                 vllm_prompt_logprobs)
-from ..common.schemas import ChatCompletionRequest
 from ..common.streams import ChoiceDelta, RequestStream
 from ..common.tools import ChoiceCalls, ToolUse, finish_with_calls
+from .protocol import ChatCompletionRequest
 from .serving import chat_request
 
 router = APIRouter()  # included behind the caller dependency (kvkeeper.api.common.auth): a key when keys are set

@@ -18,9 +18,9 @@ from ..common.errors import APIError
 from ..common.messages import messages_of
 from ..common.protocol import (check_body, generation_fields, output_constraint, prediction_text, sampling_params,
                                session_compression, structured_output)
-from ..common.schemas import ChatCompletionRequest
 from ..common.streams import GenerationRequest
 from ..common.tools import ToolUse, tool_use_of
+from .protocol import ChatCompletionRequest
 
 
 def chat_request(body: ChatCompletionRequest, ctx: RequestContext, request_id: str

@@ -1,4 +1,7 @@
-"""Request bodies of the OpenAI-compatible endpoints (pydantic v2 models).
+"""What the request bodies of the OpenAI-compatible endpoints share (pydantic v2 models): messages, tools, output
+formats, the sampling fields of chat and text completions, and the refused and unknown fields' rules.  Each
+endpoint's own body is in its package (``chat/protocol.py``, ``completions/protocol.py``,
+``observability/protocol.py``, ``responses/schema.py``).
 
 Validation failures become 400 errors (see :mod:`kvkeeper.api.common.errors`).  Every field here is
 either applied or refused with a 400 that names it: the fields in :data:`REFUSED` are accepted only
@@ -13,9 +16,6 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from ...sessions.compress import POLICIES as COMPRESSION_POLICIES
-from ...sessions.context import POLICIES
 
 # Unknown fields are kept, to be refused by name (or ignored with --ignore-unknown-fields); the published
 # schema (/openapi.json) says what the server accepts by default: no additional properties.  Strict types, as
@@ -196,59 +196,6 @@ class _SamplingFields(BaseModel):
     prompt_cache_retention: str | None = _only(None, "in_memory")
     prompt_cache_options: Any = _only(None)
     moderation: Any = _only(None)
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True  # extension (vLLM)
-    continue_final_message: bool = False  # extension (vLLM)
-    context_policy: Literal[POLICIES] | None = None  # extension: a session's (sessions.context.POLICIES)
-    context_budget: int | None = Field(None, ge=16)  # extension: prompt tokens the session's context policy keeps
-    session_compression: Literal[COMPRESSION_POLICIES] | None = None  # extension: sessions.compress.POLICIES
-    session_compression_ratio: float | None = Field(None, ge=0, lt=1)  # extension: KV fraction dropped per turn end
-    audio: Any = _only(None)
-    function_call: Any = _only(None)
-    functions: Any = _only(None)
-    modalities: list[str] | None = _only(None, ["text"])
-    prediction: PredictionContent | None = None  # drafts for speculative decoding (kvkeeper.engine.speculative)
-    reasoning_effort: Any = _only(None)
-    verbosity: Any = _only(None)
-    web_search_options: Any = _only(None)
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]  # a list of strings or of token-id lists: one per prompt
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-    best_of: int | None = Field(None, ge=1)
-    suffix: str | None = _only(None, "")
-
-
-class TokenizeRequest(BaseModel):
-    """``POST /tokenize`` (as in vLLM): exactly one of ``prompt`` (text) or ``messages`` (chat)."""
-
-    model_config = _OPEN
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    tools: list[Tool] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool | None = None  # vLLM's: default true for a prompt (e.g. a BOS), false for messages
-
-
-class DetokenizeRequest(BaseModel):
-    """``POST /detokenize`` (as in vLLM): token ids back to text."""
-
-    model_config = _OPEN
-    model: str | None = None
-    tokens: list[int]
 
 
 _NOT_STORED = "this server keeps no stored completions"

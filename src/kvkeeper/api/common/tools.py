@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from ...sampling.structured import StructuredOutput
 from ...text.tool_format import CallParser, call_grammar
 from .errors import APIError
-from .schemas import ChatCompletionRequest
 
 
 @dataclass
@@ -47,8 +46,10 @@ class ToolUse:
         return StructuredOutput("lark", call_grammar(fns, self.choice != "auto", self.parallel), "tool_choice")
 
 
-def tool_use_of(body: ChatCompletionRequest) -> ToolUse | None:
-    """The request's :class:`ToolUse`, or None without tools; 400 for a choice or option without tools,
+def tool_use_of(body) -> ToolUse | None:
+    """The request's :class:`ToolUse` (``body``: a chat body, or the Responses API's tools as
+    :func:`kvkeeper.api.responses.items.tool_use_of_body` gives them: ``tools``, ``tool_choice``,
+    ``parallel_tool_calls``), or None without tools; 400 for a choice or option without tools,
     duplicate function names or a named function that is not among the tools."""
     if not body.tools:
         for name in ("tool_choice", "parallel_tool_calls"):

@@ -12,8 +12,8 @@ from ..common.auth import Caller, caller
 from ..common.context import request_context
 from ..common.rendering import (Collected, Renderer, continuous_usage, finish_reason, include_usage, respond, usage_of,
                                 vllm_prompt_logprobs)
-from ..common.schemas import CompletionRequest
 from ..common.streams import ChoiceDelta, RequestStream
+from .protocol import CompletionRequest
 from .serving import completion_request
 
 router = APIRouter()  # included behind the caller dependency (kvkeeper.api.common.auth): a key when keys are set

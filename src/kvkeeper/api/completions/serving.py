@@ -11,8 +11,8 @@ from __future__ import annotations
 from ..common.context import RequestContext
 from ..common.errors import APIError
 from ..common.protocol import check_body, generation_fields, sampling_params, structured_output
-from ..common.schemas import CompletionRequest
 from ..common.streams import GenerationRequest
+from .protocol import CompletionRequest
 
 MAX_PROMPTS = 128  # prompts in one request (each is an engine request: the queue's limit applies to all of them)
 

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible endpoints besides the completions (:mod:`kvkeeper.api.chat.route`,
-:mod:`kvkeeper.api.completions.route`): models, tokenize, detokenize, tokenizer_info, health and metrics.
+"""What the server serves: ``/v1/models`` (the model and its LoRA adapters), ``/tokenize``, ``/detokenize`` and
+``/tokenizer_info`` (vLLM's).
 
 Handlers read ``request.app.state``: ``engine`` (the :class:`~kvkeeper.api.engine_client.async_engine.AsyncEngine`: its
 ``served`` snapshot, its commands), ``created``, ``refuse_unknown_fields``.
@@ -8,35 +8,15 @@ Handlers read ``request.app.state``: ``engine`` (the :class:`~kvkeeper.api.engin
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
 
 from ..common.context import served_context
 from ..common.errors import APIError
 from ..common.messages import messages_of
 from ..common.protocol import check_body
-from ..common.schemas import DetokenizeRequest, TokenizeRequest
 from ..common.served import ServedAdapter, ServedModels
-from ..engine_client.metrics import CONTENT_TYPE
+from .protocol import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()  # included behind the caller dependency (kvkeeper.api.common.auth): a key when keys are set
-public_router = APIRouter()  # /health and /metrics: open to every client
-
-
-@public_router.get("/health")
-async def health(request: Request):
-    if not request.app.state.engine.alive:
-        return JSONResponse({"status": "error", "detail": "the engine thread is not running"}, status_code=503)
-    return {"status": "ok"}
-
-
-@public_router.head("/health", include_in_schema=False)  # load balancers' probes (one OpenAPI operation: GET)
-async def health_head(request: Request):
-    return await health(request)
-
-
-@public_router.get("/metrics")
-async def metrics(request: Request):
-    return Response(request.app.state.engine.metrics.render(), media_type=CONTENT_TYPE)
 
 
 def _model_card(served: ServedModels, created: int, adapter: ServedAdapter | None = None) -> dict:
