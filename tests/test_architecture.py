@@ -24,7 +24,7 @@ MAX_FUNCTION_LINES = 60
 SHORT_FUNCTION_DIRS = ("engine", "sessions", "api", "cluster", "kvcache/store.py")
 LAYER_DOC = ROOT / "docs" / "architecture.md"
 MAX_MODULES_PER_FOLDER = 12  # *.py files of one folder, __init__.py included
-# api/'s packages every endpoint may import; an endpoint package imports no other endpoint package
+# api/'s packages every endpoint may import, lowest first; an endpoint package imports no other endpoint package
 API_SHARED = ("common", "engine_client")
 
 
@@ -203,6 +203,28 @@ def test_api_endpoints_import_no_other_endpoint():
     assert cross_endpoint_imports(module_imports(SRC, PKG), f"{PKG}.api", API_SHARED) == []
 
 
+def api_upward_imports(graph: dict[str, set[str]], api: str, order: tuple[str, ...]) -> list[str]:
+    """Imports of a package of ``api`` from one later in ``order`` (lowest first) or from an endpoint package, by a
+    module of a package in ``order``: the shared packages sit below the endpoints and in that order."""
+    def pkg(mod: str) -> str | None:
+        rest = mod[len(api) + 1:].split(".") if mod.startswith(api + ".") else []
+        return rest[0] if len(rest) > 1 else None
+
+    bad = []
+    for m, targets in sorted(graph.items()):
+        if pkg(m) in order:
+            for t in sorted(targets):
+                q = pkg(t)
+                if q is not None and q != pkg(m) and (q not in order or order.index(q) > order.index(pkg(m))):
+                    bad.append(f"{m} imports {t}")
+    return bad
+
+
+def test_api_shared_packages_import_no_endpoint():
+    """api/common imports no other api package, api/engine_client only api/common."""
+    assert api_upward_imports(module_imports(SRC, PKG), f"{PKG}.api", API_SHARED) == []
+
+
 def test_no_repeated_code_in_the_package():
     """The library's `duplicates` tool (a machine tool, not a Python package) over all of src/kvkeeper: skipped
     where it is absent."""
@@ -265,6 +287,19 @@ def test_an_import_between_endpoints_is_caught(tmp_path):
     })
     assert cross_endpoint_imports(module_imports(src, "fake"), "fake.api", API_SHARED) == [
         "fake.api.chat.route imports fake.api.completions.route"]
+
+
+def test_an_upward_import_in_api_is_caught(tmp_path):
+    src = _fake_package(tmp_path, {
+        "__init__.py": "", "api/__init__.py": "", "api/common/__init__.py": "",
+        "api/common/rules.py": "from ..engine_client.loop import L\n",
+        "api/engine_client/__init__.py": "", "api/engine_client/loop.py": "from ..common.rules import x\nL = 1\n",
+        "api/chat/__init__.py": "", "api/chat/route.py": "",
+        "api/engine_client/hook.py": "from ..chat.route import y\n",
+    })
+    assert api_upward_imports(module_imports(src, "fake"), "fake.api", API_SHARED) == [
+        "fake.api.common.rules imports fake.api.engine_client.loop",
+        "fake.api.engine_client.hook imports fake.api.chat.route"]
 
 
 def test_the_layer_table_is_read(tmp_path):
