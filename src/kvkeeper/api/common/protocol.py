@@ -1,6 +1,8 @@
-"""The rules request bodies share, each checked here once: the model a body names, refused and unknown
-fields, and the fields chat and text completions share (one SamplingParams per choice, the output
-constraint, logit bias, stop strings, seeds, the cache namespace, KV compression).
+"""The rules request bodies share, each checked here once for every endpoint (chat, text completions, the
+Responses API): the model a body names, refused and unknown fields (:func:`check_body`), the sampling fields (one
+SamplingParams per choice: :func:`sampling_params`; logit bias, stop strings, seeds), the output constraint and
+its clash with tools (:func:`structured_output`, :func:`output_constraint`), the cache namespace
+(:func:`cache_namespace`), a session's compression and KV compression.
 
 Prompt caching (OpenAI's ``prompt_cache_key``, :func:`cache_salt_of`): the key names the cache entry a
 request's prefixes belong to: requests of one tenant with the same key share their cached prefixes, requests with
