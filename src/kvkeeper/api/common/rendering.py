@@ -1,9 +1,8 @@
 """Turning a request's stream into an HTTP response: collected JSON, or server-sent events.
 
-The chat and text completions' rendering (formerly ``api/responses.py``, which was never the Responses API): both
-go through :func:`respond`, each with its own chunk and body builders (:class:`Renderer`); the Responses API
-collects its stream with :func:`collect` and renders its own events (:mod:`kvkeeper.api.responses.events`).  A
-client that goes away mid-request aborts it (its blocks are freed).
+The chat and text completions' rendering: both go through :func:`respond`, each with its own chunk and body
+builders (:class:`Renderer`); the Responses API collects its stream with :func:`collect` and renders its own events
+(:mod:`kvkeeper.api.responses.events`).  A client that goes away mid-request aborts it (its blocks are freed).
 """
 
 from __future__ import annotations
