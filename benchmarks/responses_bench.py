@@ -15,7 +15,7 @@ question, greedy, ``--max-tokens`` per reply, streamed.  Per turn and mode:
   the first ``response.output_text.delta``).
 
 Chat turns reuse the prefix cache (full blocks of 16 tokens); responses hand the previous turn's whole KV over
-(a session turn, :mod:`kvkeeper.api.responses_run`).  The replies of the two modes are compared turn by turn.
+(a session turn, :mod:`kvkeeper.api.responses.run`).  The replies of the two modes are compared turn by turn.
 
     .venv/bin/python benchmarks/responses_bench.py [--turns 20] [--max-tokens 32] [--threads 2] [--out DIR]
 

@@ -23,6 +23,9 @@ MAX_FUNCTION_LINES = 60
 # parts (folders, or single modules) whose functions stay short
 SHORT_FUNCTION_DIRS = ("engine", "sessions", "api", "cluster", "kvcache/store.py")
 LAYER_DOC = ROOT / "docs" / "architecture.md"
+MAX_MODULES_PER_FOLDER = 12  # *.py files of one folder, __init__.py included
+# api/'s packages every endpoint may import, lowest first; an endpoint package imports no other endpoint package
+API_SHARED = ("common", "engine_client")
 
 
 def read_layers(readme: Path) -> dict[str, int]:
@@ -168,6 +171,60 @@ def test_functions_are_short(part):
     assert long_functions(SRC / PKG / part, MAX_FUNCTION_LINES) == []
 
 
+def package_folders(root: Path) -> list[Path]:
+    """Every folder under ``root`` (``root`` included) that holds a Python module."""
+    return sorted({p.parent for p in root.rglob("*.py")})
+
+
+def module_count(folder: Path) -> int:
+    """The modules of one folder: its ``*.py`` files, ``__init__.py`` included (not those of its subfolders)."""
+    return len(list(folder.glob("*.py")))
+
+
+@pytest.mark.parametrize("folder", [str(d.relative_to(SRC)) for d in package_folders(SRC / PKG)])
+def test_folders_hold_at_most_12_modules(folder):
+    """A folder of the package holds at most 12 modules (group more into subpackages, as api/ does by endpoint)."""
+    n = module_count(SRC / folder)
+    assert n <= MAX_MODULES_PER_FOLDER, f"{folder} holds {n} modules (at most {MAX_MODULES_PER_FOLDER})"
+
+
+def cross_endpoint_imports(graph: dict[str, set[str]], api: str, shared: tuple[str, ...]) -> list[str]:
+    """Imports from one endpoint package of ``api`` (a folder below it other than ``shared``) into another."""
+    def endpoint(mod: str) -> str | None:
+        rest = mod[len(api) + 1:].split(".") if mod.startswith(api + ".") else []
+        return rest[0] if len(rest) > 1 and rest[0] not in shared else None
+
+    return [f"{m} imports {t}" for m, targets in sorted(graph.items()) for t in sorted(targets)
+            if endpoint(m) is not None and endpoint(t) is not None and endpoint(m) != endpoint(t)]
+
+
+def test_api_endpoints_import_no_other_endpoint():
+    """A route module takes shared helpers from api/common (or api/engine_client), never from another endpoint."""
+    assert cross_endpoint_imports(module_imports(SRC, PKG), f"{PKG}.api", API_SHARED) == []
+
+
+def api_upward_imports(graph: dict[str, set[str]], api: str, order: tuple[str, ...]) -> list[str]:
+    """Imports of a package of ``api`` from one later in ``order`` (lowest first) or from an endpoint package, by a
+    module of a package in ``order``: the shared packages sit below the endpoints and in that order."""
+    def pkg(mod: str) -> str | None:
+        rest = mod[len(api) + 1:].split(".") if mod.startswith(api + ".") else []
+        return rest[0] if len(rest) > 1 else None
+
+    bad = []
+    for m, targets in sorted(graph.items()):
+        if pkg(m) in order:
+            for t in sorted(targets):
+                q = pkg(t)
+                if q is not None and q != pkg(m) and (q not in order or order.index(q) > order.index(pkg(m))):
+                    bad.append(f"{m} imports {t}")
+    return bad
+
+
+def test_api_shared_packages_import_no_endpoint():
+    """api/common imports no other api package, api/engine_client only api/common."""
+    assert api_upward_imports(module_imports(SRC, PKG), f"{PKG}.api", API_SHARED) == []
+
+
 def test_no_repeated_code_in_the_package():
     """The library's `duplicates` tool (a machine tool, not a Python package) over all of src/kvkeeper: skipped
     where it is absent."""
@@ -241,6 +298,38 @@ def test_a_long_function_is_caught(tmp_path):
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
     src = _fake_package(tmp_path, {"mod.py": "def long():\n" + body + "    return 0\n"})
     assert len(long_functions(src, MAX_FUNCTION_LINES)) == 1
+
+
+def test_a_crowded_folder_is_caught(tmp_path):
+    src = _fake_package(tmp_path, {f"api/m{i}.py": "" for i in range(MAX_MODULES_PER_FOLDER)} | {
+        "api/__init__.py": "", "api/chat/__init__.py": "", "api/chat/route.py": "", "__init__.py": ""})
+    assert [str(d.relative_to(src)) for d in package_folders(src / "fake")] == ["fake", "fake/api", "fake/api/chat"]
+    assert module_count(src / "fake" / "api") == MAX_MODULES_PER_FOLDER + 1  # over: the real test fails on it
+    assert module_count(src / "fake" / "api" / "chat") == 2
+
+
+def test_an_import_between_endpoints_is_caught(tmp_path):
+    src = _fake_package(tmp_path, {
+        "__init__.py": "", "api/__init__.py": "", "api/common/__init__.py": "", "api/common/rules.py": "",
+        "api/chat/__init__.py": "",
+        "api/chat/route.py": "from ..common.rules import x\nfrom ..completions.route import y\n",
+        "api/completions/__init__.py": "", "api/completions/route.py": "from ..common import rules\n",
+    })
+    assert cross_endpoint_imports(module_imports(src, "fake"), "fake.api", API_SHARED) == [
+        "fake.api.chat.route imports fake.api.completions.route"]
+
+
+def test_an_upward_import_in_api_is_caught(tmp_path):
+    src = _fake_package(tmp_path, {
+        "__init__.py": "", "api/__init__.py": "", "api/common/__init__.py": "",
+        "api/common/rules.py": "from ..engine_client.loop import L\n",
+        "api/engine_client/__init__.py": "", "api/engine_client/loop.py": "from ..common.rules import x\nL = 1\n",
+        "api/chat/__init__.py": "", "api/chat/route.py": "",
+        "api/engine_client/hook.py": "from ..chat.route import y\n",
+    })
+    assert api_upward_imports(module_imports(src, "fake"), "fake.api", API_SHARED) == [
+        "fake.api.common.rules imports fake.api.engine_client.loop",
+        "fake.api.engine_client.hook imports fake.api.chat.route"]
 
 
 def test_the_layer_table_is_read(tmp_path):

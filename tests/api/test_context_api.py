@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from tests.utils.sessionutil import sessions_of  # noqa: E402
 
 from kvkeeper.api.app import create_app  # noqa: E402
-from kvkeeper.api.async_engine import AsyncEngine  # noqa: E402
+from kvkeeper.api.engine_client.async_engine import AsyncEngine  # noqa: E402
 
 
 def _report(r) -> dict:

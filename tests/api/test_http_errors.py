@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from kvkeeper.api.app import create_app  # noqa: E402
-from kvkeeper.api.async_engine import AsyncEngine  # noqa: E402
+from kvkeeper.api.engine_client.async_engine import AsyncEngine  # noqa: E402
 from kvkeeper.kvcache.namespace import Namespace  # noqa: E402
 
 
@@ -190,9 +190,9 @@ def test_gauges_are_published_before_outputs_and_answers(tmp_path, monkeypatch):
     from tests.utils.tiny_models import tiny_llama_folder
 
     from kvkeeper import SamplingParams
-    from kvkeeper.api import async_engine as ae
-    from kvkeeper.api import tracker as tr
-    from kvkeeper.api.streams import GenerationRequest
+    from kvkeeper.api.engine_client import async_engine as ae
+    from kvkeeper.api.engine_client import tracker as tr
+    from kvkeeper.api.common.streams import GenerationRequest
     from kvkeeper.sessions.manager import SessionManager
 
     eng = make_engine(str(tiny_llama_folder(tmp_path / "tiny")), num_kv_blocks=64, block_size=4)
@@ -234,7 +234,7 @@ def test_unknown_fields_refused_or_ignored_and_the_access_log(caplog):
     one access-log line per request while the access logger is on (``--no-access-log`` turns it off)."""
     import logging
 
-    from kvkeeper.api.access_log import ACCESS_LOGGER, configure_access_log
+    from kvkeeper.api.common.access_log import ACCESS_LOGGER, configure_access_log
 
     body = {**BODY, "frobnicate": True, "messages": [{"role": "user", "content": "hi", "colour": "red"}]}
     eng = ContextFullEngine()
@@ -278,7 +278,7 @@ def test_context_length_error_names_the_prompt_on_text_completions():
     # it named `messages`, a field /v1/completions does not have
     from fastapi import FastAPI
 
-    from kvkeeper.api.errors import install_error_handlers
+    from kvkeeper.api.common.errors import install_error_handlers
     from kvkeeper.errors import ContextLengthError
 
     app = FastAPI()
@@ -297,7 +297,8 @@ def test_context_length_error_names_the_prompt_on_text_completions():
 
 def test_null_in_openai_nullable_fields_means_the_default():
     # "n": null, "stream": null, "logprobs": null (chat) and "echo": null were 400s; OpenAI's schemas allow null
-    from kvkeeper.api.schemas import ChatCompletionRequest, CompletionRequest
+    from kvkeeper.api.chat.protocol import ChatCompletionRequest
+    from kvkeeper.api.completions.protocol import CompletionRequest
 
     chat = ChatCompletionRequest.model_validate({**BODY, "n": None, "stream": None, "logprobs": None})
     assert (chat.n, chat.stream, chat.logprobs) == (1, False, False)
@@ -417,7 +418,7 @@ def test_the_snapshot_follows_an_adapter_loaded_on_the_engine_thread():
 def test_context_policies_are_the_sessions_own():
     from typing import get_args
 
-    from kvkeeper.api.schemas import ChatCompletionRequest
+    from kvkeeper.api.chat.protocol import ChatCompletionRequest
     from kvkeeper.sessions.context import POLICIES
 
     assert set(get_args(get_args(ChatCompletionRequest.model_fields["context_policy"].annotation)[0])) == set(POLICIES)

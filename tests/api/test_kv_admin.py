@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvkeeper.api.metrics import ServerMetrics
+from kvkeeper.api.engine_client.metrics import ServerMetrics
 from kvkeeper.kvcache.block_pool import BlockPool
 from kvkeeper.kvcache.blockmap import (OWNER_MIN_DELTA_E, OWNER_PALETTE, PAGE_BACKGROUND, SHARED, STATE_COLOURS,
                                       block_map, check_block_map, owner_colours, palette_slots)
@@ -298,7 +298,7 @@ def find_chromium() -> str | None:
     return None
 
 
-# Fixed page layout (see kvkeeper.api.admin): canvas at (16, 56) CSS px, a 16 px label band, then cells.
+# Fixed page layout (see kvkeeper.api.admin.kv): canvas at (16, 56) CSS px, a 16 px label band, then cells.
 LEFT, TOP, BAND, CELL, GAP, COLS = 16, 56, 16, 20, 2, 8
 
 
@@ -410,7 +410,7 @@ def static_page(tmp_path):
     import http.server
     import threading
 
-    from kvkeeper.api.admin import page_html
+    from kvkeeper.api.admin.kv import page_html
 
     doc, raw = many_owner_doc()
     body = {"/admin/kv": page_html().encode(), "/admin/kv.json": json.dumps(doc).encode()}
@@ -516,7 +516,7 @@ def test_admin_page_refresh_interval_is_never_nan(query):
     import shutil
     import subprocess
 
-    from kvkeeper.api.admin import page_html
+    from kvkeeper.api.admin.kv import page_html
 
     node = shutil.which("node")
     if node is None:

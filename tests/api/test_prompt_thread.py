@@ -46,7 +46,7 @@ class EncodeCalls:
 
 def _serve(engine, calls: EncodeCalls, body):
     """Run ``body(aeng)`` against an AsyncEngine on ``engine`` started under the hook."""
-    from kvkeeper.api.async_engine import AsyncEngine
+    from kvkeeper.api.engine_client.async_engine import AsyncEngine
 
     async def run():
         aeng = AsyncEngine(engine)
@@ -61,7 +61,7 @@ def _serve(engine, calls: EncodeCalls, body):
 
 
 def _request(rid: str, max_tokens: int = 4, **prompt):
-    from kvkeeper.api.streams import GenerationRequest
+    from kvkeeper.api.common.streams import GenerationRequest
 
     return GenerationRequest(rid, [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)], **prompt)
 

@@ -19,7 +19,9 @@ import httpx
 import pytest
 from tests.utils.serverproc import running_server, wait_for_log
 
-from kvkeeper.api.schemas import REFUSED, ChatCompletionRequest, CompletionRequest
+from kvkeeper.api.chat.protocol import ChatCompletionRequest
+from kvkeeper.api.common.schemas import REFUSED
+from kvkeeper.api.completions.protocol import CompletionRequest
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvkeeper import SamplingParams
-from kvkeeper.api.auth import KeyRing, KeysFileError, load_keys_file
+from kvkeeper.api.common.auth import KeyRing, KeysFileError, load_keys_file
 from kvkeeper.api.server import ServerConfig, build_server
 from kvkeeper.kvcache.block_pool import block_hash
 from kvkeeper.kvcache.namespace import Namespace, salt_hash, tenant_namespace

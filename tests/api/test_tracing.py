@@ -12,8 +12,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 from kvkeeper.api.app import create_app  # noqa: E402
-from kvkeeper.api.async_engine import AsyncEngine  # noqa: E402
-from kvkeeper.api.tracing import RequestTracer, configure_tracing  # noqa: E402
+from kvkeeper.api.engine_client.async_engine import AsyncEngine  # noqa: E402
+from kvkeeper.api.engine_client.tracing import RequestTracer, configure_tracing  # noqa: E402
 from tests.utils.sessionutil import sessions_of  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@
 Endpoints::
 
     GET    /health                  200 {"status": "ok"} while the engine thread runs, else 503
-    GET    /metrics                 Prometheus text (see kvkeeper.api.metrics)
+    GET    /metrics                 Prometheus text (see kvkeeper.api.engine_client.metrics)
     GET    /v1/models               the served model, with context_length (tokens)
     POST   /v1/chat/completions     chat (messages through the model's chat template), SSE with stream=true
     POST   /v1/completions          raw text or token-id prompt
@@ -11,25 +11,25 @@ Endpoints::
     GET    /v1/sessions             open sessions: id, tokens, blocks, turns, tier (pool / host / disk)
     POST   /v1/sessions/{id}/offload?tier=host|disk   move an idle session's KV out of the pool
     DELETE /v1/sessions/{id}        close a session and free its blocks (404 if unknown)
-    GET    /v1/sessions/{id}/export one checksummed file; POST /admin/sessions/import opens one (kvkeeper.api.session_transfer)
+    GET    /v1/sessions/{id}/export one checksummed file; POST /admin/sessions/import opens one (kvkeeper.api.sessions.transfer)
     POST   /v1/responses            OpenAI's Responses API on sessions; GET/DELETE /v1/responses/{id}, .../input_items
-    POST   /v1/conversations        OpenAI's Conversations API (items held by the server; kvkeeper.api.conversations_route)
-    GET    /admin/kv                live KV block map page (HTML); /admin/kv.json its data (kvkeeper.api.admin)
+    POST   /v1/conversations        OpenAI's Conversations API (items held by the server; kvkeeper.api.responses.conversations)
+    GET    /admin/kv                live KV block map page (HTML); /admin/kv.json its data (kvkeeper.api.admin.kv)
     GET    /admin/kv/dump           ?session=ID[&tenant=T&layers=0,5&start=N&end=M]: the session's K/V (safetensors)
     GET    /admin/breaker           the KV circuit breaker: tier, trips, action counts, recent events
-    GET    /admin/health            the cache-health detector: score, signals, warning events (kvkeeper.api.admin)
+    GET    /admin/health            the cache-health detector: score, signals, warning events (kvkeeper.api.admin.kv)
 
-Keys (:mod:`kvkeeper.api.auth`): with API keys every route but ``/health``, ``/metrics`` and ``/openapi.json`` needs
-``Authorization: Bearer <key>`` (401 otherwise); sessions and the cache namespace belong to the key's
-tenant (``/v1/sessions*`` see only the caller's sessions); ``/admin/*`` needs an admin key (a dump also
-answers the session's tenant).  ``/metrics`` names no session and holds no token.
+Keys (:mod:`kvkeeper.api.common.auth`): with API keys every route but ``/health``, ``/metrics`` and
+``/openapi.json`` needs ``Authorization: Bearer <key>`` (401 otherwise); sessions and the cache namespace belong
+to the key's tenant (``/v1/sessions*`` see only the caller's sessions); ``/admin/*`` needs an admin key (a dump
+also answers the session's tenant).  ``/metrics`` names no session and holds no token.
 
 Headers: ``X-Session-ID`` runs the request as a turn of that session (the client resends its
 history; the session's KV is reused by the rule of :mod:`kvkeeper.sessions.session`);
 ``X-Session-Priority``, an integer, default 0: the circuit breaker trims lower priorities first (a
 response whose oldest turns were left out says how many in ``X-KVKeeper-Trimmed-Turns``);
 ``X-Cache-Salt`` (or the body field ``cache_salt``) narrows the caller's prefix-cache namespace.  Errors are
-OpenAI-style JSON bodies (see :mod:`kvkeeper.api.errors`); no stack trace reaches a client.
+OpenAI-style JSON bodies (see :mod:`kvkeeper.api.common.errors`); no stack trace reaches a client.
 """
 
 from __future__ import annotations
@@ -39,25 +39,23 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, HTTPException
 
-from .access_log import AccessLogMiddleware
-from .admin import router as admin_router
-from .async_engine import AsyncEngine
-from .auth import KeyRing, admin_caller, caller
-from .errors import BodyTooLargeError, install_error_handlers
-from .lora_routes import router as lora_router
-from .chat import router as chat_router
-from .completions import router as completions_router
-from .openai_routes import public_router
-from .openai_routes import router as openai_router
-from .conversations_route import router as conversations_router
-from .responses_route import router as responses_router
-from .session_routes import router as session_router
-from .session_transfer import admin_router as import_router
-from .session_transfer import router as transfer_router
-from .streams import EngineDeadError
-from .tracing import flush_traces
-
-from .limits import DEFAULT_MAX_BODY_BYTES  # noqa: E402  (4 MiB)
+from .admin.kv import router as admin_router
+from .admin.lora import router as lora_router
+from .chat.route import router as chat_router
+from .common.access_log import AccessLogMiddleware
+from .common.auth import KeyRing, admin_caller, caller
+from .common.errors import DEFAULT_MAX_BODY_BYTES, BodyTooLargeError, install_error_handlers
+from .common.streams import EngineDeadError
+from .completions.route import router as completions_router
+from .engine_client.async_engine import AsyncEngine
+from .engine_client.tracing import flush_traces
+from .observability.health import public_router
+from .observability.models import router as models_router
+from .responses.conversations import router as conversations_router
+from .responses.route import router as responses_router
+from .sessions.routes import router as session_router
+from .sessions.transfer import admin_router as import_router
+from .sessions.transfer import router as transfer_router
 
 
 class BodyLimitMiddleware:
@@ -100,7 +98,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
     declares gets 400 naming it (False: such fields are ignored).  keys: the API keys (None: none, every
     request is the local caller).  admin_routes: serve ``/admin/*`` here (False: they are served by
     :func:`create_admin_app` on another port).  Every request gets an access-log line
-    when the ``kvkeeper.access`` logger is enabled (:func:`kvkeeper.api.access_log.configure_access_log`).
+    when the ``kvkeeper.access`` logger is enabled (:func:`kvkeeper.api.common.access_log.configure_access_log`).
     """
 
     @asynccontextmanager
@@ -124,7 +122,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
     app.state.allow_runtime_lora = False  # build_server sets --allow-runtime-lora
     install_error_handlers(app, EngineDeadError)
     app.include_router(public_router)
-    for r in (chat_router, completions_router, openai_router, responses_router, conversations_router):
+    for r in (chat_router, completions_router, models_router, responses_router, conversations_router):
         app.include_router(r, dependencies=[Depends(caller)])
     app.include_router(lora_router, dependencies=[Depends(admin_caller)])
     app.include_router(session_router, dependencies=[Depends(caller)])

@@ -19,11 +19,11 @@ from ..diagnostics.health_predict import (GbtPredictor, Limits, LstmPredictor, T
 from ..engine.breaker import BreakerConfig, CircuitBreaker
 from ..options import option
 from ..sessions.manager import SessionConfig, SessionManager
-from .limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
-from .tracing import EXPORTERS, RequestTracer, configure_tracing
+from .common.errors import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+from .engine_client.tracing import EXPORTERS, RequestTracer, configure_tracing
 
 if TYPE_CHECKING:
-    from .auth import KeyRing
+    from .common.auth import KeyRing
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,8 @@ class ServerConfig:
 
     def key_ring(self) -> KeyRing | None:
         """The API keys of ``api_key`` and ``api_keys_file`` (both: one ring), None for none.
-        Raises :class:`~kvkeeper.api.auth.KeysFileError` (a ValueError) for a bad key or keys file."""
-        from .auth import DEFAULT_TENANT, Caller, KeyRing, load_keys_file
+        Raises :class:`~kvkeeper.api.common.auth.KeysFileError` (a ValueError) for a bad key or keys file."""
+        from .common.auth import DEFAULT_TENANT, Caller, KeyRing, load_keys_file
 
         keys = load_keys_file(self.api_keys_file) if self.api_keys_file else {}
         if self.api_key is not None:
@@ -124,9 +124,9 @@ def build_server(engine, config: ServerConfig | None = None, sessions: SessionCo
     second one would run its sessions, breaker and audit hooks twice), ImportError when the OTLP exporter is
     missing, and InvalidRequestError for an adapter that cannot be loaded.
     """
-    from .access_log import configure_access_log  # FastAPI: imported when an app is built, not with the config
+    from .common.access_log import configure_access_log  # FastAPI: imported when an app is built, not with the config
     from .app import create_admin_app, create_app
-    from .async_engine import AsyncEngine
+    from .engine_client.async_engine import AsyncEngine
 
     if any(isinstance(h, SessionManager) for h in engine.holders):
         raise ValueError("this engine already has a session manager (it serves an app already): build one server "

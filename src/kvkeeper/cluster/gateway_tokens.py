@@ -54,7 +54,7 @@ class GatewayTokenizer:
 
     renderer: a :class:`~kvkeeper.engine.input_processor.ChatRenderer` of the served model; served_model_name: the
     name requests give in ``model`` for the base model (others name an adapter); key_ring: the server's
-    :class:`~kvkeeper.api.auth.KeyRing` (None: a server without keys, whose requests have no tenant).
+    :class:`~kvkeeper.api.common.auth.KeyRing` (None: a server without keys, whose requests have no tenant).
     """
 
     def __init__(self, renderer, served_model_name: str | None, key_ring=None):
@@ -105,9 +105,9 @@ class GatewayTokenizer:
         return {"tokens": ids, "salt": salt_hash(tenant, salt)}
 
     def _chat(self, doc: dict) -> list[int] | None:
-        from ..api.messages import messages_of
-        from ..api.schemas import ChatCompletionRequest
-        from ..api.tools import tool_use_of
+        from ..api.common.messages import messages_of
+        from ..api.chat.protocol import ChatCompletionRequest
+        from ..api.common.tools import tool_use_of
 
         body = ChatCompletionRequest.model_validate(doc)
         tools = tool_use_of(body)

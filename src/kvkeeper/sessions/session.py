@@ -41,7 +41,7 @@ from .context import ContextPlanner, ContextReport, ContextSpec, ContextState
 
 def session_key(tenant: str | None, session_id: str) -> str:
     """The manager's key of a tenant's session: the client's id alone for no tenant (None), else
-    ``"<tenant>/<id>"``.  Tenant names have no "/" (:mod:`kvkeeper.api.auth` checks them) and neither have
+    ``"<tenant>/<id>"``.  Tenant names have no "/" (:mod:`kvkeeper.api.common.auth` checks them) and neither have
     HTTP session ids, so the same id opened by two tenants is two sessions, and one tenant never names
     another's."""
     return session_id if tenant is None else f"{tenant}/{session_id}"

@@ -14,9 +14,9 @@ PLAIN = "The weather today is"
 
 
 def _doors(schema: dict) -> list[StructuredOutput]:
-    """The constraint each JSON door of the API makes of ``schema`` (api.protocol.structured_output)."""
-    from kvkeeper.api.protocol import structured_output
-    from kvkeeper.api.schemas import CompletionRequest
+    """The constraint each JSON door of the API makes of ``schema`` (api.common.protocol.structured_output)."""
+    from kvkeeper.api.common.protocol import structured_output
+    from kvkeeper.api.completions.protocol import CompletionRequest
 
     bodies = [{"guided_json": schema}, {"guided_json": json.dumps(schema)}, {"structured_outputs": {"json": schema}},
               {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}]

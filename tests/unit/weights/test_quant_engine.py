@@ -226,7 +226,7 @@ def test_without_kernels_the_engine_runs_float32_and_says_why(tmp_path):
 
 
 def test_metrics_say_which_format_runs():
-    from kvkeeper.api.metrics import ServerMetrics
+    from kvkeeper.api.engine_client.metrics import ServerMetrics
 
     m = ServerMetrics()
     m.update({"weight_format": "gguf"})

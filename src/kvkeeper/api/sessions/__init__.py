@@ -1,0 +1,1 @@
+"""Session endpoints: list, close, offload, fork; export and import of a session."""
