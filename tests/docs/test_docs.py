@@ -30,6 +30,8 @@ from tests.utils.paths import ROOT
 README = ROOT / "README.md"
 MKDOCS_YML = ROOT / "mkdocs.yml"
 MAX_README_LINES = 300
+MAX_README_CHARS = 13_000  # an introduction: results and details live in docs/
+MAX_LINE_CHARS = 120
 MAX_SKIPS = 2
 README_PORT = 8000
 SHELL_LANGS = {"bash", "sh", "console"}
@@ -115,6 +117,20 @@ def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
 def test_readme_is_short():
     n = len(README.read_text(encoding="utf-8").splitlines())
     assert n <= MAX_README_LINES, f"README.md has {n} lines (at most {MAX_README_LINES}; the rest goes to docs/)"
+    assert readme_size_problems(README.read_text(encoding="utf-8")) == []
+
+
+def readme_size_problems(text: str) -> list[str]:
+    """What makes a README more than an introduction: over MAX_README_CHARS characters, lines over MAX_LINE_CHARS."""
+    out = [f"README.md has {len(text):,} characters (at most {MAX_README_CHARS:,}; results go to docs/benchmarks.md)"
+           for _ in [0] if len(text) > MAX_README_CHARS]
+    return out + [f"README.md:{i}: {len(line)} characters (at most {MAX_LINE_CHARS})"
+                  for i, line in enumerate(text.splitlines(), 1) if len(line) > MAX_LINE_CHARS]
+
+
+def test_readme_size_check_can_fail():
+    assert readme_size_problems("a" * 121 + "\nshort\n") == ["README.md:1: 121 characters (at most 120)"]
+    assert len(readme_size_problems(("b" * 100 + "\n") * 200)) == 1  # 20,200 characters
 
 
 def test_readme_blocks_are_classified():
