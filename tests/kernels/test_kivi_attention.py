@@ -14,8 +14,8 @@ import torch
 from kvkeeper.attention import cpu, reference
 from kvkeeper.attention.metadata import AttentionMetadata, PrefillSpan
 from kvkeeper.kernels import cpu as cpu_kernels
-from kvkeeper.kvcache.quant import parse_kv_format
-from kvkeeper.kvcache.store import KiviPagedKV, PagedKV
+from kvkeeper.kvcache.formats.base import PagedKV, parse_kv_format
+from kvkeeper.kvcache.formats.kivi import KiviPagedKV
 from kvkeeper.worker.kernel_check import random_step
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
-from ..sessions.context import POLICIES
+from ..sessions.context import CONTEXT_POLICIES as POLICIES
 from .auth import Caller
 from .errors import APIError
 from .served import ServedModels
@@ -90,7 +90,7 @@ def context_headers(request: Request) -> tuple[str | None, int | None]:
 def compression_headers(request: Request) -> tuple[str | None, float | None]:
     """(policy, ratio) of ``X-Session-Compression`` / ``X-Session-Compression-Ratio`` (None where absent); a 400
     naming the header for an unknown policy or a ratio that is not a number in [0, 1)."""
-    from ..sessions.compress import POLICIES as COMPRESSION_POLICIES
+    from ..sessions.compress import SESSION_COMPRESSION_POLICIES as COMPRESSION_POLICIES
 
     policy = request.headers.get("x-session-compression")
     raw = request.headers.get("x-session-compression-ratio")

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..sessions.compress import POLICIES as COMPRESSION_POLICIES
-from ..sessions.context import POLICIES
+from ..sessions.compress import SESSION_COMPRESSION_POLICIES as COMPRESSION_POLICIES
+from ..sessions.context import CONTEXT_POLICIES as POLICIES
 
 # Unknown fields are kept, to be refused by name (or ignored with --ignore-unknown-fields); the published
 # schema (/openapi.json) says what the server accepts by default: no additional properties.  Strict types, as

@@ -29,8 +29,8 @@ from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence, SeqStatus
 from ..errors import InvalidRequestError, KVKeeperError, QuotaExceededError, SessionNotFoundError
 from ..options import option
-from .compress import POLICIES as COMPRESSION_POLICIES, SessionCompression
-from .context import POLICIES, ContextSpec, ContextState, turn_text
+from .compress import SESSION_COMPRESSION_POLICIES as COMPRESSION_POLICIES, SessionCompression
+from .context import CONTEXT_POLICIES as POLICIES, ContextSpec, ContextState, turn_text
 from .disk import session_dir_name
 from .fork import fork_kv
 from .offload import DEFAULT_HOST_OFFLOAD_BYTES, SessionStore

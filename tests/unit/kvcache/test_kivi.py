@@ -1,4 +1,4 @@
-"""KIVI int4 / int2 KV (kvkeeper.kvcache.quant, KiviPagedKV): the format, the 16-bit window, and the block
+"""KIVI int4 / int2 KV (kvkeeper.kvcache.formats, KiviPagedKV): the format, the 16-bit window, and the block
 invariants under random workloads (a hypothesis state machine: sequences appending, finishing, offloaded and
 restored, compacted, over a small pool and a small window, the kernel read beside the reference)."""
 
@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
     run_state_machine_as_test
 
 from kvkeeper.attention import cpu, reference
 from kvkeeper.attention.metadata import AttentionMetadata
 from kvkeeper.kernels import cpu as cpu_kernels
-from kvkeeper.kvcache.quant import (FORMATS, KV_DTYPE_CHOICES, kivi_dequantize_keys, kivi_dequantize_values,
-                                    kivi_quantize_keys, kivi_quantize_values, pack, parse_kv_format, unpack)
-from kvkeeper.kvcache.store import KiviPagedKV, KVStore, PagedKV
+from kvkeeper.kvcache.formats.base import FORMATS, KV_DTYPE_CHOICES, PagedKV, parse_kv_format
+from kvkeeper.kvcache.formats.kivi import (KiviPagedKV, kivi_dequantize_keys, kivi_dequantize_values,
+                                           kivi_quantize_keys, kivi_quantize_values, pack, unpack)
+from kvkeeper.kvcache.store import KVStore
 
 
 @pytest.mark.parametrize("bits", [4, 2])

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kvkeeper import SamplingParams
 from kvkeeper.errors import InvalidRequestError
-from kvkeeper.kvcache.compression import POLICIES, KVCompression, PrefillObserver, select
+from kvkeeper.kvcache.compression import PREFILL_COMPRESSION_POLICIES, KVCompression, PrefillObserver, select
 from kvkeeper.sessions import SessionManager
 from tests.utils.engines import make_engine
 from tests.utils.tiny_models import tiny_compression_llama
@@ -75,7 +75,7 @@ def _random_attention(L=40, H=4, kvh=2, D=8, seed=0):
     return q, k, torch.softmax(s, -1)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", PREFILL_COMPRESSION_POLICIES)
 @pytest.mark.parametrize("ratio", [0.25, 0.5, 0.9])
 def test_select_matches_the_reference_rule(policy, ratio):
     q, k, probs = _random_attention()
@@ -134,7 +134,7 @@ def hf_decode_after_pruning(hf, ids: list[int], policy: str, ratio: float, n: in
     return toks
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", PREFILL_COMPRESSION_POLICIES)
 def test_decoding_after_compression_matches_the_reference(tiny, policy):
     folder, hf = tiny
     eng = make_engine(str(folder), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)  # prefill in 4 chunks
@@ -207,7 +207,7 @@ def test_continuation_perplexity_with_and_without_compression(tiny):
     assert abs(base["nll_mean"] - want) < 1e-4
     zero = perplexity(eng, ids, chunk=16, compression=comp("snapkv", 0.0), score_tokens=20)
     assert zero["nll_mean"] == base["nll_mean"] and zero["kv_tokens"] == 60
-    for policy in POLICIES:
+    for policy in PREFILL_COMPRESSION_POLICIES:
         r = perplexity(eng, ids, chunk=16, compression=comp(policy, 0.5), score_tokens=20)
         assert r["kv_tokens"] == 30 and r["policy"] == policy and r["nll_mean"] != base["nll_mean"]
     assert eng.pool.num_used == 0
