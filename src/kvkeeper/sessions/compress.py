@@ -60,8 +60,8 @@ _QUERY_CHUNK = 128  # queries per attention-probability block
 class SessionCompression:
     """A session's compression policy.
 
-    policy: one of :data:`SESSION_COMPRESSION_POLICIES` ("none": keep everything).  ratio: the fraction of the KV entries dropped at
-    the end of each turn, in [0, 1) (0.5 keeps half).  n_sink: streaming_llm's sink entries.
+    policy: one of :data:`SESSION_COMPRESSION_POLICIES` ("none": keep everything).  ratio: the fraction of the KV
+    entries dropped at the end of each turn, in [0, 1) (0.5 keeps half).  n_sink: streaming_llm's sink entries.
     Raises :class:`InvalidRequestError` naming ``session_compression`` (unknown policy) or
     ``session_compression_ratio`` (ratio outside [0, 1)).
     """
@@ -72,8 +72,9 @@ class SessionCompression:
 
     def __post_init__(self):
         if self.policy not in SESSION_COMPRESSION_POLICIES:
-            raise InvalidRequestError(f"session_compression must be one of {', '.join(SESSION_COMPRESSION_POLICIES)}, got "
-                                      f"{self.policy!r}", param="session_compression")
+            raise InvalidRequestError(f"session_compression must be one of "
+                                      f"{', '.join(SESSION_COMPRESSION_POLICIES)}, got {self.policy!r}",
+                                      param="session_compression")
         if not isinstance(self.ratio, (int, float)) or not 0.0 <= float(self.ratio) < 1.0:
             raise InvalidRequestError(f"session_compression_ratio must be in [0, 1) (the fraction of the session's KV "
                                       f"dropped at the end of each turn), got {self.ratio!r}",

@@ -133,7 +133,7 @@ class PagedKV:
 
     ``k``, ``v``: (num_blocks, block_size, num_kv_heads, head_dim) in ``fmt.storage``; ``k_scale``, ``v_scale``:
     (num_blocks, block_size, num_kv_heads) float16 when quantized, else None.  Only the attention kernels and
-    the model layers read these tensors; everything else goes through :class:`KVStore`.
+    the model layers read these tensors; everything else goes through :class:`~kvkeeper.kvcache.store.KVStore`.
 
     values=False: K only (an MLA latent row per token; ``v`` and ``v_scale`` are None).
     ``PagedKV(..., fmt)`` makes the subclass of the format's layout (:func:`layout_of`): ``plain``

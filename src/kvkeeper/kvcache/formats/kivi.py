@@ -106,7 +106,7 @@ def kivi_dequantize_values(p: torch.Tensor, scale: torch.Tensor, mn: torch.Tenso
 
 class KiviPagedKV(PagedKV, layout="kivi"):
     """One layer's KV in a KIVI format (int4 / int2: Liu et al., 2024): packed closed blocks plus a 16-bit window
-    of open blocks.  Tensors, shapes and the closing rule: :mod:`kvkeeper.kvcache.formats.kivi`.  Same methods as
+    of open blocks.  Tensors, shapes and the closing rule: the module docstring.  Same methods as
     :class:`PagedKV`; block payloads (:meth:`read_blocks`) carry the packed bytes and scales as they are plus,
     for open blocks, their 16-bit tokens (``fill`` (n,) int16 tokens held, ``open`` (n,) bool, ``res_k`` /
     ``res_v`` (number open, block_size, KVH, D) bfloat16), so an offload round trip is bit-exact.
