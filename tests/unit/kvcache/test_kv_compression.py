@@ -229,3 +229,18 @@ def test_eval_perplexity_cli_with_a_policy():
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["policy"] == "snapkv" and r["kv_tokens"] == 150 and r["scored_tokens"] == 40 and r["tokens"] == 340
+
+
+@pytest.mark.parametrize("policy", ["streaming_llm", "knorm"])
+@pytest.mark.parametrize("length, ratio", [(1, 0.5), (7, 0.5), (40, 0.25), (40, 0.9), (130, 0.5)])
+def test_a_request_and_a_session_policy_keep_the_same_entries(policy, length, ratio):
+    """streaming_llm and knorm exist for a request (kvcache.compression.select) and for a session
+    (sessions.compress.select_entries): one rule, so the same keys, ratio and sinks keep the same entries."""
+    from kvkeeper.sessions.compress import SessionCompression, select_entries
+
+    keys = torch.randn(length, 3, 16, generator=torch.Generator().manual_seed(length))
+    request, session = comp(policy, ratio), SessionCompression(policy, ratio, n_sink=SINKS)
+    k = session.n_keep(length)
+    assert k == request.n_keep(length) == max(1, int(length * (1 - ratio)))
+    kept = select(request, None, 0, keys)
+    assert kept.shape == (3, k) and torch.equal(kept, select_entries(session, keys, k))
