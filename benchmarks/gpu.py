@@ -80,8 +80,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import result_name, write_report  # noqa: E402
 
 from kvkeeper import LLMEngine, SamplingParams  # noqa: E402
-from kvkeeper.kvcache.quant import parse_kv_format  # noqa: E402
-from kvkeeper.kvcache.store import PagedKV  # noqa: E402
+from kvkeeper.kvcache.formats.base import PagedKV, parse_kv_format  # noqa: E402
 from kvkeeper.attention import reference as ref  # noqa: E402
 
 GB = 1e9

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
 
     from kvkeeper.eval.passkey import answer_key, build_prompt, passkey_grid
     from kvkeeper.eval.perplexity import perplexity, read_text_tokens
-    from kvkeeper.kvcache.quant import parse_kv_format
+    from kvkeeper.kvcache.formats.base import parse_kv_format
     from kvkeeper.weights.sources import resolve_model_path
 
     ctx = 1024 if args.quick else 4096

@@ -141,9 +141,9 @@ def test_a_kv_tensor_access_outside_kvcache_is_caught(tmp_path):
                                "    for cache in engine.runner.kv_caches:\n"
                                "        yield cache.k, cache.v_scale\n"
                                "    yield engine.kv_store.layer(i).v\n",
-        "diagnostics/audit.py": "from ..kvcache.store import PagedKV\n"
+        "diagnostics/audit.py": "from ..kvcache.formats.base import PagedKV\n"
                                 "def g(args):\n    return PagedKV(1, 2, 3, 4, None), args.k\n",
-        "kvcache/store.py": "class PagedKV:\n    def nbytes(self):\n        return self.k.nbytes + self.k_scale.nbytes\n",
+        "kvcache/formats/base.py": "class PagedKV:\n    def nbytes(self):\n        return self.k.nbytes + self.k_scale.nbytes\n",
     })
     bad = violations(pkg)
     for want in ("sessions/offload.py:2: engine.runner.kv_caches", "sessions/offload.py:3: cache.k ",

@@ -419,9 +419,9 @@ def test_context_policies_are_the_sessions_own():
     from typing import get_args
 
     from kvkeeper.api.chat.protocol import ChatCompletionRequest
-    from kvkeeper.sessions.context import POLICIES
+    from kvkeeper.sessions.context import CONTEXT_POLICIES
 
-    assert set(get_args(get_args(ChatCompletionRequest.model_fields["context_policy"].annotation)[0])) == set(POLICIES)
+    assert set(get_args(get_args(ChatCompletionRequest.model_fields["context_policy"].annotation)[0])) == set(CONTEXT_POLICIES)
 
 
 @pytest.mark.parametrize("headers", [{}, {"X-Session-ID": "s1"}])

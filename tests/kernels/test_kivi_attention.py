@@ -14,8 +14,8 @@ import torch
 from kvkeeper.attention import cpu, reference
 from kvkeeper.attention.metadata import AttentionMetadata, PrefillSpan
 from kvkeeper.kernels import cpu as cpu_kernels
-from kvkeeper.kvcache.quant import parse_kv_format
-from kvkeeper.kvcache.store import KiviPagedKV, PagedKV
+from kvkeeper.kvcache.formats.base import PagedKV, parse_kv_format
+from kvkeeper.kvcache.formats.kivi import KiviPagedKV
 from kvkeeper.worker.kernel_check import random_step
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
@@ -88,7 +88,7 @@ def test_window_straddling_block_boundaries(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int2"])
-def test_a_token_decoded_equals_the_same_token_prefilled_bit_for_bit(fmt):
+def test_a_token_decoded_equals_the_same_token_prefilled_bit_for_bit(fmt, isa):
     """The kernel's lane arithmetic does not depend on the tile or on the segment split (invariance)."""
     g = torch.Generator().manual_seed(5)
     n = 1100  # three 512-key segments
@@ -104,6 +104,44 @@ def test_a_token_decoded_equals_the_same_token_prefilled_bit_for_bit(fmt):
         one = cpu.kivi_attention(q[j: j + 1], cache, torch.tensor([0]), torch.tensor([1]),
                                  torch.tensor([n - 40 + j + 1]), table[None], 0.125, None)
         assert torch.equal(one[0], span[j])
+
+
+@pytest.fixture(params=["generic", "avx512_vnni"])
+def isa(request):
+    """Each instruction set the kernels can dispatch to on this CPU (the AVX-512 one skipped where it lacks it)."""
+    mod = cpu_kernels.load()
+    if request.param == "avx512_vnni" and not mod.cpu_has_avx512():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    mod.set_isa(request.param)
+    yield request.param
+    mod.set_isa("auto")
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int2"])
+@pytest.mark.parametrize("hit", [16, 22, 32, 512, 520], ids=lambda h: f"hit{h}")
+def test_a_prefix_hit_reads_what_the_cold_prefill_read_bit_for_bit(fmt, hit, isa):
+    """Cold: n tokens written and attended in one step (each closed block keeps its 16-bit copy for the step, the
+    own-block rule).  Hit: the first ``hit`` tokens written in an earlier step (their closed blocks hold codes only,
+    a partial block stays in the window), the rest written and attended in the next step.  The suffix's outputs
+    are the cold run's bit for bit on each ISA, at block boundaries (16, 32, 512: also a segment boundary) and
+    mid-block (22, 520)."""
+    g = torch.Generator().manual_seed(11)
+    n, fm = 600, parse_kv_format(fmt)
+    table = torch.randperm(48, generator=g)[: -(-n // 16)]
+    pos = torch.arange(n)
+    slots = table[pos // 16] * 16 + pos % 16
+    k, v = torch.randn(n, 2, 64, generator=g), torch.randn(n, 2, 64, generator=g)
+    q = torch.randn(n, 8, 64, generator=g)
+    cold_cache, hit_cache = PagedKV(48, 16, 2, 64, fm), PagedKV(48, 16, 2, 64, fm)
+    cold_cache.write(k, v, slots)
+    cold = cpu.kivi_attention(q, cold_cache, torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), table[None],
+                              0.125, None)
+    hit_cache.write(k[:hit], v[:hit], slots[:hit])
+    hit_cache.write(k[hit:], v[hit:], slots[hit:])
+    warm = cpu.kivi_attention(q[hit:], hit_cache, torch.tensor([0]), torch.tensor([n - hit]), torch.tensor([n]),
+                              table[None], 0.125, None)
+    assert torch.equal(hit_cache.k, cold_cache.k) and torch.equal(hit_cache.k_scale, cold_cache.k_scale)
+    assert torch.equal(warm, cold[hit:]), f"max difference {float((warm - cold[hit:]).abs().max())}"
 
 
 def test_bad_arguments_are_refused():

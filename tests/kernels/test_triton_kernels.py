@@ -13,8 +13,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kvkeeper.kvcache.quant import parse_kv_format  # noqa: E402
-from kvkeeper.kvcache.store import PagedKV  # noqa: E402
+from kvkeeper.kvcache.formats.base import PagedKV, parse_kv_format  # noqa: E402
 from kvkeeper.attention import reference as ref  # noqa: E402
 from kvkeeper.worker import kernel_check  # noqa: E402
 from kvkeeper.attention import triton_backend as tk  # noqa: E402

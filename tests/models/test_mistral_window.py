@@ -155,7 +155,7 @@ def test_sizing_of_an_all_sliding_cache():
     """Every layer slides: the KV budget becomes window blocks (at most room for max_num_seqs windows plus a
     prefill chunk each), the bookkeeping blocks cover every such sequence up to the context and no more than
     max_num_seqs whole contexts; an explicit block count is the window-block count."""
-    from kvkeeper.kvcache.quant import parse_kv_format
+    from kvkeeper.kvcache.formats.base import parse_kv_format
     from kvkeeper.kvcache.sizing import KVSizing, bytes_per_block, kv_blocks
     from kvkeeper.model_config import ModelConfig
 

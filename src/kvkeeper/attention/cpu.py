@@ -5,7 +5,7 @@ reference, which gathers every block of every sequence into a padded tensor each
 (B, H, D) in qd's dtype, for sequences whose KV lengths are ``meta.decode_context_lens`` and whose blocks
 are ``meta.decode_block_tables``; with ``meta.window`` (sliding-window layers) a query at KV index i reads
 keys (i - window, i] only, in both kernels.  The kernel walks each sequence's blocks where they lie, dequantizing
-int8 / fp8 tokens on the fly (value * float16 scale, as :func:`kvkeeper.kvcache.quant.dequantize`),
+int8 / fp8 tokens on the fly (value * float16 scale, as :func:`kvkeeper.kvcache.formats.int8.dequantize`),
 with an online softmax (Milakov & Gimelshein, 2018); the context is cut into chunks of
 :data:`SPLIT_BLOCKS` blocks that run in parallel and are combined at the end (flash-decoding, Dao et al.,
 2023).  The chunking depends only on each sequence's own length, so a sequence's result does not depend
@@ -18,10 +18,10 @@ the new K/V are written, prefill spans go through ``extend_attention`` (causal, 
 prefill collects attention statistics for KV compression hands its observer the same queries and keys as the
 reference does; its output does not depend on whether it is observed.
 
-A KIVI int4 / int2 cache (:class:`kvkeeper.kvcache.store.KiviPagedKV`) goes through ``kivi_attention`` (section 2c of
+A KIVI int4 / int2 cache (:class:`kvkeeper.kvcache.formats.kivi.KiviPagedKV`) goes through ``kivi_attention`` (section 2c of
 csrc/cpu/attention.cpp) for prefill spans and decode tokens alike (a decode token is a span of one query): packed
 codes and the 16-bit window read in place, a query's own block from the window (the own-block rule of
-:class:`kvkeeper.kvcache.store.KiviPagedKV`), 16 keys converted at a time for every query lane that reads them,
+:class:`kvkeeper.kvcache.formats.kivi.KiviPagedKV`), 16 keys converted at a time for every query lane that reads them,
 scales folded into the query and the softmax weights; invariant by construction (the same in both modes of
 ``set_invariant_attention``).
 """
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kvcache.store import PagedKV
+from ..kvcache.formats.base import PagedKV
 from ..kernels import cpu as cpu_kernels
 from .metadata import AttentionMetadata
 

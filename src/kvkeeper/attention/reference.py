@@ -1,6 +1,6 @@
 """Paged attention in plain PyTorch (the reference path; device-agnostic).
 
-The KV cache of one layer is a :class:`~kvkeeper.kvcache.store.PagedKV`: K and V
+The KV cache of one layer is a :class:`~kvkeeper.kvcache.formats.base.PagedKV`: K and V
 tensors ``(num_blocks, block_size, num_kv_heads, head_dim)`` (plus scales when
 quantized).  A token's *slot* is ``block_id * block_size +
 offset``.  Each step the model runner builds one :class:`AttentionMetadata`
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..kvcache.store import PagedKV
+from ..kvcache.formats.base import PagedKV
 from .metadata import AttentionMetadata, PrefillSpan
 
 __all__ = ["AttentionMetadata", "PrefillSpan", "paged_attention"]
@@ -122,7 +122,7 @@ def decode_attention(qd: torch.Tensor, cache: PagedKV, meta: AttentionMetadata, 
 
 def kivi_span_attention(q: torch.Tensor, cache, block_table: torch.Tensor, context_len: int, window: int | None,
                         scale: float) -> torch.Tensor:
-    """The last q.shape[0] positions of a sequence over a KIVI cache (:class:`kvkeeper.kvcache.store.KiviPagedKV`),
+    """The last q.shape[0] positions of a sequence over a KIVI cache (:class:`kvkeeper.kvcache.formats.kivi.KiviPagedKV`),
     with its own-block rule: a query reads the keys and values of its own block (the block of its position) from
     the 16-bit window when that block has a copy there, every other block dequantized from its codes.
     q (n, H, D) -> (n, H, D) in q's dtype, computed in float32."""

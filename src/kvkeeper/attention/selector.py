@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kvcache.store import PagedKV
+from ..kvcache.formats.base import PagedKV
 from . import reference as attention, cpu as cpu_attention
 from ..kernels import cpu as cpu_kernels
 from .metadata import AttentionMetadata

@@ -1,13 +1,13 @@
 """Triton kernels for the paged attention path on CUDA (and under Triton's interpreter on CPU).
 
-Three kernels over the paged KV cache of :mod:`kvkeeper.kvcache.quant` (one layer's K and V are
+Three kernels over the paged KV cache of :mod:`kvkeeper.kvcache.formats` (one layer's K and V are
 ``(num_blocks, block_size, KVH, D)`` contiguous tensors; a token's slot is
 ``block_id * block_size + offset``; int8 / fp8 caches carry float16 scales ``(num_blocks,
 block_size, KVH)`` for K and for V):
 
 * :func:`store_kv` writes the new tokens' K/V (T, KVH, D) into their slots (T,) int64; a negative
   slot (padding rows of a CUDA graph batch) is skipped.  Quantized formats are quantized in PyTorch
-  (:func:`kvkeeper.kvcache.quant.quantize`, so values and scales are bit-identical to the CPU path)
+  (:func:`kvkeeper.kvcache.formats.int8.quantize`, so values and scales are bit-identical to the CPU path)
   and the kernel scatters values and scales.
 * :func:`decode_attention`: one query token per sequence, q (B, H, D), over each sequence's blocks
   (block_tables (B, W) int, context_lens (B,) int).  Split-K "flash-decoding" (Dao et al., 2023):
@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kvcache.quant import quantize
-from ..kvcache.store import PagedKV
+from ..kvcache.formats.base import PagedKV
+from ..kvcache.formats.int8 import quantize
 
 
 def _dot_f32(dtype: torch.dtype) -> bool:
@@ -86,7 +86,7 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ksn_ptr, vsn_ptr, ksc_ptr, vs
 def store_kv(k: torch.Tensor, v: torch.Tensor, cache: PagedKV, slots: torch.Tensor) -> None:
     """Write k, v (T, KVH, D) into ``cache`` at slots (T,) int64; slots < 0 are skipped.
 
-    Quantized formats: values and float16 scales come from :func:`kvkeeper.kvcache.quant.quantize`.
+    Quantized formats: values and float16 scales come from :func:`kvkeeper.kvcache.formats.int8.quantize`.
     """
     T, KVH, D = k.shape
     if T == 0:

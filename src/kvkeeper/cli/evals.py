@@ -52,7 +52,7 @@ def add_parser(sub, parent: argparse.ArgumentParser) -> None:
 
 
 def _add_intervene_parser(esub, parent: argparse.ArgumentParser) -> None:
-    from ..eval.intervention import POLICIES
+    from ..eval.intervention import INTERVENTION_POLICIES
 
     iv = command(esub, cmd_eval_intervene, "intervene", parents=[parent],
                  help="the published cache hotfixes (layer reset, gated refresh, LayerNorm-aware reset) measured",
@@ -62,7 +62,7 @@ def _add_intervene_parser(esub, parent: argparse.ArgumentParser) -> None:
                              "condition, a policy applied at the end of each turn): term accuracy, consistency, "
                              "turns identical to the baseline, and the policy's time.  Runs without the hybrid "
                              "(sliding-window) KV cache.")
-    iv.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+    iv.add_argument("--policies", nargs="+", choices=INTERVENTION_POLICIES, default=list(INTERVENTION_POLICIES),
                     help="policies to measure (default: all); the baseline (no intervention) always runs")
     iv.add_argument("--layers", type=non_negative_int, nargs="+", default=[3], metavar="L",
                     help="decoder layers (0-based) each policy rewrites (default: 3, the 'layer 3 hotfix')")
@@ -86,7 +86,7 @@ def _add_intervene_parser(esub, parent: argparse.ArgumentParser) -> None:
 
 
 def _add_memory_parsers(esub, parent: argparse.ArgumentParser) -> None:
-    from ..sessions.context import POLICIES
+    from ..sessions.context import CONTEXT_POLICIES
 
     m = command(esub, cmd_eval_memory, "memory", parents=[parent], help="recall of early facts under a context policy",
                         description="Replay conversations (FILE.jsonl: id, system, messages, questions) one session "
@@ -94,7 +94,7 @@ def _add_memory_parsers(esub, parent: argparse.ArgumentParser) -> None:
                                     "the answer and its evidence were in the prompt and in the reply.")
     m.add_argument("file", metavar="FILE.jsonl", help="conversations with questions (see `eval memory-data`)")
     m.add_argument("--json", metavar="OUT", help="write the result object (figures, per_question, per_turn) to OUT")
-    m.add_argument("--context-policy", choices=POLICIES, required=True, help="the sessions' context policy")
+    m.add_argument("--context-policy", choices=CONTEXT_POLICIES, required=True, help="the sessions' context policy")
     m.add_argument("--budget", type=positive_int, required=True, metavar="N", help="prompt tokens (context budget)")
     m.add_argument("--context-every", type=positive_int, default=4, metavar="K",
                    help="turns leave the prompt at least K at a time (default: 4)")

@@ -76,7 +76,7 @@ EXACT = AuditTolerance(kv_atol=0.0, kv_rtol=0.0, logits_atol=0.0)  # an invarian
 
 def default_tolerance(compute_dtype: torch.dtype, kv_format, weight_format: str = "none",
                       invariant: bool = False) -> AuditTolerance:
-    """Tolerances for a compute dtype and a :class:`~kvkeeper.kvcache.quant.KVFormat`.
+    """Tolerances for a compute dtype and a :class:`~kvkeeper.kvcache.formats.base.KVFormat`.
 
     invariant: the engine's path is invariant (``ModelRunner.invariant``): :data:`EXACT`, every tolerance 0.
 
@@ -100,7 +100,7 @@ def default_tolerance(compute_dtype: torch.dtype, kv_format, weight_format: str 
     compounded over the layers) and 0.11 on the logits, and in a 30-minute soak (763 audits) one prompt differed
     by 0.438 on a token whose largest V value is about 5 (0.086: a prefill resumed after a 16-token prefix hit
     against a one-piece recompute); tolerance 0.15 and 0.5 (a wrong block differs by the order of the values).
-    KIVI int4 / int2 (kvkeeper.kvcache.quant) are not invariant across reuse: a query reads its block's recent
+    KIVI int4 / int2 (kvkeeper.kvcache.formats) are not invariant across reuse: a query reads its block's recent
     tokens in 16 bits, a recompute in one piece reads them quantized.  Measured on SmolLM2-135M (fp32 weights,
     2 MT-Bench sessions, 16 tokens a reply, 4 audits, 2026-12-06, benchmarks/kivi_audit_noise.py): int4 up
     to 0.19 of a layer's largest value and 1.28 on the logits: tolerance 0.4 and 2.5.  int2 up to 1.01 and 7.2 (its

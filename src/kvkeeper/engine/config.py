@@ -16,7 +16,7 @@ import torch
 
 from ..argtypes import positive_int, size, validate_every_arg
 from ..errors import InvalidRequestError
-from ..kvcache.quant import KV_DTYPE_CHOICES, KVFormat, parse_kv_format
+from ..kvcache.formats.base import KV_DTYPE_CHOICES, KVFormat, parse_kv_format
 from ..kvcache.sizing import KVSizing, kv_blocks
 from ..model_config import ModelConfig
 from ..models.registry import capabilities, family_options
@@ -62,7 +62,7 @@ class EngineConfig:
     previous flash-decoding kernel, see ``ModelRunner.invariant``); a process-wide switch of the kernels.
     cuda_graphs: replay decode steps as CUDA graphs (CUDA only; a no-op on CPU).
     kv_dtype: KV cache storage "fp32", "bf16", "fp16", "int8", "fp8", "int4" or "int2" (int4 / int2: KIVI,
-    :mod:`kvkeeper.kvcache.quant`; None: bf16 with quantized weights, else the ``dtype``).
+    :mod:`kvkeeper.kvcache.formats`; None: bf16 with quantized weights, else the ``dtype``).
     hybrid_kv_cache: a model with sliding-window layers keeps their KV only for the window (see
     ``kvkeeper.kvcache.block_pool``); False gives every layer every token's block.
     block_size: tokens per KV block (None: 16, or 32 for the KIVI dtypes int4 / int2).  KV budget: ``num_kv_blocks``, else ``kv_cache_bytes`` (default 1 GiB).

@@ -16,7 +16,7 @@ their true positions (RoPE positions ``0 .. anchor-1`` and ``start .. end-1``), 
 depends only on the anchor and the sentence itself, not on the sentences between them.  :func:`fresh_span_kv`
 computes it in a private cache through the engine's own model code and kernels (the shared pool is untouched).
 
-**Policies** (:data:`POLICIES`), each applied to the layers ``layers`` (default: layer 3) of the span's slots,
+**Policies** (:data:`INTERVENTION_POLICIES`), each applied to the layers ``layers`` (default: layer 3) of the span's slots,
 every other layer and every other token left as they are; values are computed in float32 and stored once in the
 cache's format (one rounding to bf16 on the default path):
 
@@ -51,12 +51,12 @@ from ..errors import InvalidRequestError
 from ..kvcache.store import KVStore
 from ..worker.runner import StepBatch
 
-POLICIES = ("layer_reset", "gated_refresh", "ln_reset")
+INTERVENTION_POLICIES = ("layer_reset", "gated_refresh", "ln_reset")
 
 
 @dataclass(frozen=True)
 class KVIntervention:
-    """A cache hotfix: ``policy`` (one of :data:`POLICIES`), the decoder ``layers`` it rewrites (0-based) and,
+    """A cache hotfix: ``policy`` (one of :data:`INTERVENTION_POLICIES`), the decoder ``layers`` it rewrites (0-based) and,
     for ``gated_refresh``, the weight ``gate`` of the old KV in [0, 1].
 
     Raises InvalidRequestError for an unknown policy, no layers, a negative layer or a gate outside [0, 1].
@@ -67,8 +67,8 @@ class KVIntervention:
     gate: float = 0.5
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise InvalidRequestError(f"unknown intervention {self.policy!r}; choose from {', '.join(POLICIES)}")
+        if self.policy not in INTERVENTION_POLICIES:
+            raise InvalidRequestError(f"unknown intervention {self.policy!r}; choose from {', '.join(INTERVENTION_POLICIES)}")
         if not self.layers:
             raise InvalidRequestError("an intervention needs at least one layer (e.g. --layers 3)")
         if any(int(x) < 0 for x in self.layers):

@@ -45,15 +45,41 @@ import torch.nn.functional as F
 
 from ..errors import InvalidRequestError
 
-POLICIES = ("streaming_llm", "h2o", "snapkv", "knorm")
+PREFILL_COMPRESSION_POLICIES = ("streaming_llm", "h2o", "snapkv", "knorm")  # a request's (KVCompression)
 _QUERY_CHUNK = 128  # queries per attention-probability block while observing (bounds memory)
+
+
+# ---- what the request policies (here) and the session policies (kvkeeper.sessions.compress) share -----------
+def n_keep(length: int, ratio: float) -> int:
+    """Entries kept per layer and KV head out of ``length`` when a fraction ``ratio`` in [0, 1) is dropped:
+    ``max(1, int(length * (1 - ratio)))`` (kvpress's rule)."""
+    return max(1, int(length * (1.0 - ratio)))
+
+
+def streaming_llm_keep(length: int, k: int, n_sink: int, kv_heads: int) -> torch.Tensor:
+    """StreamingLLM's selection: indices (kv_heads, k) int64, ascending, of the first ``min(n_sink, k)`` entries
+    (attention sinks) and the last ``k - sink`` of ``length`` (k <= length), the same for every KV head."""
+    sink = min(n_sink, k)
+    idx = torch.cat([torch.arange(sink), torch.arange(length - (k - sink), length)])
+    return idx.expand(kv_heads, k).clone()
+
+
+def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
+    """Key-norm scores: keys (L, KVH, D) float -> (KVH, L) float32, the negated L2 norm (the smallest norms score
+    highest; RoPE rotates pairs of channels, so a cached, rotated key has its unrotated norm)."""
+    return -keys.float().norm(dim=-1).t()
+
+
+def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` highest-scoring entries per KV head: scores (KVH, L) -> indices (KVH, k) int64, ascending."""
+    return torch.topk(scores, k, dim=1, sorted=False).indices.sort(dim=1).values
 
 
 @dataclass(frozen=True)
 class KVCompression:
     """What to drop at the end of prefill.
 
-    policy: one of ``POLICIES``.  ratio: fraction of the prompt's tokens removed, in [0, 1).
+    policy: one of :data:`PREFILL_COMPRESSION_POLICIES`.  ratio: fraction of the prompt's tokens removed, in [0, 1).
     n_sink: streaming_llm sink tokens.  window / kernel: snapkv observation window and pooling width (tokens).
     Raises InvalidRequestError for an unknown policy or a ratio outside [0, 1).
     """
@@ -65,16 +91,16 @@ class KVCompression:
     kernel: int = 5
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
+        if self.policy not in PREFILL_COMPRESSION_POLICIES:
             raise InvalidRequestError(f"unknown KV compression policy {self.policy!r}; choose one of "
-                                      f"{', '.join(POLICIES)}")
+                                      f"{', '.join(PREFILL_COMPRESSION_POLICIES)}")
         if not (0.0 <= self.ratio < 1.0):
             raise InvalidRequestError(f"compression ratio must be in [0, 1) (the fraction of prompt tokens "
                                       f"dropped), got {self.ratio}")
 
     def n_keep(self, length: int) -> int:
-        """Tokens kept out of ``length`` (kvpress's rule: int(L * (1 - ratio)), at least 1)."""
-        return max(1, int(length * (1.0 - self.ratio)))
+        """Tokens kept out of ``length`` (:func:`n_keep`)."""
+        return n_keep(length, self.ratio)
 
     @property
     def needs_attention(self) -> bool:
@@ -126,11 +152,9 @@ def select(comp: KVCompression, obs: PrefillObserver | None, layer: int, keys: t
     if k >= L:
         return torch.arange(L).expand(kvh, L).clone()
     if comp.policy == "streaming_llm":
-        sink = min(comp.n_sink, k)
-        idx = torch.cat([torch.arange(sink), torch.arange(L - (k - sink), L)])
-        return idx.expand(kvh, k).clone()
+        return streaming_llm_keep(L, k, comp.n_sink, kvh)
     if comp.policy == "knorm":
-        scores = -keys.float().norm(dim=-1).t()  # (KVH, L): small norms kept
+        scores = knorm_scores(keys)
     elif comp.policy == "h2o":
         recent = k // 2
         scores = obs.acc[layer][:, :L].clone()
@@ -144,5 +168,4 @@ def select(comp: KVCompression, obs: PrefillObserver | None, layer: int, keys: t
             prefix = F.avg_pool1d(prefix[:, None], comp.kernel, stride=1, padding=comp.kernel // 2,
                                   count_include_pad=False)[:, 0, : L - w]
         scores = torch.cat([prefix, torch.full((kvh, w), float("inf"))], dim=1)
-    idx = torch.topk(scores, k, dim=1, sorted=False).indices
-    return idx.sort(dim=1).values
+    return top_entries(scores, k)

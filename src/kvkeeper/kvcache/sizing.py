@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidRequestError
 from ..model_config import ModelConfig
-from .quant import KVFormat
+from .formats.base import KVFormat
 
 
 @dataclass(frozen=True)

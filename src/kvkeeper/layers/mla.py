@@ -2,7 +2,7 @@
 
 Per token and layer the cache holds one *latent row* of ``kv_lora_rank + qk_rope_head_dim`` values: the
 RMS-normalized compressed KV ``c`` followed by the rotated decoupled RoPE key ``k_pe`` (what transformers'
-DeepseekV2/V3 caches hold, ``kv_nope`` and ``k_rot``).  It lives in a :class:`~kvkeeper.kvcache.store.PagedKV`
+DeepseekV2/V3 caches hold, ``kv_nope`` and ``k_rot``).  It lives in a :class:`~kvkeeper.kvcache.formats.base.PagedKV`
 with one head and no V part (``values=False``), so the block pool, block tables and prefix cache are the
 standard ones.
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kvcache.store import PagedKV
+from ..kvcache.formats.base import PagedKV
 from ..attention.metadata import AttentionMetadata
 from ..model_config import ModelConfig
 from .linear import Linear

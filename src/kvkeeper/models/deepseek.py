@@ -6,7 +6,7 @@ interface as :class:`~kvkeeper.models.llama.LlamaForCausalLM` (``forward``, ``co
 ``load_weights``); weights keep transformers' names, except that each MLP's gate/up projections are fused and
 the routed experts are stacked (``mlp.experts.gate_up_proj`` (E, 2 * inter, hidden), ``mlp.experts.down_proj``
 (E, hidden, inter)), built here from the checkpoint's per-expert tensors.  The KV cache of every layer is a
-latent :class:`~kvkeeper.kvcache.store.PagedKV` (``values=False``).
+latent :class:`~kvkeeper.kvcache.formats.base.PagedKV` (``values=False``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _fuse_and_stack(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
 
 class DeepseekForCausalLM(LlamaForCausalLM):
     """DeepSeek V2/V3 over packed tokens: the interface of :class:`LlamaForCausalLM`, with ``kv_caches`` one latent
-    :class:`~kvkeeper.kvcache.store.PagedKV` per layer (rows (num_blocks, block_size, 1, kv_lora_rank +
+    :class:`~kvkeeper.kvcache.formats.base.PagedKV` per layer (rows (num_blocks, block_size, 1, kv_lora_rank +
     qk_rope_head_dim)).  The RoPE tables are built for ``qk_rope_head_dim`` (``cfg.head_dim``)."""
 
     capabilities = Capabilities(

@@ -46,10 +46,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import InvalidRequestError
+from ..kvcache.compression import knorm_scores, n_keep, streaming_llm_keep, top_entries
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("none", "streaming_llm", "knorm", "kvzip")
+SESSION_COMPRESSION_POLICIES = ("none", "streaming_llm", "knorm", "kvzip")
 REPEAT_PROMPT = "\n\nRepeat the previous context:\n"
 _RECON_CHUNK = 256  # reconstruction tokens per forward pass (bounds activation memory)
 _QUERY_CHUNK = 128  # queries per attention-probability block
@@ -59,8 +60,8 @@ _QUERY_CHUNK = 128  # queries per attention-probability block
 class SessionCompression:
     """A session's compression policy.
 
-    policy: one of :data:`POLICIES` ("none": keep everything).  ratio: the fraction of the KV entries dropped at
-    the end of each turn, in [0, 1) (0.5 keeps half).  n_sink: streaming_llm's sink entries.
+    policy: one of :data:`SESSION_COMPRESSION_POLICIES` ("none": keep everything).  ratio: the fraction of the KV
+    entries dropped at the end of each turn, in [0, 1) (0.5 keeps half).  n_sink: streaming_llm's sink entries.
     Raises :class:`InvalidRequestError` naming ``session_compression`` (unknown policy) or
     ``session_compression_ratio`` (ratio outside [0, 1)).
     """
@@ -70,9 +71,10 @@ class SessionCompression:
     n_sink: int = 4
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise InvalidRequestError(f"session_compression must be one of {', '.join(POLICIES)}, got "
-                                      f"{self.policy!r}", param="session_compression")
+        if self.policy not in SESSION_COMPRESSION_POLICIES:
+            raise InvalidRequestError(f"session_compression must be one of "
+                                      f"{', '.join(SESSION_COMPRESSION_POLICIES)}, got {self.policy!r}",
+                                      param="session_compression")
         if not isinstance(self.ratio, (int, float)) or not 0.0 <= float(self.ratio) < 1.0:
             raise InvalidRequestError(f"session_compression_ratio must be in [0, 1) (the fraction of the session's KV "
                                       f"dropped at the end of each turn), got {self.ratio!r}",
@@ -86,8 +88,9 @@ class SessionCompression:
         return self.policy != "none" and self.ratio > 0
 
     def n_keep(self, length: int) -> int:
-        """Entries kept per layer and KV head for KV covering ``length`` tokens: ``max(1, int(length * (1 - ratio)))``."""
-        return max(1, int(length * (1.0 - self.ratio)))
+        """Entries kept per layer and KV head for KV covering ``length`` tokens
+        (:func:`kvkeeper.kvcache.compression.n_keep`)."""
+        return n_keep(length, self.ratio)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,16 +191,14 @@ def select_entries(spec: SessionCompression, keys: torch.Tensor, k: int, scores:
     """
     S, kvh = keys.shape[0], keys.shape[1]
     if spec.policy == "streaming_llm":
-        sink = min(spec.n_sink, k)
-        idx = torch.cat([torch.arange(sink), torch.arange(S - (k - sink), S)])
-        return idx.expand(kvh, k).clone()
+        return streaming_llm_keep(S, k, spec.n_sink, kvh)
     if spec.policy == "knorm":
-        s = -keys.float().norm(dim=-1).t()  # (KVH, S): the smallest norms are kept
+        s = knorm_scores(keys)
     elif spec.policy == "kvzip":
         s = scores
     else:
         raise ValueError(f"no selection for session compression policy {spec.policy!r}")
-    return torch.topk(s, k, dim=1, sorted=False).indices.sort(dim=1).values
+    return top_entries(s, k)
 
 
 @torch.inference_mode()

@@ -51,7 +51,7 @@ from typing import Callable
 
 from ..errors import InvalidRequestError
 
-POLICIES = ("full", "last", "summary", "memory", "hybrid")
+CONTEXT_POLICIES = ("full", "last", "summary", "memory", "hybrid")
 SUMMARY_HEADER = "Summary of the earlier conversation:"
 MEMORY_HEADER = "Earlier in this conversation (retrieved from memory):"
 MEMORY_FOOTER = "Current message:"
@@ -77,7 +77,7 @@ class ContextBudgetError(InvalidRequestError):
 class ContextSpec:
     """A session's context policy.
 
-    policy: one of :data:`POLICIES`.  budget: prompt tokens (None only with ``full``).  every: turns leave
+    policy: one of :data:`CONTEXT_POLICIES`.  budget: prompt tokens (None only with ``full``).  every: turns leave
     at least this many at a time (1: exactly as many as must).  summary_tokens: the longest summary
     (tokens).  memory_top_k: stored sentences retrieved (the best of the fused ranking, as many as fit the
     memory block); memory_threshold: the cosine floor (-1..1) below which a sentence is clearly unrelated for the
@@ -96,8 +96,8 @@ class ContextSpec:
     low_water: float | None = None
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise InvalidRequestError(f"context policy must be one of {', '.join(POLICIES)}, got {self.policy!r}",
+        if self.policy not in CONTEXT_POLICIES:
+            raise InvalidRequestError(f"context policy must be one of {', '.join(CONTEXT_POLICIES)}, got {self.policy!r}",
                                       param="context_policy")
         if self.policy != "full" and (self.budget is None or self.budget < 16):
             raise InvalidRequestError(f"context policy {self.policy!r} needs a budget of at least 16 tokens, got "

@@ -29,8 +29,8 @@ from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence, SeqStatus
 from ..errors import InvalidRequestError, KVKeeperError, QuotaExceededError, SessionNotFoundError
 from ..options import option
-from .compress import POLICIES as COMPRESSION_POLICIES, SessionCompression
-from .context import POLICIES, ContextSpec, ContextState, turn_text
+from .compress import SESSION_COMPRESSION_POLICIES, SessionCompression
+from .context import CONTEXT_POLICIES, ContextSpec, ContextState, turn_text
 from .disk import session_dir_name
 from .fork import fork_kv
 from .offload import DEFAULT_HOST_OFFLOAD_BYTES, SessionStore
@@ -66,7 +66,7 @@ class SessionConfig:
     offload_write_delay_s: float = 0.0
     context_policy: str = field(default="full", metadata=option(
         "--context-policy", "what a session's prompt keeps of a long conversation: full, last, summary, memory or "
-        "hybrid (README: Context policies)", choices=POLICIES))
+        "hybrid (README: Context policies)", choices=CONTEXT_POLICIES))
     context_budget: int | None = field(default=None, metadata=option(
         "--context-budget", "prompt tokens a session's context policy keeps within (needed by every policy but "
         "full)", type=positive_int, metavar="N"))
@@ -87,7 +87,8 @@ class SessionConfig:
         type=float, metavar="S"))
     session_compression: str = field(default="none", metadata=option(
         "--session-compression", "compress a session's KV at the end of each turn and continue the next turn from "
-        "it: none, streaming_llm, knorm or kvzip (docs/serving/context-policies.md: Session compression)", choices=COMPRESSION_POLICIES))
+        "it: none, streaming_llm, knorm or kvzip (docs/serving/context-policies.md: Session compression)",
+        choices=SESSION_COMPRESSION_POLICIES))
     session_compression_ratio: float = field(default=0.5, metadata=option(
         "--session-compression-ratio", "fraction of a session's KV dropped at the end of each turn, in [0, 1) "
         "(default: 0.5)", type=float, metavar="F"))

@@ -8,7 +8,7 @@ share of a 10 ms decode step.  :class:`FusedDecode` hands the residual stream of
 ``DecodeModel.step`` (csrc/cpu/fused_decode.cpp), which applies every layer in turn with the same operations as
 :class:`kvkeeper.models.llama.DecoderLayer`: RMSNorm, the packed q/k/v projection (plus bias), RoPE
 (half-split, as :func:`kvkeeper.layers.rope.apply_rope`), the new K/V written into the paged cache with
-the rounding of :meth:`kvkeeper.kvcache.store.PagedKV.write`, decode attention read in place
+the rounding of :meth:`kvkeeper.kvcache.formats.plain.PlainPagedKV.write`, decode attention read in place
 (:mod:`kvkeeper.attention.cpu`), the output projection, RMSNorm, gate/up, SiLU(gate) * up, down,
 residual adds.  The embedding lookup, final norm and LM head stay in Python (one call each).
 

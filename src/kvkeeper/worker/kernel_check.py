@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kvcache.quant import parse_kv_format
-from ..kvcache.store import PagedKV
+from ..kvcache.formats.base import PagedKV, parse_kv_format
 from ..attention import reference as attention, selector as attention_backend
 from ..kernels import cpu as cpu_kernels
 from ..layers import quantized

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kvcache.quant import KVFormat, parse_kv_format
+from ..kvcache.formats.base import KVFormat, parse_kv_format
 from ..kvcache.store import KVStore
 from ..kernels import cpu as cpu_kernels
 from . import kernel_check

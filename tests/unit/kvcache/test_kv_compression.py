@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kvkeeper import SamplingParams
 from kvkeeper.errors import InvalidRequestError
-from kvkeeper.kvcache.compression import POLICIES, KVCompression, PrefillObserver, select
+from kvkeeper.kvcache.compression import PREFILL_COMPRESSION_POLICIES, KVCompression, PrefillObserver, select
 from kvkeeper.sessions import SessionManager
 from tests.utils.engines import make_engine
 from tests.utils.tiny_models import tiny_compression_llama
@@ -75,7 +75,7 @@ def _random_attention(L=40, H=4, kvh=2, D=8, seed=0):
     return q, k, torch.softmax(s, -1)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", PREFILL_COMPRESSION_POLICIES)
 @pytest.mark.parametrize("ratio", [0.25, 0.5, 0.9])
 def test_select_matches_the_reference_rule(policy, ratio):
     q, k, probs = _random_attention()
@@ -134,7 +134,7 @@ def hf_decode_after_pruning(hf, ids: list[int], policy: str, ratio: float, n: in
     return toks
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", PREFILL_COMPRESSION_POLICIES)
 def test_decoding_after_compression_matches_the_reference(tiny, policy):
     folder, hf = tiny
     eng = make_engine(str(folder), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)  # prefill in 4 chunks
@@ -207,7 +207,7 @@ def test_continuation_perplexity_with_and_without_compression(tiny):
     assert abs(base["nll_mean"] - want) < 1e-4
     zero = perplexity(eng, ids, chunk=16, compression=comp("snapkv", 0.0), score_tokens=20)
     assert zero["nll_mean"] == base["nll_mean"] and zero["kv_tokens"] == 60
-    for policy in POLICIES:
+    for policy in PREFILL_COMPRESSION_POLICIES:
         r = perplexity(eng, ids, chunk=16, compression=comp(policy, 0.5), score_tokens=20)
         assert r["kv_tokens"] == 30 and r["policy"] == policy and r["nll_mean"] != base["nll_mean"]
     assert eng.pool.num_used == 0
@@ -229,3 +229,18 @@ def test_eval_perplexity_cli_with_a_policy():
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["policy"] == "snapkv" and r["kv_tokens"] == 150 and r["scored_tokens"] == 40 and r["tokens"] == 340
+
+
+@pytest.mark.parametrize("policy", ["streaming_llm", "knorm"])
+@pytest.mark.parametrize("length, ratio", [(1, 0.5), (7, 0.5), (40, 0.25), (40, 0.9), (130, 0.5)])
+def test_a_request_and_a_session_policy_keep_the_same_entries(policy, length, ratio):
+    """streaming_llm and knorm exist for a request (kvcache.compression.select) and for a session
+    (sessions.compress.select_entries): one rule, so the same keys, ratio and sinks keep the same entries."""
+    from kvkeeper.sessions.compress import SessionCompression, select_entries
+
+    keys = torch.randn(length, 3, 16, generator=torch.Generator().manual_seed(length))
+    request, session = comp(policy, ratio), SessionCompression(policy, ratio, n_sink=SINKS)
+    k = session.n_keep(length)
+    assert k == request.n_keep(length) == max(1, int(length * (1 - ratio)))
+    kept = select(request, None, 0, keys)
+    assert kept.shape == (3, k) and torch.equal(kept, select_entries(session, keys, k))

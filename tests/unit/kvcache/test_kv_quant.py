@@ -17,14 +17,13 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvkeeper import LLMEngine
 from kvkeeper.sampling.params import SamplingParams
 from kvkeeper.engine.sequence import Sequence
-from kvkeeper.kvcache.quant import FORMATS, dequantize, parse_kv_format, quantize
-from kvkeeper.kvcache.store import PagedKV
+from kvkeeper.kvcache.formats.base import FORMATS, PagedKV, parse_kv_format
+from kvkeeper.kvcache.formats.int8 import dequantize, quantize
 from tests.utils.engines import make_engine
 from tests.utils.paths import DATA
 

@@ -1,4 +1,4 @@
-"""kvkeeper.kvcache.store.zeros: the KV pool's CPU tensors over an anonymous private memory map.
+"""kvkeeper.kvcache.formats.base.zeros: the KV pool's CPU tensors over an anonymous private memory map.
 
 They read as zeros in every storage dtype, take writes, do not share memory between two pools, survive the
 loss of every other reference to their map, and a fresh KVStore of a model's shapes is zero throughout.
@@ -9,8 +9,8 @@ import gc
 import pytest
 import torch
 
-from kvkeeper.kvcache.quant import parse_kv_format
-from kvkeeper.kvcache.store import KVStore, zeros
+from kvkeeper.kvcache.formats.base import parse_kv_format, zeros
+from kvkeeper.kvcache.store import KVStore
 from kvkeeper.weights import dummy
 
 

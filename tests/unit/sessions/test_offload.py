@@ -18,8 +18,8 @@ import torch
 
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.errors import InvalidRequestError
-from kvkeeper.kvcache.quant import FORMATS
-from kvkeeper.kvcache.store import KVStore, PagedKV
+from kvkeeper.kvcache.formats.base import FORMATS, PagedKV
+from kvkeeper.kvcache.store import KVStore
 from kvkeeper.kvcache.validate import check_engine
 from kvkeeper.sessions import SessionManager
 from kvkeeper.sessions.disk import MANIFEST, session_dir_name

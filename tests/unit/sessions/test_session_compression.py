@@ -18,7 +18,7 @@ import torch
 from kvkeeper import SamplingParams
 from kvkeeper.errors import InvalidRequestError
 from kvkeeper.sessions import SessionManager
-from kvkeeper.sessions.compress import POLICIES, REPEAT_PROMPT, SessionCompression
+from kvkeeper.sessions.compress import REPEAT_PROMPT, SESSION_COMPRESSION_POLICIES, SessionCompression
 from tests.utils.engines import make_engine
 from tests.utils.tiny_models import tiny_compression_llama
 
@@ -194,4 +194,4 @@ def test_bad_policy_and_ratio_name_the_field():
         SessionCompression("knorm", 1.0)
     assert e.value.param == "session_compression_ratio"
     assert not SessionCompression().active and SessionCompression("knorm", 0.5).n_keep(41) == 20
-    assert set(POLICIES) == {"none", "streaming_llm", "knorm", "kvzip"}
+    assert set(SESSION_COMPRESSION_POLICIES) == {"none", "streaming_llm", "knorm", "kvzip"}

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ...sessions.compress import POLICIES as COMPRESSION_POLICIES
-from ...sessions.context import POLICIES
+from ...sessions.compress import SESSION_COMPRESSION_POLICIES
+from ...sessions.context import CONTEXT_POLICIES
 from ..common.schemas import ChatMessage, NamedToolChoice, PredictionContent, Tool, _only, _SamplingFields
 
 
@@ -22,9 +22,9 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True  # extension (vLLM)
     continue_final_message: bool = False  # extension (vLLM)
-    context_policy: Literal[POLICIES] | None = None  # extension: a session's (sessions.context.POLICIES)
+    context_policy: Literal[CONTEXT_POLICIES] | None = None  # extension: a session's
     context_budget: int | None = Field(None, ge=16)  # extension: prompt tokens the session's context policy keeps
-    session_compression: Literal[COMPRESSION_POLICIES] | None = None  # extension: sessions.compress.POLICIES
+    session_compression: Literal[SESSION_COMPRESSION_POLICIES] | None = None  # extension
     session_compression_ratio: float | None = Field(None, ge=0, lt=1)  # extension: KV fraction dropped per turn end
     audio: Any = _only(None)
     function_call: Any = _only(None)

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import Request
 
-from ...sessions.context import POLICIES
+from ...sessions.context import CONTEXT_POLICIES
 from .auth import Caller
 from .errors import APIError
 from .served import ServedModels
@@ -84,8 +84,8 @@ def context_headers(request: Request) -> tuple[str | None, int | None]:
             raise APIError(400, f"X-Context-Budget must be a number of tokens, at least 16, got {raw!r}",
                            param="X-Context-Budget")
         budget = int(raw)
-    if policy is not None and policy.strip().lower() not in POLICIES:
-        raise APIError(400, f"X-Context-Policy must be one of {', '.join(POLICIES)}, got {policy!r}",
+    if policy is not None and policy.strip().lower() not in CONTEXT_POLICIES:
+        raise APIError(400, f"X-Context-Policy must be one of {', '.join(CONTEXT_POLICIES)}, got {policy!r}",
                        param="X-Context-Policy")
     return (policy.strip().lower() if policy is not None else None), budget
 
@@ -93,7 +93,7 @@ def context_headers(request: Request) -> tuple[str | None, int | None]:
 def compression_headers(request: Request) -> tuple[str | None, float | None]:
     """(policy, ratio) of ``X-Session-Compression`` / ``X-Session-Compression-Ratio`` (None where absent); a 400
     naming the header for an unknown policy or a ratio that is not a number in [0, 1)."""
-    from ...sessions.compress import POLICIES as COMPRESSION_POLICIES
+    from ...sessions.compress import SESSION_COMPRESSION_POLICIES
 
     policy = request.headers.get("x-session-compression")
     raw = request.headers.get("x-session-compression-ratio")
@@ -106,8 +106,9 @@ def compression_headers(request: Request) -> tuple[str | None, float | None]:
         if ratio is None or not 0 <= ratio < 1:
             raise APIError(400, f"X-Session-Compression-Ratio must be a number in [0, 1) (the fraction of the session's "
                                 f"KV dropped at the end of each turn), got {raw!r}", param="X-Session-Compression-Ratio")
-    if policy is not None and policy.strip().lower() not in COMPRESSION_POLICIES:
-        raise APIError(400, f"X-Session-Compression must be one of {', '.join(COMPRESSION_POLICIES)}, got {policy!r}",
+    if policy is not None and policy.strip().lower() not in SESSION_COMPRESSION_POLICIES:
+        names = ", ".join(SESSION_COMPRESSION_POLICIES)
+        raise APIError(400, f"X-Session-Compression must be one of {names}, got {policy!r}",
                        param="X-Session-Compression")
     return (policy.strip().lower() if policy is not None else None), ratio
 
