@@ -1,0 +1,194 @@
+"""Anthropic's Messages API (issue 45) driven by the official ``anthropic`` client against a real server: a 4-turn
+agent-style conversation with ``cache_control`` breakpoints (cache reads cover the previous turn, ``input_tokens``
+excludes them), the stream events in order through the client's own stream helper, ``count_tokens`` equal to a
+request's three input counts, a tool_use / tool_result round trip, the fields Claude Code sends served and the
+others refused by name, ``x-api-key`` and Bearer keys; and a Codex-shaped ``/v1/responses`` request served.
+
+One server (the embedded SmolLM2-135M, two API keys: tenants alice and bob) is shared by the module; replies are
+greedy and short.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import pytest
+from tests.utils.serverproc import running_server
+
+anthropic = pytest.importorskip("anthropic")
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+CTX = 1024  # small, so that a prompt near the context (max_tokens clamped) stays cheap
+KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
+SYSTEM = ("You are a coding agent working in a repository. Answer briefly. " * 6).strip()
+WEATHER = {"name": "get_weather", "description": "The weather of a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+EPHEMERAL = {"type": "ephemeral"}
+GREEDY = {"temperature": 0}  # the anthropic SDK 2.10 has no temperature parameter; older clients send the field
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("anthropic")
+    keys = d / "keys.json"
+    keys.write_text(json.dumps({"keys": KEYS}))
+    with running_server(d / "server.log", "--threads", "2", "--max-model-len", str(CTX),
+                        "--api-keys-file", str(keys)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server, api_key="sk-alice", max_retries=0, timeout=600)
+
+
+def _user(text: str, mark: bool = True) -> dict:
+    return {"role": "user", "content": [{"type": "text", "text": text, **({"cache_control": EPHEMERAL} if mark else {})}]}
+
+
+def _total(u) -> int:
+    return u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
+
+
+def test_four_turns_read_the_previous_turn_from_the_cache(client):
+    """Breakpoints on the system prompt and the last user block, the session named as Claude Code names it: from
+    turn 2 the cache reads cover the whole previous prompt and ``input_tokens`` is what was not read or written."""
+    sid = str(uuid.uuid4())
+    system = [{"type": "text", "text": f"{sid} {SYSTEM}", "cache_control": EPHEMERAL}]
+    msgs, prev_total = [], None
+    for turn, q in enumerate(["List three fruits.", "Which one is red?", "Name a vegetable.", "Say goodbye."]):
+        for m in msgs:  # only the last user block is a breakpoint (as Claude Code moves it)
+            if m["role"] == "user":
+                m["content"] = [{k: v for k, v in b.items() if k != "cache_control"} for b in m["content"]]
+        msgs.append(_user(q))
+        counted = client.messages.count_tokens(model=MODEL, system=system, messages=msgs).input_tokens
+        r = client.messages.create(model=MODEL, max_tokens=12, extra_body=GREEDY, system=system, messages=msgs,
+                                   extra_headers={"X-Claude-Code-Session-Id": sid})
+        u = r.usage
+        assert r.stop_reason in ("end_turn", "max_tokens") and r.content[0].type == "text"
+        if turn == 0:
+            assert u.cache_read_input_tokens == 0 and u.cache_creation_input_tokens > 0
+            assert _total(u) == counted  # a fresh session's prompt is the template's tokens
+        else:
+            assert u.cache_read_input_tokens >= prev_total, (turn, u, prev_total)
+            assert u.input_tokens == _total(u) - u.cache_read_input_tokens - u.cache_creation_input_tokens
+            assert u.input_tokens < _total(u) - prev_total + 16  # the new turn's text, not the whole prompt
+            assert abs(_total(u) - counted) <= 2  # the session reuses the reply's own tokens
+        prev_total = _total(u)
+        msgs.append({"role": "assistant", "content": r.content[0].text})
+
+
+def test_count_tokens_equals_the_three_input_counts(client):
+    body = dict(model=MODEL, system=[{"type": "text", "text": f"{uuid.uuid4()} {SYSTEM}", "cache_control": EPHEMERAL}],
+                messages=[_user("Count to three.")])
+    counted = client.messages.count_tokens(**body).input_tokens
+    u = client.messages.create(max_tokens=4, extra_body=GREEDY, **body).usage
+    assert counted == _total(u) and u.cache_read_input_tokens == 0
+    assert 0 < u.input_tokens < 8  # after the breakpoint: the assistant turn's opening tokens only
+    again = client.messages.create(max_tokens=4, extra_body=GREEDY, **body).usage  # the prefix cache, full blocks
+    assert again.cache_read_input_tokens >= counted - 16 and _total(again) == counted
+
+
+def test_stream_events_parse_in_order(client, server):
+    kw = dict(model=MODEL, max_tokens=16, extra_body=GREEDY, messages=[{"role": "user", "content": "Tell me a story."}])
+    with client.messages.stream(**kw) as stream:
+        types = [e.type for e in stream]
+        final = stream.get_final_message()
+    plain = client.messages.create(**kw)
+    raw = [t for t in types if t not in ("text",)]  # "text" is the helper's own event beside each text delta
+    assert raw[0] == "message_start" and raw[-2:] == ["message_delta", "message_stop"]
+    body = raw[1:-2]
+    assert body[0] == "content_block_start" and body[-1] == "content_block_stop"
+    assert set(body[1:-1]) == {"content_block_delta"} and len(body) >= 3
+    assert final.content[0].text == plain.content[0].text and final.stop_reason == plain.stop_reason
+    assert final.usage.output_tokens == plain.usage.output_tokens > 0
+    raw_body = {"model": MODEL, "max_tokens": 4, "messages": kw["messages"], "stream": True}
+    r = httpx.post(server + "/v1/messages", json=raw_body,
+                   headers={"x-api-key": "sk-alice"}, timeout=600)
+    names = [line.split(": ", 1)[1] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert names[:2] == ["message_start", "ping"]  # the raw stream has Anthropic's ping after message_start
+
+
+def test_tool_use_and_tool_result_round_trip(client):
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.messages.create(model=MODEL, max_tokens=64, extra_body=GREEDY, tools=[WEATHER], messages=msgs,
+                               tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+    calls = [b for b in r.content if b.type == "tool_use"]
+    assert r.stop_reason == "tool_use" and calls and calls[0].name == "get_weather"
+    assert isinstance(calls[0].input, dict) and isinstance(calls[0].input.get("city"), str)
+    with client.messages.stream(model=MODEL, max_tokens=64, extra_body=GREEDY, tools=[WEATHER], messages=msgs,
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True}) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert "input_json_delta" in deltas and streamed.stop_reason == "tool_use"
+    assert [b.input for b in streamed.content if b.type == "tool_use"][0] == calls[0].input
+    msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id,
+                                           "content": "Sunny, 24 degrees."}]}]
+    after = client.messages.create(model=MODEL, max_tokens=16, extra_body=GREEDY, tools=[WEATHER], messages=msgs)
+    assert after.stop_reason in ("end_turn", "max_tokens", "tool_use") and after.content
+    with pytest.raises(anthropic.BadRequestError) as e:  # a result that answers no call
+        client.messages.create(model=MODEL, max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}])
+    assert "tool_call_id" in str(e.value)
+
+
+def test_claude_code_fields_are_served(client, server):
+    """What Claude Code sends: ?beta=true and anthropic-beta, thinking adaptive, context_management,
+    output_config.effort, metadata.user_id, system blocks with cache_control, a system message inside messages,
+    request-level cache_control and diagnostics; max_tokens over the context left is clamped and said so."""
+    long = "The repository holds many files. " * 130
+    r = client.beta.messages.with_raw_response.create(
+        model=MODEL, max_tokens=32000, betas=["interleaved-thinking-2025-05-14"],
+        system=[{"type": "text", "text": SYSTEM, "cache_control": EPHEMERAL}],
+        messages=[{"role": "system", "content": "Session context."}, _user(long + "Reply with one word.")],
+        thinking={"type": "adaptive"}, metadata={"user_id": "user_abc"},
+        extra_body={"temperature": 0, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+                    "output_config": {"effort": "high"}, "cache_control": EPHEMERAL, "diagnostics": {}},
+        extra_headers={"X-Claude-Code-Session-Id": str(uuid.uuid4())})
+    msg = r.parse()
+    asked, served = r.headers["X-KVKeeper-Max-Tokens-Clamped"].split(" -> ")
+    assert int(asked) == 32000 and int(served) == CTX - _total(msg.usage)
+    assert msg.usage.output_tokens <= int(served)
+    assert set(r.headers["X-KVKeeper-Not-Applied"].split(", ")) == {
+        "context_management", "diagnostics", "output_config.effort", "thinking"}
+    assert msg.usage.input_tokens < 8  # request-level cache_control: a breakpoint at the conversation's end
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type":
+                                                 "image/png", "data": "AAAA"}}]}]}, "messages.0.content.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "colour": "red"}]}]},
+     "messages.0.content.0.colour"),
+])
+def test_fields_not_applied_are_refused_by_name(server, extra, param):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **extra}
+    r = httpx.post(server + "/v1/messages", json=body, headers={"x-api-key": "sk-alice"}, timeout=600)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert param in err["error"]["message"], err
+
+
+def test_keys_x_api_key_and_bearer(server, client):
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic.Anthropic(base_url=server, api_key="sk-wrong", max_retries=0).messages.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 401 and e.value.body["error"]["type"] == "authentication_error"
+    bearer = anthropic.Anthropic(base_url=server, auth_token="sk-bob", max_retries=0, timeout=600)
+    r = httpx.post(server + "/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}]}, timeout=600)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    sid = str(uuid.uuid4())  # one session id, two tenants: bob's request does not read alice's session
+    body = dict(model=MODEL, max_tokens=2, extra_body=GREEDY, messages=[_user(SYSTEM)],
+                extra_headers={"X-Claude-Code-Session-Id": sid})
+    client.messages.create(**body)
+    assert client.messages.create(**body).usage.cache_read_input_tokens > 0
+    assert bearer.messages.create(**body).usage.cache_read_input_tokens == 0  # bob's first request, by Bearer
