@@ -192,3 +192,67 @@ def test_keys_x_api_key_and_bearer(server, client):
     client.messages.create(**body)
     assert client.messages.create(**body).usage.cache_read_input_tokens > 0
     assert bearer.messages.create(**body).usage.cache_read_input_tokens == 0  # bob's first request, by Bearer
+
+
+SHELL = {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+         "required": ["command"], "additionalProperties": False}
+READ = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "description": "Runs a shell command", "strict": False, "parameters": SHELL},
+    {"type": "namespace", "name": "mcp__fs__", "description": "The file system server",
+     "tools": [{"type": "function", "name": "read_file", "description": "Reads a file", "strict": False,
+                "parameters": READ}]},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "custom", "name": "apply_patch", "description": "Applies a patch",
+     "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+]
+
+
+def _codex_body(sid: str, input_items: list[dict], **kw) -> dict:
+    """What Codex CLI sends on /v1/responses (wire_api = "responses")."""
+    return {"model": MODEL, "instructions": "You are a coding agent. Be brief.", "input": input_items,
+            "tools": CODEX_TOOLS, "tool_choice": "auto", "parallel_tool_calls": False,
+            "reasoning": {"summary": "auto"}, "store": False, "stream": True,
+            "include": ["reasoning.encrypted_content"], "prompt_cache_key": sid,
+            "client_metadata": {"session_id": sid}, "max_output_tokens": 12, "temperature": 0, **kw}
+
+
+def _sse_events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_a_codex_request_is_served(server):
+    """Codex's fields served: namespace tools flattened, hosted tools not offered and named in a header, role
+    developer, reasoning.summary / include / client_metadata accepted; with store false the session-id header keeps
+    the session's KV, so the second request reads the whole first one from the cache."""
+    sid = str(uuid.uuid4())
+    h = {"Authorization": "Bearer sk-alice", "session-id": sid}
+    items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: none."}]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]}]
+    r = httpx.post(server + "/v1/responses", json=_codex_body(sid, items), headers=h, timeout=600)
+    assert r.status_code == 200, r.text
+    assert r.headers["X-KVKeeper-Tools-Not-Offered"] == "web_search, custom:apply_patch"
+    done = _sse_events(r.text)[-1]
+    assert done["type"] in ("response.completed", "response.incomplete"), done  # incomplete: max_output_tokens
+    first = done["response"]["usage"]
+    items += [it for it in done["response"]["output"]] + [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Now the tests."}]}]
+    r2 = httpx.post(server + "/v1/responses", json=_codex_body(sid, items), headers=h, timeout=600)
+    assert r2.status_code == 200, r2.text
+    second = _sse_events(r2.text)[-1]["response"]["usage"]
+    assert second["input_tokens_details"]["cached_tokens"] >= first["input_tokens"], (first, second)
+
+
+def test_a_namespace_function_is_called_by_its_name_and_namespace(server):
+    sid = str(uuid.uuid4())
+    h = {"Authorization": "Bearer sk-alice"}
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Read README.md"}]}]
+    body = _codex_body(sid, items, stream=False, max_output_tokens=64,
+                       tool_choice={"type": "function", "name": "mcp__fs__read_file"})
+    r = httpx.post(server + "/v1/responses", json=body, headers=h, timeout=600)
+    assert r.status_code == 200, r.text
+    calls = [it for it in r.json()["output"] if it["type"] == "function_call"]
+    assert calls and calls[0]["name"] == "read_file" and calls[0]["namespace"] == "mcp__fs__", r.json()
+    items += [calls[0], {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "# kvkeeper"}]
+    r = httpx.post(server + "/v1/responses", json=_codex_body(sid, items, stream=False), headers=h, timeout=600)
+    assert r.status_code == 200, r.text

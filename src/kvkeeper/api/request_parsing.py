@@ -19,7 +19,7 @@ from .auth import Caller
 from .errors import APIError
 from .served import ServedModels
 
-_SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _CONTEXT_HEADERS = ("X-Context-Policy", "X-Context-Budget")
 # The headers that name a session, first found wins: kvkeeper's and OpenCode's, Claude Code's, Codex CLI's.
 SESSION_HEADERS = ("X-Session-ID", "X-Claude-Code-Session-Id", "session-id")
@@ -70,7 +70,7 @@ def session_header(request: Request) -> str | None:
     for name in getattr(request.app.state, "session_headers", None) or SESSION_HEADERS:
         sid = request.headers.get(name)
         if sid is not None:
-            if not _SESSION_ID_RE.match(sid):
+            if not SESSION_ID_RE.match(sid):
                 raise APIError(400, f"{name} must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", param=name)
             return sid
     return None

@@ -27,7 +27,7 @@ from .conversation_store import ConversationStore
 from .response_store import ResponseStore
 from .responses import collect
 from .responses_events import ResponseEvents
-from .responses_items import item_page, output_items, reply_items
+from .responses_items import item_page, output_items, reply_items, tools_not_offered
 from .responses_run import ResponseRun, new_response_id, plan_response
 from .responses_schema import ResponsesRequest
 from .streams import EngineDeadError, RequestStream, Usage
@@ -123,9 +123,11 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller 
         if run.session:
             await close_sessions(request, run.tenant, [run.id])
         raise
+    hosted = tools_not_offered(body)  # hosted tools this server cannot run: not offered to the model, named here
+    headers = {"X-KVKeeper-Tools-Not-Offered": ", ".join(hosted)} if hosted else {}
     if body.stream:
         return StreamingResponse(_events(request, run, s), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     try:
         got = await collect(request, s, 1)
     except BaseException:
@@ -133,7 +135,8 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller 
             await close_sessions(request, run.tenant, [run.id])
         raise
     text = got.texts[0]
-    return JSONResponse(await _finish(request, run, text, got.reasons[0], got.usage, output_items(text, run.tools)))
+    return JSONResponse(await _finish(request, run, text, got.reasons[0], got.usage, output_items(text, run.tools)),
+                        headers=headers)
 
 
 async def _events(request: Request, run: ResponseRun, s: RequestStream) -> AsyncIterator[str]:
