@@ -15,7 +15,13 @@ import uuid
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from tests.utils.serverproc import running_server
+
+from kvkeeper.api.anthropic.protocol import MessagesRequest
+from kvkeeper.api.anthropic.serving import chat_body, usage_of
+from kvkeeper.api.errors import APIError
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -256,3 +262,43 @@ def test_a_namespace_function_is_called_by_its_name_and_namespace(server):
     items += [calls[0], {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "# kvkeeper"}]
     r = httpx.post(server + "/v1/responses", json=_codex_body(sid, items, stream=False), headers=h, timeout=600)
     assert r.status_code == 200, r.text
+
+
+@given(st.integers(1, 10**6), st.data())
+def test_usage_splits_the_prompt_in_three(prompt, data):
+    """read + written + input is the prompt, each at least 0; nothing is written past the breakpoint or twice."""
+    cached = data.draw(st.integers(0, prompt))
+    bp = data.draw(st.integers(0, 2 * prompt))
+    u = usage_of(prompt, cached, 3, bp)
+    assert u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"] == prompt
+    assert min(u.values()) >= 0 and u["cache_read_input_tokens"] == cached and u["output_tokens"] == 3
+    assert u["cache_creation_input_tokens"] == max(0, min(bp, prompt) - cached)
+
+
+def test_the_body_becomes_the_chat_request():
+    """Blocks to chat messages (system blocks and a leading system message joined; tool_use to tool_calls;
+    tool_result to tool messages before the user's text), tool_choice any to required, the last breakpoint's
+    message; a tool_use in a user message is refused by name."""
+    body = MessagesRequest.model_validate({
+        "max_tokens": 8, "stop_sequences": ["END"], "system": [{"type": "text", "text": "A"}],
+        "tools": [WEATHER], "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "messages": [{"role": "system", "content": "B"}, {"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                                       {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                        "input": {"city": "Paris"}}]},
+                     {"role": "user", "content": [{"type": "text", "text": "and?", "cache_control": EPHEMERAL},
+                                                  {"type": "tool_result", "tool_use_id": "t1", "content": [
+                                                      {"type": "text", "text": "sunny"}]}]}]})
+    chat, last = chat_body(body, 8)
+    msgs = [m.model_dump(exclude_none=True) for m in chat.messages]
+    assert msgs == [{"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "hi"},
+                    {"role": "assistant", "tool_calls": [{"id": "t1", "type": "function", "function": {
+                        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                    {"role": "tool", "content": "sunny", "tool_call_id": "t1"}, {"role": "user", "content": "and?"}]
+    assert last == 4 and chat.tool_choice == "required" and chat.parallel_tool_calls is False
+    assert chat.stop == ["END"] and chat.max_tokens == 8 and chat.tools[0].function.parameters == WEATHER["input_schema"]
+    bad = body.model_copy(update={"messages": [MessagesRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "tool_use", "id": "x", "name": "get_weather", "input": {}}]}]}).messages[0]]})
+    with pytest.raises(APIError) as e:
+        chat_body(bad, 8)
+    assert e.value.param == "messages.0.content.0"

@@ -143,8 +143,11 @@ async def create_message(body: MessagesRequest, request: Request, who: Caller = 
     final = None
     async for name, data in _events(request, s, r, msg, bp):
         if name == "error":
-            raise APIError(400, data["error"]["message"], code="request_failed")
+            status = 500 if data["error"]["type"] == "api_error" else 400
+            raise APIError(status, data["error"]["message"], code="request_failed")
         final = data if name == "message_delta" else final
+    if final is None:
+        raise APIError(400, "the request was aborted before it finished", code="request_aborted")
     return JSONResponse({**msg, "content": r.blocks, **final["delta"], "usage": final["usage"]}, headers=headers)
 
 
@@ -194,6 +197,8 @@ async def _events(request: Request, s: RequestStream, r: Rendered, msg: dict, bp
             if out.finished:
                 usage = out.usage
                 record_usage(request.scope, usage)
+        if usage is None:  # aborted (the client went away): nothing more to send
+            return
         u = usage_of(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, bp)
         yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": r.stop_reason(reason, stop),
                                                                    "stop_sequence": stop}, "usage": u}

@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import uuid
 
+from pydantic import ValidationError
+
 from ..errors import APIError
 from ..protocol import refuse_unknown
 from ..request_parsing import RequestContext
@@ -185,7 +187,12 @@ def chat_body(body: MessagesRequest, max_tokens: int | None) -> tuple[ChatComple
     fmt = body.output_config.format if body.output_config is not None else None
     if fmt is not None:
         d["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.json_schema}}
-    return ChatCompletionRequest.model_validate(d), last
+    try:
+        return ChatCompletionRequest.model_validate(d), last
+    except ValidationError as e:  # a value the chat path cannot take (its first error, named as the chat field)
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        raise APIError(400, f"{where}: {err.get('msg')} (as the chat request this body becomes)", param=where) from None
 
 
 def usage_of(prompt: int, cached: int, output: int | None, breakpoint_end: int) -> dict:
