@@ -183,6 +183,14 @@ def test_fields_not_applied_are_refused_by_name(server, extra, param):
     assert param in err["error"]["message"], err
 
 
+def test_a_body_that_is_not_json_is_an_anthropic_400(server):
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(server + path, content=b"\x1c\xff{", headers={"x-api-key": "sk-alice",
+                                                                      "content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_keys_x_api_key_and_bearer(server, client):
     with pytest.raises(anthropic.AuthenticationError) as e:
         anthropic.Anthropic(base_url=server, api_key="sk-wrong", max_retries=0).messages.create(

@@ -28,6 +28,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...errors import KVKeeperError
 from ...sessions.session import common_prefix
@@ -61,6 +62,8 @@ def _error_response(e: Exception) -> JSONResponse:
         return anthropic_error(e.status, e.message, e.headers)
     if isinstance(e, RequestValidationError):
         return anthropic_error(400, _validation_body(e)["error"]["message"])
+    if isinstance(e, StarletteHTTPException):  # e.g. a body that is not UTF-8: "There was an error parsing the body"
+        return anthropic_error(e.status_code, str(e.detail), e.headers)
     if isinstance(e, EngineDeadError):
         log.error("request failed: %s", e)
         return anthropic_error(500, "the engine failed; see the server log")
