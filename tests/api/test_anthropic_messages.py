@@ -310,3 +310,25 @@ def test_the_body_becomes_the_chat_request():
     with pytest.raises(APIError) as e:
         chat_body(bad, 8)
     assert e.value.param == "messages.0.content.0"
+
+
+def test_the_session_headers_are_a_configurable_list():
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+
+    from kvkeeper.api.request_parsing import SESSION_HEADERS, session_header
+
+    def req(headers: dict, names=None) -> Request:
+        app = SimpleNamespace(state=SimpleNamespace(session_headers=names))
+        return Request({"type": "http", "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+                        "app": app})
+
+    assert SESSION_HEADERS == ("X-Session-ID", "X-Claude-Code-Session-Id", "session-id")
+    assert session_header(req({"X-Claude-Code-Session-Id": "cc-1"})) == "cc-1"
+    assert session_header(req({"session-id": "codex-1", "X-Session-ID": "mine"})) == "mine"  # the list's order
+    assert session_header(req({"session-id": "codex-1"}, ("X-Session-ID",))) is None  # --session-headers X-Session-ID
+    assert session_header(req({"X-Foo": "f"}, ("X-Foo",))) == "f"
+    with pytest.raises(APIError) as e:
+        session_header(req({"session-id": "a b"}))
+    assert e.value.param == "session-id"
