@@ -26,6 +26,10 @@ LAYER_DOC = ROOT / "docs" / "architecture.md"
 MAX_MODULES_PER_FOLDER = 12  # *.py files of one folder, __init__.py included
 # api/'s packages every endpoint may import, lowest first; an endpoint package imports no other endpoint package
 API_SHARED = ("common", "engine_client")
+# the one exception, named: an endpoint that is another vendor's wire format over an endpoint's conversion (the
+# Anthropic Messages API converts its body into a chat body and goes through chat's one conversion, as vLLM's
+# anthropic serving does over its chat serving); it may import that endpoint, nothing else may
+API_WIRE_FORMATS = {"anthropic": "chat"}
 
 
 def read_layers(readme: Path) -> dict[str, int]:
@@ -188,19 +192,23 @@ def test_folders_hold_at_most_12_modules(folder):
     assert n <= MAX_MODULES_PER_FOLDER, f"{folder} holds {n} modules (at most {MAX_MODULES_PER_FOLDER})"
 
 
-def cross_endpoint_imports(graph: dict[str, set[str]], api: str, shared: tuple[str, ...]) -> list[str]:
-    """Imports from one endpoint package of ``api`` (a folder below it other than ``shared``) into another."""
+def cross_endpoint_imports(graph: dict[str, set[str]], api: str, shared: tuple[str, ...],
+                           wire_formats: dict[str, str] | None = None) -> list[str]:
+    """Imports from one endpoint package of ``api`` (a folder below it other than ``shared``) into another, but
+    those of ``wire_formats`` ({endpoint: the endpoint it converts into})."""
     def endpoint(mod: str) -> str | None:
         rest = mod[len(api) + 1:].split(".") if mod.startswith(api + ".") else []
         return rest[0] if len(rest) > 1 and rest[0] not in shared else None
 
+    allowed = set((wire_formats or {}).items())
     return [f"{m} imports {t}" for m, targets in sorted(graph.items()) for t in sorted(targets)
-            if endpoint(m) is not None and endpoint(t) is not None and endpoint(m) != endpoint(t)]
+            if endpoint(m) is not None and endpoint(t) is not None and endpoint(m) != endpoint(t)
+            and (endpoint(m), endpoint(t)) not in allowed]
 
 
 def test_api_endpoints_import_no_other_endpoint():
     """A route module takes shared helpers from api/common (or api/engine_client), never from another endpoint."""
-    assert cross_endpoint_imports(module_imports(SRC, PKG), f"{PKG}.api", API_SHARED) == []
+    assert cross_endpoint_imports(module_imports(SRC, PKG), f"{PKG}.api", API_SHARED, API_WIRE_FORMATS) == []
 
 
 def api_upward_imports(graph: dict[str, set[str]], api: str, order: tuple[str, ...]) -> list[str]:
@@ -317,6 +325,9 @@ def test_an_import_between_endpoints_is_caught(tmp_path):
     })
     assert cross_endpoint_imports(module_imports(src, "fake"), "fake.api", API_SHARED) == [
         "fake.api.chat.route imports fake.api.completions.route"]
+    # a named wire format may import the endpoint it converts into, and only that one, only that way round
+    assert cross_endpoint_imports(module_imports(src, "fake"), "fake.api", API_SHARED, {"chat": "completions"}) == []
+    assert cross_endpoint_imports(module_imports(src, "fake"), "fake.api", API_SHARED, {"completions": "chat"}) != []
 
 
 def test_an_upward_import_in_api_is_caught(tmp_path):

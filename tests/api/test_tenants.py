@@ -96,7 +96,8 @@ def _check_public(c, method, path, sid):
 def _check_keyed(c, method, path, sid):
     bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
               "/v1/completions": {"prompt": "hi", "max_tokens": 2}, "/tokenize": {"prompt": "hi"},
-              "/detokenize": {"tokens": [1, 2]}}
+              "/detokenize": {"tokens": [1, 2]}, "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+              "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
     path = path.replace("{model_id:path}", c.app.state.model_name)
     kw = {"json": bodies[path]} if path in bodies else {}
     for h in (NOKEY, WRONG):
@@ -211,6 +212,7 @@ RULES = {
     ("GET", "/v1/models"): _check_keyed, ("GET", "/v1/models/{model_id:path}"): _check_keyed,
     ("POST", "/v1/chat/completions"): _check_keyed, ("POST", "/v1/completions"): _check_keyed,
     ("POST", "/tokenize"): _check_keyed, ("POST", "/detokenize"): _check_keyed,
+    ("POST", "/v1/messages"): _check_keyed, ("POST", "/v1/messages/count_tokens"): _check_keyed,
     ("GET", "/tokenizer_info"): _check_keyed,
     ("GET", "/v1/sessions"): _check_listing,
     ("DELETE", "/v1/sessions/{sid}"): _check_owned, ("POST", "/v1/sessions/{sid}/offload"): _check_owned,

@@ -7,6 +7,7 @@ Endpoints::
     GET    /v1/models               the served model, with context_length (tokens)
     POST   /v1/chat/completions     chat (messages through the model's chat template), SSE with stream=true
     POST   /v1/completions          raw text or token-id prompt
+    POST   /v1/messages             Anthropic's Messages API (and /v1/messages/count_tokens; kvkeeper.api.anthropic)
     POST   /tokenize                prompt token ids of a text or of messages (what a request would prefill)
     GET    /v1/sessions             open sessions: id, tokens, blocks, turns, tier (pool / host / disk)
     POST   /v1/sessions/{id}/offload?tier=host|disk   move an idle session's KV out of the pool
@@ -41,6 +42,7 @@ from fastapi import Depends, FastAPI, HTTPException
 
 from .admin.kv import router as admin_router
 from .admin.lora import router as lora_router
+from .anthropic.route import router as anthropic_router
 from .chat.route import router as chat_router
 from .common.access_log import AccessLogMiddleware
 from .common.auth import KeyRing, admin_caller, caller
@@ -124,6 +126,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None,
     app.include_router(public_router)
     for r in (chat_router, completions_router, models_router, responses_router, conversations_router):
         app.include_router(r, dependencies=[Depends(caller)])
+    app.include_router(anthropic_router)  # its own caller dependency: x-api-key or Authorization: Bearer
     app.include_router(lora_router, dependencies=[Depends(admin_caller)])
     app.include_router(session_router, dependencies=[Depends(caller)])
     app.include_router(transfer_router)  # export: the caller's session

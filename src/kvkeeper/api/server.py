@@ -21,6 +21,7 @@ from ..options import option
 from ..sessions.manager import SessionConfig, SessionManager
 from .common.errors import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from .engine_client.tracing import EXPORTERS, RequestTracer, configure_tracing
+from .common.context import SESSION_HEADERS
 
 if TYPE_CHECKING:
     from .common.auth import KeyRing
@@ -74,6 +75,10 @@ class ServerConfig:
     allow_runtime_lora: bool = field(default=False, metadata=option(
         "--allow-runtime-lora", "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read "
         "directories on this machine)", action="store_true"))
+    session_headers: list[str] = field(default_factory=lambda: list(SESSION_HEADERS), metadata=option(
+        "--session-headers", "the request headers that name a session (X-Session-ID's meaning), first found wins: "
+        "coding agents send their own (Claude Code X-Claude-Code-Session-Id, Codex CLI session-id)", nargs="+",
+        metavar="HEADER"))
     log_level: str = "warning"
 
     @property
@@ -163,6 +168,7 @@ def build_server(engine, config: ServerConfig | None = None, sessions: SessionCo
                      admin_routes=config.admin_port is None)
     app.state.admin_app = create_admin_app(aeng, keys) if config.admin_port is not None else None
     app.state.allow_runtime_lora = config.allow_runtime_lora
+    app.state.session_headers = tuple(config.session_headers)
     return app
 
 

@@ -1,7 +1,9 @@
 """A request's headers and caller, parsed once: the :class:`RequestContext` a body converts itself under.
 
-Headers: ``X-Session-ID``, ``X-Session-Priority``, ``X-Cache-Salt``, ``X-Context-Policy`` /
-``X-Context-Budget`` (chat only).  Every parser raises :class:`~kvkeeper.api.common.errors.APIError` (400) naming
+Headers: ``X-Session-ID`` (or the first of :data:`SESSION_HEADERS` present: the headers coding agents name their
+session with; ``serve --session-headers`` sets the list), ``X-Session-Priority``, ``X-Cache-Salt``,
+``X-Context-Policy`` / ``X-Context-Budget`` (chat only).  Every parser raises
+:class:`~kvkeeper.api.common.errors.APIError` (400) naming
 the header at fault.
 
 What a request reaches of the server's sessions (:func:`managed_sessions`, :func:`owned_session`): only its
@@ -21,8 +23,10 @@ from .auth import Caller
 from .errors import APIError
 from .served import ServedModels
 
-_SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _CONTEXT_HEADERS = ("X-Context-Policy", "X-Context-Budget")
+# The headers that name a session, first found wins: kvkeeper's and OpenCode's, Claude Code's, Codex CLI's.
+SESSION_HEADERS = ("X-Session-ID", "X-Claude-Code-Session-Id", "session-id")
 
 
 @dataclass(frozen=True)
@@ -55,14 +59,25 @@ def request_context(request: Request, who: Caller, chat: bool = True) -> Request
     h, st = request.headers, request.app.state
     if not chat:
         _refuse_context_headers(request)
-    sid = h.get("x-session-id")
-    if sid is not None and not _SESSION_ID_RE.match(sid):
-        raise APIError(400, "X-Session-ID must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", param="X-Session-ID")
+    sid = session_header(request)
     policy, budget = context_headers(request)
     comp, ratio = compression_headers(request)
     return RequestContext(st.engine.served, who.tenant, who.quota, _refuse_unknown(request), sid,
                           _session_priority(h.get("x-session-priority")), h.get("x-cache-salt"), policy, budget,
                           comp, ratio)
+
+
+def session_header(request: Request) -> str | None:
+    """The session id of the first of the app's session headers (``app.state.session_headers``, default
+    :data:`SESSION_HEADERS`) the request has; 400 naming the header for an id that is not 1 to 128 characters of
+    ``A-Z a-z 0-9 . _ : -``."""
+    for name in getattr(request.app.state, "session_headers", None) or SESSION_HEADERS:
+        sid = request.headers.get(name)
+        if sid is not None:
+            if not SESSION_ID_RE.match(sid):
+                raise APIError(400, f"{name} must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", param=name)
+            return sid
+    return None
 
 
 def served_context(request: Request) -> RequestContext:

@@ -62,6 +62,7 @@ class ChoiceDelta:
     finish_reason: str | None = None
     error: str | None = None
     prompt_logprobs: list[dict] | None = None
+    stop_string: str | None = None  # the stop string that ended the choice (finish_reason "stop"), None for another end
 
 
 @dataclass

@@ -33,6 +33,7 @@ class ToolUse:
     choice: str  # "none", "auto", "required" or "named"
     name: str | None = None
     parallel: bool = True
+    namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)  # a namespace's function's name -> (namespace, name)
 
     @property
     def parses(self) -> bool:

@@ -221,7 +221,7 @@ class RequestTracker:
             t.prompt_logprobs_sent = True
             d.prompt_logprobs = self._prompt_entries(seq)
         if done_now:
-            d.finish_reason, d.error = seq.finish_reason, seq.error
+            d.finish_reason, d.error, d.stop_string = seq.finish_reason, seq.error, seq.stop_string
             em[2] = 1
             self.metrics.observe_sequence(seq, now)
         return d

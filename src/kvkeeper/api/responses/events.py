@@ -24,6 +24,7 @@ class ResponseEvents:
         self.items: list[dict] = []
         self.raw = ""
         self.calls = ChoiceCalls() if tools is not None and tools.parses else None
+        self.tools = tools
         self._open: int | None = None  # output index of the message being streamed
 
     def event(self, kind: str, **fields) -> str:
@@ -73,7 +74,7 @@ class ResponseEvents:
                 self.event("response.output_item.done", output_index=i, item=item)]
 
     def _call(self, call: dict) -> list[str]:
-        item = call_item(call)
+        item = call_item(call, tools=self.tools)
         i = len(self.items)
         self.items.append(item)
         return [self.event("response.output_item.added", output_index=i,

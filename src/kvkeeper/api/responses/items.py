@@ -14,7 +14,8 @@ from ...sampling.structured import StructuredOutput
 from ..common.errors import APIError
 from ..common.schemas import FunctionDefinition, FunctionName, NamedToolChoice, Tool
 from ..common.tools import ChoiceCalls, ToolUse, tool_use_of
-from .schema import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
+from .schema import (FunctionCallItem, FunctionCallOutputItem, FunctionTool, HostedTool, MessageItem, NamespaceTool,
+                     ResponsesRequest, qualified_name)
 
 
 def item_id(prefix: str) -> str:
@@ -75,7 +76,7 @@ def messages_of_items(items: list[dict]) -> list[dict]:
                          "content": "\n".join(p["text"] for p in it["content"])})
         elif it["type"] == "function_call":
             call = {"id": it["call_id"], "type": "function",
-                    "function": {"name": it["name"], "arguments": it["arguments"]}}
+                    "function": {"name": qualified_name(it.get("namespace"), it["name"]), "arguments": it["arguments"]}}
             if msgs and msgs[-1]["role"] == "assistant":
                 msgs[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -122,20 +123,47 @@ def _stored_item(it) -> dict:
     return d
 
 
+def _offered(body: ResponsesRequest) -> tuple[list[FunctionTool], dict[str, tuple[str, str]]]:
+    """The functions offered to the model (a namespace's flattened, named by
+    :func:`~kvkeeper.api.responses_schema.qualified_name`) and the qualified name -> (namespace, name) map."""
+    out, names = [], {}
+    for t in body.tools or []:
+        if isinstance(t, FunctionTool):
+            out.append(t)
+        elif isinstance(t, NamespaceTool):
+            for f in t.tools:
+                q = qualified_name(t.name, f.name)
+                names[q] = (t.name, f.name)
+                out.append(f.model_copy(update={"name": q}))
+    return out, names
+
+
+def tools_not_offered(body: ResponsesRequest) -> list[str]:
+    """The hosted tools of the request (not offered to the model): ``type`` or ``type:name``."""
+    return [t.type if t.name is None else f"{t.type}:{t.name}" for t in body.tools or [] if isinstance(t, HostedTool)]
+
+
 def tool_use_of_body(body: ResponsesRequest) -> ToolUse | None:
-    """The request's :class:`~kvkeeper.api.common.tools.ToolUse` (tools in the chat form the engine renders), or None;
-    the rules of :func:`~kvkeeper.api.common.tools.tool_use_of` (400 naming the field)."""
+    """The request's :class:`~kvkeeper.api.common.tools.ToolUse` (tools in the chat form the engine renders:
+    functions, namespaces' functions), or None (no tools, or hosted tools only: those are not offered); the rules of
+    :func:`~kvkeeper.api.common.tools.tool_use_of` (400 naming the field)."""
     tc = body.tool_choice
+    offered, names = _offered(body)
+    if not offered and body.tools:
+        return None
     chat = SimpleNamespace(
         tools=[Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"})))
-               for t in body.tools or []],
+               for t in offered],
         tool_choice=NamedToolChoice(type="function", function=FunctionName(name=tc.name)) if tc is not None
         and not isinstance(tc, str) else tc, parallel_tool_calls=body.parallel_tool_calls)
     try:
-        return tool_use_of(chat)
+        use = tool_use_of(chat)
     except APIError as e:  # the chat form's names of the fields: tools.N.function.parameters
         e.param = e.param.replace(".function.", ".") if e.param else e.param
         raise
+    if use is not None:
+        use.namespaces = names
+    return use
 
 
 def text_format(body: ResponsesRequest) -> StructuredOutput | None:
@@ -163,10 +191,14 @@ def message_item(text: str, mid: str | None = None, status: str = "completed") -
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def call_item(call: dict, status: str = "completed") -> dict:
-    """A ``function_call`` output item of a parsed call (``{"id", "function": {"name", "arguments"}}``)."""
-    return {"type": "function_call", "id": item_id("fc"), "call_id": call["id"], "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"], "status": status}
+def call_item(call: dict, status: str = "completed", tools: ToolUse | None = None) -> dict:
+    """A ``function_call`` output item of a parsed call (``{"id", "function": {"name", "arguments"}}``); a call of a
+    namespace's function (``tools.namespaces``) has that function's own ``name`` and its ``namespace``."""
+    name = call["function"]["name"]
+    ns, name = tools.namespaces.get(name, (None, name)) if tools is not None else (None, name)
+    return {"type": "function_call", "id": item_id("fc"), "call_id": call["id"], "name": name,
+            **({"namespace": ns} if ns is not None else {}), "arguments": call["function"]["arguments"],
+            "status": status}
 
 
 def output_items(text: str, tools: ToolUse | None) -> list[dict]:
@@ -175,4 +207,4 @@ def output_items(text: str, tools: ToolUse | None) -> list[dict]:
         return [message_item(text)]
     content, calls = ChoiceCalls().feed(text, True, streamed=False)
     items = [message_item(content)] if content.strip() or not calls else []
-    return items + [call_item(c) for c in calls]
+    return items + [call_item(c, tools=tools) for c in calls]

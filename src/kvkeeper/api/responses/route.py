@@ -26,7 +26,7 @@ from ..common.rendering import collect
 from ..common.streams import EngineDeadError, RequestStream, Usage
 from .deps import Paging, close_sessions, conversation_store, response_store
 from .events import ResponseEvents
-from .items import output_items, reply_items
+from .items import output_items, reply_items, tools_not_offered
 from .run import ResponseRun, new_response_id, plan_response
 from .schema import ResponsesRequest
 
@@ -82,9 +82,11 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller 
         if run.session:
             await close_sessions(request, run.tenant, [run.id])
         raise
+    hosted = tools_not_offered(body)  # hosted tools this server cannot run: not offered to the model, named here
+    headers = {"X-KVKeeper-Tools-Not-Offered": ", ".join(hosted)} if hosted else {}
     if body.stream:
         return StreamingResponse(_events(request, run, s), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     try:
         got = await collect(request, s, 1)
     except BaseException:
@@ -92,7 +94,8 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller 
             await close_sessions(request, run.tenant, [run.id])
         raise
     text = got.texts[0]
-    return JSONResponse(await _finish(request, run, text, got.reasons[0], got.usage, output_items(text, run.tools)))
+    return JSONResponse(await _finish(request, run, text, got.reasons[0], got.usage, output_items(text, run.tools)),
+                        headers=headers)
 
 
 async def _events(request: Request, run: ResponseRun, s: RequestStream) -> AsyncIterator[str]:

@@ -8,7 +8,9 @@ earlier one (``previous_response_id``) runs as a turn of a session named by its 
 the new input's, and P's KV is handed over whole (``cached_tokens``: P's prompt and reply but its last token,
 whose KV was never computed).  Branching is the same fork from an older response: the branches share their
 common blocks and never see each other's tokens.  A response that is not stored has its session closed once
-it is done.  ``instructions`` are the first (system) message of this request only, as OpenAI's: they are not
+it is done, unless a session header (:data:`~kvkeeper.api.common.context.SESSION_HEADERS`: Codex CLI's
+``session-id``) or ``client_metadata.session_id`` names a session: then an unstored response is a turn of that
+session, which keeps its KV for the next request (an agent resending its whole input each turn, ``store: false``).  ``instructions`` are the first (system) message of this request only, as OpenAI's: they are not
 carried over to the next response, so a client that sends the same instructions each time keeps the prefix.
 """
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..common.context import RequestContext
+from ..common.context import SESSION_ID_RE, RequestContext
 from ..common.errors import APIError
 from ..common.protocol import (cache_namespace, check_body, output_constraint, sampling_params,
                                session_compression)
@@ -94,9 +96,10 @@ def check_response_body(body: ResponsesRequest, ctx: RequestContext) -> str | No
     refused (:data:`~kvkeeper.api.responses.schema.RESPONSES_REFUSED`) and unknown fields (400 naming them):
     :func:`~kvkeeper.api.common.protocol.check_body`'s rules."""
     lora = check_body(body, ctx, RESPONSES_REFUSED)
-    if ctx.session_id is not None:
-        raise APIError(400, "X-Session-ID does not apply to /v1/responses: a stored response is its own session "
-                            "turn; continue it with previous_response_id", param="X-Session-ID")
+    if ctx.session_id is not None and (body.store or body.previous_response_id or body.conversation):
+        raise APIError(400, "X-Session-ID does not apply to a stored response (its own session turn, continued with "
+                            "previous_response_id) nor to one that continues a response or a conversation; with "
+                            "store: false it names the session the request is a turn of", param="X-Session-ID")
     return lora
 
 
@@ -128,25 +131,36 @@ def plan_response(body: ResponsesRequest, ctx: RequestContext, store: ResponseSt
     params = sampling_params(body, body.max_output_tokens, structured=output_constraint(text_format(body), tools))
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     session = conv is None and (body.store or prev is not None)
+    agent = None if session or conv is not None else ctx.session_id or _metadata_session(body)
     ns = cache_namespace(body, ctx)
     policy, budget = ctx.context_policy, ctx.context_budget
-    if not session and conv is None and (policy is not None or budget is not None):
+    if not session and conv is None and agent is None and (policy is not None or budget is not None):
         raise APIError(400, "X-Context-Policy / X-Context-Budget apply to a conversation's turns: store the response "
                             "(store: true), continue one or add to a conversation", param="X-Context-Policy")
-    if not session and conv is None and (ctx.session_compression is not None
+    if not session and conv is None and agent is None and (ctx.session_compression is not None
                                          or ctx.session_compression_ratio is not None):
         raise APIError(400, "X-Session-Compression / X-Session-Compression-Ratio apply to a conversation's turns: store "
                             "the response (store: true), continue one or add to a conversation",
                        param="X-Session-Compression")
     gen = GenerationRequest(rid, params, messages=system + before + msgs,
                             chat={"tools": tools.tools} if tools is not None else {}, namespace=ns, lora=lora,
-                            session_id=conv.id if conv else rid if session else None, tenant=ctx.tenant,
+                            session_id=conv.id if conv else rid if session else agent, tenant=ctx.tenant,
                             quota=ctx.quota, session_priority=ctx.session_priority,
                             context=None if policy is None and budget is None else (policy, budget),
                             session_compression=session_compression(ctx.session_compression,
                                                                     ctx.session_compression_ratio))
     return ResponseRun(rid, body, body.model or ctx.served.name, ctx.tenant, prev, conv, before, known, msgs, items,
                        calls, gen, tools, session, int(time.time()))
+
+
+def _metadata_session(body: ResponsesRequest) -> str | None:
+    """Codex CLI's ``client_metadata.session_id`` (None without); 400 unless 1 to 128 characters of
+    ``A-Z a-z 0-9 . _ : -`` (a session id's, as the session headers')."""
+    sid = (body.client_metadata or {}).get("session_id")
+    if sid is not None and not SESSION_ID_RE.match(sid):
+        raise APIError(400, "client_metadata.session_id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+                       param="client_metadata.session_id")
+    return sid
 
 
 def new_response_id() -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..common.schemas import _OPEN, FunctionDefinition, FunctionName, _only
 
@@ -44,6 +44,7 @@ class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1, max_length=128)
     name: str
+    namespace: str | None = None  # a call of a namespace tool's function (as the response gave it back)
     arguments: str  # JSON text of the arguments object
 
 
@@ -66,6 +67,60 @@ class FunctionTool(FunctionDefinition):
     """A function the model may call (the Responses API's flat form: name and schema beside ``type``)."""
 
     type: Literal["function"]
+
+
+class NamespaceTool(BaseModel):
+    """A named group of function tools (Codex CLI's MCP tools): offered to the model as functions named
+    ``<namespace>__<name>`` (:func:`qualified_name`), given back as ``function_call`` items with ``name`` and
+    ``namespace``."""
+
+    model_config = _OPEN
+    type: Literal["namespace"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    tools: list[FunctionTool]
+
+
+# Hosted tools: run by OpenAI's servers, not by the client.  This server cannot run them: they are not offered to
+# the model, and the response names them (X-KVKeeper-Tools-Not-Offered), so that an agent that always sends them
+# runs on.  "custom" (a free-form tool, e.g. Codex's apply_patch) is not offered either: its calls are raw text.
+HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
+                "computer_use_preview", "mcp", "local_shell", "tool_search", "custom")
+
+
+class HostedTool(BaseModel):
+    """A tool of :data:`HOSTED_TOOLS`: accepted, not offered (its options are not read)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal[HOSTED_TOOLS]
+    name: str | None = None
+
+
+def _tool_type(v: Any) -> Any:
+    t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return t if t in ("function", "namespace") else "hosted"
+
+
+AnyTool = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[NamespaceTool, Tag("namespace")],
+                          Annotated[HostedTool, Tag("hosted")]], Discriminator(_tool_type)]
+
+
+def qualified_name(namespace: str | None, name: str) -> str:
+    """The name the model sees for function ``name`` of ``namespace`` (``name`` alone without one):
+    ``<namespace>__<name>``, or ``<namespace><name>`` when the namespace already ends with ``_``."""
+    if namespace is None:
+        return name
+    return f"{namespace}{name}" if namespace.endswith("_") else f"{namespace}__{name}"
+
+
+class Reasoning(BaseModel):
+    """``reasoning``: a model without reasoning has no effort to set (refused unless null) and no reasoning to
+    summarise (``summary`` accepted: there is nothing to return)."""
+
+    model_config = _OPEN
+    effort: str | None = _only(None)
+    summary: Literal["auto", "concise", "detailed", "none"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed", "none"] | None = None
 
 
 class NamedFunction(FunctionName):
@@ -109,7 +164,7 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     text: TextConfig | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[AnyTool] | None = None  # functions, namespaces of functions; hosted tools are not offered
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     stream: bool = False
@@ -121,8 +176,9 @@ class ResponsesRequest(BaseModel):
     prompt_cache_retention: str | None = _only(None, "in_memory")
     # refused unless they hold their no-op value (see RESPONSES_REFUSED)
     truncation: str | None = _only(None, "disabled")
-    include: list[str] | None = _only(None, [])
-    reasoning: Any = _only(None)
+    include: list[str] | None = _only(None, [], ["reasoning.encrypted_content"])
+    reasoning: Reasoning | None = None
+    client_metadata: dict[str, str] | None = None  # Codex CLI's; its session_id names a session (store false)
     background: bool | None = _only(None, False)
     service_tier: str | None = _only(None, "auto", "default")
     max_tool_calls: Any = _only(None)
@@ -136,8 +192,8 @@ RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
     "prompt_cache_retention": ((None, "in_memory"), "cached prefixes stay in memory until evicted (least recently "
                                                     "used first), as in_memory; a 24h retention is not offered"),
     "truncation": ((None, "disabled"), "a prompt over the context is refused, never cut: send \"disabled\""),
-    "include": ((None, []), "no extra output data is kept (no reasoning, no logprobs, no tool sources)"),
-    "reasoning": ((None,), "this model has no reasoning mode"),
+    "include": ((None, [], ["reasoning.encrypted_content"]), "no extra output data is kept (no logprobs, no tool "
+                                                             "sources; reasoning.encrypted_content: there is none)"),
     "background": ((None, False), "responses run in the foreground; stream them instead"),
     "service_tier": ((None, "auto", "default"), "there is one service tier: auto (or default)"),
     "max_tool_calls": ((None,), "the model calls at most the tools that one reply holds; set parallel_tool_calls"),
@@ -146,6 +202,7 @@ RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
     "stream_options": ((None,), "stream events are not padded (no obfuscation); leave it out"),
     "text.verbosity": ((None, "medium"), "this model has no verbosity setting"),
     "text.format.description": ((None,), "the schema alone constrains the output; describe it in the input"),
+    "reasoning.effort": ((None,), "this model has no reasoning mode: no effort to set (reasoning.summary is accepted)"),
 }
 
 
