@@ -68,9 +68,12 @@ class EngineKV:
         through it; allocate and free blocks through the methods below)."""
         return self.runner.kv_store
 
-    def free_kv(self, seq: Sequence) -> None:
-        """Release a sequence's blocks (its full blocks stay in the prefix cache as cached-free)."""
+    def free_kv(self, seq: Sequence) -> int:
+        """Release a sequence's blocks (its full blocks stay in the prefix cache as cached-free); returns the blocks
+        returned to the pool's free list (a block another owner, e.g. a fork, still references is not)."""
+        before = self.pool.num_used
         self.kv.free(seq)
+        return before - self.pool.num_used
 
     def truncate_kv(self, seq: Sequence, num_tokens: int) -> None:
         """Keep the KV of a sequence's first ``num_tokens`` tokens only (freeing the blocks past them)."""
