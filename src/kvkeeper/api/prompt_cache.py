@@ -8,18 +8,19 @@ requests never do, whatever key they send (the key narrows the tenant's namespac
 
 from __future__ import annotations
 
-import json
-
+from ..kvcache.namespace import Namespace, tenant_namespace
 from .errors import APIError
 
 
-def cache_salt_of(salt: str | None, prompt_cache_key: str | None) -> str | None:
-    """The client salt of a request's cache namespace: ``salt`` (``cache_salt`` or ``X-Cache-Salt``) narrowed by
-    ``prompt_cache_key`` (None: neither).  Raises APIError (400) for a salt or key that is empty or longer than
-    256 characters."""
+def cache_namespace(base: Namespace, tenant: str | None, salt: str | None,
+                    prompt_cache_key: str | None) -> Namespace | None:
+    """A request's cache namespace: ``base`` (the served one) under ``tenant``, ``salt`` (``cache_salt`` or
+    ``X-Cache-Salt``) and ``prompt_cache_key``, each a component of its own
+    (:func:`~kvkeeper.kvcache.namespace.tenant_namespace`: no salt can spell a key); None for none of them.
+    Raises APIError (400) for a salt or key that is empty or longer than 256 characters."""
     for value, param in ((salt, "cache_salt"), (prompt_cache_key, "prompt_cache_key")):
         if value is not None and (not value or len(value) > 256):
             raise APIError(400, f"{param} must be 1 to 256 characters", param=param)
-    if prompt_cache_key is None:
-        return salt
-    return json.dumps(["prompt_cache_key", salt, prompt_cache_key])
+    if salt is None and prompt_cache_key is None and tenant is None:
+        return None
+    return tenant_namespace(base, tenant, salt, prompt_cache_key)

@@ -14,11 +14,10 @@ import re
 
 from ..errors import KVKeeperError
 from ..kvcache.compression import KVCompression
-from ..kvcache.namespace import tenant_namespace
 from ..sampling.params import SamplingParams
 from ..sampling.structured import StructuredOutput
 from .errors import APIError
-from .prompt_cache import cache_salt_of
+from .prompt_cache import cache_namespace
 from .request_parsing import RequestContext
 from .schemas import _SamplingFields, refused_field, unknown_fields
 
@@ -64,8 +63,8 @@ def generation_fields(body: _SamplingFields, ctx: RequestContext, lora: str | No
     it; None for neither), the LoRA adapter (``lora``, which the
     engine thread puts the namespace under), the session headers (``X-Session-Compression`` /
     ``X-Session-Compression-Ratio`` included) and ``kv_compression``."""
-    salt = cache_salt_of(body.cache_salt if body.cache_salt is not None else ctx.cache_salt, body.prompt_cache_key)
-    ns = None if salt is None and ctx.tenant is None else tenant_namespace(ctx.served.namespace, ctx.tenant, salt)
+    ns = cache_namespace(ctx.served.namespace, ctx.tenant, body.cache_salt if body.cache_salt is not None
+                         else ctx.cache_salt, body.prompt_cache_key)
     kv = body.kv_compression
     return dict(namespace=ns, lora=lora, session_id=ctx.session_id, session_priority=ctx.session_priority,
                 compression=None if kv is None else KVCompression(kv.policy, kv.ratio), tenant=ctx.tenant,

@@ -18,10 +18,9 @@ import time
 from dataclasses import dataclass
 
 from ..errors import KVKeeperError
-from ..kvcache.namespace import tenant_namespace
 from ..sampling.params import SamplingParams
 from .errors import APIError
-from .prompt_cache import cache_salt_of
+from .prompt_cache import cache_namespace
 from .protocol import refuse_unknown
 from .request_parsing import RequestContext
 from .conversation_store import Conversation, ConversationStore
@@ -147,8 +146,8 @@ def plan_response(body: ResponsesRequest, ctx: RequestContext, store: ResponseSt
     params = _params(body, tools)
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     session = conv is None and (body.store or prev is not None)
-    salt = cache_salt_of(body.cache_salt if body.cache_salt is not None else ctx.cache_salt, body.prompt_cache_key)
-    ns = None if salt is None and ctx.tenant is None else tenant_namespace(ctx.served.namespace, ctx.tenant, salt)
+    ns = cache_namespace(ctx.served.namespace, ctx.tenant, body.cache_salt if body.cache_salt is not None
+                         else ctx.cache_salt, body.prompt_cache_key)
     policy, budget = ctx.context_policy, ctx.context_budget
     if not session and conv is None and (policy is not None or budget is not None):
         raise APIError(400, "X-Context-Policy / X-Context-Budget apply to a conversation's turns: store the response "
