@@ -106,11 +106,14 @@ class SessionStore:
         self.checkpointed: dict[str, tuple[int, int]] = {}  # session id -> (turns, tokens) of its last checkpoint
 
     def identity(self) -> dict:
-        """What saved KV must match to be continued here: model revision, KV dtype, block size and KV shapes."""
+        """What saved KV must match to be continued here: model revision, KV dtype, block size and KV shapes, and
+        every other setting that changes a K/V entry's bytes (``engine.kv_numerics()``: weight format, activation
+        dtype, KIVI group, RoPE, sliding window, attention backend and kernel mode).  A saved session of another
+        identity is skipped with a warning naming the setting (its next turn recomputes); an import is refused."""
         eng, cfg = self.engine, self.engine.model_config
         return {"model_revision": eng.namespace.model_revision, "kv_dtype": eng.namespace.kv_dtype,
                 "block_size": eng.block_size, "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
-                "head_dim": cfg.head_dim}
+                "head_dim": cfg.head_dim, **eng.kv_numerics()}
 
     # ---- queries -----------------------------------------------------------------------------
     def tier_of(self, session_id: str) -> str | None:
