@@ -9,8 +9,8 @@ cache namespace, so the gateway computes both as a replica's server does, withou
   server's ``messages_of`` and ``tool_use_of`` convert the body first); a completion's text prompt tokenized as
   the replica does (``tokenizer.encode``), a token-id prompt taken as it is;
 * **namespace** -- the replica's base namespace salted by the caller's tenant (its API key, looked up in the
-  server's own key ring) and the client's ``cache_salt`` / ``X-Cache-Salt``: only :func:`salt_hash` of the two
-  is kept (:func:`~kvkeeper.kvcache.namespace.tenant_namespace`); the digest is formed by the router once it
+  server's own key ring), the client's ``cache_salt`` / ``X-Cache-Salt`` and ``prompt_cache_key``: only
+  :func:`salt_hash` of the three is kept (:func:`~kvkeeper.kvcache.namespace.tenant_namespace`); the digest is formed by the router once it
   knows the replicas' base namespace (their routing stats, inside the cluster).
 
 A request the gateway cannot follow gets no tokens (None) and is routed by load: a body that is not a chat or
@@ -92,7 +92,8 @@ class GatewayTokenizer:
         if salt is None:
             raw = headers.get(b"x-cache-salt")
             salt = raw.decode("latin-1") if raw is not None else None
-        if salt is not None and not isinstance(salt, str):
+        key = doc.get("prompt_cache_key")
+        if (salt is not None and not isinstance(salt, str)) or (key is not None and not isinstance(key, str)):
             return None
         if path in CHAT_PATHS:
             ids = self._chat(doc)
@@ -102,7 +103,7 @@ class GatewayTokenizer:
             return None
         if not ids:
             return None
-        return {"tokens": ids, "salt": salt_hash(tenant, salt)}
+        return {"tokens": ids, "salt": salt_hash(tenant, salt, key)}
 
     def _chat(self, doc: dict) -> list[int] | None:
         from ..api.common.messages import messages_of

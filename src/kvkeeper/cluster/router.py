@@ -9,7 +9,7 @@ Four rules, tried in order (:func:`choose`), each decision counted by reason in
    remaps only the sessions of the ring arcs it gains or loses: the lost replica's sessions.
 2. **cache key** -- otherwise a request with ``prompt_cache_key`` goes to the owner of ``pck:<key>`` on the same
    ring: requests naming one cache entry share one replica's prefix cache (a tenant's key scopes its entry on
-   the replica, :func:`kvkeeper.api.common.protocol.cache_salt_of`; the router sees no tenant, so two tenants' equal keys share a
+   the replica, :func:`kvkeeper.api.common.protocol.cache_namespace`; the router sees no tenant, so two tenants' equal keys share a
    replica, never a cache entry).
 3. **prefix** -- otherwise the replica whose published summary (:class:`PrefixSummary`) holds the
    longest run of the request's first prompt blocks (:func:`prompt_block_hashes`), as in the

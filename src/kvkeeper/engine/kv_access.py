@@ -8,6 +8,7 @@ kept apart from the step loop).  It reads the engine's ``pool`` (:class:`kvkeepe
 
 from __future__ import annotations
 
+import json
 from typing import Iterator
 
 from ..errors import InvalidRequestError
@@ -27,6 +28,21 @@ class EngineKV:
             raise InvalidRequestError(f"{what} is not supported with the hybrid KV cache of a sliding-window model "
                                       "(its sliding layers keep KV per window); start the engine with "
                                       "--no-hybrid-kv-cache (hybrid_kv_cache=False) to use it")
+
+    def kv_numerics(self) -> dict:
+        """Every setting besides the model revision, KV dtype, block size and KV shapes that changes the bytes of a
+        K/V entry (saved KV is continued only under the same): the weight format, the activation dtype, the KIVI
+        value group, RoPE (base, local base, scaling, per-frequency factors), the sliding window and whether the
+        cache is hybrid, the attention backend and the kernels' invariant mode.  JSON values (str, int, float,
+        bool, None) that compare equal after a JSON round trip."""
+        r, m = self.runner, self.model_config
+        freqs = None if m.rope_freq_factors is None else json.dumps([float(f) for f in m.rope_freq_factors])
+        return {"weight_format": r.weight_format, "activation_dtype": str(r.dtype).removeprefix("torch."),
+                "kivi_group": r.kv_format.group_v, "rope_theta": float(m.rope_theta),
+                "rope_local_theta": float(m.rope_local_theta),
+                "rope_scaling": None if m.rope_scaling is None else json.dumps(m.rope_scaling, sort_keys=True),
+                "rope_freq_factors": freqs, "sliding_window": m.sliding_window, "hybrid_kv": bool(r.window_blocks),
+                "attention_backend": r.attention_backend, "invariant_kernels": bool(self.config.invariant_kernels)}
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -68,9 +84,12 @@ class EngineKV:
         through it; allocate and free blocks through the methods below)."""
         return self.runner.kv_store
 
-    def free_kv(self, seq: Sequence) -> None:
-        """Release a sequence's blocks (its full blocks stay in the prefix cache as cached-free)."""
+    def free_kv(self, seq: Sequence) -> int:
+        """Release a sequence's blocks (its full blocks stay in the prefix cache as cached-free); returns the blocks
+        returned to the pool's free list (a block another owner, e.g. a fork, still references is not)."""
+        before = self.pool.num_used
         self.kv.free(seq)
+        return before - self.pool.num_used
 
     def truncate_kv(self, seq: Sequence, num_tokens: int) -> None:
         """Keep the KV of a sequence's first ``num_tokens`` tokens only (freeing the blocks past them)."""

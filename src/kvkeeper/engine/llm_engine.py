@@ -32,7 +32,8 @@ from ..weights.formats import may_map_gguf
 from ..weights.loader import load_model
 from ..weights.sources import resolve_model_path
 from ..worker.runner import ModelRunner, parse_dtype
-from ..sampling.sampler import prompt_logprob_entries, sample
+from ..sampling.sampler import TokenMask, prompt_logprob_entries, sample
+from ..text.multimodal import multimodal_token_ids
 from .adapters import AdapterRegistry
 from .config import EngineConfig, resolve_device
 from .cpu_threads import choose_threads
@@ -114,6 +115,7 @@ class LLMEngine(EngineKV):
                                      cfg.control_tokens_in_content)
         self.eos_token_ids, self.grammars = self.inputs.eos_token_ids, self.inputs.grammars  # (structured outputs)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.text_mask = TokenMask(multimodal_token_ids(self.tokenizer, mcfg.vocab_size))  # never sampled for text
 
     # ---- prompts and requests ------------------------------------------------
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **chat) -> list[int]:
@@ -276,7 +278,7 @@ class LLMEngine(EngineKV):
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sequence]:
         """One token per sequence from its row of ``logits`` (B, vocab); returns the finished sequences."""
         ids, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                            [s.processors for s in seqs])
+                            [s.processors for s in seqs], self.text_mask)
         for row, seq in enumerate(seqs):
             if seq.t_first_token is None:  # its prompt KV is complete: hooks see it before anything is freed
                 if self.capture_first_logits:

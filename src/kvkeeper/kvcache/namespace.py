@@ -10,26 +10,38 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 
 from dataclasses import dataclass
 
-SALT_DOMAIN = b"kvkeeper/cache-namespace/v1\x00"  # domain prefix of every salt hash
+SALT_DOMAIN = b"kvkeeper/cache-namespace/v2\x00"  # domain prefix of every salt hash
 DIGEST_DOMAIN = b"kvkeeper/namespace-digest/v1\x00"  # domain prefix of a namespace's digest
 _HASHED = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
-def salt_hash(tenant: str | None, salt: str | None) -> str:
-    """The namespace salt of a tenant (an API key's tenant; None without keys) and a client ``cache_salt``.
+def _field(value: str | None) -> bytes:
+    """One component of a salt, framed: ``00`` when absent (None or ""), else ``01``, its UTF-8 length (8 bytes,
+    big-endian) and its UTF-8 bytes (lone surrogates kept), so that no value can spell another's framing."""
+    if not value:
+        return b"\x00"
+    raw = value.encode("utf-8", "surrogatepass")
+    return b"\x01" + struct.pack(">Q", len(raw)) + raw
 
-    "" when both are None or empty (the engine's own, unsalted namespace); else ``"sha256:" + hex`` of
-    SHA-256 over :data:`SALT_DOMAIN` and the JSON ``[tenant, salt]`` (so no pair of strings collides with
-    another).  A client salt narrows the tenant's namespace and never widens it: every (tenant, salt) pair
-    has its own namespace.  One-way as far as SHA-256 is: a guessable salt can be found by trying
-    guesses, so clients should send random salts.
+
+def salt_hash(tenant: str | None, salt: str | None, cache_key: str | None = None) -> str:
+    """The namespace salt of a tenant (an API key's tenant; None without keys), a client ``cache_salt`` and a
+    ``prompt_cache_key`` (``cache_key``).
+
+    "" when all are None or empty (the engine's own, unsalted namespace); else ``"sha256:" + hex`` of SHA-256
+    over :data:`SALT_DOMAIN` and the three components, each framed by :func:`_field` (typed, length-prefixed),
+    always in that order: distinct (tenant, salt, key) tuples never share a namespace, whatever characters a
+    salt holds (a salt that reads like another tuple's encoding is just a salt).  A salt or key narrows the
+    tenant's namespace and never widens it.  One-way as far as SHA-256 is: a guessable salt can be found by
+    trying guesses, so clients should send random salts.
     """
-    if not tenant and not salt:
+    if not tenant and not salt and not cache_key:
         return ""
-    return "sha256:" + hashlib.sha256(SALT_DOMAIN + json.dumps([tenant or "", salt or ""]).encode()).hexdigest()
+    return "sha256:" + hashlib.sha256(SALT_DOMAIN + _field(tenant) + _field(salt) + _field(cache_key)).hexdigest()
 
 
 def is_salt_hash(value: str) -> bool:
@@ -74,10 +86,12 @@ class Namespace:
         return d
 
 
-def tenant_namespace(base: Namespace, tenant: str | None, salt: str | None) -> Namespace:
-    """``base`` (the engine's namespace) for ``tenant`` and the client ``salt``: ``base`` itself for neither,
-    else the same model, adapter and KV dtype under :func:`salt_hash` ``(tenant, salt)``."""
-    if not tenant and not salt:
+def tenant_namespace(base: Namespace, tenant: str | None, salt: str | None, cache_key: str | None = None) -> Namespace:
+    """``base`` (the engine's namespace) for ``tenant``, the client ``salt`` and ``prompt_cache_key``
+    (``cache_key``): ``base`` itself for none of them, else the same model, adapter and KV dtype under
+    :func:`salt_hash` ``(tenant, salt, cache_key)``: the one encoding every path (chat, completions, responses,
+    sessions, the cluster gateway) uses."""
+    if not tenant and not salt and not cache_key:
         return base
-    return Namespace(base.model_revision, adapter=base.adapter, tenant_salt=salt_hash(tenant, salt),
+    return Namespace(base.model_revision, adapter=base.adapter, tenant_salt=salt_hash(tenant, salt, cache_key),
                      kv_dtype=base.kv_dtype)

@@ -8,7 +8,8 @@ probability mass reaches p.  Min-p follows Nguyen et al., "Turning Up the Heat:
 Min-p Sampling" (2024), as vLLM applies it (after the temperature, before top-k
 and top-p): drop tokens whose probability is below ``min_p`` times the largest.
 Penalties, logit biases, banned words and grammars are logits processors
-(:mod:`kvkeeper.sampling.processors`), applied batched to the rows that have them.
+(:mod:`kvkeeper.sampling.processors`), applied batched to the rows that have them.  Tokens only a multimodal
+input can produce (:mod:`kvkeeper.text.multimodal`) are never picked for a text request (:class:`TokenMask`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,38 @@ from .processors import RequestProcessors, apply_processors
 
 
 NO_TOKEN = -1  # sample()'s pick for a row whose processors exclude every token
+
+
+class TokenMask:
+    """Token ids no row may pick unless its request names them in ``logit_bias`` with a positive bias (then the
+    bias applies as to any token): ids, e.g. a model's multimodal placeholders
+    (:func:`kvkeeper.text.multimodal.multimodal_token_ids`).  Empty: masks nothing, costs nothing."""
+
+    def __init__(self, ids):
+        self.ids = sorted({int(i) for i in ids})
+        self._set = frozenset(self.ids)
+        self._tensors: dict[torch.device, torch.Tensor] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.ids)
+
+    def allowed(self, p: SamplingParams) -> list[int]:
+        """The masked ids request ``p`` asks for (a positive ``logit_bias``)."""
+        return [t for t, b in p.logit_bias.items() if b > 0 and t in self._set] if p.logit_bias else []
+
+    def apply(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """A copy of ``logits`` (B, V) with the masked ids at -inf in every row, but those a row's request
+        asks for (:meth:`allowed`)."""
+        idx = self._tensors.get(logits.device)
+        if idx is None:
+            idx = self._tensors[logits.device] = torch.tensor(self.ids, dtype=torch.int64, device=logits.device)
+        out = logits.index_fill(-1, idx, float("-inf"))
+        for i, p in enumerate(params):
+            keep = self.allowed(p)
+            if keep:
+                k = torch.tensor(keep, dtype=torch.int64, device=logits.device)
+                out[i, k] = logits[i, k]
+        return out
 
 
 def make_generator(params: SamplingParams, device="cpu") -> torch.Generator | None:
@@ -53,22 +86,24 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) 
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    processors: list[RequestProcessors | None] | None = None,
+    processors: list[RequestProcessors | None] | None = None, mask: TokenMask | None = None,
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Pick one token per row.
 
     logits: (B, V) float32, on any device (greedy rows are picked there: only the ids cross to the
     host; rows that sample, return logprobs or have processors are copied to the CPU, where the
     generators live).  processors: per row its :class:`RequestProcessors` or None; rows that have
-    them are changed (in a copy) before the pick.
+    them are changed (in a copy) before the pick.  mask: tokens no row picks (:class:`TokenMask`: a text request
+    never gets a multimodal placeholder) unless its ``logit_bias`` asks for them.
     Returns (token ids, per-row log-softmax (V,) of the unmodified logits when that row asked for
     logprobs, else None).  A row whose processors allow no token at all (e.g. a grammar whose only
     continuations are banned by ``bad_words`` or a -100 ``logit_bias``) gets :data:`NO_TOKEN`.
     """
     out: list[int] = []
     logps: list = []
-    greedy_ids = logits.argmax(-1).tolist()
-    processed = apply_processors(logits, processors) if processors is not None and any(processors) else {}
+    pick = mask.apply(logits, params) if mask else logits  # raw logits stay for the logprobs
+    greedy_ids = pick.argmax(-1).tolist()
+    processed = apply_processors(pick, processors) if processors is not None and any(processors) else {}
     for i, row in processed.items():
         greedy_ids[i] = int(row.argmax()) if bool(torch.isfinite(row.max())) else NO_TOKEN
     for i, p in enumerate(params):
@@ -85,7 +120,7 @@ def sample(
         if p.greedy:
             out.append(int(greedy_ids[i]))
             continue
-        probs = _probs(processed.get(i, raw), p)
+        probs = _probs(processed.get(i, raw if pick is logits else pick[i].cpu()), p)
         out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
     return out, logps
 

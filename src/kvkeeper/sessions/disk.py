@@ -117,11 +117,17 @@ class SavedSession:
     compression: dict | None = None  # the session compression policy (SessionCompression's fields)
 
 
+def identity_difference(saved: dict, identity: dict) -> str:
+    """"" when ``saved`` (a manifest) matches every key of ``identity`` (an engine's), else the differences in
+    words: ``"k=<saved> (this engine: <its>), ..."`` for every key that differs."""
+    return ", ".join(f"{k}={saved.get(k)!r} (this engine: {v!r})" for k, v in identity.items() if saved.get(k) != v)
+
+
 class DiskTier:
     """Session folders under ``root`` for one engine's model and KV settings.
 
-    identity: the settings a saved session must match: model_revision, kv_dtype, block_size,
-    num_layers, num_kv_heads, head_dim.  write_delay_s: test hook (see :func:`atomic_write`).
+    identity: the settings a saved session must match (:meth:`~kvkeeper.sessions.offload.SessionStore.identity`):
+    model_revision, kv_dtype, block_size, num_layers, num_kv_heads, head_dim and the KV numerics.  write_delay_s: test hook (see :func:`atomic_write`).
     """
 
     def __init__(self, root: Path, identity: dict, write_delay_s: float = 0.0):
@@ -137,10 +143,10 @@ class DiskTier:
         sid = session_id or man.get("session_id")
         if man.get("format") != FORMAT:
             raise OffloadError(f"session {sid}: unknown file format {man.get('format')!r} (want {FORMAT})")
-        for k, v in self.identity.items():
-            if man.get(k) != v:
-                raise OffloadError(f"session {sid} was saved with {k}={man.get(k)!r} but this engine has {v!r}; "
-                                   "it can only be continued by an engine with the same model and KV settings")
+        diff = identity_difference(man, self.identity)
+        if diff:
+            raise OffloadError(f"session {sid} was saved with {diff}; it can only be continued by an engine with the "
+                               "same model, weight format, dtypes, KV and kernel settings (its next turn recomputes)")
         for k in ("session_id", "name", "kv_file", "sha256", "namespace", "num_computed", "num_blocks", "token_ids"):
             if k not in man:
                 raise OffloadError(f"session {sid}: the manifest lacks {k!r}")

@@ -227,7 +227,8 @@ class SessionManager:
         return [s.info() for s in self.sessions.values()]
 
     def close(self, session_id: str) -> int:
-        """Free a session's blocks (and any offloaded copy) and forget it; returns the blocks it pinned.
+        """Free a session's blocks (and any offloaded copy) and forget it; returns the blocks this put back on the
+        pool's free list (a block a fork still references stays held).
 
         A turn in flight runs on and frees its blocks when it finishes.  Raises :class:`SessionNotFoundError`.
         """
@@ -314,7 +315,7 @@ class SessionManager:
             return False
         if s is not None:  # stale: forget it without removing the newer files
             s.unpin()
-            self.store.records.pop(session_id, None)
+            self.store.forget(session_id)
             s.kv, s.closed = None, True
             del self.sessions[session_id]
         self._adopt(saved)
@@ -399,7 +400,9 @@ class SessionManager:
 
     # ---- the engine's KV holder protocol --------------------------------------------------------
     def reclaim(self, n_blocks: int) -> int:
-        """Release idle sessions' blocks, least recently used first; returns the block references dropped.
+        """Release idle sessions' blocks, least recently used first, until ``n_blocks`` went back to the pool's
+        free list (or no idle session is left); returns the blocks freed.  Forks share their full blocks, so
+        releasing one frees only its own blocks: the count is of blocks freed, never of references dropped.
 
         A session's KV goes to the host offload tier when that tier has a budget (it comes back on
         the session's next turn); otherwise, or when that fails, the session is unpinned (its full

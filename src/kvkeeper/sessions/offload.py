@@ -6,7 +6,8 @@ An idle session (no turn in flight) pins blocks in the KV pool; compressed KV (a
 (``engine.kv_store.read_blocks``: values plus scales when quantized, so the round trip is
 bit-exact for every KV dtype), frees them, and keeps the copy in a tier:
 
-* **host**: CPU tensors in a dict, within a byte budget (``host_offload_bytes``).
+* **host**: CPU tensors, within a byte budget (``host_offload_bytes``), each block once
+  (:class:`~kvkeeper.sessions.host_blocks.HostBlocks`: forks sharing a prefix in the pool share it here too).
   When the tier is over budget its least recently used sessions move on to disk
   (or, without a data directory, are dropped: their next turn recomputes).
 * **disk**: a folder per session under ``DATA_DIR/sessions`` (format and crash safety:
@@ -26,10 +27,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..errors import InvalidRequestError, KVKeeperError
 from .disk import DiskTier, OffloadError, SavedSession, session_manifest
+from .host_blocks import HostBlocks
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ class OffloadRecord:
     """Where one session's KV went.
 
     tier: "host" or "disk".  num_blocks: blocks' worth of KV (``ceil(num_computed / block_size)``).
-    nbytes: size of the raw KV (bytes).  tensors: the host tier's CPU copies (None on disk).
-    path: the session's directory on disk (None in host memory).  session: the session itself.
+    nbytes: size of the raw KV (bytes).  keys: its blocks' keys in the host tier's :class:`HostBlocks` (None on
+    disk).  path: the session's directory on disk (None in host memory).  session: the session itself.
     """
 
     session_id: str
@@ -54,7 +54,7 @@ class OffloadRecord:
     num_computed: int
     nbytes: int
     last_used: float
-    tensors: dict[str, torch.Tensor] | None = None
+    keys: list[tuple] | None = None
     path: Path | None = None
     session: object | None = None
     kv_offset: int = 0  # tokens session compression dropped: the KV holds num_computed - kv_offset entries
@@ -99,17 +99,21 @@ class SessionStore:
                                           "give a writable --data-dir") from None
             self.disk = DiskTier(self.sessions_dir, self.identity(), write_delay_s)
         self.records: dict[str, OffloadRecord] = {}
+        self.host = HostBlocks()  # the host tier's blocks, each once
         self.counters = OffloadCounters()
         # checkpoints (shared data dirs, kvkeeper.cluster): a restored session's folder stays on disk
         self.keep_disk_copies = False
         self.checkpointed: dict[str, tuple[int, int]] = {}  # session id -> (turns, tokens) of its last checkpoint
 
     def identity(self) -> dict:
-        """What saved KV must match to be continued here: model revision, KV dtype, block size and KV shapes."""
+        """What saved KV must match to be continued here: model revision, KV dtype, block size and KV shapes, and
+        every other setting that changes a K/V entry's bytes (``engine.kv_numerics()``: weight format, activation
+        dtype, KIVI group, RoPE, sliding window, attention backend and kernel mode).  A saved session of another
+        identity is skipped with a warning naming the setting (its next turn recomputes); an import is refused."""
         eng, cfg = self.engine, self.engine.model_config
         return {"model_revision": eng.namespace.model_revision, "kv_dtype": eng.namespace.kv_dtype,
                 "block_size": eng.block_size, "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
-                "head_dim": cfg.head_dim}
+                "head_dim": cfg.head_dim, **eng.kv_numerics()}
 
     # ---- queries -----------------------------------------------------------------------------
     def tier_of(self, session_id: str) -> str | None:
@@ -117,11 +121,14 @@ class SessionStore:
         return rec.tier if rec is not None else None
 
     def bytes_in(self, tier: str) -> int:
+        """Bytes of KV the tier holds (the host tier's shared blocks once)."""
+        if tier == "host":
+            return self.host.nbytes
         return sum(r.nbytes for r in self.records.values() if r.tier == tier)
 
     def num_blocks(self) -> int:
-        """Blocks' worth of KV held in the host and disk tiers."""
-        return sum(r.num_blocks for r in self.records.values())
+        """Blocks' worth of KV held in the host (each shared block once) and disk tiers."""
+        return len(self.host) + sum(r.num_blocks for r in self.records.values() if r.tier == "disk")
 
     def stats(self) -> dict:
         c = self.counters
@@ -144,7 +151,8 @@ class SessionStore:
                                       param="tier")
 
     def offload(self, session, tier: str = "host") -> int:
-        """Move an idle session's KV out of the pool into ``tier``; returns the pool blocks released.
+        """Move an idle session's KV out of the pool into ``tier``; returns the pool blocks released: those
+        returned to the pool's free list (a block a fork or another session still holds is not).
 
         A session already in the host tier moves to disk when ``tier`` is "disk"; a session
         already in ``tier``, holding no KV, or with a turn in flight (its KV belongs to the turn) gives
@@ -166,24 +174,31 @@ class SessionStore:
         eng = self.engine
         nc = st.num_computed
         nb = -(-(nc - st.kv_offset) // eng.block_size)
-        tensors = eng.kv_store.read_blocks(st.block_table[:nb])
-        nbytes = sum(t.nbytes for t in tensors.values())
-        rec = OffloadRecord(session.id, tier, nb, nc, nbytes, session.last_used, session=session,
-                            kv_offset=st.kv_offset)
+        rec = OffloadRecord(session.id, tier, nb, nc, 0, session.last_used, session=session, kv_offset=st.kv_offset)
         if tier == "disk":
-            rec.path = self.disk.write(tensors, session_manifest(session, st, nc, nb, nbytes))  # raises first
+            tensors = eng.kv_store.read_blocks(st.block_table[:nb])
+            rec.nbytes = sum(t.nbytes for t in tensors.values())
+            rec.path = self.disk.write(tensors, session_manifest(session, st, nc, nb, rec.nbytes))  # raises first
         else:
-            if eng.kv_store.device.type == "cuda":
-                tensors = {k: t.pin_memory() for k, t in tensors.items()}
-            rec.tensors = tensors
-        freed = len(st.block_table)
-        eng.free_kv(st)  # full blocks stay in the prefix cache as cached-free; token ids stay
+            rec.keys = HostBlocks.keys_of(st, nb, eng.block_size)
+            self.host.put(eng.kv_store, st.block_table[:nb], rec.keys)
+            rec.nbytes = self.host.size_of(rec.keys)
+        nbytes = rec.nbytes
+        freed = eng.free_kv(st)  # full blocks stay in the prefix cache as cached-free; token ids stay
         self.records[session.id] = rec
         self.counters.offloads[tier] += 1
         self.counters.offload_bytes[tier] += nbytes
         if tier == "host":
             self._enforce_host_budget()
         return freed
+
+    def forget(self, session_id: str) -> OffloadRecord | None:
+        """Forget a session's record, releasing its host-tier blocks (disk files stay); returns it."""
+        rec = self.records.pop(session_id, None)
+        if rec is not None and rec.keys is not None:
+            self.host.release(rec.keys)
+            rec.keys = None
+        return rec
 
     def _enforce_host_budget(self) -> None:
         while self.bytes_in("host") > self.host_budget:
@@ -196,14 +211,15 @@ class SessionStore:
                     log.warning("%s; dropping its KV instead (the next turn recomputes)", e)
             log.info("host offload tier over budget (%d bytes): dropping session %s's KV", self.host_budget,
                      victim.session_id)
-            self.records.pop(victim.session_id, None)
+            self.forget(victim.session_id)
             self.counters.dropped += 1
 
     def _host_to_disk(self, rec: OffloadRecord) -> None:
         s = rec.session
-        rec.path = self.disk.write(rec.tensors, session_manifest(s, s.kv, rec.num_computed, rec.num_blocks, rec.nbytes,
-                                                                 rec.kv_offset))
-        rec.tier, rec.tensors = "disk", None
+        rec.path = self.disk.write(self.host.gather(rec.keys), session_manifest(
+            s, s.kv, rec.num_computed, rec.num_blocks, rec.nbytes, rec.kv_offset))
+        self.host.release(rec.keys)
+        rec.tier, rec.keys = "disk", None
         self.counters.offloads["disk"] += 1
         self.counters.offload_bytes["disk"] += rec.nbytes
 
@@ -291,7 +307,7 @@ class SessionStore:
         self.engine.commit_kv(st)  # re-register the full blocks under their chained hashes (none when compressed)
         self.counters.restores[rec.tier] += 1
         self.counters.restore_bytes[rec.tier] += rec.nbytes
-        self.records.pop(session.id, None)
+        self.forget(session.id)
         if rec.tier == "disk" and not self.keep_disk_copies:
             self.disk.remove(rec.path)
         return True
@@ -301,7 +317,7 @@ class SessionStore:
         st, eng = session.kv, self.engine
         if st is None:
             raise OffloadError(f"session {session.id} has no token state to restore into")
-        tensors = rec.tensors if rec.tier == "host" else self.disk.load(
+        tensors = self.host.gather(rec.keys) if rec.tier == "host" else self.disk.load(
             rec.path, session.id, st.namespace, rec.num_computed, rec.num_blocks, st.token_ids, rec.kv_offset)
         if not eng.kv_store.uniform:
             raise OffloadError(f"session {session.id}: saved KV cannot be restored into a hybrid (sliding-window) KV "
@@ -319,7 +335,7 @@ class SessionStore:
 
     def discard(self, session_id: str) -> None:
         """Forget a session's offloaded KV (host copy dropped, disk files removed, a checkpoint too)."""
-        rec = self.records.pop(session_id, None)
+        rec = self.forget(session_id)
         if rec is not None and rec.tier == "disk":
             self.disk.remove(rec.path)
         elif self.checkpointed.pop(session_id, None) is not None or (self.keep_disk_copies and self.disk is not None):

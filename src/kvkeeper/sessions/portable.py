@@ -23,7 +23,7 @@ from ..engine.sequence import Sequence, SeqStatus
 from ..errors import InvalidRequestError
 from ..kvcache.namespace import Namespace, salt_hash
 from ..sampling.params import SamplingParams
-from .disk import session_manifest
+from .disk import identity_difference, session_manifest
 from .manager import SessionManager, restore_context
 from .session import Session
 
@@ -75,10 +75,10 @@ def read_export(data: bytes, identity: dict) -> tuple[dict, bytes]:
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise InvalidRequestError(f"unknown session file format {man.get('format') if isinstance(man, dict) else None!r}"
                                   f" (this server reads {FORMAT})")
-    for k, v in identity.items():
-        if man.get(k) != v:
-            raise InvalidRequestError(f"the session was exported with {k}={man.get(k)!r}, this server has {v!r}: "
-                                      "import it on a server of the same model revision and KV settings")
+    diff = identity_difference(man, identity)
+    if diff:
+        raise InvalidRequestError(f"the session was exported with {diff}: import it on a server of the same model "
+                                  "revision, weight format, dtypes, KV and kernel settings")
     return man, body[len(MAGIC) + 8 + n:]
 
 

@@ -163,12 +163,11 @@ class Session:
         return self.manager.store.offload(self, tier)
 
     def unpin(self) -> int:
-        """Release the pinned blocks (full ones stay in the prefix cache); returns how many were held."""
+        """Release the pinned blocks (full ones stay in the prefix cache); returns how many went back to the pool's
+        free list (blocks a fork of this session still references stay held)."""
         if self.kv is None or not self.kv.block_table:
             return 0
-        n = len(self.kv.block_table)
-        self.engine.free_kv(self.kv)
-        return n
+        return self.engine.free_kv(self.kv)
 
     def close(self) -> None:
         """Free the session's blocks (and any offloaded copy) and forget it; a turn in flight frees its own.

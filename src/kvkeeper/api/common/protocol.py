@@ -4,7 +4,7 @@ SamplingParams per choice: :func:`sampling_params`; logit bias, stop strings, se
 its clash with tools (:func:`structured_output`, :func:`output_constraint`), the cache namespace
 (:func:`cache_namespace`), a session's compression and KV compression.
 
-Prompt caching (OpenAI's ``prompt_cache_key``, :func:`cache_salt_of`): the key names the cache entry a
+Prompt caching (OpenAI's ``prompt_cache_key``, :func:`cache_namespace`): the key names the cache entry a
 request's prefixes belong to: requests of one tenant with the same key share their cached prefixes, requests with
 another key (or none) never hit them, and another tenant's requests never do, whatever key they send (the key
 narrows the tenant's namespace like ``cache_salt``: :func:`~kvkeeper.kvcache.namespace.tenant_namespace`).  With
@@ -83,12 +83,20 @@ def session_compression(policy: str | None, ratio: float | None) -> tuple[str | 
 
 
 def cache_namespace(body, ctx: RequestContext):
-    """The request's prefix-cache namespace (every endpoint's one rule): the served one salted by the caller's
-    tenant and the client's ``cache_salt`` (or ``X-Cache-Salt``), narrowed by ``prompt_cache_key``
-    (:func:`cache_salt_of`; :func:`~kvkeeper.kvcache.namespace.tenant_namespace`: a salt narrows the tenant's
-    namespace, never widens it); None for neither."""
-    salt = cache_salt_of(body.cache_salt if body.cache_salt is not None else ctx.cache_salt, body.prompt_cache_key)
-    return None if salt is None and ctx.tenant is None else tenant_namespace(ctx.served.namespace, ctx.tenant, salt)
+    """The request's prefix-cache namespace (every endpoint's one rule): the served one under the caller's tenant,
+    the client's ``cache_salt`` (or ``X-Cache-Salt``) and ``prompt_cache_key``, each a component of its own
+    (:func:`~kvkeeper.kvcache.namespace.tenant_namespace`: typed and length-prefixed, so no salt can spell a key;
+    a salt narrows the tenant's namespace, never widens it); None for none of them.  ``prompt_cache_key``: requests
+    of one tenant with the same key share their cached prefixes, other keys (or none) never hit them.  Raises
+    APIError (400) for a salt or key that is empty or longer than 256 characters."""
+    salt = body.cache_salt if body.cache_salt is not None else ctx.cache_salt
+    key = body.prompt_cache_key
+    for value, param in ((salt, "cache_salt"), (key, "prompt_cache_key")):
+        if value is not None and (not value or len(value) > 256):
+            raise APIError(400, f"{param} must be 1 to 256 characters", param=param)
+    if salt is None and key is None and ctx.tenant is None:
+        return None
+    return tenant_namespace(ctx.served.namespace, ctx.tenant, salt, key)
 
 
 def prediction_text(body) -> str | None:
@@ -104,18 +112,6 @@ def prediction_text(body) -> str | None:
             raise APIError(400, f"prediction.content.{i}: only text parts are supported (type \"text\" with its "
                                 "\"text\")", param=f"prediction.content.{i}")
     return "".join(part.text for part in pred.content)
-
-
-def cache_salt_of(salt: str | None, prompt_cache_key: str | None) -> str | None:
-    """The client salt of a request's cache namespace: ``salt`` (``cache_salt`` or ``X-Cache-Salt``) narrowed by
-    ``prompt_cache_key`` (None: neither).  Raises APIError (400) for a salt or key that is empty or longer than
-    256 characters."""
-    for value, param in ((salt, "cache_salt"), (prompt_cache_key, "prompt_cache_key")):
-        if value is not None and (not value or len(value) > 256):
-            raise APIError(400, f"{param} must be 1 to 256 characters", param=param)
-    if prompt_cache_key is None:
-        return salt
-    return json.dumps(["prompt_cache_key", salt, prompt_cache_key])
 
 
 def logit_bias_of(body) -> dict[int, float]:

@@ -192,7 +192,7 @@ class _SamplingFields(BaseModel):
     service_tier: str | None = _only(None, "auto", "default")
     store: bool | None = _only(None, False)
     metadata: dict[str, Any] | None = _only(None, {})
-    prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)  # scopes the prefix cache (cache_salt_of)
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)  # scopes the prefix cache (cache_namespace)
     prompt_cache_retention: str | None = _only(None, "in_memory")
     prompt_cache_options: Any = _only(None)
     moderation: Any = _only(None)

@@ -1,0 +1,120 @@
+"""Admission on a small pool with forked sessions and stored responses (issue 44 item 1), against a real server.
+
+One server (the embedded SmolLM2-135M, ``--kv-blocks 48 --max-model-len 1024``: 768 tokens of KV) is shared by
+the module.  Stored responses continuing one another and sessions forked through the API share their prefix
+blocks; a request that fits the pool once the idle sessions are offloaded is never refused, and 50 busy sessions
+next to 25 idle ones never wedge the server: every request finishes or is told to retry (429 / 503 with
+``Retry-After``), none gets a 400.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+import uuid
+
+import httpx
+import pytest
+
+from tests.utils.serverproc import running_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+WORDS = ("river stone maple copper lantern orchard harbour violet meadow falcon quartz saffron ember tundra "
+         "willow cobalt glacier thistle juniper marble canyon").split()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("reclaim")
+    with running_server(d / "server.log", "--threads", "2", "--kv-blocks", "48", "--max-model-len", "1024") as base:
+        yield base
+
+
+def _text(n_words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def _tokens(server, text: str) -> int:
+    r = httpx.post(server + "/tokenize", json={"model": MODEL, "prompt": text}, timeout=60)
+    r.raise_for_status()
+    return r.json()["count"]
+
+
+def _prompt_of(server, n_tokens: int, seed: int) -> str:
+    words = n_tokens
+    while _tokens(server, _text(words, seed)) > n_tokens:
+        words -= 1
+    return _text(words, seed)
+
+
+def _completion(server, prompt: str) -> httpx.Response:
+    return httpx.post(server + "/v1/completions", timeout=300, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+
+
+def _cleanup(server):
+    for s in httpx.get(server + "/v1/sessions", timeout=30).json()["data"]:
+        httpx.delete(f"{server}/v1/sessions/{s['id']}", timeout=30)
+
+
+def test_stored_responses_continuing_one_never_refuse_a_completion_that_fits(server):
+    try:
+        first = httpx.post(server + "/v1/responses", timeout=300, json={
+            "model": MODEL, "input": _prompt_of(server, 370, 1), "max_output_tokens": 4, "temperature": 0})
+        assert first.status_code == 200, first.text
+        for k in range(4):
+            r = httpx.post(server + "/v1/responses", timeout=300, json={
+                "model": MODEL, "input": f"Say {WORDS[k]}.", "previous_response_id": first.json()["id"],
+                "max_output_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+        r = _completion(server, _prompt_of(server, 300, 2))
+        assert r.status_code == 200, r.text
+    finally:
+        _cleanup(server)
+
+
+def test_forks_through_the_api_never_refuse_a_completion_that_fits(server):
+    sid = f"probe-{uuid.uuid4().hex[:6]}"
+    try:
+        r = httpx.post(server + "/v1/chat/completions", headers={"X-Session-ID": sid}, timeout=300, json={
+            "model": MODEL, "messages": [{"role": "user", "content": _prompt_of(server, 540, 3)}],
+            "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        for k in range(5):
+            f = httpx.post(f"{server}/v1/sessions/{sid}/fork", params={"id": f"{sid}-f{k}"}, timeout=60)
+            assert f.status_code == 200, f.text
+        for seed in (4, 5, 6):  # the probe was refused three times in a row, one more fork offloaded each time
+            r = _completion(server, _prompt_of(server, 300, seed))
+            assert r.status_code == 200, r.text
+    finally:
+        _cleanup(server)
+
+
+def _turn(server, sid: str, content: str) -> httpx.Response:
+    return httpx.post(server + "/v1/chat/completions", headers={"X-Session-ID": sid}, timeout=600, json={
+        "model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 3, "temperature": 0})
+
+
+def test_fifty_hot_and_twenty_five_cold_sessions_never_wedge_the_server(server):
+    try:
+        answers = []
+        for k in range(25):  # cold: one turn each, then idle
+            answers.append(_turn(server, f"cold-{k}", _text(30 + k, 100 + k)))
+            if k % 5 == 0 and answers[-1].status_code == 200:  # some have forks sharing their blocks
+                assert httpx.post(f"{server}/v1/sessions/cold-{k}/fork", timeout=60).status_code == 200
+        with cf.ThreadPoolExecutor(max_workers=50) as pool:  # hot: 50 sessions' turns at once
+            answers += pool.map(lambda k: _turn(server, f"hot-{k}", _text(20 + k, 200 + k)), range(50))
+        codes = sorted(r.status_code for r in answers)
+        bad = [r.text for r in answers if r.status_code not in (200, 429, 503)]
+        assert not bad, (codes, bad[:3])
+        assert all("retry-after" in r.headers for r in answers if r.status_code in (429, 503))
+        assert codes.count(200) >= 1
+        health = httpx.get(server + "/health", timeout=30)
+        assert health.status_code == 200
+        r = _completion(server, _prompt_of(server, 300, 7))  # not wedged: a request that fits still runs
+        assert r.status_code == 200, r.text
+    finally:
+        _cleanup(server)
