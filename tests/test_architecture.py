@@ -247,22 +247,26 @@ def test_no_repeated_code_in_the_package():
 def documented_modules(doc: Path) -> set[str]:
     """Module paths (relative to ``src/kvkeeper``) that docs/architecture.md's package tree names.
 
-    The tree is the code block under ``## The package``: a line ``  folder/  ...`` opens that folder's entry
-    (``api/chat/`` included), a line starting with anything else is the package root's; every ``name.py`` on an
-    entry's lines is read as ``folder/name.py``."""
+    The tree is the code block under ``## The package``: a line ``  folder/  ...`` opens that folder's entry, one
+    indented further (``    chat/``) a subfolder of the entry above it; a line starting at the first level with
+    anything else is the package root's; every ``name.py`` on an entry's lines is read as ``folder/name.py``."""
     text = doc.read_text(encoding="utf-8")
     m = re.search(r"^## The package\n.*?```\n(.*?)```", text, re.S | re.M)
     assert m, f"{doc.name} lacks the package tree (a code block under '## The package')"
     found: set[str] = set()
+    stack: list[tuple[int, str]] = []  # (indent, folder path) of the entries open above this line
     folder = ""
     for line in m.group(1).splitlines():
-        head = re.match(r"  (\S+/)\s", line)
-        if head:
-            folder = head.group(1).removeprefix("src/kvkeeper/")
+        head = re.match(r"( {2,})(\S+/)\s", line)
+        if head and not head.group(2).startswith("src/"):
+            while stack and stack[-1][0] >= len(head.group(1)):
+                stack.pop()
+            folder = (stack[-1][1] if stack else "") + head.group(2)
+            stack.append((len(head.group(1)), folder))
         elif re.match(r"  \S", line):
-            folder = ""
+            stack, folder = [], ""
         found |= {folder + name + ".py" for name in re.findall(r"\b(\w+)\.py\b", line)}
-    return found - {"kvkeeper/"}
+    return found
 
 
 def package_modules(pkg_dir: Path) -> set[str]:
@@ -376,10 +380,10 @@ def test_tests_build_their_engines_through_make_engine(tmp_path):
 
 def test_a_module_missing_from_the_architecture_page_is_caught(tmp_path):
     doc = tmp_path / "architecture.md"
-    doc.write_text("# A\n\n## The package\n\n```\nsrc/kvkeeper/\n  api/chat/       route.py (the route),\n"
+    doc.write_text("# A\n\n## The package\n\n```\nsrc/kvkeeper/\n  api/            app.py\n    chat/         route.py (the route),\n"
                    "                  serving.py\n  errors.py       errors\n```\n")
     pkg = _fake_package(tmp_path, {"__init__.py": "", "errors.py": "", "api/__init__.py": "",
                                    "api/chat/__init__.py": "", "api/chat/route.py": "", "api/chat/serving.py": "",
                                    "api/chat/protocol.py": ""}) / "fake"
-    assert documented_modules(doc) == {"api/chat/route.py", "api/chat/serving.py", "errors.py"}
+    assert documented_modules(doc) == {"api/app.py", "api/chat/route.py", "api/chat/serving.py", "errors.py"}
     assert package_modules(pkg) - documented_modules(doc) == {"api/chat/protocol.py"}
