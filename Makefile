@@ -58,8 +58,8 @@ bench-files: setup
 	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
 	$(LLAMA_VENV)/bin/python -c "import llama_cpp.server" 2>/dev/null || $(LLAMA_VENV)/bin/pip install "$(LLAMA_CPP_PY)[server]"
 	mkdir -p $(SYNTH)
-	test -f $(SYNTH)/synth-1.7b-q4km.gguf || $(VPY) benchmarks/synth_gguf.py --shape 1.7b --out $(SYNTH)/synth-1.7b-q4km.gguf
-	test -f $(SYNTH)/synth-8b-q4km.gguf || $(VPY) benchmarks/synth_gguf.py --shape 8b --out $(SYNTH)/synth-8b-q4km.gguf
+	test -f $(SYNTH)/synth-1.7b-q4km.gguf || $(VPY) -m kvkeeper.weights.synth_gguf --shape 1.7b --out $(SYNTH)/synth-1.7b-q4km.gguf
+	test -f $(SYNTH)/synth-8b-q4km.gguf || $(VPY) -m kvkeeper.weights.synth_gguf --shape 8b --out $(SYNTH)/synth-8b-q4km.gguf
 	$(VPY) benchmarks/files_bench.py --llama-python $(LLAMA_VENV)/bin/python --file embedded \
 		--file gemma-3-270m \
 		--file $(SYNTH)/synth-1.7b-q4km.gguf --file $(SYNTH)/synth-8b-q4km.gguf

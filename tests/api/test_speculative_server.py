@@ -18,7 +18,9 @@ from tests.utils.serverproc import running_server
 openai = pytest.importorskip("openai")
 
 MODEL = "smollm2-135m-instruct"
-SPEC = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1}'
+# adaptive false: every draft is 8 tokens long whatever the step timings (the adaptive length follows the machine's
+# load through the cost model), so the prediction counts below are a function of the tokens only
+SPEC = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "adaptive": false}'
 TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick "
         "daft zebras jump.")
 ASK = [{"role": "user", "content": f"Repeat this text exactly:\n\n{TEXT}"}]
