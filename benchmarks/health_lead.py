@@ -1,6 +1,6 @@
 """How early can a long-context breach be seen?  Queue signals against the trend forecast, on training traces (issue 29).
 
-    python benchmarks/health_eval.py --seeds 0-11 --predictors trend --json /tmp/train.json \\
+    python -m kvkeeper.eval.health_eval --seeds 0-11 --predictors trend --json /tmp/train.json \\
         --traces /tmp/train.jsonl.gz                      # the training traces (seeds 0-11)
     python benchmarks/health_lead.py --traces /tmp/train.jsonl.gz --json benchmarks/results/health_lead-DATE.json
 
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from health_eval import read_training_traces  # noqa: E402
+from kvkeeper.eval.health_eval import read_training_traces  # noqa: E402
 
 from kvkeeper.diagnostics.health_predict import Forecast, TrendPredictor  # noqa: E402
 from kvkeeper.eval.health_score import score_episode, summarize  # noqa: E402
