@@ -207,21 +207,6 @@ def test_huge_layer_range_is_refused_at_once(num_layers):
     assert parse_layers("2-4,0", 30) == [0, 2, 3, 4]
 
 
-def test_kv_dump_errors_are_messages_under_python_m_kvkeeper_cli(tmp_path):
-    # `python -m kvkeeper.cli` runs the module as __main__; the kv subcommands raise kvkeeper.cli.CLIError,
-    # which must still be caught (it printed a traceback and exited 1)
-    import os
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "kv", "dump", "--session", "s1",
-                        "-o", str(tmp_path / "x.safetensors")], capture_output=True, text=True, timeout=120,
-                       env=os.environ.copy())
-    assert r.returncode == 2, r.stderr
-    assert "Traceback" not in r.stderr
-    assert "error: --session needs --server URL" in r.stderr
-
-
 def test_kv_dump_to_a_folder_is_refused_before_any_work(tmp_path, monkeypatch):
     import kvkeeper.cli as cli
 
