@@ -24,11 +24,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kvkeeper.eval.health_eval import parse_seeds, read_traces  # noqa: E402
-
-from kvkeeper.diagnostics.health_predict import LSTM_WEIGHTS, LstmAttention, LstmPredictor, features  # noqa: E402
-from kvkeeper.eval.health_score import score_episode, summarize  # noqa: E402
+from kvkeeper.diagnostics.health_predict import LSTM_WEIGHTS, LstmAttention, LstmPredictor, features
+from kvkeeper.eval.health_eval import parse_seeds, read_traces
+from kvkeeper.eval.health_score import score_episode, summarize
 
 
 def windows(traces: list[dict], window: int, horizon_s: float, objective: float):
