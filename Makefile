@@ -58,8 +58,8 @@ bench-files: setup
 	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
 	$(LLAMA_VENV)/bin/python -c "import llama_cpp.server" 2>/dev/null || $(LLAMA_VENV)/bin/pip install "$(LLAMA_CPP_PY)[server]"
 	mkdir -p $(SYNTH)
-	test -f $(SYNTH)/synth-1.7b-q4km.gguf || $(VPY) benchmarks/synth_gguf.py --shape 1.7b --out $(SYNTH)/synth-1.7b-q4km.gguf
-	test -f $(SYNTH)/synth-8b-q4km.gguf || $(VPY) benchmarks/synth_gguf.py --shape 8b --out $(SYNTH)/synth-8b-q4km.gguf
+	test -f $(SYNTH)/synth-1.7b-q4km.gguf || $(VPY) -m kvkeeper.weights.synth_gguf --shape 1.7b --out $(SYNTH)/synth-1.7b-q4km.gguf
+	test -f $(SYNTH)/synth-8b-q4km.gguf || $(VPY) -m kvkeeper.weights.synth_gguf --shape 8b --out $(SYNTH)/synth-8b-q4km.gguf
 	$(VPY) benchmarks/files_bench.py --llama-python $(LLAMA_VENV)/bin/python --file embedded \
 		--file gemma-3-270m \
 		--file $(SYNTH)/synth-1.7b-q4km.gguf --file $(SYNTH)/synth-8b-q4km.gguf
@@ -76,10 +76,10 @@ SOAK_MINUTES ?= 30
 soak: setup
 	$(VPY) benchmarks/soak.py --minutes $(SOAK_MINUTES)
 
-# Cache-health prediction on generated incidents, held-out seeds (benchmarks/health_eval.py; about 40 min on
+# Cache-health prediction on generated incidents, held-out seeds (kvkeeper.eval.health_eval; about 40 min on
 # this machine: a tiny random model on a simulated clock, so the figures do not depend on the machine's load)
 health-eval: setup
-	PYTHONPATH=$(CURDIR)/src $(VPY) benchmarks/health_eval.py --seeds 100-119 --soak-s 3600 --soak-seeds 200-201 \
+	PYTHONPATH=$(CURDIR)/src $(VPY) -m kvkeeper.eval.health_eval --seeds 100-119 --soak-s 3600 --soak-seeds 200-201 \
 		--proactive --json benchmarks/results/health_eval-heldout.json
 
 # KV dtypes and compression policies, with NVIDIA kvpress as the peer in its own venv

@@ -1,6 +1,6 @@
 """Train the cache-health LSTM with attention (kvkeeper.diagnostics.health_predict.LstmAttention) on generated traces.
 
-    python benchmarks/health_eval.py --seeds 0-11 --predictors ewma,trend --json /tmp/train.json \\
+    python -m kvkeeper.eval.health_eval --seeds 0-11 --predictors ewma,trend --json /tmp/train.json \\
         --traces /tmp/train.jsonl.gz                      # the training traces (seeds 0-11)
     python benchmarks/train_health_lstm.py --traces /tmp/train.jsonl.gz --train-seeds 0-8 --tune-seeds 9-11 \\
         [--out src/kvkeeper/diagnostics/health_lstm.safetensors]
@@ -24,11 +24,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from health_eval import parse_seeds, read_traces  # noqa: E402
-
-from kvkeeper.diagnostics.health_predict import LSTM_WEIGHTS, LstmAttention, LstmPredictor, features  # noqa: E402
-from kvkeeper.eval.health_score import score_episode, summarize  # noqa: E402
+from kvkeeper.diagnostics.health_predict import LSTM_WEIGHTS, LstmAttention, LstmPredictor, features
+from kvkeeper.eval.health_eval import parse_seeds, read_traces
+from kvkeeper.eval.health_score import score_episode, summarize
 
 
 def windows(traces: list[dict], window: int, horizon_s: float, objective: float):

@@ -38,16 +38,24 @@ def _rewritten(data: bytes, **fields) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
-def test_export_import_continues_on_a_second_server(tmp_path):
-    with running_server(tmp_path / "a.log", *ARGS) as a:
-        r1 = _turn(a, "s1", FIRST, 20)
-        exp = httpx.get(f"{a}/v1/sessions/s1/export", timeout=60)
-        assert exp.status_code == 200 and exp.headers["content-type"] == "application/octet-stream"
-        data = exp.content
-        second = FIRST + [{"role": "assistant", "content": r1.choices[0].message.content},
-                          {"role": "user", "content": "Where do I live?"}]
-        on_a = _turn(a, "s1", second)
+@pytest.fixture(scope="module")
+def server_a(tmp_path_factory):
+    """The module's first server (the export's source, and the prefix-cache reset's, in its own cache namespace)."""
+    with running_server(tmp_path_factory.mktemp("transfer") / "a.log", *ARGS) as base:
+        yield base
+
+
+def test_export_import_continues_on_a_second_server(server_a, tmp_path):
+    a = server_a
+    r1 = _turn(a, "s1", FIRST, 20)
+    exp = httpx.get(f"{a}/v1/sessions/s1/export", timeout=60)
+    assert exp.status_code == 200 and exp.headers["content-type"] == "application/octet-stream"
+    data = exp.content
+    second = FIRST + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "Where do I live?"}]
+    on_a = _turn(a, "s1", second)
     assert on_a.usage.prompt_tokens_details.cached_tokens == r1.usage.total_tokens - 1
+    # the second server must be a fresh one: nothing imported before, and the import must not find s1 open
     with running_server(tmp_path / "b.log", *ARGS) as b:
         corrupt = bytearray(data)
         corrupt[len(data) // 2] ^= 0xFF
@@ -66,16 +74,20 @@ def test_export_import_continues_on_a_second_server(tmp_path):
 
 
 
-def test_admin_reset_of_the_prefix_cache(tmp_path):
+def test_admin_reset_of_the_prefix_cache(server_a):
     long = [{"role": "user", "content": "A note on maps and globes and the people who drew them. " * 8}]
-    with running_server(tmp_path / "c.log", *ARGS) as c:
-        client = openai.OpenAI(base_url=c + "/v1", api_key="x", max_retries=0, timeout=120)
+    c = server_a
+    client = openai.OpenAI(base_url=c + "/v1", api_key="x", max_retries=0, timeout=120)
+    # a cache namespace of its own: the chat template's opening, cached by the other test's turns on this shared
+    # server, is not found by these requests, so the first one computes everything as on a fresh server
+    salt = {"X-Cache-Salt": "reset-test"}
 
-        def cached():
-            r = client.chat.completions.create(model=MODEL, messages=long, max_tokens=2, temperature=0)
-            return r.usage.prompt_tokens_details.cached_tokens
+    def cached():
+        r = client.chat.completions.create(model=MODEL, messages=long, max_tokens=2, temperature=0,
+                                           extra_headers=salt)
+        return r.usage.prompt_tokens_details.cached_tokens
 
-        assert cached() == 0 and cached() > 0
-        r = httpx.post(f"{c}/admin/kv/reset_prefix_cache", timeout=30)
-        assert r.status_code == 200 and r.json()["evicted_blocks"] > 0
-        assert cached() == 0
+    assert cached() == 0 and cached() > 0
+    r = httpx.post(f"{c}/admin/kv/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200 and r.json()["evicted_blocks"] > 0
+    assert cached() == 0

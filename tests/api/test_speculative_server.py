@@ -18,7 +18,9 @@ from tests.utils.serverproc import running_server
 openai = pytest.importorskip("openai")
 
 MODEL = "smollm2-135m-instruct"
-SPEC = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1}'
+# adaptive false: every draft is 8 tokens long whatever the step timings (the adaptive length follows the machine's
+# load through the cost model), so the prediction counts below are a function of the tokens only
+SPEC = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "adaptive": false}'
 TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick "
         "daft zebras jump.")
 ASK = [{"role": "user", "content": f"Repeat this text exactly:\n\n{TEXT}"}]
@@ -38,7 +40,8 @@ def server(server_log):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0, timeout=120)
+    # a generous bound: on a loaded 2-core machine one 40-token reply has taken over 120 s
+    return openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0, timeout=900)
 
 
 def _chat(client, **kw):

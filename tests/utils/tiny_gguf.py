@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.unit.weights.conftest import load_synth
+from kvkeeper.weights import synth_gguf
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -81,7 +81,7 @@ def _tokenizer(w) -> None:
     """Copy every ``tokenizer.*`` field of the embedded GGUF (read once per process by synth_gguf)."""
     from kvkeeper.weights.sources import resolve_model_path
 
-    for key, value, vtype, sub in load_synth().tokenizer_fields(str(resolve_model_path())):
+    for key, value, vtype, sub in synth_gguf.tokenizer_fields(str(resolve_model_path())):
         w.add_key_value(key, value, vtype, sub)
 
 
@@ -128,7 +128,7 @@ def _matrix(name: str, arr: np.ndarray, matrices: str, n_layers: int, rng: np.ra
     if matrices == "F16":
         return np.ascontiguousarray(arr, dtype=np.float16), None
     if matrices == "Q4_K_M":
-        synth = load_synth()
+        synth = synth_gguf
         layer = int(name.split(".")[1]) if name.startswith("blk.") else None
         type_name = synth.q4_k_m_type(name, layer, n_layers)
         rows = int(np.prod(arr.shape[:-1]))

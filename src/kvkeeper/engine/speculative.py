@@ -80,7 +80,10 @@ class SpeculativeConfig:
     more running sequences than this drafts nothing (None: the cost model alone decides, see the module docstring).
     suffix_decoding_max_cached_requests (suffix): finished requests whose tokens the suffix tables hold, all
     namespaces together (the oldest leave first).  suffix_decoding_min_token_prob (suffix): a table draft stops at
-    the first token whose estimated probability (its count over its context's) is below this (0..1).
+    the first token whose estimated probability (its count over its context's) is below this (0..1).  adaptive:
+    true (default) sizes each draft from the cost model and the acceptance estimate; false drafts
+    ``num_speculative_tokens`` every step (what the step's budget and max_tokens leave), so the counts depend on the
+    tokens only, never on the step timings (reproducible tests and measurements).
     Raises :class:`InvalidRequestError` naming the field.
     """
 
@@ -91,8 +94,12 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     suffix_decoding_max_cached_requests: int = 256
     suffix_decoding_min_token_prob: float = 0.1
+    adaptive: bool = True
 
     def __post_init__(self):
+        if type(self.adaptive) is not bool:
+            raise InvalidRequestError(f"--speculative-config: adaptive must be true or false, got {self.adaptive!r}",
+                                      param="speculative_config.adaptive")
         p = self.suffix_decoding_min_token_prob
         if type(p) not in (int, float) or not 0 <= p <= 1:
             raise InvalidRequestError(f"--speculative-config: suffix_decoding_min_token_prob must be a number in "
@@ -119,7 +126,8 @@ class SpeculativeConfig:
         gate = "" if self.disable_by_batch_size is None else f", off above {self.disable_by_batch_size} sequences"
         table = (f", suffix tables per namespace over the last {self.suffix_decoding_max_cached_requests} requests"
                  if self.method == "suffix" else "")
-        return (f"{self.method} speculation (up to {self.num_speculative_tokens} draft tokens, adaptive, n-grams "
+        return (f"{self.method} speculation (up to {self.num_speculative_tokens} draft tokens, "
+                f"{'adaptive' if self.adaptive else 'fixed length'}, n-grams "
                 f"{self.prompt_lookup_min}-{self.prompt_lookup_max}{table}{gate})")
 
 
@@ -385,6 +393,8 @@ class Drafter:
         """The draft length that makes the step's tokens per second highest (see the module docstring): k in
         0..``max_k`` maximising (S - 1 + E(k)) / (base + per_row * (S + k)), E(k) = 1 + a + ... + a^k the expected
         tokens of this row with k drafts, S = ``batch`` sequences each making at least one token."""
+        if self.config is not None and not self.config.adaptive:
+            return self.max_k  # fixed length: the counts are a function of the tokens only
         a, c, n = st.rate, self.cost, max(1, batch)
         best_k, best = 0, n / (c.base + c.per_row * n)
         e = term = 1.0

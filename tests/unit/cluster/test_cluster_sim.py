@@ -1,18 +1,12 @@
-"""The cluster simulator (benchmarks/cluster_sim.py) at a small scale: its trace is the chat template's tokens, its
-2-replica validation against the real cluster_bench results holds within the stated bounds, and a replica lost
-mid-run moves only that replica's conversations."""
+"""The cluster simulator (tests/utils/cluster_sim.py; its command line: benchmarks/cluster_sim.py) at a small
+scale: its trace is the chat template's tokens, its 2-replica validation against the real cluster_bench results
+holds within the stated bounds, and a replica lost mid-run moves only that replica's conversations."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import cluster_sim as sim  # noqa: E402
+from tests.utils import cluster_sim as sim
 
 
 @pytest.fixture(scope="module")

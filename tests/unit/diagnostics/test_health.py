@@ -234,13 +234,20 @@ class _Seq:
         self.t_arrival, self.num_prompt_tokens, self.num_computed, self.t_first_token = t_arrival, prompt, computed, first
 
 
-def test_forecast_feed_measures_what_the_generated_incidents_record():
+def test_forecast_feed_measures_what_the_generated_incidents_record(monkeypatch):
     """The server's feed: TTFTs at the first token over the last 10 s (p99 and mean), the queue's head wait,
     prefill backlog, busy fraction, open sessions, host-tier fill and breaker tier."""
     import time
     from types import SimpleNamespace
 
+    from kvkeeper.diagnostics import health as health_mod
     from kvkeeper.diagnostics.health import ForecastFeed
+
+    # the feed reads perf_counter for TTFTs and head waits: frozen here, so the figures do not depend on how long
+    # this test takes between its lines (a loaded machine)
+    pc = time.perf_counter()
+    monkeypatch.setattr(health_mod, "time", SimpleNamespace(perf_counter=lambda: pc, monotonic=time.monotonic,
+                                                            time=time.time))
 
     now = [100.0]
     sched = SimpleNamespace(waiting=[], running=[])
@@ -250,7 +257,6 @@ def test_forecast_feed_measures_what_the_generated_incidents_record():
                           store=store)
     feed = ForecastFeed(eng, mgr, SimpleNamespace(tier=1), clock=lambda: now[0])
     assert eng.first_token_hooks == [feed._first_token]
-    pc = time.perf_counter()
     for ttft in (0.5, 1.5, 2.5):  # first tokens at t = 100 (their TTFTs measured from perf_counter arrivals)
         feed._first_token(_Seq(pc - ttft), None)
     sched.waiting = [_Seq(pc - 4.0, prompt=300, computed=100)]

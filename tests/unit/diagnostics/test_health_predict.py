@@ -157,14 +157,10 @@ def test_window_features_are_each_signals_statistics():
 
 
 def test_exported_trees_give_scikit_learns_scores():
-    """benchmarks/train_health_gbt.py's export, walked in plain Python (gbt_raw), against the fitted model."""
+    """kvkeeper.eval.health_train_gbt's export, walked in plain Python (gbt_raw), against the fitted model."""
     np = pytest.importorskip("numpy")
     pytest.importorskip("sklearn")
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-    from train_health_gbt import export, fit
+    from kvkeeper.eval.health_train_gbt import export, fit
 
     from kvkeeper.diagnostics.health_predict import GBT_SIGNALS, GBT_STATS, gbt_raw
 

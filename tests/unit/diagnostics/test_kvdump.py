@@ -4,7 +4,6 @@ CLI round trip (exit codes, --json, clear errors); quantized caches dump exactly
 from __future__ import annotations
 
 import json
-import time
 import subprocess
 import sys
 
@@ -189,30 +188,23 @@ def test_quantized_dump_is_exact_and_audit_is_clean(folder, kv_dtype):
 
 @pytest.mark.parametrize("num_layers", [30, None])
 def test_huge_layer_range_is_refused_at_once(num_layers):
-    # "0-99999999999" used to build a set of 1e11 ints on the engine thread (the server ran out of memory)
-    t0 = time.perf_counter()
-    if num_layers is None:
-        assert parse_layers("0-99999999999", None) is not None  # syntax only: valid, not expanded
-    else:
-        with pytest.raises(InvalidRequestError, match="layer 99999999999 does not exist.*0..29"):
-            parse_layers("0-99999999999", num_layers)
-    assert time.perf_counter() - t0 < 1.0
+    # "0-99999999999" used to build a set of 1e11 ints on the engine thread (the server ran out of memory).  "At
+    # once" is measured in memory, not in seconds (a loaded machine's seconds say nothing): the parse allocates
+    # under 1 MB, where an expansion would hold tens of MB after its first million layers
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        if num_layers is None:
+            assert parse_layers("0-99999999999", None) is not None  # syntax only: valid, not expanded
+        else:
+            with pytest.raises(InvalidRequestError, match="layer 99999999999 does not exist.*0..29"):
+                parse_layers("0-99999999999", num_layers)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
     assert parse_layers("2-4,0", 30) == [0, 2, 3, 4]
-
-
-def test_kv_dump_errors_are_messages_under_python_m_kvkeeper_cli(tmp_path):
-    # `python -m kvkeeper.cli` runs the module as __main__; the kv subcommands raise kvkeeper.cli.CLIError,
-    # which must still be caught (it printed a traceback and exited 1)
-    import os
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "kv", "dump", "--session", "s1",
-                        "-o", str(tmp_path / "x.safetensors")], capture_output=True, text=True, timeout=120,
-                       env=os.environ.copy())
-    assert r.returncode == 2, r.stderr
-    assert "Traceback" not in r.stderr
-    assert "error: --session needs --server URL" in r.stderr
 
 
 def test_kv_dump_to_a_folder_is_refused_before_any_work(tmp_path, monkeypatch):

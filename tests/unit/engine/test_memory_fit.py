@@ -21,7 +21,7 @@ from kvkeeper.layers.gguf_linear import GGUFEmbedding, GGUFLinear
 from kvkeeper.layers.linear import Linear
 from kvkeeper.layers.quantized import QuantEmbedding, QuantLinear
 from kvkeeper.weights.footprint import packed_bytes
-from tests.unit.weights.conftest import load_synth
+from kvkeeper.weights import synth_gguf
 from tests.utils.engines import make_engine
 from tests.utils.tiny_models import tiny_llama_folder
 
@@ -30,7 +30,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    return load_synth().write_synthetic_gguf(tmp_path_factory.mktemp("synth") / "tiny-q4_k_m.gguf", "tiny", seed=0)
+    return synth_gguf.write_synthetic_gguf(tmp_path_factory.mktemp("synth") / "tiny-q4_k_m.gguf", "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")

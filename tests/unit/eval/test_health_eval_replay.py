@@ -1,16 +1,16 @@
-"""benchmarks/health_eval.py recomputes its table from saved traces, without an engine, in seconds: 14 traces
+"""kvkeeper.eval.health_eval recomputes its table from saved traces, without an engine, in seconds: 14 traces
 (seeds 0-1 of the training seeds, every kind) shipped beside this test, scored by every predictor."""
 
 from __future__ import annotations
 
 import gzip
 import json
-import sys
 
 import pytest
 
 from kvkeeper.diagnostics.health_predict import DEFAULT_PREDICTOR, make_predictor
-from kvkeeper.eval import health_scenarios
+from kvkeeper.eval import health_eval as health_eval_module
+from kvkeeper.eval import health_scenarios, health_tune_trend
 from kvkeeper.eval.health_score import score, score_episode
 from tests.utils.paths import ROOT
 
@@ -24,18 +24,13 @@ def read_saved() -> list[dict]:
 
 @pytest.fixture()
 def health_eval(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-
     def no_engine(*a, **k):
         raise AssertionError("scoring saved traces must not build an engine")
 
     monkeypatch.setattr(health_scenarios, "LLMEngine", no_engine)
     monkeypatch.setattr(health_scenarios, "run_episode", no_engine)
-    import health_eval
-
-    monkeypatch.setattr(health_eval, "run_episode", no_engine)
-    yield health_eval
-    sys.modules.pop("health_eval", None)
+    monkeypatch.setattr(health_eval_module, "run_episode", no_engine)
+    return health_eval_module
 
 
 def test_the_table_is_recomputed_from_saved_traces(health_eval, tmp_path):
@@ -89,13 +84,10 @@ def test_seeds_are_parsed_or_refused(health_eval):
 
 
 def test_the_tuning_grid_refuses_held_out_seeds(health_eval, tmp_path):
-    """benchmarks/tune_health_trend.py chooses the trend's defaults on tuning seeds only: traces holding a
+    """kvkeeper.eval.health_tune_trend chooses the trend's defaults on tuning seeds only: traces holding a
     held-out seed (100 and up) are refused before any scoring."""
-    import tune_health_trend
-
     traces = health_eval.read_traces(TRACES)[:2]
     bad = tmp_path / "mixed.jsonl.gz"
     health_eval.write_traces(bad, traces + [dict(traces[0], seed=300)])
     with pytest.raises(SystemExit):
-        tune_health_trend.main(["--traces", str(bad)])
-    sys.modules.pop("tune_health_trend", None)
+        health_tune_trend.main(["--traces", str(bad)])

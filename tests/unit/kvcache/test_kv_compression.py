@@ -215,22 +215,6 @@ def test_continuation_perplexity_with_and_without_compression(tiny):
         perplexity(eng, ids, compression=comp("knorm"))
 
 
-@pytest.mark.slow
-def test_eval_perplexity_cli_with_a_policy():
-    import json
-    import subprocess
-    import sys
-    from tests.utils.paths import DATA
-
-    book = DATA / "gutenberg_pride_and_prejudice" / "1342-0.txt"
-    out = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "eval", "perplexity", "--text", str(book),
-                          "--context", "300", "--score-tokens", "40", "--policy", "snapkv", "--ratio", "0.5",
-                          "--json"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout)
-    assert r["policy"] == "snapkv" and r["kv_tokens"] == 150 and r["scored_tokens"] == 40 and r["tokens"] == 340
-
-
 @pytest.mark.parametrize("policy", ["streaming_llm", "knorm"])
 @pytest.mark.parametrize("length, ratio", [(1, 0.5), (7, 0.5), (40, 0.25), (40, 0.9), (130, 0.5)])
 def test_a_request_and_a_session_policy_keep_the_same_entries(policy, length, ratio):

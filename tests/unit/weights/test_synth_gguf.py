@@ -1,4 +1,4 @@
-"""benchmarks/synth_gguf.py: random-weight GGUF files of real shapes in llama.cpp's Q4_K_M type mix.
+"""kvkeeper.weights.synth_gguf: random-weight GGUF files of real shapes in llama.cpp's Q4_K_M type mix.
 
 * the type rule (Q6_K for output.weight and for attn_v / ffn_down of the "more bits" layers) on the real layer
   counts, 24 and 32;

@@ -1,17 +1,15 @@
 """The CUDA path's pieces that can be checked without a GPU: device and dtype resolution, dummy
 weights from configs, the decode CUDA-graph batch padding (run eagerly on the padded static
 buffers, kernels under Triton's interpreter), the eager fallback on CPU, the kernel backend inside
-the engine (same greedy tokens as the PyTorch path), and benchmarks/gpu.py refusing without CUDA."""
+the engine (same greedy tokens as the PyTorch path), and CUDA refused without one (the command line's and
+benchmarks/gpu.py's refusals: tests/e2e/test_cli_processes.py)."""
 
 import os
-from tests.utils.paths import ROOT
 from tests.utils.engines import make_engine
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -78,12 +76,7 @@ def test_cuda_device_refused_clearly_without_cuda():
         pytest.skip("this machine has CUDA")
     with pytest.raises(InvalidRequestError, match="no CUDA device"):
         make_engine("llama-3-8b", load_format="dummy", device="cuda")
-    r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "generate", "--prompt", "hi", "--device", "cuda",
-                        "--load-format", "dummy", "--model", "llama-3-8b"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "no CUDA device" in r.stderr
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--out", "/nonexistent"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "needs a CUDA device" in r.stderr
+    # the command line's refusal and benchmarks/gpu.py's: tests/e2e/test_cli_processes.py
 
 
 def test_dummy_weights_seeded_and_engine_runs_on_cpu(tiny_config):
@@ -152,19 +145,6 @@ def test_decode_graph_buffers_padding_equals_unpadded_eager(tiny_config):
     assert all(torch.equal(a, c.k) for a, c in zip(after_eager, runner.kv_store))  # padding wrote nothing
     with pytest.raises(ValueError, match="does not fit"):
         graphs.fill(2, ids, pos, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
-
-
-def test_cli_generate_with_dummy_weights(tiny_config):
-    r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "generate", "--load-format", "dummy", "--model", tiny_config,
-                        "--device", "cpu", "--prompt", "hello", "--max-tokens", "3", "--json", "--kv-blocks", "64"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
-    assert out["prompt_tokens"] == 5 and out["completion_tokens"] == 3  # bytes of "hello"; the tiny config has no EOS
-    assert "float32 on cpu" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "generate", "--load-format", "dummy", "--model", "nope",
-                        "--prompt", "x"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "llama-3.1-8b" in r.stderr
 
 
 def test_runner_replays_padded_graph_batches_for_decode_steps(tiny_config):

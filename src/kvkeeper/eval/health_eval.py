@@ -1,6 +1,6 @@
 """Cache-health prediction on generated incidents: precision, recall, lead time, false alarms (issue 29).
 
-    python benchmarks/health_eval.py --seeds 100-119 --json OUT.json [--kinds flood,leak,...]
+    python -m kvkeeper.eval.health_eval --seeds 100-119 --json OUT.json [--kinds flood,leak,...]
         [--predictors ewma,trend,lstm] [--traces TRACES.jsonl.gz] [--from-traces TRACES.jsonl.gz]
         [--soak-s 3600 --soak-seeds 200-201] [--proactive [--defer-new-s S]]
 
@@ -31,9 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvkeeper.diagnostics.health_predict import DEFAULT_PREDICTOR, PREDICTORS, make_predictor
-from kvkeeper.eval.health_scenarios import INCIDENTS, KINDS, ScenarioConfig, run_episode, tiny_model_config
-from kvkeeper.eval.health_score import markdown_table, per_kind_table, score
+from ..diagnostics.health_predict import DEFAULT_PREDICTOR, PREDICTORS, make_predictor
+from .health_scenarios import INCIDENTS, KINDS, ScenarioConfig, run_episode, tiny_model_config
+from .health_score import markdown_table, per_kind_table, score
 
 
 def parse_seeds(text: str) -> list[int]:

@@ -1,8 +1,8 @@
 """Train the cache-health gradient-boosted trees (kvkeeper.diagnostics.health_predict.GbtPredictor) on generated traces.
 
-    python benchmarks/health_eval.py --seeds 0-11 --predictors trend --json /tmp/train.json \\
+    python -m kvkeeper.eval.health_eval --seeds 0-11 --predictors trend --json /tmp/train.json \\
         --traces /tmp/train.jsonl.gz                      # the training traces (seeds 0-11)
-    python benchmarks/train_health_gbt.py --traces /tmp/train.jsonl.gz [--out src/kvkeeper/diagnostics/health_gbt.json]
+    python -m kvkeeper.eval.health_train_gbt --traces /tmp/train.jsonl.gz [--out src/kvkeeper/diagnostics/health_gbt.json]
 
 Needs scikit-learn (the ``train`` extra: ``pip install 'kvkeeper[train]'``); serving does not (the trees are
 exported to JSON and walked in plain Python).  Windows of ``--window`` samples
@@ -13,7 +13,7 @@ same trees).  The horizon (``--horizons``), the warning threshold and the number
 hold (``confirm``) are chosen by cross-validation over the seeds (``--folds`` groups of seeds; each fold's trees
 score the episodes of seeds they were not fitted on, with :mod:`kvkeeper.eval.health_score`): precision and
 recall at least 0.9 and at most ``--max-fa-per-hour`` false alarms an hour, then the longest median lead (the
-rule of ``benchmarks/tune_health_trend.py``); failing that, the best F1.  The final trees are fitted on all the
+rule of ``kvkeeper.eval.health_tune_trend``); failing that, the best F1.  The final trees are fitted on all the
 training seeds.  Refuses traces whose seeds reach ``--max-seed`` (default 99: held-out seeds start at 100).
 """
 
@@ -25,13 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from health_eval import read_training_traces  # noqa: E402
-
-from kvkeeper.diagnostics.health_predict import (GBT_MODEL, GBT_SIGNALS, GBT_STATS, Forecast,  # noqa: E402
-                                                 Predictor, TreesAndTrendPredictor, gbt_raw,
-                                                 window_features)
-from kvkeeper.eval.health_score import score_episode, summarize  # noqa: E402
+from ..diagnostics.health_predict import (GBT_MODEL, GBT_SIGNALS, GBT_STATS, Forecast, Predictor,
+                                          TreesAndTrendPredictor, gbt_raw, window_features)
+from .health_eval import read_training_traces
+from .health_score import score_episode, summarize
 
 PARAMS = {"n_estimators": 150, "max_depth": 3, "learning_rate": 0.1, "subsample": 1.0, "random_state": 0}
 

@@ -1,6 +1,6 @@
 """Random-weight GGUF files of real model shapes in llama.cpp's Q4_K_M type mix (no download, any size).
 
-    python benchmarks/synth_gguf.py --shape 1.7b --out /tmp/synth-1.7b.gguf [--seed 0]
+    python -m kvkeeper.weights.synth_gguf --shape 1.7b --out /tmp/synth-1.7b.gguf [--seed 0]
 
 Shapes (:data:`SHAPES`): ``tiny`` (tests: hidden 256, 2 layers, 4 heads, 2 KV heads, FFN 512), ``1.7b``
 (SmolLM2-1.7B: hidden 2048, 24 layers, 32 / 32 heads, FFN 8192) and ``8b`` (Llama-3.1-8B's layers: hidden
@@ -234,5 +234,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     sys.exit(main())
