@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvkeeper.api.server import breach_forecaster
 from kvkeeper.diagnostics.health import HealthConfig, HealthMonitor, gates_from_breaker
-from kvkeeper.engine.breaker import BreakerConfig
+from kvkeeper.sessions.breaker import BreakerConfig
 from kvkeeper.eval.health_score import read_server_trace, rescore_server_trace
 
 

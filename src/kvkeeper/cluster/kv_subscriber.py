@@ -1,4 +1,4 @@
-"""Following replicas' KV event streams (ZMQ SUB plus replay, :mod:`kvkeeper.engine.kv_events`) into a
+"""Following replicas' KV event streams (ZMQ SUB plus replay, :mod:`kvkeeper.kvcache.kv_events_publisher`) into a
 :class:`~kvkeeper.cluster.kv_index.KVIndex`.
 
 One SUB socket per replica (its ``endpoint``, subscribed to its ``topic``) and, when it has one, a DEALER on its

@@ -9,7 +9,7 @@ import pytest
 
 from kvkeeper.diagnostics.health import (SIGNALS, CounterDeltas, EwmaChart, HealthConfig, HealthMonitor,
                                          SignalSpec, gates_from_breaker)
-from kvkeeper.engine.breaker import BreakerConfig, CircuitBreaker
+from kvkeeper.sessions.breaker import BreakerConfig, CircuitBreaker
 
 
 def _feed(mon, stream, t0=0.0):

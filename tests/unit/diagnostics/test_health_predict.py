@@ -181,7 +181,7 @@ def test_the_server_builds_the_default_predictor_and_every_choice():
     from kvkeeper.api.server import breach_forecaster
     from kvkeeper.diagnostics.health import HealthConfig
     from kvkeeper.diagnostics.health_predict import DEFAULT_PREDICTOR
-    from kvkeeper.engine.breaker import BreakerConfig
+    from kvkeeper.sessions.breaker import BreakerConfig
 
     assert HealthConfig().predictor == DEFAULT_PREDICTOR  # what `kvkeeper serve` runs is what the evaluation scores
     assert breach_forecaster(HealthConfig(), BreakerConfig()).name == DEFAULT_PREDICTOR

@@ -31,8 +31,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..errors import InvalidRequestError
-from .json_config import parse_json_config
-from ..kvcache.kv_events import EventBatch, EventRecorder, encode_batch
+from ..argtypes import parse_json_config
+from .kv_events import EventBatch, EventRecorder, encode_batch
 
 log = logging.getLogger(__name__)
 

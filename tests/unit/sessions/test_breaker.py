@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvkeeper import SamplingParams
-from kvkeeper.engine.breaker import BreakerConfig, CircuitBreaker, OverloadedError
+from kvkeeper.sessions.breaker import BreakerConfig, CircuitBreaker, OverloadedError
 from kvkeeper.kvcache.validate import check_engine
 from kvkeeper.sessions.context import split_turns, trim_oldest_turns
 from tests.utils.engines import make_engine

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvkeeper.engine.config import EngineConfig
-from kvkeeper.engine.kv_events import KVEventsConfig, parse_kv_events_config
+from kvkeeper.kvcache.kv_events_publisher import KVEventsConfig, parse_kv_events_config
 from kvkeeper.errors import InvalidRequestError
 
 
