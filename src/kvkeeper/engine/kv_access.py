@@ -1,6 +1,6 @@
-"""The engine's KV-facing methods (a mixin of :class:`~kvkeeper.engine.llm_engine.LLMEngine`): what sessions,
-diagnostics and the server call to hold, move and measure KV, over the engine's ``pool``, ``kv``, ``runner``,
-``scheduler`` and ``holders``.  Sizes in blocks and bytes."""
+"""The engine's KV-facing methods (a mixin of :class:`~kvkeeper.engine.llm_engine.LLMEngine`, over its ``pool``,
+``kv``, ``runner``, ``scheduler`` and ``holders``): what sessions, diagnostics and the server call to hold, move and
+measure KV.  Sizes in blocks and bytes; block ids index the pool."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ class EngineKV:
     """KV holders, the KV store handle, block allocation for holders, compaction and pool figures."""
 
     def require_uniform_kv(self, what: str) -> None:
-        """Raise InvalidRequestError when ``what`` (an operation that reads or moves every layer's KV by block
-        id) meets a hybrid KV cache, whose sliding layers keep their KV in window blocks."""
+        """Raise InvalidRequestError when ``what`` (reading or moving all layers' KV by block id) meets hybrid KV."""
         if self.runner.window_blocks:
             raise InvalidRequestError(f"{what} is not supported with the hybrid KV cache of a sliding-window model "
                                       "(its sliding layers keep KV per window); start the engine with "
@@ -30,11 +29,9 @@ class EngineKV:
 
     @property
     def kv_store(self):
-        """The :class:`~kvkeeper.kvcache.store.KVStore` holding every layer's KV tensors (read and write blocks
-        through it; allocate and free blocks through the methods below)."""
+        """The :class:`~kvkeeper.kvcache.store.KVStore` of every layer's KV (blocks: the methods below)."""
         return self.runner.kv_store
 
-    # ---- KV held outside requests (kvkeeper.engine.kv_holders) --------------------
     def add_kv_holder(self, holder: KVHolder) -> None:
         """Register something that holds KV between requests (a session manager)."""
         self.holders.append(holder)
@@ -44,8 +41,7 @@ class EngineKV:
         return self.holders.reclaim(n_blocks)
 
     def kv_holdings(self) -> Iterator[tuple[str, Sequence]]:
-        """Yield (owner name, sequence) for everything that holds KV blocks: running and waiting requests (by
-        request id), then each holder's (``session:<id>``)."""
+        """(owner, sequence) of every block table: running and waiting requests, then holders' (``session:<id>``)."""
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             yield seq.request_id, seq
         yield from self.holders.kv_holdings()
@@ -55,8 +51,8 @@ class EngineKV:
         return self.holders.offloaded_blocks()
 
     def compact(self, evict_cache: bool = False) -> dict:
-        """Defragment the pool, keeping the prefix cache (:func:`kvkeeper.kvcache.surgery.compact`); between steps
-        only.  evict_cache: drop the unreferenced cached blocks first.  Returns ``{"evicted", "moved"}`` (blocks)."""
+        """Defragment the pool between steps (:func:`kvkeeper.kvcache.surgery.compact`); evict_cache: drop the
+        unreferenced cached blocks first.  Returns ``{"evicted", "moved"}`` (blocks)."""
         self.require_uniform_kv("defragmenting the KV pool (compact)")
         return compact(self.pool, (seq.block_table for _, seq in self.kv_holdings()), self.kv_store, evict_cache)
 
@@ -64,7 +60,6 @@ class EngineKV:
         """Drop every unreferenced block from the prefix cache; returns how many."""
         return self.pool.evict_cached()
 
-    # ---- a sequence's KV and blocks (sessions, evals) ---------------------------------------------
     def free_kv(self, seq: Sequence) -> None:
         """Release a sequence's blocks (its full blocks stay in the prefix cache as cached-free)."""
         self.kv.free(seq)
@@ -82,8 +77,7 @@ class EngineKV:
         return compress_prompt(seq, self.pool, self.kv_store, self.reclaim)
 
     def allocate_kv_blocks(self, n: int) -> list[int] | None:
-        """``n`` fresh pool blocks, asking the KV holders to reclaim room first when the pool has too few free;
-        None when there is still no room (nothing allocated)."""
+        """``n`` fresh blocks, the holders asked to reclaim room first if needed; None when there is none."""
         if n > self.pool.num_free:
             self.reclaim(n - self.pool.num_free)
         return self.pool.allocate(n) if n <= self.pool.num_free else None
@@ -100,7 +94,6 @@ class EngineKV:
         """Those of ``block_ids`` that more than one owner references."""
         return [b for b in block_ids if self.pool.blocks[b].ref_count > 1]
 
-    # ---- pool figures -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         """Pool blocks free now (never-cached and cached-unreferenced)."""

@@ -129,14 +129,6 @@ class LLMEngine(EngineKV):
         """The chat template's text of ``messages`` (:meth:`InputProcessor.render_chat`)."""
         return self.inputs.render_chat(messages, add_generation_prompt, **chat)
 
-    def render_prompt(self, messages: list[dict], add_generation_prompt: bool = True, **chat):
-        """The template's text of ``messages`` with its contents' spans (:meth:`InputProcessor.render_prompt`)."""
-        return self.inputs.render_prompt(messages, add_generation_prompt, **chat)
-
-    def encode_rendered(self, rendered, start: int = 0) -> list[int]:
-        """Token ids of a rendered conversation from ``start`` (:meth:`InputProcessor.encode_rendered`)."""
-        return self.inputs.encode_rendered(rendered, start)
-
     # LoRA adapters: kvkeeper.engine.adapters.AdapterRegistry (each raises InvalidRequestError)
     def load_lora(self, name: str, path, replace: bool = False):
         """Load a PEFT LoRA adapter directory under ``name`` (between steps); returns its LoRAAdapter."""
