@@ -1,4 +1,9 @@
-"""What the layers above the engine (sessions/, diagnostics/, eval/, cli/, api/, cluster/) may call on an engine.
+"""The engine's boundary with the layers above it: what they may call on an engine (:class:`EngineHandle`), and
+what the engine calls on what holds KV between requests (:class:`KVHolder`, a session manager; :class:`KVHolders`:
+the engine asks them to release blocks under pressure, the scheduler's ``reclaim``, and lists their blocks for the
+validators and telemetry).
+
+What the layers above the engine (sessions/, diagnostics/, eval/, cli/, api/, cluster/) may call on an engine:
 
 :class:`EngineHandle` is a :class:`typing.Protocol`: :class:`~kvkeeper.engine.llm_engine.LLMEngine` satisfies it
 structurally, and every ``engine`` parameter above the engine is annotated with it.  Its model runner and block pool
@@ -10,7 +15,7 @@ preemption counts).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -23,10 +28,44 @@ from ..model_config import ModelConfig
 from ..sampling.params import SamplingParams
 from .config import EngineConfig
 from .input_processor import InputProcessor
-from .kv_holders import KVHolder
 from .outputs import RequestOutput
 from .scheduler import Scheduler
 from .sequence import Sequence
+
+
+class KVHolder(Protocol):
+    """Something that holds KV blocks between requests (``kvkeeper.sessions.SessionManager``)."""
+
+    def kv_holdings(self) -> Iterable[tuple[str, Sequence]]:
+        """(owner name, sequence) for every block table it holds."""
+
+    def reclaim(self, n_blocks: int) -> int:
+        """Release about ``n_blocks`` pool blocks (offload or unpin idle state); returns how many it released."""
+
+    def offloaded_blocks(self) -> int:
+        """Blocks' worth of KV it keeps outside the pool (host memory, disk)."""
+
+
+class KVHolders(list):
+    """The registered holders, in registration order (a list of :class:`KVHolder`)."""
+
+    def reclaim(self, n_blocks: int) -> int:
+        """Ask the holders, in order, to release about ``n_blocks`` pool blocks; returns how many they released."""
+        freed = 0
+        for h in self:
+            if freed >= n_blocks:
+                break
+            freed += h.reclaim(n_blocks - freed)
+        return freed
+
+    def kv_holdings(self) -> Iterator[tuple[str, Sequence]]:
+        """(owner name, sequence) of every holder's block tables (``session:<id>``)."""
+        for h in self:
+            yield from h.kv_holdings()
+
+    def offloaded_blocks(self) -> int:
+        """Blocks' worth of KV the holders keep outside the pool (host memory and disk tiers)."""
+        return sum(h.offloaded_blocks() for h in self)
 
 
 class EngineHandle(Protocol):

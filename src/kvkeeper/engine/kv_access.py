@@ -9,7 +9,7 @@ from typing import Iterator
 from ..errors import InvalidRequestError
 from ..kvcache.surgery import compact, compress_prompt
 from ..kvcache.telemetry import pool_stats
-from .kv_holders import KVHolder
+from .handle import KVHolder
 from .sequence import Sequence
 
 

@@ -36,7 +36,7 @@ from .adapters import AdapterRegistry
 from .config import EngineConfig, resolve_device
 from .input_processor import InputProcessor
 from .kv_access import EngineKV
-from .kv_holders import KVHolder, KVHolders
+from .handle import KVHolder, KVHolders
 from .memory_fit import load_checked
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -71,7 +71,7 @@ class LLMEngine(EngineKV):
         self.kv_events = start_kv_events(self.pool, cfg.kv_events_config, "GPU" if device.type == "cuda" else "CPU")
         self._req_ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
-        self.holders = KVHolders()  # what holds KV between requests (kvkeeper.engine.kv_holders)
+        self.holders = KVHolders()  # what holds KV between requests (kvkeeper.engine.handle)
         self.num_steps = 0
         self.step_hooks: list[Callable[[], object]] = []  # before each step (a circuit breaker's evaluate)
         self.first_token_hooks: list[Callable[[Sequence, torch.Tensor], None]] = []  # (seq, (vocab,) logits)
