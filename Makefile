@@ -76,10 +76,10 @@ SOAK_MINUTES ?= 30
 soak: setup
 	$(VPY) benchmarks/soak.py --minutes $(SOAK_MINUTES)
 
-# Cache-health prediction on generated incidents, held-out seeds (kvkeeper.eval.health_eval; about 40 min on
+# Cache-health prediction on generated incidents, held-out seeds (kvkeeper.eval.health.evaluate; about 40 min on
 # this machine: a tiny random model on a simulated clock, so the figures do not depend on the machine's load)
 health-eval: setup
-	PYTHONPATH=$(CURDIR)/src $(VPY) -m kvkeeper.eval.health_eval --seeds 100-119 --soak-s 3600 --soak-seeds 200-201 \
+	PYTHONPATH=$(CURDIR)/src $(VPY) -m kvkeeper.eval.health.evaluate --seeds 100-119 --soak-s 3600 --soak-seeds 200-201 \
 		--proactive --json benchmarks/results/health_eval-heldout.json
 
 # KV dtypes and compression policies, with NVIDIA kvpress as the peer in its own venv

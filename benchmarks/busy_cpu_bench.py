@@ -18,7 +18,7 @@ One CPU: by default a real CPU quota, a cgroup of the benchmark's own with a 1-C
 delegates the ``cpu`` controller; needs root), which a spawned child joins before it imports torch (as a container
 with ``--cpus 1`` on this host: both CPUs stay in its affinity mask).  ``--one-cpu affinity`` (or no cgroup to
 write) emulates one CPU by the affinity mask instead (the child pins itself to CPU 0, as ``taskset -c 0``).  The
-engine there picks its thread count itself (``kvkeeper.engine.cpu_threads``: the mask, capped by its own cgroup's
+engine there picks its thread count itself (``kvkeeper.worker.cpu_threads``: the mask, capped by its own cgroup's
 quota) and is compared with the same engine given ``--threads 1`` (``num_threads=1``).  Target: no worse than
 ``--threads 1``.
 
@@ -126,7 +126,7 @@ def _one_cpu_child(model: str | None, threads: int | None, n_decode: int, reps: 
     else:
         os.sched_setaffinity(0, {0})
     from kvkeeper import LLMEngine
-    from kvkeeper.engine.cpu_threads import cgroup_cpu_limit
+    from kvkeeper.worker.cpu_threads import cgroup_cpu_limit
 
     eng = LLMEngine(model, max_model_len=4096, num_kv_blocks=256, num_threads=threads)
     chosen = torch.get_num_threads()
@@ -141,7 +141,7 @@ def _one_cpu_child(model: str | None, threads: int | None, n_decode: int, reps: 
 def _one_cpu_cgroup() -> tuple[Path, str] | None:
     """A new cgroup with a 1-CPU quota under this process's own (v1 ``cpu`` hierarchy, else v2 where its cgroup
     delegates ``cpu``), and how it was set; None where none can be made (not root, no such hierarchy)."""
-    from kvkeeper.engine.cpu_threads import cpu_cgroup_folders
+    from kvkeeper.worker.cpu_threads import cpu_cgroup_folders
 
     for version, folder in sorted(cpu_cgroup_folders()):  # "v1" first: v2's own cgroup usually holds processes
         cg = folder / f"kvkeeper-busy-cpu-{os.getpid()}"

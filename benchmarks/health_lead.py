@@ -1,6 +1,6 @@
 """How early can a long-context breach be seen?  Queue signals against the trend forecast, on training traces (issue 29).
 
-    python -m kvkeeper.eval.health_eval --seeds 0-11 --predictors trend --json /tmp/train.json \\
+    python -m kvkeeper.eval.health.evaluate --seeds 0-11 --predictors trend --json /tmp/train.json \\
         --traces /tmp/train.jsonl.gz                      # the training traces (seeds 0-11)
     python benchmarks/health_lead.py --traces /tmp/train.jsonl.gz --json benchmarks/results/health_lead-DATE.json
 
@@ -14,7 +14,7 @@ Two questions, on the training seeds only (refuses seeds above ``--max-seed``, d
 2. **The signals**: the default trend predictor with an added near miss on the queue (the wait of the queue's
    oldest request without a first token, ``head_wait_s``, or the prompt tokens queued, ``prefill_backlog``), over
    a few levels each: precision, recall, median lead and false alarms an hour, per kind, scored like
-   ``kvkeeper.eval.health_eval``.  Writes JSON and a markdown table beside it.
+   ``kvkeeper.eval.health.evaluate``.  Writes JSON and a markdown table beside it.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 
 from kvkeeper.diagnostics.health_predict import Forecast, TrendPredictor
-from kvkeeper.eval.health_eval import read_training_traces
-from kvkeeper.eval.health_score import score_episode, summarize
+from kvkeeper.eval.health.evaluate import read_training_traces
+from kvkeeper.eval.health.score import score_episode, summarize
 
 
 class QueueTrend(TrendPredictor):

@@ -5,7 +5,7 @@
 
 Each predictor is built as the server builds it (:func:`kvkeeper.api.server.breach_forecaster` with the default
 breaker thresholds and ``--ttft-objective``) and replayed on the recorded samples with the server's warning rule
-(:func:`kvkeeper.eval.health_score.rescore_server_trace`: a warning opens at the first warning forecast and closes
+(:func:`kvkeeper.eval.health.score.rescore_server_trace`: a warning opens at the first warning forecast and closes
 after 10 calm samples).  The EWMA charts are replayed too, on the recorded signals
 (:class:`~kvkeeper.diagnostics.health.HealthMonitor`, the default gates).  On a fault-free run every warning is a
 false alarm.  Where the trace was recorded with the same predictor, ``agree`` counts the samples whose replayed
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from kvkeeper.api.server import breach_forecaster
 from kvkeeper.diagnostics.health import HealthConfig, HealthMonitor, gates_from_breaker
-from kvkeeper.engine.breaker import BreakerConfig
-from kvkeeper.eval.health_score import read_server_trace, rescore_server_trace
+from kvkeeper.sessions.breaker import BreakerConfig
+from kvkeeper.eval.health.score import read_server_trace, rescore_server_trace
 
 
 def ewma_warnings(records: list[dict]) -> int:

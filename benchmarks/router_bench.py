@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvkeeper.cluster.exact_router import ExactRouter, ReplicaLoad
 from kvkeeper.cluster.kv_index import KVIndex
-from kvkeeper.kvcache.kv_events import BlockStored, EventBatch
+from kvkeeper.kvcache.kv_events.wire import BlockStored, EventBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, cpu_model, result_name, run_date, write_report  # noqa: E402

@@ -1,6 +1,6 @@
 """Train the cache-health LSTM with attention (kvkeeper.diagnostics.health_predict.LstmAttention) on generated traces.
 
-    python -m kvkeeper.eval.health_eval --seeds 0-11 --predictors ewma,trend --json /tmp/train.json \\
+    python -m kvkeeper.eval.health.evaluate --seeds 0-11 --predictors ewma,trend --json /tmp/train.json \\
         --traces /tmp/train.jsonl.gz                      # the training traces (seeds 0-11)
     python benchmarks/train_health_lstm.py --traces /tmp/train.jsonl.gz --train-seeds 0-8 --tune-seeds 9-11 \\
         [--out src/kvkeeper/diagnostics/health_lstm.safetensors]
@@ -10,7 +10,7 @@ training seeds' traces, labelled 1 when the episode's recorded breach lies withi
 window's last sample (samples after a breach left out); binary cross-entropy with the positives weighted by
 the class ratio, Adam, full-batch epochs, all seeded (``torch.manual_seed``, one thread): the same traces give
 the same weights.  The warning threshold is then chosen on the tuning seeds' traces (the one of the grid with
-the best F1 of precision and recall under :mod:`kvkeeper.eval.health_score`).  Held-out seeds (100 and up) are
+the best F1 of precision and recall under :mod:`kvkeeper.eval.health.score`).  Held-out seeds (100 and up) are
 never read.  The weights and settings go to a safetensors file (a few kB) shipped as package data.
 """
 
@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from kvkeeper.diagnostics.health_predict import LSTM_WEIGHTS, LstmAttention, LstmPredictor, features
-from kvkeeper.eval.health_eval import parse_seeds, read_traces
-from kvkeeper.eval.health_score import score_episode, summarize
+from kvkeeper.eval.health.evaluate import parse_seeds, read_traces
+from kvkeeper.eval.health.score import score_episode, summarize
 
 
 def windows(traces: list[dict], window: int, horizon_s: float, objective: float):

@@ -9,7 +9,12 @@
   worker, the C++ kernels' loader) no module reads ``.kv_caches``, a cache's ``.k_scale`` / ``.v_scale``, a
   cache object's ``.k`` / ``.v`` (an expression naming a cache, a KV or a layer of the store), or builds a
   ``PagedKV`` itself.
-* sessions/ reaches the engine through its methods and ``engine.kv_store``, never ``engine.runner``.
+* Outside ``engine/``, ``worker/`` and ``spec_decode/`` no module reads an engine's ``.runner`` (any ``.runner``:
+  the engine's model runner is the only one) or an engine's ``.pool`` (an expression naming an engine); they call
+  the engine's methods (:class:`kvkeeper.engine.handle.EngineHandle`) and ``engine.kv_store``.
+* A layer of the store is the store's own: outside ``kvcache/`` and the forward-pass parts no module calls
+  ``.layer(i)`` on a store (``store.layer(i).write(...)``, ``engine.kv_store.layer(i).anything(...)``); it calls
+  the store's methods, which take the layer index.
 """
 
 from __future__ import annotations
@@ -25,11 +30,15 @@ PKG_DIR = ROOT / "src" / "kvkeeper"
 MODEL_CALL_ALLOWED = ("worker/runner.py", "worker/fused_decode.py", "worker/cuda_graphs.py", "models/", "layers/")
 # where a layer's KV tensors may be touched: their owner and the code that reads a layer's cache in the forward
 KV_TENSOR_ALLOWED = ("kvcache/", "attention/", "layers/", "models/", "worker/", "kernels/")
-# parts where the engine's runner is off limits (they go through engine methods and engine.kv_store)
-NO_RUNNER_PARTS = ("sessions/",)
+# where an engine's runner and block pool may be read: the engine itself, the worker, speculative decoding; the
+# pool's own layer (kvcache/: its validators and block map read the pool they check); the fault injectors, whose
+# job is to break the engine's internals on purpose (diagnostics/faults.py: tests only)
+ENGINE_INSIDE_ALLOWED = ("engine/", "worker/", "spec_decode/", "kvcache/", "diagnostics/faults.py")
 
 _SCALE_ATTRS = {"k_scale", "v_scale"}
 _CACHE_LIKE = re.compile(r"cache|kv|layer\(", re.I)
+_ENGINE_LIKE = re.compile(r"(^|[._])eng(ine)?$|engine", re.I)
+_STORE_LIKE = re.compile(r"store|kv", re.I)
 
 
 def _allowed(rel: str, allow: tuple[str, ...]) -> bool:
@@ -80,13 +89,23 @@ def kv_tensor_accesses(tree: ast.AST) -> list[tuple[int, str]]:
     return sorted(set(out))
 
 
-def runner_reach_ins(tree: ast.AST) -> list[tuple[int, str]]:
+def engine_reach_ins(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) for every ``.runner`` (on anything) and every ``.pool`` of an expression naming an engine."""
     return sorted({(n.lineno, ast.unparse(n)) for n in ast.walk(tree)
-                   if isinstance(n, ast.Attribute) and n.attr == "runner"})
+                   if isinstance(n, ast.Attribute) and (n.attr == "runner" or (
+                       n.attr == "pool" and _ENGINE_LIKE.search(ast.unparse(n.value))))})
+
+
+def store_layer_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) for every ``.layer(...)`` call on an expression naming a store or a KV (a layer's handle taken
+    from the store: ``store.layer(i).write(...)``, ``layer = engine.kv_store.layer(i)``)."""
+    return sorted({(n.lineno, ast.unparse(n)) for n in ast.walk(tree)
+                   if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "layer"
+                   and _STORE_LIKE.search(ast.unparse(n.func.value))})
 
 
 def violations(pkg_dir: Path) -> list[str]:
-    """Every breach of the three rules in the package under ``pkg_dir``, as 'path:line: what (rule)'."""
+    """Every breach of the four rules in the package under ``pkg_dir``, as 'path:line: what (rule)'."""
     bad = []
     for path in sorted(pkg_dir.rglob("*.py")):
         rel = path.relative_to(pkg_dir).as_posix()
@@ -97,9 +116,11 @@ def violations(pkg_dir: Path) -> list[str]:
         if not _allowed(rel, KV_TENSOR_ALLOWED):
             bad += [f"{rel}:{line}: {what} (KV tensors belong to kvcache.store.KVStore)"
                     for line, what in kv_tensor_accesses(tree)]
-        if _allowed(rel, NO_RUNNER_PARTS):
-            bad += [f"{rel}:{line}: {what} (sessions reach the engine through its methods and engine.kv_store)"
-                    for line, what in runner_reach_ins(tree)]
+            bad += [f"{rel}:{line}: {what} (a store's layers are the store's: call its methods)"
+                    for line, what in store_layer_calls(tree)]
+        if not _allowed(rel, ENGINE_INSIDE_ALLOWED):
+            bad += [f"{rel}:{line}: {what} (outside the engine, call the engine's methods and engine.kv_store)"
+                    for line, what in engine_reach_ins(tree)]
     return bad
 
 
@@ -148,7 +169,48 @@ def test_a_kv_tensor_access_outside_kvcache_is_caught(tmp_path):
     bad = violations(pkg)
     for want in ("sessions/offload.py:2: engine.runner.kv_caches", "sessions/offload.py:3: cache.k ",
                  "sessions/offload.py:3: cache.v_scale", "sessions/offload.py:4: engine.kv_store.layer(i).v",
-                 "sessions/offload.py:2: engine.runner (sessions", "diagnostics/audit.py:3: PagedKV(...)"):
+                 "sessions/offload.py:2: engine.runner (outside", "diagnostics/audit.py:3: PagedKV(...)"):
         assert any(b.startswith(want) for b in bad), (want, bad)
     assert not any("args.k" in b for b in bad), bad  # .k of something that is no cache is no KV access
     assert not any(b.startswith("kvcache/") for b in bad), bad
+
+
+def test_an_engine_reach_in_outside_the_engine_is_caught(tmp_path):
+    pkg = _fake_package(tmp_path, {
+        "__init__.py": "",
+        "eval/ppl.py": "def f(engine, eng):\n"
+                       "    r = engine.runner\n"
+                       "    n = eng.pool.num_free\n"
+                       "    return self.engine.pool.evictions, r\n",
+        "api/admin.py": "async def g(request):\n"
+                        "    return await request.app.state.engine.call(lambda eng: eng.pool.evict_cached())\n",
+        "sessions/fork.py": "def h(engine, seq):\n    return engine.fork_kv(seq), seq.pool\n",
+        "engine/core.py": "def k(self):\n    return self.runner.kv_store, self.pool\n",
+        "worker/runner.py": "def m(engine):\n    return engine.pool\n",
+        "spec_decode/verify.py": "def n(engine):\n    return engine.runner\n",
+    })
+    bad = violations(pkg)
+    for want in ("eval/ppl.py:2: engine.runner (outside", "eval/ppl.py:3: eng.pool (outside",
+                 "eval/ppl.py:4: self.engine.pool (outside", "api/admin.py:2: eng.pool (outside"):
+        assert any(b.startswith(want) for b in bad), (want, bad)
+    assert not any(b.startswith("sessions/") for b in bad), bad  # seq.pool names no engine
+    assert not any(b.startswith(("engine/", "worker/", "spec_decode/")) for b in bad), bad  # the allow-list holds
+
+
+def test_a_store_layer_call_outside_kvcache_is_caught(tmp_path):
+    pkg = _fake_package(tmp_path, {
+        "__init__.py": "",
+        "eval/intervention.py": "def f(store, engine, k, v, slots, i):\n"
+                                "    store.layer(i).write(k, v, slots)\n"
+                                "    engine.kv_store.layer(i).copy_tokens(slots, slots)\n"
+                                "    lay = engine.kv_store.layer(0)\n"
+                                "    return model.layer(i), lay\n",
+        "kvcache/surgery.py": "def g(store, i, k, v, s):\n    store.layer(i).write(k, v, s)\n",
+        "attention/cpu.py": "def h(kv_store, i):\n    return kv_store.layer(i).read_slots(None)\n",
+    })
+    bad = violations(pkg)
+    for want in ("eval/intervention.py:2: store.layer(i) (a store's", "eval/intervention.py:3: engine.kv_store.layer(i)",
+                 "eval/intervention.py:4: engine.kv_store.layer(0)"):
+        assert any(b.startswith(want) for b in bad), (want, bad)
+    assert not any("model.layer" in b for b in bad), bad  # a layer of something that is no store
+    assert not any(b.startswith(("kvcache/", "attention/")) for b in bad), bad  # the allow-list holds

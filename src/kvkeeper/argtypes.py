@@ -1,9 +1,14 @@
-"""argparse value types shared by the command-line modules: each raises ArgumentTypeError saying what was wrong."""
+"""argparse value types shared by the command-line modules: each raises ArgumentTypeError saying what was wrong;
+and the one parser of the JSON-object settings (``--kv-events-config``, ``--speculative-config``)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from dataclasses import fields
+
+from .errors import InvalidRequestError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -82,3 +87,24 @@ def size(s: str) -> int:
 def size_or_zero(s: str) -> int:
     """Bytes as :func:`size`, or 0 (the feature off)."""
     return 0 if s.strip() in ("0", "0B", "0b") else size(s)
+
+
+def parse_json_config(raw, cls: type, flag: str, hint: str, param: str):
+    """A ``cls`` (a dataclass) from JSON text, a dict or a ``cls``: ``cls(**fields)``.  Raises
+    :class:`InvalidRequestError` (``param``) saying the text is not a JSON object, or naming the unknown fields and
+    the known ones; ``cls`` raises for a wrong value.  flag: the option named in the messages; hint: an example."""
+    if isinstance(raw, cls):
+        return raw
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError as e:
+            raise InvalidRequestError(f"{flag} must be a JSON object: {e} ({hint})", param=param) from None
+    if not isinstance(raw, dict):
+        raise InvalidRequestError(f"{flag} must be a JSON object, got {type(raw).__name__} ({hint})", param=param)
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise InvalidRequestError(f"{flag}: unknown field(s) {', '.join(unknown)}; known fields: {', '.join(known)}",
+                                  param=param)
+    return cls(**raw)

@@ -100,7 +100,7 @@ def test_every_dashboard_metric_is_exported(tmp_path):
         text = httpx.get(base + "/metrics", timeout=30).text
     missing = sorted(queried_names() - sample_names(fresh))
     assert not missing, f"before any traffic, /metrics has no series of what the dashboard queries: {missing}"
-    from kvkeeper.engine.breaker import ACTIONS
+    from kvkeeper.sessions.breaker import ACTIONS
 
     actions = {(s.labels["tier"], s.labels["action"]) for fam in text_string_to_metric_families(fresh)
                for s in fam.samples if s.name == "kvkeeper:breaker_actions_total"}
@@ -116,7 +116,7 @@ def test_every_breaker_action_is_declared():
     """ACTIONS (the series /metrics exports from start-up) lists every action the breaker counts."""
     import re
 
-    import kvkeeper.engine.breaker as br
+    import kvkeeper.sessions.breaker as br
 
     src = open(br.__file__, encoding="utf-8").read()
     counted = {(br.TIER_NAMES[int(t)], a) for t, a in re.findall(r'_event\((\d), "(\w+)"', src)}

@@ -132,7 +132,7 @@ class DegradedSessions(FakeSessions):
     """A circuit breaker in its degrade tier: new sessions are refused."""
 
     def open(self, session_id=None, **kw):
-        from kvkeeper.engine.breaker import OverloadedError
+        from kvkeeper.sessions.breaker import OverloadedError
 
         raise OverloadedError("KV memory is short: new sessions are refused for now", 3)
 

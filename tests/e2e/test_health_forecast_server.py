@@ -13,9 +13,9 @@ import pytest
 
 from kvkeeper.api.server import breach_forecaster
 from kvkeeper.diagnostics.health import HealthConfig
-from kvkeeper.engine.breaker import BreakerConfig
-from kvkeeper.eval.health_scenarios import SAMPLE_FIELDS
-from kvkeeper.eval.health_score import read_server_trace, rescore_server_trace
+from kvkeeper.sessions.breaker import BreakerConfig
+from kvkeeper.eval.health.scenarios import SAMPLE_FIELDS
+from kvkeeper.eval.health.score import read_server_trace, rescore_server_trace
 from tests.utils.serverproc import running_server
 from tests.utils.tiny_models import tiny_llama_folder
 

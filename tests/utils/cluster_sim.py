@@ -66,7 +66,7 @@ from kvkeeper.cluster.exact_router import ExactRouter, ReplicaLoad
 from kvkeeper.cluster.kv_index import KVIndex
 from kvkeeper.cluster.router import Candidate, Policy, PrefixSummary, pick, prompt_block_hashes
 from kvkeeper.kvcache.block_pool import Block, BlockPool
-from kvkeeper.kvcache.kv_events import EventRecorder
+from kvkeeper.kvcache.kv_events.wire import EventRecorder
 from kvkeeper.kvcache.namespace import Namespace
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,12 +16,13 @@ from ..diagnostics.audit import AuditConfig, ReuseAuditor
 from ..diagnostics.health import ForecastFeed, HealthConfig, HealthMonitor, gates_from_breaker
 from ..diagnostics.health_predict import (GbtPredictor, Limits, LstmPredictor, TrendConfig, TrendPredictor,
                                           TreesAndTrendPredictor)
-from ..engine.breaker import BreakerConfig, CircuitBreaker
+from ..sessions.breaker import BreakerConfig, CircuitBreaker
 from ..options import option
 from ..sessions.manager import SessionConfig, SessionManager
 from .common.errors import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from .engine_client.tracing import EXPORTERS, RequestTracer, configure_tracing
 from .common.context import SESSION_HEADERS
+from ..engine.handle import EngineHandle
 
 if TYPE_CHECKING:
     from .common.auth import KeyRing
@@ -114,7 +115,7 @@ def breach_forecaster(health: HealthConfig, breaker: BreakerConfig):
     return TrendPredictor(TrendConfig(limits=limits, ttft_field="ttft_p99"))
 
 
-def build_server(engine, config: ServerConfig | None = None, sessions: SessionConfig | None = None,
+def build_server(engine: EngineHandle, config: ServerConfig | None = None, sessions: SessionConfig | None = None,
                  breaker: BreakerConfig | None = None, audit: AuditConfig | None = None,
                  health: HealthConfig | None = None):
     """The FastAPI app serving ``engine`` (an :class:`LLMEngine`), with its parts attached.

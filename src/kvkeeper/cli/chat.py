@@ -17,6 +17,7 @@ from ..progress import progress
 from ..sessions.manager import SessionManager
 from .common import (EXIT_OK, CLIError, add_sampling, command, fmt_s, load_engine, out_console, sampling,
                      stats_line, stderr)
+from ..engine.handle import EngineHandle
 
 
 def add_parsers(sub, parent: argparse.ArgumentParser) -> None:
@@ -233,7 +234,7 @@ def cmd_converse(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _compare(engine, convs, args: argparse.Namespace, params) -> list[dict]:
+def _compare(engine: EngineHandle, convs, args: argparse.Namespace, params) -> list[dict]:
     """``converse --compare``: both runs, the table, the summary and the optional plot (kvkeeper.cli.compare)."""
     from .compare import compare_summary, compare_table, plot_compare, run_compare
 

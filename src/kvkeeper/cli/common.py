@@ -121,13 +121,7 @@ def load_engine(args: argparse.Namespace):
     stderr(f"loading {cfg.model} ...")
     with contextlib.redirect_stdout(sys.stderr):
         engine = LLMEngine(cfg)
-    r = engine.runner
-    windows = f" ({engine.pool.window_blocks} window blocks)" if engine.pool.window_blocks else ""  # hybrid cache
-    stderr(f"loaded {engine.model_name} ({str(r.dtype).removeprefix('torch.')} on {r.device}, weights "
-           f"{r.weight_description}, KV {r.kv_format.name} at "
-           f"{engine.kv_bytes_per_token:,} bytes/token, {engine.pool.num_blocks} KV blocks of {engine.block_size} "
-           f"tokens{windows}, context {engine.context_length}, {engine.speculation}) in "
-           f"{time.perf_counter() - t0:.1f} s")
+    stderr(f"loaded {engine.model_name} ({engine.describe()}) in {time.perf_counter() - t0:.1f} s")
     return engine
 
 

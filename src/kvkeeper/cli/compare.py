@@ -23,13 +23,14 @@ from typing import Any
 from ..errors import ContextLengthError
 from ..sessions.manager import SessionManager
 from .common import CLIError, fmt_s
+from ..engine.handle import EngineHandle
 
 
 def _ratio(base: float | None, reuse: float | None) -> float | None:
     return base / reuse if base and reuse else None
 
 
-def run_compare(engine, convs, system: str | None, params, progress) -> list[dict]:
+def run_compare(engine: EngineHandle, convs, system: str | None, params, progress) -> list[dict]:
     """Run every conversation of ``convs`` ((id, [user texts]) pairs) both ways; one record per turn.
 
     progress: a :class:`kvkeeper.progress.Progress`-like object (``advance``, ``note``).  A turn that no longer

@@ -20,6 +20,7 @@ from pathlib import Path
 from ..argtypes import non_negative_float as _non_negative_float
 from ..argtypes import positive_int as _positive_int
 from .common import EXIT_OK, CLIError, command, load_engine, out_console, stderr, tool_group
+from ..engine.handle import EngineHandle
 
 EXIT_DIVERGED = 1
 
@@ -111,7 +112,7 @@ def _read_input(args):
     return args.prompt
 
 
-def _prompt_ids(engine, given) -> list[int]:
+def _prompt_ids(engine: EngineHandle, given) -> list[int]:
     return engine.encode_chat(given) if isinstance(given, list) else engine.tokenizer.encode(given)
 
 
@@ -186,7 +187,7 @@ def cmd_kv_diff(args: argparse.Namespace) -> int:
 # ---- audit -----------------------------------------------------------------------
 
 
-def new_auditor(engine):
+def new_auditor(engine: EngineHandle):
     """A reuse auditor on every request of ``engine`` from now on."""
     from ..diagnostics.audit import ReuseAuditor
 

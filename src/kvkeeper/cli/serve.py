@@ -11,7 +11,7 @@ from ..api.server import ServerConfig
 from ..cluster.config import ClusterConfig, ReplicaSpec
 from ..diagnostics.audit import AuditConfig
 from ..diagnostics.health import HealthConfig
-from ..engine.breaker import BreakerConfig
+from ..sessions.breaker import BreakerConfig
 from ..errors import KVKeeperError
 from ..options import add_options, from_args
 from ..sessions.manager import SessionConfig

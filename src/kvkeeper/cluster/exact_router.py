@@ -36,6 +36,7 @@ from typing import Mapping, Sequence
 from ..kvcache.block_pool import block_hash
 from .kv_index import KVIndex
 from .router import DECISIONS, Decision, Policy
+from ..engine.handle import EngineHandle
 
 log = logging.getLogger(__name__)
 
@@ -290,9 +291,9 @@ class _NoLock:
 _NO_LOCK = _NoLock()
 
 
-def replica_routing_stats(engine, publisher, node_ip: str, load: dict) -> dict:
+def replica_routing_stats(engine: EngineHandle, publisher, node_ip: str, load: dict) -> dict:
     """What a replica adds to its Ray Serve routing stats for :class:`ClusterExactRouter`: its event endpoints as
-    bound (``publisher``: the engine's :class:`~kvkeeper.engine.kv_events.ZmqEventPublisher`; a wildcard host
+    bound (``publisher``: the engine's :class:`~kvkeeper.kvcache.kv_events.publisher.ZmqEventPublisher`; a wildcard host
     replaced by ``node_ip``), its block size, its base namespace (model revision and KV dtype, the digest; no tenant
     or salt) and ``load`` (``{"running", "waiting", "kv_usage"}``).  {} without a publisher."""
     if publisher is None:

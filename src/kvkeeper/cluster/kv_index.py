@@ -1,4 +1,4 @@
-"""Which replica holds which KV block: an index fed by the replicas' KV events (:mod:`kvkeeper.kvcache.kv_events`).
+"""Which replica holds which KV block: an index fed by the replicas' KV events (:mod:`kvkeeper.kvcache.kv_events.wire`).
 
 For each replica the index keeps the block hashes its prefix cache holds (with each block's parent hash), and
 for each block hash the replicas that hold it.  :meth:`KVIndex.match` gives, for a prompt's chained block
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-from ..kvcache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ..kvcache.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 _ABSENT = object()
 

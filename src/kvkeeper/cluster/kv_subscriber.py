@@ -1,4 +1,4 @@
-"""Following replicas' KV event streams (ZMQ SUB plus replay, :mod:`kvkeeper.engine.kv_events`) into a
+"""Following replicas' KV event streams (ZMQ SUB plus replay, :mod:`kvkeeper.kvcache.kv_events.publisher`) into a
 :class:`~kvkeeper.cluster.kv_index.KVIndex`.
 
 One SUB socket per replica (its ``endpoint``, subscribed to its ``topic``) and, when it has one, a DEALER on its
@@ -23,7 +23,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from ..kvcache.kv_events import decode_batch
+from ..kvcache.kv_events.wire import decode_batch
 from .kv_index import KVIndex
 
 log = logging.getLogger(__name__)

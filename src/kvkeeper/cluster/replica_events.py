@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ..engine.kv_events import KVEventsConfig
+from ..kvcache.kv_events.publisher import KVEventsConfig
 from ..errors import InvalidRequestError
 
 PORT_STRIDE = 2  # replica r binds the configured ports + PORT_STRIDE * r

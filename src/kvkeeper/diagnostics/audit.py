@@ -49,15 +49,13 @@ import random
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 
 import torch
 
 from ..argtypes import fraction as fraction_arg
 from ..kvcache.store import KVStore
-from ..attention.metadata import AttentionMetadata, PrefillSpan
-from ..worker.runner import StepBatch
 from ..options import option
+from ..engine.handle import EngineHandle
 
 log = logging.getLogger(__name__)
 
@@ -162,33 +160,18 @@ class AuditReport:
 
 
 @torch.inference_mode()
-def recompute_prompt(runner, token_ids: list[int], chunk: int = 512, lora=None) -> tuple[torch.Tensor, KVStore]:
+def recompute_prompt(engine: EngineHandle, token_ids: list[int], chunk: int = 512, lora=None) -> tuple[torch.Tensor, KVStore]:
     """Prefill ``token_ids`` from scratch into a private cache (the shared pool is untouched).
 
-    runner: the engine's :class:`~kvkeeper.worker.runner.ModelRunner` (its weights and KV format).
-    chunk: prefill chunk in tokens (bounds activation memory, as the scheduler's token budget does).
-    lora: the sequence's LoRA adapter (:class:`kvkeeper.layers.lora.LoRAAdapter`), None for the base model.
-    Returns (float32 logits of the last token (vocab,), a private KVStore whose blocks
+    engine: the engine (or its model runner): :meth:`~kvkeeper.worker.runner.ModelRunner.prefill_private`, its
+    weights, kernels and KV format.  chunk: prefill chunk in tokens (bounds activation memory, as the scheduler's
+    token budget does).  lora: the sequence's LoRA adapter (:class:`kvkeeper.layers.lora.LoRAAdapter`), None for
+    the base model.  Returns (float32 logits of the last token (vocab,), a private KVStore whose blocks
     ``0 .. ceil(P / block_size) - 1`` hold positions ``0 .. P-1`` in order; MLA: one latent row per token).
     """
-    P = len(token_ids)
-    bs = runner.block_size
-    nb = -(-P // bs)
-    store = KVStore.allocate(runner.cfg, nb, bs, runner.kv_format, runner.device)
-    table = torch.arange(nb, dtype=torch.int64, device=runner.device)
-    ids = torch.tensor(token_ids, dtype=torch.int64, device=runner.device)
-    logits = None
-    for c in range(0, P, chunk):
-        n = min(chunk, P - c)
-        pos = torch.arange(c, c + n, dtype=torch.int64, device=runner.device)
-        # the engine's own attention kernels (the C++ ones on CPU), so that an invariant path compares bit for bit
-        meta = AttentionMetadata(slot_mapping=pos.clone(), prefills=[PrefillSpan(0, n, c + n, table)],
-                                 backend=getattr(runner, "attention_backend", "torch"))
-        last = c + n == P  # only the final chunk's last row needs logits
-        batch = StepBatch(ids[c : c + n], pos, meta, [n - 1] if last else [], [])
-        with runner.lora_scope([(SimpleNamespace(lora=lora), n)]) as adapted:
-            logits = runner.forward(batch, "last" if last else "none", store=store, adapted=adapted)
-    return logits.float().cpu()[0], store
+    ids = torch.tensor(token_ids, dtype=torch.int64)
+    logits, store = engine.prefill_private(ids, torch.arange(len(token_ids)), chunk, "last", lora=lora)
+    return logits[0], store
 
 
 def _first_divergence(stored: torch.Tensor, ref: torch.Tensor,
@@ -201,7 +184,7 @@ def _first_divergence(stored: torch.Tensor, ref: torch.Tensor,
 
 
 @torch.inference_mode()
-def audit_sequence(engine, seq, logits: torch.Tensor | None = None, tolerance: AuditTolerance | None = None,
+def audit_sequence(engine: EngineHandle, seq, logits: torch.Tensor | None = None, tolerance: AuditTolerance | None = None,
                    num_tokens: int | None = None) -> AuditReport:
     """Compare a sequence's cached K/V (and its first-token logits) with a recompute from scratch.
 
@@ -212,7 +195,6 @@ def audit_sequence(engine, seq, logits: torch.Tensor | None = None, tolerance: A
     Raises ValueError for a compressed sequence (``kv_offset > 0``) or one with no KV.
     """
     t0 = time.perf_counter()
-    runner = engine.runner
     if not engine.kv_store.uniform:
         raise ValueError(f"{seq.request_id}: the KV audit reads every layer by block id; a hybrid (sliding-window) "
                          "KV cache cannot be audited: start the engine with --no-hybrid-kv-cache")
@@ -221,14 +203,14 @@ def audit_sequence(engine, seq, logits: torch.Tensor | None = None, tolerance: A
     P = seq.num_computed if num_tokens is None else num_tokens
     if P < 1 or P > seq.num_computed:
         raise ValueError(f"{seq.request_id}: {P} tokens to audit, {seq.num_computed} have KV")
-    invariant = bool(getattr(runner, "invariant", False)) and getattr(seq, "lora", None) is None
-    tol = tolerance or default_tolerance(runner.dtype, runner.kv_format, getattr(runner, "weight_format", "none"),
-                                         invariant)
-    chunk = getattr(getattr(engine, "scheduler", None), "max_num_batched_tokens", 512)
-    ref_logits, ref_store = recompute_prompt(runner, list(seq.token_ids[:P]), chunk, getattr(seq, "lora", None))
-    bs = runner.block_size
-    table = torch.tensor(seq.block_table[: -(-P // bs)], dtype=torch.int64, device=runner.device)
-    ref_table = torch.arange(len(table), dtype=torch.int64, device=runner.device)
+    num = engine.numerics
+    invariant = num["invariant"] and getattr(seq, "lora", None) is None
+    tol = tolerance or default_tolerance(num["dtype"], num["kv_format"], num["weight_format"], invariant)
+    chunk = num["max_num_batched_tokens"]
+    ref_logits, ref_store = recompute_prompt(engine, list(seq.token_ids[:P]), chunk, getattr(seq, "lora", None))
+    bs, dev = engine.block_size, engine.kv_store.device
+    table = torch.tensor(seq.block_table[: -(-P // bs)], dtype=torch.int64, device=dev)
+    ref_table = torch.arange(len(table), dtype=torch.int64, device=dev)
     layer = token = tensor = None
     per_layer, rel = [], 0.0
     for i in range(ref_store.num_layers):
@@ -296,7 +278,7 @@ class ReuseAuditor:
     def from_config(cls, config: AuditConfig) -> "ReuseAuditor":
         return cls(config.audit_fraction, config.audit_seed, config.audit_tolerance)
 
-    def attach(self, engine) -> "ReuseAuditor":
+    def attach(self, engine: EngineHandle) -> "ReuseAuditor":
         """Audit a sample of ``engine``'s requests from now on (a first-token hook); returns self."""
         self.engine = engine
         engine.first_token_hooks.append(self.on_first_token)
@@ -318,7 +300,7 @@ class ReuseAuditor:
             return False
         return self.fraction >= 1.0 or self._rng.random() < self.fraction
 
-    def audit(self, engine, seq, logits: torch.Tensor | None) -> AuditReport | None:
+    def audit(self, engine: EngineHandle, seq, logits: torch.Tensor | None) -> AuditReport | None:
         """Audit ``seq`` now (its prompt KV complete, ``logits`` its first-token logits); None if skipped."""
         if seq.kv_offset:
             self.skipped += 1

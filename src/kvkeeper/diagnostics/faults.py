@@ -8,9 +8,10 @@ The engine is not usable for anything else afterwards (refcounts no longer add u
 """
 
 from __future__ import annotations
+from ..engine.handle import EngineHandle
 
 
-def reuse_foreign_block(engine, seq, block_id: int) -> None:
+def reuse_foreign_block(engine: EngineHandle, seq, block_id: int) -> None:
     """A block reused across namespaces: hand ``seq`` another sequence's full block as its first block.
 
     seq: a request just added (waiting, no blocks yet).  block_id: a computed, full block of
@@ -30,7 +31,7 @@ def reuse_foreign_block(engine, seq, block_id: int) -> None:
     seq.num_computed = bs
 
 
-def shift_positions(engine, seq, start: int, end: int, by: int = 1) -> None:
+def shift_positions(engine: EngineHandle, seq, start: int, end: int, by: int = 1) -> None:
     """Positions shifted by one: the next step that computes tokens ``start .. end-1`` of ``seq``
     gives them RoPE positions ``p + by`` (their K is stored rotated for the wrong position).
 
@@ -60,7 +61,7 @@ def shift_positions(engine, seq, start: int, end: int, by: int = 1) -> None:
     runner.build_batch = build_batch
 
 
-def free_while_referenced(engine, seq, index: int) -> int:
+def free_while_referenced(engine: EngineHandle, seq, index: int) -> int:
     """A block freed while referenced: drop the pool's reference to ``seq.block_table[index]``
     although ``seq`` (a running request or a session's pinned state) still holds it, and put it
     first in line for the next allocation so that another request overwrites it.

@@ -52,6 +52,7 @@ from pathlib import Path
 
 from ..argtypes import positive_int
 from ..options import option
+from ..engine.handle import EngineHandle
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ class CounterDeltas:
         return out
 
 
-def engine_counters(engine, auditor=None, ttft_sum: float = 0.0, ttft_count: int = 0, breaker=None,
+def engine_counters(engine: EngineHandle, auditor=None, ttft_sum: float = 0.0, ttft_count: int = 0, breaker=None,
                     stats=None) -> dict:
     """The counters :class:`CounterDeltas` reads, from an :class:`~kvkeeper.engine.llm_engine.LLMEngine`
     (its pool, prefix-cache and scheduler counters), a reuse auditor (None: no mismatches), the TTFT
@@ -255,7 +256,7 @@ def engine_counters(engine, auditor=None, ttft_sum: float = 0.0, ttft_count: int
     dropped = breaker.evicted_blocks if breaker is not None else 0
     return {"usage": st.usage, "pool_rate": st.pool_rate, "num_blocks": st.num_blocks,
             "prefix_query_tokens": engine.kv.query_tokens, "prefix_hit_tokens": engine.kv.hit_tokens,
-            "evictions": engine.pool.evictions - dropped, "preemptions": engine.scheduler.num_preemptions,
+            "evictions": engine.num_evictions - dropped, "preemptions": engine.scheduler.num_preemptions,
             "audit_mismatches": auditor.mismatches if auditor is not None else 0,
             "ttft_sum": ttft_sum, "ttft_count": ttft_count}
 
@@ -268,7 +269,7 @@ def prefill_backlog(scheduler) -> int:
 
 class ForecastFeed:
     """The breach forecaster's queue, latency and tier fields from a live engine, measured as the generated
-    incidents (:mod:`kvkeeper.eval.health_scenarios`) measure them, so that a predictor scored there reads the
+    incidents (:mod:`kvkeeper.eval.health.scenarios`) measure them, so that a predictor scored there reads the
     same fields on a server.
 
     :meth:`fields` returns, at monotonic time ``now`` (s): ``ttft_p99`` and ``ttft_mean`` (s) of the first tokens
@@ -280,7 +281,7 @@ class ForecastFeed:
     bytes / its budget, 0 without a host tier) and ``tier`` (the circuit breaker's, 0 without one).  Call
     :meth:`fields` and the hook from the engine thread."""
 
-    def __init__(self, engine, sessions=None, breaker=None, ttft_window_s: float = 10.0, clock=time.monotonic):
+    def __init__(self, engine: EngineHandle, sessions=None, breaker=None, ttft_window_s: float = 10.0, clock=time.monotonic):
         self.engine, self.sessions, self.breaker = engine, sessions, breaker
         self.ttft_window_s, self.clock = ttft_window_s, clock
         self.first: deque[tuple[float, float]] = deque()  # (clock time, ttft s)

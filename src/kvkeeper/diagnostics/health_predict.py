@@ -1,7 +1,7 @@
 """Cache-health predictors behind one interface: will this server breach, in about how many seconds, and why.
 
 A predictor is fed one telemetry sample at a time (a dict; the fields of
-:data:`kvkeeper.eval.health_scenarios.SAMPLE_FIELDS`: ``t`` seconds, ``usage`` and ``pool_rate`` 0..1,
+:data:`kvkeeper.eval.health.scenarios.SAMPLE_FIELDS`: ``t`` seconds, ``usage`` and ``pool_rate`` 0..1,
 ``ttft_p99`` seconds, ...; a missing field counts as absent) and returns a :class:`Forecast`: whether it warns
 now, the predicted seconds to the breach (None when it does not estimate one) and the reason in words.
 :class:`WarningTracker` turns the per-sample forecasts into warnings that open and close (hysteresis), the same
@@ -19,7 +19,7 @@ way for the evaluation and the server.
   (0.6: 1.8 s of a 3 s objective).  A long-context prefill is a step, not a trend, and the first such request
   is the earliest evidence that two at once will breach (the scenarios' ``longctx``: the trend alone caught
   4 of 19 held-out episodes on 2026-12-02).  The defaults were chosen on the training seeds' traces (0-11, the
-  generator of 2026-12-06) by ``kvkeeper.eval.health_tune_trend``: a grid over window, gate, ``min_t``,
+  generator of 2026-12-06) by ``kvkeeper.eval.health.tune_trend``: a grid over window, gate, ``min_t``,
   ``near_miss`` and the horizon, keeping precision and recall at least 0.9 and at most 1 false alarm an hour,
   then the longest median lead (30.0 s there, 0.95 recall, 0.68 false alarms an hour; the defaults before,
   window 20 and gate 0.35, had 22 s).
@@ -33,14 +33,14 @@ way for the evaluation and the server.
   gradient boosting machine", *Annals of Statistics* 29(5), 2001; scikit-learn's
   ``GradientBoostingClassifier`` fits them) over summary features of a window of the telemetry
   (:func:`window_features`: per signal the last value, mean, max, min, least-squares slope and change), giving
-  the probability of a breach within its training horizon.  Trained by ``kvkeeper.eval.health_train_gbt`` on the
+  the probability of a breach within its training horizon.  Trained by ``kvkeeper.eval.health.train_gbt`` on the
   training seeds' traces; the trees are shipped as JSON (``health_gbt.json``) and walked here in plain Python,
   so that serving needs no scikit-learn.  Its ETA is its training horizon when it warns.  The shipped trees
   (2026-12-06): seeds 0-47, horizon 60 s, threshold 0.93 for 2 samples in a row, chosen out of fold under 0.6
   false alarms an hour.
 * :class:`TreesAndTrendPredictor` (``gbt_trend``, the default, :data:`DEFAULT_PREDICTOR`): the trees, backed by
   the trend's forecast of a usage breach within 20 s, which catches the plain usage ramp the trees miss.  On
-  held-out seeds 500-519 (``kvkeeper.eval.health_eval``, 2026-12-06): precision 0.96, recall 1.00, median lead
+  held-out seeds 500-519 (``kvkeeper.eval.health.evaluate``, 2026-12-06): precision 0.96, recall 1.00, median lead
   31.3 s, 0.8 false alarms an hour (docs/serving/health.md).
 
 Limits (:class:`Limits`): usage 0.95 (the breaker's usage threshold: past it, compaction cannot help and it
@@ -326,7 +326,7 @@ def load_gbt(path: Path = GBT_MODEL) -> dict:
     import json
 
     if not Path(path).exists():
-        raise FileNotFoundError(f"{path} is missing: regenerate it with python -m kvkeeper.eval.health_train_gbt")
+        raise FileNotFoundError(f"{path} is missing: regenerate it with python -m kvkeeper.eval.health.train_gbt")
     return json.loads(Path(path).read_text())
 
 

@@ -28,6 +28,7 @@ import torch
 
 from ..sampling.params import SamplingParams
 from ..errors import InvalidRequestError, SessionNotFoundError
+from ..engine.handle import EngineHandle
 
 FORMAT = "kvkeeper.kv_dump.v1"
 
@@ -75,7 +76,7 @@ def _tensor_dtype(kv_format) -> torch.dtype:
 
 
 @torch.inference_mode()
-def dump_sequence(engine, seq, layers=None, start: int | None = None, end: int | None = None,
+def dump_sequence(engine: EngineHandle, seq, layers=None, start: int | None = None, end: int | None = None,
                   source: str = "prompt", cached_tokens: int | None = None) -> tuple[dict, dict]:
     """K/V of ``seq`` (a Sequence or a session's state) for ``layers`` and positions ``start .. end-1``.
 
@@ -145,7 +146,7 @@ def dump_session(sessions, session_id: str, layers=None, start: int | None = Non
     return dump_sequence(sessions.engine, st, layers, start, end, source=f"session:{session_id}")
 
 
-def dump_prompt(engine, prompt_ids: list[int], layers=None, start: int | None = None, end: int | None = None,
+def dump_prompt(engine: EngineHandle, prompt_ids: list[int], layers=None, start: int | None = None, end: int | None = None,
                 warm_prefix: int = 0, namespace=None) -> tuple[dict, dict]:
     """Prefill ``prompt_ids`` on the engine and dump its K/V (positions ``0 .. P-1`` by default).
 

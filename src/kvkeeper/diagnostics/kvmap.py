@@ -24,6 +24,7 @@ from collections import Counter
 
 from ..errors import KVKeeperError
 from ..kvcache.blockmap import SHARED, STATE_COLOURS, check_block_map, owner_colours
+from ..engine.handle import EngineHandle
 
 CELL = "■"
 FIGURES = (("internal", "internal"), ("external", "external"), ("pool_rate", "pool rate"), ("usage", "usage"))
@@ -157,7 +158,7 @@ def render_block_map(doc: dict, width: int = 100, max_rows: int = 32, max_owners
     return Group(head, grid, Text(""), legend, Text(""), figs, Text(""), Text("owners", style="italic"), own)
 
 
-def demo_block_map(engine) -> dict:
+def demo_block_map(engine: EngineHandle) -> dict:
     """Run a few prompts on a local engine so every pool state shows, then build its block map.
 
     A session keeps a two-turn conversation (owned blocks), a finished request without a session

@@ -23,8 +23,8 @@ from ..models.registry import capabilities, family_options
 from ..weights.formats import QUANTIZATION_CHOICES, weight_format_for
 from ..weights.sources import DEFAULT_MODEL
 from ..options import option
-from .kv_events import KVEventsConfig, parse_kv_events_config
-from .speculative import SpeculativeConfig, parse_speculative_config
+from ..kvcache.kv_events.publisher import KVEventsConfig, parse_kv_events_config
+from ..spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB
 
@@ -70,11 +70,11 @@ class EngineConfig:
     max_model_len: cap on the context window (None: the model's own).  num_threads: torch CPU threads.
     validate_every: run the KV integrity validators before every N-th step (0: never).
     cache_dir: folder of the weight and tokenizer caches (None: ``~/.cache/kvkeeper``).
-    kv_events_config: KV event publishing (:class:`~kvkeeper.engine.kv_events.KVEventsConfig`, a dict or its
+    kv_events_config: KV event publishing (:class:`~kvkeeper.kvcache.kv_events.publisher.KVEventsConfig`, a dict or its
     JSON text; None: off).
     memory_check: refuse a model whose estimated memory need exceeds the available memory before loading it
     (:mod:`kvkeeper.engine.memory_fit`; CPU only).
-    speculative_config: n-gram or suffix speculation (:class:`~kvkeeper.engine.speculative.SpeculativeConfig`, a dict
+    speculative_config: n-gram or suffix speculation (:class:`~kvkeeper.spec_decode.config.SpeculativeConfig`, a dict
     or its JSON text, vLLM's fields; None: off, requests that send a prediction still draft from it).
     Raises :class:`InvalidRequestError` for a value out of range.
     """

@@ -1,10 +1,6 @@
-"""The engine's KV-facing methods: what sessions, diagnostics and the server call to hold, move and measure KV.
-
-A mixin of :class:`kvkeeper.engine.llm_engine.LLMEngine` (one concept: the engine's handle on its paged KV,
-kept apart from the step loop).  It reads the engine's ``pool`` (:class:`kvkeeper.kvcache.block_pool.BlockPool`),
-``kv`` (:class:`kvkeeper.kvcache.manager.KVCacheManager`), ``runner`` (its :class:`kvkeeper.kvcache.store.KVStore`),
-``scheduler`` and ``holders`` (:mod:`kvkeeper.engine.kv_holders`).  Sizes in blocks and bytes.
-"""
+"""The engine's KV-facing methods (a mixin of :class:`~kvkeeper.engine.llm_engine.LLMEngine`, over its ``pool``,
+``kv``, ``runner``, ``scheduler`` and ``holders``): what sessions, diagnostics and the server call to hold, move and
+measure KV.  Sizes in blocks and bytes; block ids index the pool."""
 
 from __future__ import annotations
 
@@ -12,9 +8,9 @@ import json
 from typing import Iterator
 
 from ..errors import InvalidRequestError
-from ..kvcache.surgery import compact
+from ..kvcache.surgery import compact, compress_prompt
 from ..kvcache.telemetry import pool_stats
-from .kv_holders import KVHolder
+from .handle import KVHolder
 from .sequence import Sequence
 
 
@@ -22,8 +18,7 @@ class EngineKV:
     """KV holders, the KV store handle, block allocation for holders, compaction and pool figures."""
 
     def require_uniform_kv(self, what: str) -> None:
-        """Raise InvalidRequestError when ``what`` (an operation that reads or moves every layer's KV by block
-        id) meets a hybrid KV cache, whose sliding layers keep their KV in window blocks."""
+        """Raise InvalidRequestError when ``what`` (reading or moving all layers' KV by block id) meets hybrid KV."""
         if self.runner.window_blocks:
             raise InvalidRequestError(f"{what} is not supported with the hybrid KV cache of a sliding-window model "
                                       "(its sliding layers keep KV per window); start the engine with "
@@ -48,7 +43,11 @@ class EngineKV:
     def kv_bytes_per_token(self) -> int:
         return self.runner.kv_bytes_per_token
 
-    # ---- KV held outside requests (kvkeeper.engine.kv_holders) --------------------
+    @property
+    def kv_store(self):
+        """The :class:`~kvkeeper.kvcache.store.KVStore` of every layer's KV (blocks: the methods below)."""
+        return self.runner.kv_store
+
     def add_kv_holder(self, holder: KVHolder) -> None:
         """Register something that holds KV between requests (a session manager)."""
         self.holders.append(holder)
@@ -58,8 +57,7 @@ class EngineKV:
         return self.holders.reclaim(n_blocks)
 
     def kv_holdings(self) -> Iterator[tuple[str, Sequence]]:
-        """Yield (owner name, sequence) for everything that holds KV blocks: running and waiting
-        requests (by request id), then each holder's (``session:<id>``)."""
+        """(owner, sequence) of every block table: running and waiting requests, then holders' (``session:<id>``)."""
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             yield seq.request_id, seq
         yield from self.holders.kv_holdings()
@@ -69,20 +67,14 @@ class EngineKV:
         return self.holders.offloaded_blocks()
 
     def compact(self, evict_cache: bool = False) -> dict:
-        """Defragment the pool, keeping the prefix cache (see :func:`kvkeeper.kvcache.surgery.compact`).
-
-        evict_cache: drop the unreferenced cached blocks first.  Call between steps only.
-        Returns ``{"evicted": cached blocks dropped, "moved": blocks whose id changed}``.
-        """
+        """Defragment the pool between steps (:func:`kvkeeper.kvcache.surgery.compact`); evict_cache: drop the
+        unreferenced cached blocks first.  Returns ``{"evicted", "moved"}`` (blocks)."""
         self.require_uniform_kv("defragmenting the KV pool (compact)")
         return compact(self.pool, (seq.block_table for _, seq in self.kv_holdings()), self.kv_store, evict_cache)
 
-    # ---- the KV handle of holders (sessions) -----------------------------------------------------
-    @property
-    def kv_store(self):
-        """The :class:`~kvkeeper.kvcache.store.KVStore` holding every layer's KV tensors (read and write blocks
-        through it; allocate and free blocks through the methods below)."""
-        return self.runner.kv_store
+    def evict_cached(self) -> int:
+        """Drop every unreferenced block from the prefix cache; returns how many."""
+        return self.pool.evict_cached()
 
     def free_kv(self, seq: Sequence) -> int:
         """Release a sequence's blocks (its full blocks stay in the prefix cache as cached-free); returns the blocks
@@ -99,17 +91,38 @@ class EngineKV:
         """Register a sequence's full blocks in the prefix cache under their chained hashes."""
         self.kv.commit(seq)
 
+    def compress_prompt_kv(self, seq: Sequence) -> bool:
+        """Apply ``seq.compression`` to its observed prompt (:func:`kvkeeper.kvcache.surgery.compress_prompt`)."""
+        return compress_prompt(seq, self.pool, self.kv_store, self.reclaim)
+
     def allocate_kv_blocks(self, n: int) -> list[int] | None:
-        """``n`` fresh pool blocks, asking the KV holders to reclaim room first when the pool has too few free;
-        None when there is still no room (nothing allocated)."""
+        """``n`` fresh blocks, the holders asked to reclaim room first if needed; None when there is none."""
         if n > self.pool.num_free:
             self.reclaim(n - self.pool.num_free)
         return self.pool.allocate(n) if n <= self.pool.num_free else None
 
+    def share_kv_blocks(self, block_ids: list[int]) -> list[int]:
+        """Take one more reference on each block (a copy-on-write fork, a hold); returns the same ids."""
+        return self.pool.fork(block_ids)
+
     def free_kv_blocks(self, block_ids: list[int]) -> None:
-        """Give back blocks from :meth:`allocate_kv_blocks` that no sequence took."""
+        """Drop one reference on each block (from :meth:`allocate_kv_blocks` or :meth:`share_kv_blocks`)."""
         self.pool.free_all(block_ids)
+
+    def shared_kv_blocks(self, block_ids: list[int]) -> list[int]:
+        """Those of ``block_ids`` that more than one owner references."""
+        return [b for b in block_ids if self.pool.blocks[b].ref_count > 1]
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Pool blocks free now (never-cached and cached-unreferenced)."""
+        return self.pool.num_free
 
     def pool_stats(self):
         """Block states and fragmentation figures now (a :class:`kvkeeper.kvcache.telemetry.PoolStats`)."""
         return pool_stats(self.pool, self.kv_holdings(), self.offloaded_blocks())
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks evicted for reuse since the start (prefix-cache pressure)."""
+        return self.pool.evictions

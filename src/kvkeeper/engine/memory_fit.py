@@ -33,11 +33,14 @@ from ..kvcache.sizing import bytes_per_block
 from ..model_config import ModelConfig
 from ..models.registry import capabilities, family_options
 from ..weights import footprint as fp
-from .cpu_threads import MOUNTINFO, PROC_CGROUP, own_cgroups, up_to
-from ..weights.formats import QuantizationError
+from ..worker.cpu_threads import MOUNTINFO, PROC_CGROUP, own_cgroups, up_to
+from ..weights.formats import QuantizationError, may_map_gguf
+from ..weights.loader import load_model
+from ..weights.sources import resolve_model_path
+from ..worker.runner import ModelRunner
 from .config import EngineConfig
 
-__all__ = ["MemoryEstimate", "estimate", "available_memory", "check_memory_fit"]
+__all__ = ["MemoryEstimate", "estimate", "available_memory", "check_memory_fit", "load_checked"]
 
 MEMINFO = Path("/proc/meminfo")
 
@@ -148,7 +151,7 @@ def _cgroup_headroom(version: str, folder: Path) -> tuple[int, int] | None:
 def available_memory(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> tuple[int, str]:
     """(bytes, where the figure comes from) available to this process: ``MemAvailable`` of /proc/meminfo, or
     the headroom of a cgroup memory limit (limit - in use) on this process's own cgroup or an ancestor, v2 or
-    v1 (found as :mod:`kvkeeper.engine.cpu_threads` finds the CPU quota), when that is lower.  (0, "unknown")
+    v1 (found as :mod:`kvkeeper.worker.cpu_threads` finds the CPU quota), when that is lower.  (0, "unknown")
     when none can be read (the check is then skipped)."""
     got: list[tuple[int, str]] = []
     try:
@@ -208,3 +211,19 @@ def check_memory_fit(cfg: EngineConfig, path: Path | None, device: torch.device,
     if est.total > available:
         raise InsufficientMemoryError(refusal(est, available, where), est.total, available)
     return est
+
+
+def load_checked(cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
+    """Check that ``cfg``'s model fits (:func:`check_memory_fit`, before any large allocation), then load it onto
+    ``device`` in ``dtype`` and build its :class:`~kvkeeper.worker.runner.ModelRunner`.  Returns (runner, model
+    config, tokenizer, model path, memory estimate or None).  Raises what loading raises, InsufficientMemoryError,
+    and InvalidRequestError for a format or attention backend the model cannot run."""
+    path = None if cfg.load_format == "dummy" else resolve_model_path(cfg.model, cfg.cache_dir)
+    est = check_memory_fit(cfg, path, device, dtype)
+    mcfg, state, tokenizer, model_path = load_model(str(path or cfg.model), cfg.load_format, cfg.cache_dir, dtype,
+                                                    device, cfg.seed, in_place=may_map_gguf(cfg.quantization))
+    try:
+        runner = ModelRunner(mcfg, state, **cfg.runner_args(mcfg, state, device, dtype))
+    except ValueError as e:  # a format or attention backend the model cannot run
+        raise InvalidRequestError(str(e)) from None
+    return runner, mcfg, tokenizer, model_path, est

@@ -40,7 +40,7 @@ class Scheduler:
         """Settings as in :class:`~kvkeeper.engine.config.EngineConfig`.  reclaim(n_blocks) is called when admission
         lacks blocks; it may release idle sessions' blocks and returns how many it freed.  drafter(seq, budget,
         running): draft tokens for a decode row (speculative decoding, :meth:`Drafter.propose
-        <kvkeeper.engine.speculative.Drafter.propose>`); they ride with the row when their blocks can be had
+        <kvkeeper.spec_decode.drafter.Drafter.propose>`); they ride with the row when their blocks can be had
         without taking the one free block each later running sequence may need."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")

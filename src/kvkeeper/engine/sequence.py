@@ -45,7 +45,7 @@ class Sequence:
         when its sampling needs none; advanced with each token appended.
     prompt_logprobs: with ``params.prompt_logprobs``, one entry per prompt position (None for the first,
         which nothing predicts): ``{"token_id", "logprob", "rank", "top"}``, filled while it is prefilled.
-    spec: its speculative decoding state (:class:`kvkeeper.engine.speculative.SpecState`), None when it does not
+    spec: its speculative decoding state (:class:`kvkeeper.spec_decode.metrics.SpecState`), None when it does not
         draft; spec_tokens: the draft tokens scheduled after its last token in the current step (scored as
         decode rows of their own; not in ``token_ids`` until accepted).
     """
@@ -82,7 +82,7 @@ class Sequence:
     compressed: bool = False  # compression was applied to the current KV
     num_kv_dropped: int = 0  # tokens dropped by compression over the request's life
     num_preemptions: int = 0
-    spec: "SpecState | None" = None  # kvkeeper.engine.speculative.SpecState (not imported: no cycle)
+    spec: "SpecState | None" = None  # kvkeeper.spec_decode.metrics.SpecState (not imported: no cycle)
     spec_tokens: list[int] = field(default_factory=list)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_scheduled: float | None = None  # first admission by the scheduler (perf_counter s)

@@ -26,6 +26,7 @@ from ..engine.sequence import Sequence
 from ..errors import InvalidRequestError
 from .intervention import KVIntervention, intervene
 from ..sampling.params import SamplingParams
+from ..engine.handle import EngineHandle
 
 _CLOSERS = "\"')]\u201d\u2019"
 
@@ -45,7 +46,7 @@ def sentence_ends(tokenizer, ids: list[int]) -> list[int]:
 
 
 @torch.inference_mode()
-def document_perplexity(engine, ids: list[int], policy: KVIntervention | None, chunk: int = 512) -> dict:
+def document_perplexity(engine: EngineHandle, ids: list[int], policy: KVIntervention | None, chunk: int = 512) -> dict:
     """Perplexity of ``ids`` prefilled sentence by sentence, ``policy`` (None: the baseline) applied to each
     sentence once it is complete, the first sentence being the anchor.
 
@@ -64,11 +65,10 @@ def document_perplexity(engine, ids: list[int], policy: KVIntervention | None, c
     anchor = ends[0]
     seq = Sequence("intervene-ppl", list(ids), SamplingParams(max_tokens=1), engine.isolated_namespace("intervene"))
     targets = torch.tensor(ids[1:] + [0], dtype=torch.int64)
-    runner = engine.runner
     nll, scored, count, ms = 0.0, 0, 0, 0.0
     t0 = time.perf_counter()
     if not engine.kv.allocate(seq, n):
-        raise InvalidRequestError(f"{n} tokens do not fit the {engine.pool.num_free} free KV blocks; raise "
+        raise InvalidRequestError(f"{n} tokens do not fit the {engine.num_free_blocks} free KV blocks; raise "
                                   "--kv-cache-bytes")
     try:
         start = 0
@@ -76,7 +76,7 @@ def document_perplexity(engine, ids: list[int], policy: KVIntervention | None, c
             while seq.num_computed < end:
                 c = seq.num_computed
                 m = min(chunk, end - c)
-                logits = runner.forward(runner.build_batch([(seq, m)]), "prompt")  # (m, vocab)
+                logits = engine.write_kv_outside_scheduler(seq, m, "prompt")  # (m, vocab)
                 seq.num_computed += m
                 a, b = max(c, anchor - 1), min(c + m, n - 1)  # rows predicting tokens anchor .. n-1
                 if b > a:
@@ -95,7 +95,7 @@ def document_perplexity(engine, ids: list[int], policy: KVIntervention | None, c
             "seconds": time.perf_counter() - t0}
 
 
-def terms_runs(engine, docs: dict, segments: list, policies: list[KVIntervention | None], max_tokens: int,
+def terms_runs(engine: EngineHandle, docs: dict, segments: list, policies: list[KVIntervention | None], max_tokens: int,
                progress=None) -> dict:
     """Translate ``docs`` (:func:`kvkeeper.eval.term_translate.documents`) under the glossary condition once per
     policy (None: the baseline, also in namespaces of its own), score each run and compare its turns with the

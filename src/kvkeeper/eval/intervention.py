@@ -46,10 +46,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.metadata import AttentionMetadata, PrefillSpan
 from ..errors import InvalidRequestError
-from ..kvcache.store import KVStore
-from ..worker.runner import StepBatch
+from ..kvcache.surgery import overwrite_slots
+from ..engine.handle import EngineHandle
 
 INTERVENTION_POLICIES = ("layer_reset", "gated_refresh", "ln_reset")
 
@@ -96,48 +95,38 @@ def mix(policy: KVIntervention, old: torch.Tensor, fresh: torch.Tensor) -> torch
 
 
 @torch.inference_mode()
-def fresh_span_kv(runner, token_ids: list[int], anchor: int, start: int, end: int, layers: list[int] | None = None,
+def fresh_span_kv(engine: EngineHandle, token_ids: list[int], anchor: int, start: int, end: int, layers: list[int] | None = None,
                   chunk: int = 512) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """K/V of ``token_ids[start:end]`` computed with only ``token_ids[:anchor]`` before them, at their true
     positions (RoPE ``0..anchor-1`` then ``start..end-1``), in a private cache (the engine's pool is untouched).
 
-    runner: the engine's :class:`~kvkeeper.worker.runner.ModelRunner` (its weights, kernels and KV format: the
-    values are rounded to the cache's storage as any cached KV).  layers: which layers to return (default all).
-    Returns ``{layer: (k, v)}``, each (end - start, KVH, D) float32 on the runner's device.
+    engine: the engine (:meth:`~kvkeeper.worker.runner.ModelRunner.prefill_private`: its weights, kernels and KV
+    format: the values are rounded to the cache's storage as any cached KV).  layers: which layers to return
+    (default all).  Returns ``{layer: (k, v)}``, each (end - start, KVH, D) float32 on the engine's device.
     Raises InvalidRequestError unless ``0 <= anchor <= start < end <= len(token_ids)``, and ValueError for an
     MLA (latent) cache, whose rows have no separate K and V.
     """
     if not 0 <= anchor <= start < end <= len(token_ids):
         raise InvalidRequestError(f"a span needs 0 <= anchor ({anchor}) <= start ({start}) < end ({end}) <= "
                                   f"{len(token_ids)} tokens")
-    dev = runner.device
-    ids = torch.tensor(list(token_ids[:anchor]) + list(token_ids[start:end]), dtype=torch.int64, device=dev)
-    pos = torch.cat([torch.arange(anchor), torch.arange(start, end)]).to(dev)
-    P, bs = ids.numel(), runner.block_size
-    nb = -(-P // bs)
-    parts = runner.cfg.kv_layout[0]
-    if parts != 2:
+    if engine.kv_store.latent:
         raise ValueError("an MLA latent cache has no separate K and V to intervene on")
-    wanted = list(range(runner.cfg.num_layers)) if layers is None else sorted(layers)
+    ids = torch.tensor(list(token_ids[:anchor]) + list(token_ids[start:end]), dtype=torch.int64)
+    pos = torch.cat([torch.arange(anchor), torch.arange(start, end)])
+    wanted = list(range(engine.kv_store.num_layers)) if layers is None else sorted(layers)
     # a cache for the layers up to the deepest one wanted: the model's forward runs one layer per cache it is
     # given (zip over the layers and the caches), so the layers past it are not computed at all
-    store = KVStore.allocate(runner.cfg, nb, bs, runner.kv_format, dev, num_layers=wanted[-1] + 1)
-    table = torch.arange(nb, dtype=torch.int64, device=dev)
-    for c in range(0, P, chunk):
-        n = min(chunk, P - c)
-        meta = AttentionMetadata(slot_mapping=torch.arange(c, c + n, dtype=torch.int64, device=dev),
-                                 prefills=[PrefillSpan(0, n, c + n, table)],
-                                 backend=getattr(runner, "attention_backend", "torch"))
-        runner.forward(StepBatch(ids[c: c + n], pos[c: c + n], meta, [], []), "none", store=store)
+    _, store = engine.prefill_private(ids, pos, chunk, "none", num_layers=wanted[-1] + 1)
+    table = torch.arange(store.num_blocks, dtype=torch.int64, device=store.device)
     out = {}
     for layer in wanted:
-        k, v = store.gather(layer, table, P, torch.float32)
+        k, v = store.gather(layer, table, ids.numel(), torch.float32)
         out[layer] = (k[anchor:], v[anchor:])
     return out
 
 
 @torch.inference_mode()
-def intervene(engine, seq, start: int, end: int, anchor: int, policy: KVIntervention, chunk: int = 512) -> dict:
+def intervene(engine: EngineHandle, seq, start: int, end: int, anchor: int, policy: KVIntervention, chunk: int = 512) -> dict:
     """Apply ``policy`` to the KV of ``seq``'s tokens ``[start, end)`` (a finished sentence), in place.
 
     seq: a sequence (or a session's pinned state) holding KV for its first ``seq.num_computed`` tokens, in a
@@ -150,7 +139,7 @@ def intervene(engine, seq, start: int, end: int, anchor: int, policy: KVInterven
     ``--no-hybrid-kv-cache``) or a span in a block another owner references.
     """
     t0 = time.perf_counter()
-    store, pool, bs = engine.kv_store, engine.pool, engine.runner.block_size
+    store, bs = engine.kv_store, engine.block_size
     if not store.uniform:
         raise ValueError("KV interventions address every layer by block id; a hybrid (sliding-window) KV cache "
                          "cannot be rewritten: start the engine with --no-hybrid-kv-cache")
@@ -162,11 +151,11 @@ def intervene(engine, seq, start: int, end: int, anchor: int, policy: KVInterven
     if bad:
         raise InvalidRequestError(f"layer {bad[0]} does not exist: the model has layers 0..{store.num_layers - 1}")
     blocks = seq.block_table[start // bs: -(-end // bs)]
-    shared = [b for b in blocks if pool.blocks[b].ref_count > 1]
+    shared = engine.shared_kv_blocks(blocks)
     if shared:
         raise ValueError(f"{seq.request_id}: block {shared[0]} is shared with another owner; hold the KV in a "
                          "namespace of its own (LLMEngine.isolated_namespace) before rewriting it")
-    fresh = fresh_span_kv(engine.runner, seq.token_ids, anchor, start, end, list(policy.layers), chunk)
+    fresh = fresh_span_kv(engine, seq.token_ids, anchor, start, end, list(policy.layers), chunk)
     bt = torch.tensor(seq.block_table, dtype=torch.int64, device=store.device)
     p = torch.arange(start, end, device=store.device)
     slots = bt[p // bs] * bs + p % bs
@@ -177,6 +166,6 @@ def intervene(engine, seq, start: int, end: int, anchor: int, policy: KVInterven
         fk, fv = fresh[layer]
         nk, nv = mix(policy, ok[start:], fk), mix(policy, ov[start:], fv)
         change = max(change, float((nk - ok[start:]).abs().max()), float((nv - ov[start:]).abs().max()))
-        store.layer(layer).write(nk, nv, slots)
+        overwrite_slots(store, layer, nk, nv, slots)
     return {"tokens": end - start, "recomputed": anchor + end - start, "max_abs_change": change,
             "ms": 1000 * (time.perf_counter() - t0)}

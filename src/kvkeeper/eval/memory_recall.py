@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..progress import track
+from ..engine.handle import EngineHandle
 
 SYSTEM = "You are a friendly conversation partner. When asked about something said earlier, answer briefly."
 NAMES = ["Zanthe", "Orlaith", "Bartholomew", "Ysolde", "Kwabena", "Thaddeus", "Marisol", "Leopold", "Anouk",
@@ -272,7 +273,7 @@ def history_turns(conv: dict) -> list[int]:
 class LibraryBackend:
     """Questions through sessions of an in-process engine (one session per conversation)."""
 
-    def __init__(self, engine, policy: str, budget: int, max_tokens: int = 16, **context):
+    def __init__(self, engine: EngineHandle, policy: str, budget: int, max_tokens: int = 16, **context):
         from ..sampling.params import SamplingParams
         from ..sessions.manager import SessionConfig, SessionManager
 

@@ -15,6 +15,7 @@ import random
 import time
 
 from ..sampling.params import SamplingParams
+from ..engine.handle import EngineHandle
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
          "memorize it. I will quiz you about it.\n")
@@ -49,7 +50,7 @@ def answer_key(text: str) -> int | None:
     return None
 
 
-def passkey_grid(engine, lengths: list[int], depths: list[float], trials: int = 3, seed: int = 0,
+def passkey_grid(engine: EngineHandle, lengths: list[int], depths: list[float], trials: int = 3, seed: int = 0,
                  compression=None, max_tokens: int = 8) -> dict:
     """Accuracy per (length, depth) cell and overall.
 
@@ -74,5 +75,5 @@ def passkey_grid(engine, lengths: list[int], depths: list[float], trials: int = 
         c["accuracy"] = c["solved"] / c["trials"]
     solved = sum(c["solved"] for c in cells.values())
     return {"cells": list(cells.values()), "accuracy": solved / len(jobs), "trials": len(jobs),
-            "kv_dtype": engine.runner.kv_format.name, "policy": compression.policy if compression else None,
+            "kv_dtype": engine.kv_store.format.name, "policy": compression.policy if compression else None,
             "ratio": compression.ratio if compression else 0.0, "seconds": time.perf_counter() - t0}

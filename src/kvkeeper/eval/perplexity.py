@@ -19,11 +19,11 @@ import torch
 from ..sampling.params import SamplingParams
 from ..engine.sequence import Sequence
 from ..errors import InvalidRequestError
-from ..kvcache.surgery import compress_prompt
 from ..progress import track
+from ..engine.handle import EngineHandle
 
 
-def read_text_tokens(engine, path: str | Path, context: int, skip_tokens: int = 0) -> list[int]:
+def read_text_tokens(engine: EngineHandle, path: str | Path, context: int, skip_tokens: int = 0) -> list[int]:
     """Token ids ``[skip_tokens, skip_tokens + context)`` of a UTF-8 text file.
 
     Raises InvalidRequestError when the file is missing, not UTF-8, or too short (the message gives the numbers).
@@ -48,20 +48,19 @@ def _chunks(n: int, chunk: int) -> list[int]:
     return [min(chunk, n - k) for k in range(0, n, chunk)]
 
 
-def _run_chunks(engine, seq, upto: int, chunk: int, targets: torch.Tensor, score_from: int) -> tuple[float, int]:
+def _run_chunks(engine: EngineHandle, seq, upto: int, chunk: int, targets: torch.Tensor, score_from: int) -> tuple[float, int]:
     """Prefill seq's tokens up to index ``upto`` in chunks; sum -log p of targets[t] for positions t >= score_from."""
-    runner = engine.runner
     nll, scored = 0.0, 0
-    hybrid = getattr(engine.pool, "hybrid", False)  # window blocks are taken per chunk and given back past it
+    hybrid = not engine.kv_store.uniform  # window blocks are taken per chunk and given back past it
     for i, m in enumerate(track(_chunks(upto - seq.num_computed, chunk), "perplexity (prefill chunks)")):
         n = m if hybrid else upto - seq.num_computed
         if (hybrid or i == 0) and not engine.kv.allocate(seq, n):
-            raise InvalidRequestError(f"{n} more tokens do not fit the {engine.pool.num_free} free KV blocks; "
+            raise InvalidRequestError(f"{n} more tokens do not fit the {engine.num_free_blocks} free KV blocks; "
                                       "raise --kv-cache-bytes")
         start = seq.num_computed
         a = max(start, score_from)
         b = min(start + m, len(targets))
-        logits = runner.forward(runner.build_batch([(seq, m)]), "prompt" if b > a else "none")  # (m, vocab)
+        logits = engine.write_kv_outside_scheduler(seq, m, "prompt" if b > a else "none")  # (m, vocab)
         seq.num_computed += m
         if hybrid:
             engine.kv.release_out_of_window(seq)
@@ -73,7 +72,7 @@ def _run_chunks(engine, seq, upto: int, chunk: int, targets: torch.Tensor, score
 
 
 @torch.inference_mode()
-def perplexity(engine, token_ids: list[int], chunk: int = 512, compression=None,
+def perplexity(engine: EngineHandle, token_ids: list[int], chunk: int = 512, compression=None,
                score_tokens: int | None = None) -> dict:
     """Perplexity of ``token_ids`` (one sequence) through ``engine``'s model and KV cache.
 
@@ -113,7 +112,7 @@ def perplexity(engine, token_ids: list[int], chunk: int = 512, compression=None,
                 seq.observer = PrefillObserver(compression, ctx, mc.num_layers, mc.num_kv_heads)
             nll, scored = _run_chunks(engine, seq, ctx, chunk, targets, ctx - 1)
             if compression is not None:
-                compress_prompt(seq, engine.pool, engine.kv_store, engine.reclaim)
+                engine.compress_prompt_kv(seq)
             kv_tokens = ctx - seq.kv_offset
             more, k = _run_chunks(engine, seq, n - 1, chunk, targets, ctx)  # the last token predicts nothing
             nll, scored = nll + more, scored + k

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from ..errors import InvalidRequestError, KVKeeperError
 from ..sampling.params import SamplingParams
 from .terms import Segment
+from ..engine.handle import EngineHandle
 
 CONDITIONS = ("none", "glossary", "random")
 INSTRUCTION = ("You are a translator from English to French. Translate each message into French; reply with the "
@@ -123,7 +124,7 @@ class LocalTranslator:
     ``isolated`` is set (a baseline comparable with an intervention run).  Needs ``reuse``.
     """
 
-    def __init__(self, engine, max_tokens: int = 96, reuse: bool = True, compression=None, intervention=None,
+    def __init__(self, engine: EngineHandle, max_tokens: int = 96, reuse: bool = True, compression=None, intervention=None,
                  isolated: bool = False):
         from ..sessions.manager import SessionManager
 

@@ -88,11 +88,11 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
         self._by_hash: dict[int, int] = {}
         self.evictions = 0
-        self.events = None  # a kvkeeper.kvcache.kv_events.EventRecorder when KV events are on (attach_events)
+        self.events = None  # a kvkeeper.kvcache.kv_events.wire.EventRecorder when KV events are on (attach_events)
 
     def attach_events(self, recorder) -> None:
         """Report every prefix-cache store and removal to ``recorder`` (an
-        :class:`~kvkeeper.kvcache.kv_events.EventRecorder`) from now on: first ``AllBlocksCleared``, then one
+        :class:`~kvkeeper.kvcache.kv_events.wire.EventRecorder`) from now on: first ``AllBlocksCleared``, then one
         ``BlockStored`` per block the cache holds already (parents before children), so a follower starts exact."""
         recorder.cleared()
         held = {b.hash: b for b in self.blocks if b.hash is not None and self._by_hash.get(b.hash) == b.block_id}

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 import torch
 
 from .block_pool import BlockPool
-from .compression import select
+from .compression import PrefillObserver, select
 from .store import KVStore
 
 log = logging.getLogger(__name__)
@@ -95,3 +95,30 @@ def compact(pool: BlockPool, tables: Iterable[list[int]], store: KVStore, evict_
     for t in unique:
         t[:] = [mapping[b] for b in t]
     return {"evicted": evicted, "moved": len(moved)}
+
+
+def overwrite_slots(store: KVStore, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write new K and V (each (n, KVH, D), any float dtype: rounded to the store's format) into ``slots`` (n,)
+    int64 of one ``layer`` of ``store``, in place (an intervention on held KV).  The caller makes sure no other
+    owner references those blocks."""
+    store.layer(layer).write(k, v, slots)
+
+
+def observe_prefills(scheduled, num_layers: int, num_kv_heads: int) -> None:
+    """Give each scheduled sequence that asks for prompt compression (``seq.compression``) and has none yet a
+    :class:`~kvkeeper.kvcache.compression.PrefillObserver` over its prompt (``num_layers`` layers of
+    ``num_kv_heads`` KV heads), before the step's forward pass.  scheduled: (sequence, tokens) pairs."""
+    for seq, _ in scheduled:
+        if seq.compression is not None and seq.observer is None and not seq.compressed:
+            seq.observer = PrefillObserver(seq.compression, len(seq.token_ids) - seq.kv_offset, num_layers,
+                                           num_kv_heads)
+
+
+def compress_observed_prefills(scheduled, pool: BlockPool, store: KVStore,
+                               reclaim: Callable[[int], int] | None = None) -> None:
+    """After a step: compress (:func:`compress_prompt`) the prompt of every scheduled, unfinished sequence whose
+    observer has now seen all of it."""
+    for seq, _ in scheduled:
+        obs = seq.observer
+        if obs is not None and not seq.finished and seq.num_computed - seq.kv_offset >= obs.length:
+            compress_prompt(seq, pool, store, reclaim)

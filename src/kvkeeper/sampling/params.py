@@ -38,7 +38,7 @@ class SamplingParams:
     regex, choice, Lark; see :mod:`kvkeeper.sampling.structured`).  See
     :mod:`kvkeeper.sampling.processors` for each algorithm and its source.
     prediction: the text (or token ids) the output is expected to repeat (OpenAI's Predicted Outputs): the engine
-    drafts from it and verifies the drafts, the output is unchanged (:mod:`kvkeeper.engine.speculative`).
+    drafts from it and verifies the drafts, the output is unchanged (:mod:`kvkeeper.spec_decode`).
     speculative: False opts the request out of speculative decoding (n-gram drafts and the prediction alike).
     Raises :class:`InvalidRequestError` (with ``param``, the field) on out-of-range values.
     """

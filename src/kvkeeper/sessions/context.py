@@ -36,7 +36,7 @@ the summary) is kept by the session and saved in its manifest; a client that res
 history (the digest no longer matches) starts it again from the first turn.
 
 **Trimming under the circuit breaker.**  While the breaker degrades a session (its ``trim_budget``,
-:mod:`kvkeeper.engine.breaker`), :func:`trim_oldest_turns` then drops the oldest turns of the policy's
+:mod:`kvkeeper.sessions.breaker`), :func:`trim_oldest_turns` then drops the oldest turns of the policy's
 messages until they fit that budget (:meth:`ContextPlanner.prompt` applies both).  Trimming never edits
 the caller's list: it returns a shorter copy, so it is undone by rendering the full list again.
 """

@@ -15,9 +15,10 @@ import torch
 
 from ..engine.sequence import Sequence, SeqStatus
 from ..sampling.params import SamplingParams
+from ..engine.handle import EngineHandle
 
 
-def fork_kv(engine, kv: Sequence, request_id: str) -> Sequence:
+def fork_kv(engine: EngineHandle, kv: Sequence, request_id: str) -> Sequence:
     """A finished sequence with ``kv``'s token ids sharing its KV: full blocks by reference, the partial last
     block copied into a fresh block.  Compressed KV (``kv_offset``) is never shared: the fork then holds the
     token ids only (its next turn recomputes them, from the prefix cache where it can).  When no block is free
@@ -27,15 +28,15 @@ def fork_kv(engine, kv: Sequence, request_id: str) -> Sequence:
                     num_prompt_tokens=len(kv.token_ids), status=SeqStatus.FINISHED)
     if not kv.block_table or kv.kv_offset:
         return fork
-    bs = engine.pool.block_size
+    bs = engine.block_size
     nfull = min(kv.num_computed // bs, len(kv.block_table))
-    fork.block_table = engine.pool.fork(kv.block_table[:nfull])
+    fork.block_table = engine.share_kv_blocks(kv.block_table[:nfull])
     fork.block_hashes = list(kv.block_hashes[:nfull])
     fork.num_computed = nfull * bs
     rest = kv.num_computed - nfull * bs
     if rest and nfull < len(kv.block_table) and engine.kv_store.uniform:
         src = kv.block_table[nfull]
-        engine.pool.incref(src)  # held while room is made: a reclaim may unpin ``kv`` itself
+        engine.share_kv_blocks([src])  # held while room is made: a reclaim may unpin ``kv`` itself
         try:
             got = engine.allocate_kv_blocks(1)
             if got is not None:
@@ -44,5 +45,5 @@ def fork_kv(engine, kv: Sequence, request_id: str) -> Sequence:
                 fork.block_table.append(got[0])
                 fork.num_computed = kv.num_computed
         finally:
-            engine.pool.free(src)
+            engine.free_kv_blocks([src])
     return fork

@@ -11,7 +11,7 @@
 The manager registers itself with the engine as a *KV holder*: the engine asks it to release
 blocks when the pool runs short (idle sessions go to the host tier, else are unpinned, least
 recently used first) and lists its sessions' blocks for the validators and the telemetry.
-A circuit breaker (:mod:`kvkeeper.engine.breaker`) may install an ``admission`` check that
+A circuit breaker (:mod:`kvkeeper.sessions.breaker`) may install an ``admission`` check that
 refuses new sessions while KV memory is short.
 """
 
@@ -35,6 +35,7 @@ from .disk import session_dir_name
 from .fork import fork_kv
 from .offload import DEFAULT_HOST_OFFLOAD_BYTES, SessionStore
 from .session import Session, session_key
+from ..engine.handle import EngineHandle
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class SessionManager:
     Raises :class:`InvalidRequestError` when the data directory cannot be created.
     """
 
-    def __init__(self, engine, config: SessionConfig | None = None, **settings):
+    def __init__(self, engine: EngineHandle, config: SessionConfig | None = None, **settings):
         self.engine = engine
         self.config = config or SessionConfig(**settings)
         c = self.config
@@ -397,6 +398,30 @@ class SessionManager:
     def save_all(self) -> int:
         """Write every session holding KV to the disk tier (graceful shutdown); returns how many."""
         return self.store.save_all(self.sessions.values())
+
+    # ---- the circuit breaker's levers (kvkeeper.sessions.breaker) ------------------------------------
+    def lowest_priority_open(self) -> tuple[int | None, list[str]]:
+        """(the lowest ``priority`` among the open sessions, the ids of the open sessions of that priority);
+        ``(None, [])`` when none is open."""
+        open_ = [s for s in self.sessions.values() if not s.closed]
+        if not open_:
+            return None, []
+        low = min(s.priority for s in open_)
+        return low, [s.id for s in open_ if s.priority == low]
+
+    def trim_session(self, session_id: str, budget_tokens: int | None) -> int:
+        """Set a session's prompt budget (``trim_budget``, tokens: its next prompts keep the newest turns that fit;
+        None lifts it).  A session set a budget with no turn in flight is unpinned (its blocks released, the full
+        ones staying in the prefix cache).  Returns the blocks released; 0 for a session no longer here."""
+        s = self.sessions.get(session_id)
+        if s is None:
+            return 0
+        s.trim_budget = budget_tokens
+        return s.unpin() if budget_tokens is not None and s.turn is None else 0
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        """Bytes of session KV held in each offload tier now (``{"host": n, "disk": n}``, tiers in use)."""
+        return self.store.stats()["offloaded_bytes"]
 
     # ---- the engine's KV holder protocol --------------------------------------------------------
     def reclaim(self, n_blocks: int) -> int:

@@ -30,6 +30,7 @@ from pathlib import Path
 from ..errors import InvalidRequestError, KVKeeperError
 from .disk import DiskTier, OffloadError, SavedSession, session_manifest
 from .host_blocks import HostBlocks
+from ..engine.handle import EngineHandle
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class SessionStore:
     Raises :class:`InvalidRequestError` when ``data_dir`` cannot be created or the budget is negative.
     """
 
-    def __init__(self, engine, data_dir: str | os.PathLike | None = None,
+    def __init__(self, engine: EngineHandle, data_dir: str | os.PathLike | None = None,
                  host_offload_bytes: int = DEFAULT_HOST_OFFLOAD_BYTES, write_delay_s: float = 0.0):
         self.engine = engine
         self.host_budget = int(host_offload_bytes)

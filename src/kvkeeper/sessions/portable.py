@@ -26,6 +26,7 @@ from ..sampling.params import SamplingParams
 from .disk import identity_difference, session_manifest
 from .manager import SessionManager, restore_context
 from .session import Session
+from ..engine.handle import EngineHandle
 
 FORMAT = "kvkeeper-session-export/1"
 MAGIC = b"KVKSESS1"
@@ -115,7 +116,7 @@ def import_session(manager: SessionManager, data: bytes, session_id: str | None 
     return s
 
 
-def _write_kv(eng, s: Session, st: Sequence, tensors: dict, nc: int, nb: int) -> None:
+def _write_kv(eng: EngineHandle, s: Session, st: Sequence, tensors: dict, nc: int, nb: int) -> None:
     bids = eng.allocate_kv_blocks(nb)
     if bids is None:
         raise InvalidRequestError(f"no room in the KV pool for the session's {nb} blocks, even after reclaiming idle "

@@ -224,7 +224,7 @@ class Session:
         if messages is not None:
             chat = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                         tools=tools)
-            rendered = self.engine.render_prompt(self.context_messages(messages, request.get("namespace"), **chat),
+            rendered = self.engine.inputs.render_prompt(self.context_messages(messages, request.get("namespace"), **chat),
                                                  **chat)
             text = rendered.text
         elif isinstance(prompt, str):
@@ -254,7 +254,7 @@ class Session:
         """The reuse rule: the session's own ids plus the new text's, when the text extends the session's.
 
         rendered: the conversation's :class:`~kvkeeper.text.chat_tokens.RenderedChat` (None for a raw prompt),
-        tokenized with control tokens only from the template (``LLMEngine.encode_rendered``)."""
+        tokenized with control tokens only from the template (``InputProcessor.encode_rendered``)."""
         st, eng = self.kv, self.engine
         if text is None:
             return prompt  # token ids: the hand-over keeps the longest common prefix
@@ -263,7 +263,7 @@ class Session:
         extends = st is not None and self.text and text.startswith(self.text)
         start = len(self.text) if extends else 0
         if rendered is not None:
-            new = eng.encode_rendered(rendered, start)
+            new = eng.inputs.encode_rendered(rendered, start)
         else:
             new = eng.tokenizer.encode(text[start:], add_special_tokens=False) if extends else text
         return list(st.token_ids) + new if extends else new

@@ -28,6 +28,7 @@ from ..models.registry import capabilities, causal_lm_class, family_options
 from ..models.llama import skip_init
 from ..layers.lora import LoRAHooks
 from ..weights.formats import prepare_weights
+from ..sampling.sampler import prompt_logprob_entries
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -205,7 +206,7 @@ class ModelRunner:
         A decode row carrying k draft tokens (speculative decoding: ``seq.spec_tokens``, scheduled with
         ``num_new_tokens`` = 1 + k) is packed as 1 + k decode rows of the sequence, the i-th attending to the cache
         through its own position (every row's K/V is written before attention reads any), each with a logits row:
-        the rows a verification reads (:func:`kvkeeper.engine.speculative.verify`); its sequence is in ``seqs``
+        the rows a verification reads (:func:`kvkeeper.spec_decode.verify.verify`); its sequence is in ``seqs``
         once.  A decode-only step of such rows still runs as one fused decode call."""
         bs = self.block_size
         ids, pos, slots = [], [], []
@@ -295,10 +296,51 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled) -> tuple[torch.Tensor | None, list]:
         """Run one step of ``scheduled`` (list of (seq, num_new_tokens)); returns (float32 logits (N, vocab) on
-        the model's device for the N sequences that need a token, those sequences; (None, []) when none does)."""
+        the model's device for the N sequences that need a token, those sequences; (None, []) when none does).
+
+        When a sequence asked for prompt logprobs and this step computes some of its prompt, the logits of every
+        packed token are computed in the same forward pass (``forward(batch, "prompt")``) and those of such prompt
+        positions recorded in ``seq.prompt_logprobs`` (its prompt is computed whole: see
+        ``Sequence.computes_whole_prompt``)."""
         with self.lora_scope(scheduled) as adapted:
             batch = self.build_batch(scheduled)
-            return self.forward(batch, "last", adapted=adapted), batch[4]
+            if not any(s.prompt_logprobs is not None and s.num_computed < s.num_prompt_tokens - 1
+                       for s, _ in scheduled):
+                return self.forward(batch, "last", adapted=adapted), batch[4]
+            logits = self.forward(batch, "prompt", adapted=adapted)  # (T, vocab): every packed token
+        _record_prompt_logprobs(scheduled, logits)
+        rows, seqs = batch[3], batch[4]
+        if not rows:
+            return None, []
+        return logits.index_select(0, torch.tensor(rows, device=logits.device)), seqs
+
+    @torch.inference_mode()
+    def prefill_private(self, ids: torch.Tensor, positions: torch.Tensor, chunk: int = 512, logits: str = "none",
+                        num_layers: int | None = None, lora=None) -> tuple[torch.Tensor | None, KVStore]:
+        """Prefill ``ids`` (T,) int64 at ``positions`` (T,) int64 into a private cache of its own (the shared pool
+        is untouched), ``chunk`` tokens per forward pass, with this runner's weights, kernels and KV format.
+
+        logits: "last" (the float32 logits (1, vocab) of the last token, on the CPU) or "none" (None).
+        num_layers: compute and keep the first ``num_layers`` layers only (default all).  lora: a
+        :class:`~kvkeeper.layers.lora.LoRAAdapter` or None (the base model).  Returns (logits, the private
+        :class:`KVStore` whose blocks ``0 .. ceil(T / block_size) - 1`` hold the T tokens in order)."""
+        T, bs, dev = ids.numel(), self.block_size, self.device
+        nb = -(-T // bs)
+        store = KVStore.allocate(self.cfg, nb, bs, self.kv_format, dev, num_layers=num_layers)
+        table = torch.arange(nb, dtype=torch.int64, device=dev)
+        ids, positions, out = ids.to(dev), positions.to(dev), None
+        for c in range(0, T, chunk):
+            n = min(chunk, T - c)
+            # the engine's own attention kernels (the C++ ones on CPU), so that an invariant path compares bit for bit
+            meta = AttentionMetadata(slot_mapping=torch.arange(c, c + n, dtype=torch.int64, device=dev),
+                                     prefills=[PrefillSpan(0, n, c + n, table)],
+                                     backend=getattr(self, "attention_backend", "torch"))
+            last = logits == "last" and c + n == T  # only the final chunk's last row needs logits
+            batch = StepBatch(ids[c: c + n], positions[c: c + n], meta, [n - 1] if last else [], [])
+            with self.lora_scope([(_Lora(lora), n)]) as adapted:
+                got = self.forward(batch, "last" if last else "none", store=store, adapted=adapted)
+            out = got.float().cpu() if last else out
+        return out, store
 
     @torch.inference_mode()
     def forward(self, batch: "StepBatch", logits: str = "last", store: KVStore | None = None,
@@ -363,3 +405,22 @@ class StepBatch(NamedTuple):
     meta: AttentionMetadata
     logit_rows: list[int]
     seqs: list
+
+
+class _Lora(NamedTuple):
+    """A scheduled entry's adapter for :meth:`ModelRunner.lora_scope` (a private prefill has no sequence)."""
+
+    lora: object
+
+
+def _record_prompt_logprobs(scheduled, logits: torch.Tensor) -> None:
+    """Record the prompt logprobs of the prompt positions a step computed: logits (T, vocab), one row per packed
+    token in ``scheduled`` order; position p's row predicts prompt token p + 1."""
+    start = 0
+    for seq, n in scheduled:
+        c = seq.num_computed
+        end = min(c + n, seq.num_prompt_tokens - 1)
+        if seq.prompt_logprobs is not None and c < end:
+            seq.prompt_logprobs[c + 1: end + 1] = prompt_logprob_entries(
+                logits[start: start + end - c], seq.token_ids[c + 1: end + 1], seq.params.prompt_logprobs)
+        start += n

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 from kvkeeper.cluster.exact_router import ClusterExactRouter, token_block_hashes
-from kvkeeper.kvcache.kv_events import BlockStored, EventBatch
+from kvkeeper.kvcache.kv_events.wire import BlockStored, EventBatch
 from kvkeeper.kvcache.namespace import Namespace, salt_hash
 
 NS = Namespace("rev-1", kv_dtype="float32")

@@ -16,9 +16,9 @@ pytest.importorskip("msgpack")
 from kvkeeper import SamplingParams  # noqa: E402
 from kvkeeper.cluster.kv_index import KVIndex  # noqa: E402
 from kvkeeper.cluster.kv_subscriber import Feed, KVEventSubscriber  # noqa: E402
-from kvkeeper.engine.kv_events import END_SEQ  # noqa: E402
+from kvkeeper.kvcache.kv_events.publisher import END_SEQ  # noqa: E402
 from kvkeeper.errors import InvalidRequestError  # noqa: E402
-from kvkeeper.kvcache.kv_events import BlockStored, decode_batch  # noqa: E402
+from kvkeeper.kvcache.kv_events.wire import BlockStored, decode_batch  # noqa: E402
 from kvkeeper.kvcache.namespace import tenant_namespace  # noqa: E402
 from kvkeeper.sessions import SessionManager  # noqa: E402
 from tests.utils.engines import make_engine  # noqa: E402

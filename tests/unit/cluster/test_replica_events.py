@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvkeeper.cluster.replica_events import advertised, check_cluster_events, replica_config
-from kvkeeper.engine.kv_events import parse_kv_events_config
+from kvkeeper.kvcache.kv_events.publisher import parse_kv_events_config
 from kvkeeper.errors import InvalidRequestError
 
 

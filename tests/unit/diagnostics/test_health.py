@@ -9,7 +9,7 @@ import pytest
 
 from kvkeeper.diagnostics.health import (SIGNALS, CounterDeltas, EwmaChart, HealthConfig, HealthMonitor,
                                          SignalSpec, gates_from_breaker)
-from kvkeeper.engine.breaker import BreakerConfig, CircuitBreaker
+from kvkeeper.sessions.breaker import BreakerConfig, CircuitBreaker
 
 
 def _feed(mon, stream, t0=0.0):
@@ -116,6 +116,7 @@ def test_config_rejects_bad_values():
 class _Stats:
     def __init__(self, usage, pool_rate):
         self.usage, self.pool_rate, self.owned = usage, pool_rate, 0
+        self.num_blocks = 100  # PoolStats.num_blocks: the breaker's recovery level is a share of it
 
 
 class _Engine:
@@ -202,8 +203,6 @@ def test_breaker_offloads_ahead_of_a_forecast_usage_breach():
     from kvkeeper.diagnostics.health_predict import Forecast
 
     eng, ss = _Engine(), _OffloadingSessions()
-    eng.num_blocks = 100
-    eng.pool = type("P", (), {"num_blocks": 100})()
     eng.st = _Stats(0.9, 0.1)
     eng.st.owned = 90
     br = CircuitBreaker(eng, ss, BreakerConfig(act_ahead_s=60.0), clock=lambda: 0.0)
@@ -274,7 +273,7 @@ def test_forecast_feed_measures_what_the_generated_incidents_record(monkeypatch)
 
 def test_health_trace_records_every_sample_and_a_bad_path_stops_only_the_trace(tmp_path, caplog):
     from kvkeeper.diagnostics.health_predict import TrendPredictor
-    from kvkeeper.eval.health_score import read_server_trace, rescore_server_trace
+    from kvkeeper.eval.health.score import read_server_trace, rescore_server_trace
 
     path = tmp_path / "h.jsonl"
     mon = HealthMonitor(HealthConfig(warmup=5, trace=str(path), predictor="trend"))

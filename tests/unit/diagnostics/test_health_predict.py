@@ -1,6 +1,6 @@
 """Cache-health predictors (kvkeeper.diagnostics.health_predict) on small synthetic streams: a ramp is forecast
 before it crosses its limit, a flat noisy stream raises no warning, a step from an admitted burst that does not
-breach raises none; the warning tracker; scoring (kvkeeper.eval.health_score) on hand-made traces."""
+breach raises none; the warning tracker; scoring (kvkeeper.eval.health.score) on hand-made traces."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from kvkeeper.diagnostics.health_predict import (PREDICTORS, Forecast, Limits, TrendConfig, TrendPredictor,
                                                  WarningTracker, make_predictor)
-from kvkeeper.eval.health_score import score_episode, summarize
+from kvkeeper.eval.health.score import score_episode, summarize
 
 
 def _sample(t, rng, usage=0.3, ttft=0.4, **kw):
@@ -157,10 +157,10 @@ def test_window_features_are_each_signals_statistics():
 
 
 def test_exported_trees_give_scikit_learns_scores():
-    """kvkeeper.eval.health_train_gbt's export, walked in plain Python (gbt_raw), against the fitted model."""
+    """kvkeeper.eval.health.train_gbt's export, walked in plain Python (gbt_raw), against the fitted model."""
     np = pytest.importorskip("numpy")
     pytest.importorskip("sklearn")
-    from kvkeeper.eval.health_train_gbt import export, fit
+    from kvkeeper.eval.health.train_gbt import export, fit
 
     from kvkeeper.diagnostics.health_predict import GBT_SIGNALS, GBT_STATS, gbt_raw
 
@@ -177,7 +177,7 @@ def test_the_server_builds_the_default_predictor_and_every_choice():
     from kvkeeper.api.server import breach_forecaster
     from kvkeeper.diagnostics.health import HealthConfig
     from kvkeeper.diagnostics.health_predict import DEFAULT_PREDICTOR
-    from kvkeeper.engine.breaker import BreakerConfig
+    from kvkeeper.sessions.breaker import BreakerConfig
 
     assert HealthConfig().predictor == DEFAULT_PREDICTOR  # what `kvkeeper serve` runs is what the evaluation scores
     assert breach_forecaster(HealthConfig(), BreakerConfig()).name == DEFAULT_PREDICTOR

@@ -137,10 +137,8 @@ def _too_little(monkeypatch, available: int = 1 << 20):
 
 
 def test_a_model_that_does_not_fit_is_refused_before_loading(tiny_gguf, tmp_path, monkeypatch):
-    import kvkeeper.engine.llm_engine as llm_engine
-
     _too_little(monkeypatch)
-    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: pytest.fail("the loader ran"))
+    monkeypatch.setattr(mf, "load_model", lambda *a, **k: pytest.fail("the loader ran"))
     with pytest.raises(InsufficientMemoryError) as e:
         make_engine(str(tiny_gguf), cache_dir=str(tmp_path))
     msg = str(e.value)

@@ -14,10 +14,13 @@ import argparse
 import pytest
 
 from kvkeeper import SamplingParams
-from kvkeeper.engine import llm_engine as llm_engine_mod
 from kvkeeper.engine.config import EngineConfig, speculative_arg
-from kvkeeper.engine.speculative import (Drafter, NgramIndex, SpeculativeConfig, StepCost, SuffixTable,
-                                         parse_speculative_config)
+from kvkeeper.spec_decode import drafter as drafter_mod
+from kvkeeper.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from kvkeeper.spec_decode.cost_model import StepCost
+from kvkeeper.spec_decode.drafter import Drafter
+from kvkeeper.spec_decode.ngram_proposer import NgramIndex
+from kvkeeper.spec_decode.suffix_proposer import SuffixTable
 from kvkeeper.engine.sequence import Sequence
 from kvkeeper.errors import InvalidRequestError
 from kvkeeper.kernels import cpu as cpu_kernels
@@ -177,8 +180,8 @@ def test_stop_inside_an_accepted_draft(ref, spec, monkeypatch, kind):
     """A stop string, a stop token id that fall on an accepted draft token (one the uncut run accepted, past the
     12th), and max_tokens there, end the output exactly where decoding without speculation ends it, in the step
     that accepted that draft."""
-    rec = _Recorder(llm_engine_mod.verify)
-    monkeypatch.setattr(llm_engine_mod, "verify", rec)
+    rec = _Recorder(drafter_mod.verify)
+    monkeypatch.setattr(drafter_mod, "verify", rec)
     monkeypatch.setattr(spec.drafter.cost, "observe", lambda rows, s: None)  # the same drafts in both runs
     full = spec.generate([spec.encode_chat(COPY)], _greedy(32))[0]
     accepted = [b + i for b, _, got in rec.calls for i in range(got.accepted) if b + i >= 12]

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvkeeper.engine.speculative import Drafter, SpecState, parse_speculative_config
+from kvkeeper.spec_decode.config import parse_speculative_config
+from kvkeeper.spec_decode.drafter import Drafter
+from kvkeeper.spec_decode.metrics import SpecState
 from kvkeeper.errors import InvalidRequestError
 
 

@@ -1,4 +1,4 @@
-"""kvkeeper.eval.health_eval recomputes its table from saved traces, without an engine, in seconds: 14 traces
+"""kvkeeper.eval.health.evaluate recomputes its table from saved traces, without an engine, in seconds: 14 traces
 (seeds 0-1 of the training seeds, every kind) shipped beside this test, scored by every predictor."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import json
 import pytest
 
 from kvkeeper.diagnostics.health_predict import DEFAULT_PREDICTOR, make_predictor
-from kvkeeper.eval import health_eval as health_eval_module
-from kvkeeper.eval import health_scenarios, health_tune_trend
-from kvkeeper.eval.health_score import score, score_episode
+from kvkeeper.eval.health import evaluate as health_eval_module
+from kvkeeper.eval.health import scenarios as health_scenarios
+from kvkeeper.eval.health import tune_trend as health_tune_trend
+from kvkeeper.eval.health.score import score, score_episode
 from tests.utils.paths import ROOT
 
 TRACES = ROOT / "tests" / "unit" / "eval" / "data" / "health_traces.jsonl.gz"
@@ -84,7 +85,7 @@ def test_seeds_are_parsed_or_refused(health_eval):
 
 
 def test_the_tuning_grid_refuses_held_out_seeds(health_eval, tmp_path):
-    """kvkeeper.eval.health_tune_trend chooses the trend's defaults on tuning seeds only: traces holding a
+    """kvkeeper.eval.health.tune_trend chooses the trend's defaults on tuning seeds only: traces holding a
     held-out seed (100 and up) are refused before any scoring."""
     traces = health_eval.read_traces(TRACES)[:2]
     bad = tmp_path / "mixed.jsonl.gz"

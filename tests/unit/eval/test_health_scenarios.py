@@ -1,4 +1,4 @@
-"""The cache-health scenario generator (kvkeeper.eval.health_scenarios): a real tiny engine on a simulated
+"""The cache-health scenario generator (kvkeeper.eval.health.scenarios): a real tiny engine on a simulated
 clock, deterministic per seed; onsets and breaches are recorded when they happen, not inferred afterwards."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvkeeper.eval.health_scenarios import KINDS, SAMPLE_FIELDS, Episode, ScenarioConfig, run_episode
+from kvkeeper.eval.health.scenarios import KINDS, SAMPLE_FIELDS, Episode, ScenarioConfig, run_episode
 
 CFG = ScenarioConfig(duration_s=150.0, onset_range_s=(30.0, 50.0))
 

@@ -61,17 +61,17 @@ def held(eng):
 
 def test_fresh_recompute_keeps_positions_and_resets_the_context(eng, held):
     before = _kv(eng, held)
-    fresh = fresh_span_kv(eng.runner, held.token_ids, A, START, END)
+    fresh = fresh_span_kv(eng, held.token_ids, A, START, END)
     # layer 0's K/V depend only on the token and its RoPE position: equal bit for bit when the positions are right
     assert torch.equal(fresh[0][0], before[0][0][START:END]) and torch.equal(fresh[0][1], before[0][1][START:END])
     # deeper layers saw another context (the anchor only): they differ
     assert all(not torch.equal(fresh[i][0], before[i][0][START:END]) for i in range(1, len(before)))
     # a recompute for layer 3 runs layers 0-3 only, and gives what the whole model's recompute gives there
-    shallow = fresh_span_kv(eng.runner, held.token_ids, A, START, END, [3])
+    shallow = fresh_span_kv(eng, held.token_ids, A, START, END, [3])
     assert list(shallow) == [3]
     assert torch.equal(shallow[3][0], fresh[3][0]) and torch.equal(shallow[3][1], fresh[3][1])
     # with the anchor reaching the span the context is the original one: every layer equal (invariant path)
-    same = fresh_span_kv(eng.runner, held.token_ids, START, START, END)
+    same = fresh_span_kv(eng, held.token_ids, START, START, END)
     assert all(torch.equal(same[i][0], before[i][0][START:END]) and torch.equal(same[i][1], before[i][1][START:END])
                for i in range(len(before)))
 
@@ -88,7 +88,7 @@ def _unchanged_elsewhere(before, after, layers):
 def test_layer_reset_writes_the_fresh_kv_into_its_layer_only(eng, held):
     before = _kv(eng, held)
     pol = KVIntervention("layer_reset", (3,))
-    fresh = fresh_span_kv(eng.runner, held.token_ids, A, START, END, [3])
+    fresh = fresh_span_kv(eng, held.token_ids, A, START, END, [3])
     r = intervene(eng, held, START, END, A, pol)
     after = _kv(eng, held)
     assert r["tokens"] == END - START and r["recomputed"] == A + END - START and r["max_abs_change"] > 0
@@ -99,7 +99,7 @@ def test_layer_reset_writes_the_fresh_kv_into_its_layer_only(eng, held):
 def test_gated_refresh_stores_the_stated_mix(eng, held):
     before = _kv(eng, held)
     pol = KVIntervention("gated_refresh", (2, 5), gate=0.25)
-    fresh = fresh_span_kv(eng.runner, held.token_ids, A, START, END, [2, 5])
+    fresh = fresh_span_kv(eng, held.token_ids, A, START, END, [2, 5])
     intervene(eng, held, START, END, A, pol)
     after = _kv(eng, held)
     for layer in (2, 5):
@@ -118,7 +118,7 @@ def test_gated_refresh_at_gate_one_changes_nothing(eng, held):
 
 def test_layernorm_aware_reset_keeps_the_old_scale_with_the_fresh_direction(eng, held):
     before = _kv(eng, held)
-    fresh = fresh_span_kv(eng.runner, held.token_ids, A, START, END, [3])
+    fresh = fresh_span_kv(eng, held.token_ids, A, START, END, [3])
     intervene(eng, held, START, END, A, KVIntervention("ln_reset", (3,)))
     after = _kv(eng, held)
     for j in (0, 1):

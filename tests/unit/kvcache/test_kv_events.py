@@ -1,4 +1,4 @@
-"""KV events of a block pool (kvkeeper.kvcache.kv_events): replayed into an empty index they give back the
+"""KV events of a block pool (kvkeeper.kvcache.kv_events.wire): replayed into an empty index they give back the
 pool's prefix cache exactly (hashes and parents), through stores, evictions, resets and defragmentation; the wire
 format is vLLM's (msgpack arrays tagged with the event's class name)."""
 
@@ -12,7 +12,7 @@ msgpack = pytest.importorskip("msgpack")
 
 from kvkeeper.cluster.kv_index import KVIndex  # noqa: E402
 from kvkeeper.kvcache.block_pool import BlockPool  # noqa: E402
-from kvkeeper.kvcache.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,  # noqa: E402
+from kvkeeper.kvcache.kv_events.wire import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,  # noqa: E402
                                         EventRecorder, decode_batch, encode_batch)
 from kvkeeper.kvcache.namespace import Namespace  # noqa: E402
 

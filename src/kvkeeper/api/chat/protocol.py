@@ -30,7 +30,7 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = _only(None)
     functions: Any = _only(None)
     modalities: list[str] | None = _only(None, ["text"])
-    prediction: PredictionContent | None = None  # drafts for speculative decoding (kvkeeper.engine.speculative)
+    prediction: PredictionContent | None = None  # drafts for speculative decoding (kvkeeper.spec_decode)
     reasoning_effort: Any = _only(None)
     verbosity: Any = _only(None)
     web_search_options: Any = _only(None)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ...kvcache.namespace import Namespace
 from .errors import APIError
+from ...engine.handle import EngineHandle
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class ServedModels:
     adapters: tuple[ServedAdapter, ...] = ()
 
     @classmethod
-    def of(cls, engine, name: str | None = None) -> "ServedModels":
+    def of(cls, engine: EngineHandle, name: str | None = None) -> "ServedModels":
         """The snapshot of ``engine`` (an LLMEngine or a stand-in), served as ``name`` (default its model name).
         Call on the engine thread (or before it starts)."""
         mcfg = getattr(engine, "model_config", None)

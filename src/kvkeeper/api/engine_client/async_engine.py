@@ -52,6 +52,7 @@ __all__ = ["Abort", "Add", "AsyncEngine", "Call", "Command", "EngineDeadError", 
            "RequestStream", "Wake"]
 
 from ..common.errors import DEFAULT_MAX_QUEUE  # noqa: E402  (ServerConfig.max_queue)
+from ...engine.handle import EngineHandle  # noqa: E402
 
 
 PROMPT_WORKERS = 2  # threads rendering and tokenizing prompts (AsyncEngine._off_thread)
@@ -125,7 +126,7 @@ class AsyncEngine:
     by the engine thread after each :class:`Call`).
     """
 
-    def __init__(self, engine, sessions=None, max_queue: int = DEFAULT_MAX_QUEUE, metrics: ServerMetrics | None = None,
+    def __init__(self, engine: EngineHandle, sessions=None, max_queue: int = DEFAULT_MAX_QUEUE, metrics: ServerMetrics | None = None,
                  tracer=None, max_new_tokens: int | None = None, breaker=None, auditor=None, health=None):
         self.engine = engine
         self.sessions = sessions

@@ -72,7 +72,7 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ...engine.breaker import ACTIONS
+from ...sessions.breaker import ACTIONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -26,6 +26,7 @@ from ...sessions.session import session_key
 from ..common.streams import Accepted, ChoiceDelta, EngineDeadError, GenerationRequest, StepOutput, Usage
 from .metrics import ServerMetrics
 from .token_text import TokenText
+from ...engine.handle import EngineHandle
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class RequestTracker:
     tracer: a :class:`kvkeeper.api.engine_client.tracing.RequestTracer` or None.
     """
 
-    def __init__(self, engine, sessions=None, metrics: ServerMetrics | None = None, tracer=None,
+    def __init__(self, engine: EngineHandle, sessions=None, metrics: ServerMetrics | None = None, tracer=None,
                  max_new_tokens: int | None = None):
         self.engine = engine
         self.sessions = sessions

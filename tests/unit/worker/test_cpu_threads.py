@@ -1,5 +1,5 @@
 """The engine's thread count: the affinity mask capped by the CPU quota of the process's own cgroup
-(kvkeeper.engine.cpu_threads)."""
+(kvkeeper.worker.cpu_threads)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from kvkeeper.engine import cpu_threads
-from kvkeeper.engine.cpu_threads import available_cpus, cgroup_cpu_limit, choose_threads, cpu_cgroup_folders
+from kvkeeper.worker import cpu_threads
+from kvkeeper.worker.cpu_threads import available_cpus, cgroup_cpu_limit, choose_threads, cpu_cgroup_folders
 
 V2_MOUNT = "30 25 0:26 {root} {point} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate"
 V1_MOUNT = "32 25 0:29 {root} {point} rw,relatime - cgroup cgroup rw,cpu,cpuacct"

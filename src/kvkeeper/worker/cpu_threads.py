@@ -117,3 +117,14 @@ def choose_threads(requested: int | None, current: int) -> int:
     """The thread count for torch and the kernels: ``requested`` (``--threads``) when given, else torch's
     ``current`` setting capped at :func:`available_cpus` (a program that set fewer threads keeps them)."""
     return requested if requested else max(1, min(current, available_cpus()))
+
+
+def set_torch_threads(requested: int | None) -> int:
+    """Set torch's thread count (which the C++ kernels take too) to :func:`choose_threads`' choice for
+    ``requested`` (None: the CPUs this process may use); returns the count now in use."""
+    import torch
+
+    threads = choose_threads(requested, torch.get_num_threads())
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return threads

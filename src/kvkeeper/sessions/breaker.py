@@ -65,6 +65,7 @@ from dataclasses import asdict, dataclass, field
 from ..argtypes import positive_int
 from ..errors import OverloadedError
 from ..options import option
+from ..engine.handle import EngineHandle
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class CircuitBreaker:
     (``sessions.admission``).  ``tier``: the highest tier applied in the current episode (0 = closed).
     """
 
-    def __init__(self, engine, sessions, config: BreakerConfig | None = None, clock=time.monotonic):
+    def __init__(self, engine: EngineHandle, sessions, config: BreakerConfig | None = None, clock=time.monotonic):
         self.engine = engine
         self.sessions = sessions
         self.config = config or BreakerConfig()
@@ -262,12 +263,12 @@ class CircuitBreaker:
             why, eta = "armed by an earlier forecast", None
         else:
             return
-        if now - self._ahead_at < c.cooldown_s or st.owned <= self._calm_owned():
+        if now - self._ahead_at < c.cooldown_s or st.owned <= self._calm_owned(st):
             return
         self._ahead_at = now
         res = self.engine.compact()
         self.evicted_blocks += res["evicted"]
-        freed = self.sessions.offload_idle(st.owned - self._calm_owned(), tier="host")
+        freed = self.sessions.offload_idle(st.owned - self._calm_owned(st), tier="host")
         self._event(0, "ahead_offload", st, self.engine.pool_stats(), blocks=freed, eta_s=eta, reason=why)
 
     def _relieve(self, st, now: float) -> None:
@@ -278,7 +279,7 @@ class CircuitBreaker:
         self._tier_at = now
         if self._fragmented(st, self.config.recover_frag):
             self._compact(st, log_empty=False)
-        if self.tier >= 2 and st.owned > self._calm_owned():
+        if self.tier >= 2 and st.owned > self._calm_owned(st):
             self._offload(st, log_empty=False)
 
     def _apply(self, tier: int, st, now: float) -> None:
@@ -292,9 +293,9 @@ class CircuitBreaker:
             self._event(3, "refuse_new_sessions", st, retry_after_s=self.config.retry_after_s)
             self._trim_lowest_priority(st)
 
-    def _calm_owned(self) -> int:
+    def _calm_owned(self, st) -> int:
         """The most owned blocks that count as calm (usage below ``recover_usage``)."""
-        return math.ceil(self.config.recover_usage * self.engine.pool.num_blocks) - 1
+        return math.ceil(self.config.recover_usage * st.num_blocks) - 1
 
     def _compact(self, st, log_empty: bool = True) -> None:
         eng = self.engine
@@ -306,31 +307,23 @@ class CircuitBreaker:
     def _offload(self, st, log_empty: bool = True) -> None:
         """Offload idle sessions until usage would fall to the recovery level (host tier; it spills to disk)."""
         eng = self.engine
-        freed = self.sessions.offload_idle(max(1, st.owned - self._calm_owned()), tier="host")
+        freed = self.sessions.offload_idle(max(1, st.owned - self._calm_owned(st)), tier="host")
         if log_empty or freed:
-            held = self.sessions.store.stats()["offloaded_bytes"]
+            held = self.sessions.offloaded_bytes()
             self._event(2, "offload_idle_sessions", st, eng.pool_stats(), blocks=freed,
                         host_bytes=held.get("host", 0), disk_bytes=held.get("disk", 0))
 
     def _trim_lowest_priority(self, st) -> None:
-        idle = [s for s in self.sessions if not s.closed]
-        if not idle:
-            return
-        low = min(s.priority for s in idle)
-        for s in idle:
-            if s.priority != low:
-                continue
-            s.trim_budget = self.config.degrade_budget_tokens
-            self.trimmed_sessions.add(s.id)
-            freed = s.unpin() if s.turn is None else 0
-            self._event(3, "trim_session", st, session=s.id, priority=low, blocks=freed,
-                        budget_tokens=self.config.degrade_budget_tokens)
+        low, ids = self.sessions.lowest_priority_open()
+        budget = self.config.degrade_budget_tokens
+        for sid in ids:
+            freed = self.sessions.trim_session(sid, budget)
+            self.trimmed_sessions.add(sid)
+            self._event(3, "trim_session", st, session=sid, priority=low, blocks=freed, budget_tokens=budget)
 
     def _close(self, st) -> None:
         for sid in self.trimmed_sessions:
-            s = self.sessions.sessions.get(sid)
-            if s is not None:
-                s.trim_budget = None
+            self.sessions.trim_session(sid, None)
         n = len(self.trimmed_sessions)
         self.trimmed_sessions.clear()
         self._event(0, "close", st, from_tier=self.tier, untrimmed_sessions=n)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvkeeper.engine.config import EngineConfig
-from kvkeeper.engine.kv_events import KVEventsConfig, parse_kv_events_config
+from kvkeeper.kvcache.kv_events.publisher import KVEventsConfig, parse_kv_events_config
 from kvkeeper.errors import InvalidRequestError
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvkeeper import SamplingParams
-from kvkeeper.engine.breaker import BreakerConfig, CircuitBreaker, OverloadedError
+from kvkeeper.sessions.breaker import BreakerConfig, CircuitBreaker, OverloadedError
 from kvkeeper.kvcache.validate import check_engine
 from kvkeeper.sessions.context import split_turns, trim_oldest_turns
 from tests.utils.engines import make_engine
@@ -101,10 +101,8 @@ def _scripted(stats, calls: list, moved: int = 0, on_offload=None):
     """A scripted engine and session manager for the breaker: ``stats()`` -> the PoolStats each check reads;
     compaction and offloads are recorded in ``calls`` ("compact", then ("offload", n) or "offload" without
     ``on_offload``); ``on_offload(n)`` applies an offload of n blocks to the script."""
-    from types import SimpleNamespace
 
     class Scripted:
-        pool = SimpleNamespace(num_blocks=100)
         step_hooks: list = []
 
         def pool_stats(self):
@@ -116,10 +114,12 @@ def _scripted(stats, calls: list, moved: int = 0, on_offload=None):
 
     class ScriptedSessions:
         admission = None
-        store = SimpleNamespace(stats=lambda: {"offloaded_bytes": {"host": 1}})
 
-        def __iter__(self):
-            return iter([])
+        def offloaded_bytes(self):
+            return {"host": 1}
+
+        def lowest_priority_open(self):
+            return None, []
 
         def offload_idle(self, n, tier="host"):
             if on_offload is None:

@@ -1,4 +1,4 @@
-"""Scoring cache-health predictors on recorded traces (:mod:`kvkeeper.eval.health_scenarios`): no engine needed.
+"""Scoring cache-health predictors on recorded traces (:mod:`kvkeeper.eval.health.scenarios`): no engine needed.
 
 Each trace is replayed through a fresh predictor (:mod:`kvkeeper.diagnostics.health_predict`) and a
 :class:`~kvkeeper.diagnostics.health_predict.WarningTracker`.  A warning that opens in ``[onset, breach]`` of a
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..diagnostics.health_predict import WarningTracker, make_predictor
+from ...diagnostics.health_predict import WarningTracker, make_predictor
 
 
 def replay(trace: dict, predictor) -> list[tuple[float, dict]]:

@@ -1,12 +1,12 @@
 """Choose the trend predictor's settings on the training seeds' traces (issue 29), never on held-out seeds.
 
-    python -m kvkeeper.eval.health_eval --seeds 0-11 --predictors trend --json /tmp/train.json \\
+    python -m kvkeeper.eval.health.evaluate --seeds 0-11 --predictors trend --json /tmp/train.json \\
         --traces /tmp/train.jsonl.gz                      # the tuning traces (seeds 0-11)
-    python -m kvkeeper.eval.health_tune_trend --traces /tmp/train.jsonl.gz [--json OUT]
+    python -m kvkeeper.eval.health.tune_trend --traces /tmp/train.jsonl.gz [--json OUT]
 
 A grid over ``gate``, ``window``, ``min_t``, ``near_miss`` and ``horizon_s`` of
 :class:`~kvkeeper.diagnostics.health_predict.TrendConfig`, each point scored on the traces by
-:mod:`kvkeeper.eval.health_score`.  The chosen point: precision and recall at least 0.9 and false alarms per hour
+:mod:`kvkeeper.eval.health.score`.  The chosen point: precision and recall at least 0.9 and false alarms per hour
 at most ``--max-fa-per-hour`` (default 1, the target), then the longest median lead.  Refuses traces whose seeds reach ``--max-seed`` (default 99: held-out seeds start at 100).
 """
 
@@ -18,9 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from ..diagnostics.health_predict import TrendConfig, TrendPredictor
-from .health_eval import read_training_traces
-from .health_score import score_episode, summarize
+from ...diagnostics.health_predict import TrendConfig, TrendPredictor
+from .evaluate import read_training_traces
+from .score import score_episode, summarize
 
 GRID = {"gate": (0.28, 0.3, 0.32, 0.35), "window": (10, 12, 16, 20), "min_t": (1.0, 1.5, 2.0),
         "half_ratio": (0.5,), "near_miss": (0.6,), "horizon_s": (90.0, 120.0)}

@@ -2,7 +2,7 @@
 
 An *episode* drives a real :class:`~kvkeeper.engine.llm_engine.LLMEngine` (a tiny random Llama of load
 format ``dummy``: 2 layers, hidden size 32, a 256-token byte vocabulary, 128 KV blocks of 16 tokens), its
-:class:`~kvkeeper.sessions.manager.SessionManager` and the :class:`~kvkeeper.engine.breaker.CircuitBreaker`
+:class:`~kvkeeper.sessions.manager.SessionManager` and the :class:`~kvkeeper.sessions.breaker.CircuitBreaker`
 under a seeded workload, on a **simulated clock**: the clock advances by :class:`CostModel`'s cost of each
 engine step (``base_s + per_token_s x tokens computed + per_context_token_s x context tokens attended``), and
 by ``idle_tick_s`` while the engine idles, so that times to first token depend on the seed alone, never on
@@ -38,12 +38,12 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..diagnostics.health import prefill_backlog  # noqa: F401 (the server's feed measures it the same way)
-from ..engine.breaker import BreakerConfig, CircuitBreaker
-from ..engine.llm_engine import LLMEngine
-from ..errors import KVKeeperError, OverloadedError
-from ..sampling.params import SamplingParams
-from ..sessions.manager import SessionManager
+from ...diagnostics.health import prefill_backlog  # noqa: F401 (the server's feed measures it the same way)
+from ...sessions.breaker import BreakerConfig, CircuitBreaker
+from ...engine.llm_engine import LLMEngine
+from ...errors import KVKeeperError, OverloadedError
+from ...sampling.params import SamplingParams
+from ...sessions.manager import SessionManager
 
 INCIDENTS = ("flood", "leak", "frag", "host", "longctx")
 FAULT_FREE = ("swings", "bursts")
@@ -346,7 +346,7 @@ class Episode:
         w = [x for t, x in self.first_tokens if t > self.now - c.ttft_window_s]
         w.sort()
         p99 = w[min(len(w) - 1, math.ceil(0.99 * len(w)) - 1)] if w else 0.0
-        cnt = (eng.pool.evictions - self.breaker.evicted_blocks, eng.scheduler.num_preemptions,
+        cnt = (eng.num_evictions - self.breaker.evicted_blocks, eng.scheduler.num_preemptions,
                eng.kv.query_tokens, eng.kv.hit_tokens, self.busy_s)
         prev, self._prev = self._prev, cnt
         dt = c.sample_every_s

@@ -1,8 +1,8 @@
 """Train the cache-health gradient-boosted trees (kvkeeper.diagnostics.health_predict.GbtPredictor) on generated traces.
 
-    python -m kvkeeper.eval.health_eval --seeds 0-11 --predictors trend --json /tmp/train.json \\
+    python -m kvkeeper.eval.health.evaluate --seeds 0-11 --predictors trend --json /tmp/train.json \\
         --traces /tmp/train.jsonl.gz                      # the training traces (seeds 0-11)
-    python -m kvkeeper.eval.health_train_gbt --traces /tmp/train.jsonl.gz [--out src/kvkeeper/diagnostics/health_gbt.json]
+    python -m kvkeeper.eval.health.train_gbt --traces /tmp/train.jsonl.gz [--out src/kvkeeper/diagnostics/health_gbt.json]
 
 Needs scikit-learn (the ``train`` extra: ``pip install 'kvkeeper[train]'``); serving does not (the trees are
 exported to JSON and walked in plain Python).  Windows of ``--window`` samples
@@ -11,9 +11,9 @@ the episode's recorded breach lies within the horizon of the window's last sampl
 out).  ``GradientBoostingClassifier`` (Friedman 2001; ``random_state=0``, no subsampling: the same traces give the
 same trees).  The horizon (``--horizons``), the warning threshold and the number of samples in a row it must
 hold (``confirm``) are chosen by cross-validation over the seeds (``--folds`` groups of seeds; each fold's trees
-score the episodes of seeds they were not fitted on, with :mod:`kvkeeper.eval.health_score`): precision and
+score the episodes of seeds they were not fitted on, with :mod:`kvkeeper.eval.health.score`): precision and
 recall at least 0.9 and at most ``--max-fa-per-hour`` false alarms an hour, then the longest median lead (the
-rule of ``kvkeeper.eval.health_tune_trend``); failing that, the best F1.  The final trees are fitted on all the
+rule of ``kvkeeper.eval.health.tune_trend``); failing that, the best F1.  The final trees are fitted on all the
 training seeds.  Refuses traces whose seeds reach ``--max-seed`` (default 99: held-out seeds start at 100).
 """
 
@@ -25,10 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-from ..diagnostics.health_predict import (GBT_MODEL, GBT_SIGNALS, GBT_STATS, Forecast, Predictor,
+from ...diagnostics.health_predict import (GBT_MODEL, GBT_SIGNALS, GBT_STATS, Forecast, Predictor,
                                           TreesAndTrendPredictor, gbt_raw, window_features)
-from .health_eval import read_training_traces
-from .health_score import score_episode, summarize
+from .evaluate import read_training_traces
+from .score import score_episode, summarize
 
 PARAMS = {"n_estimators": 150, "max_depth": 3, "learning_rate": 0.1, "subsample": 1.0, "random_state": 0}
 

@@ -10,7 +10,7 @@ leaves the replica).  An unknown field or a bad value is refused (:func:`parse_k
 Wire protocol (vLLM's ``ZmqEventPublisher``): each batch goes out on the PUB socket as the three frames
 ``[topic, seq, payload]``, ``seq`` a signed 64-bit big-endian sequence number counting from 0 for each
 publisher (the batch with seq 0 starts with ``AllBlocksCleared``), ``payload`` the msgpack batch of
-:mod:`kvkeeper.kvcache.kv_events`.  A subscriber that missed batches (it started late, it restarted, it saw a
+:mod:`kvkeeper.kvcache.kv_events.wire`.  A subscriber that missed batches (it started late, it restarted, it saw a
 gap in ``seq``) sends ``[start_seq]`` (8 bytes, big-endian) to the replay socket and gets ``["", seq, payload]``
 for every kept batch from ``start_seq`` on, then ``["", -1, ""]``.
 
@@ -30,9 +30,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ..errors import InvalidRequestError
-from .json_config import parse_json_config
-from ..kvcache.kv_events import EventBatch, EventRecorder, encode_batch
+from ...errors import InvalidRequestError
+from ...argtypes import parse_json_config
+from .wire import EventBatch, EventRecorder, encode_batch
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """Cache-health prediction on generated incidents: precision, recall, lead time, false alarms (issue 29).
 
-    python -m kvkeeper.eval.health_eval --seeds 100-119 --json OUT.json [--kinds flood,leak,...]
+    python -m kvkeeper.eval.health.evaluate --seeds 100-119 --json OUT.json [--kinds flood,leak,...]
         [--predictors ewma,trend,lstm] [--traces TRACES.jsonl.gz] [--from-traces TRACES.jsonl.gz]
         [--soak-s 3600 --soak-seeds 200-201] [--proactive [--defer-new-s S]]
 
-One episode per kind and seed (:mod:`kvkeeper.eval.health_scenarios`: a tiny random engine on a simulated
+One episode per kind and seed (:mod:`kvkeeper.eval.health.scenarios`: a tiny random engine on a simulated
 clock, so the figures do not depend on this machine's load), each recorded as a trace; every predictor
 (:mod:`kvkeeper.diagnostics.health_predict`) is replayed on the same traces and scored
-(:mod:`kvkeeper.eval.health_score`).  OUT's top level holds ``precision``, ``recall``, ``median_lead_s`` and
+(:mod:`kvkeeper.eval.health.score`).  OUT's top level holds ``precision``, ``recall``, ``median_lead_s`` and
 ``false_alarms_per_hour`` of the server's default predictor, and ``predictors``: a table per predictor (with
 its per-kind results).  Seeds 0-11 trained and tuned the predictors; evaluate on seeds from 100 that were never
 looked at (100-119 had been by 2026-12-06; that day's evaluation used 300-319).  ``--traces`` saves the traces
@@ -31,9 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..diagnostics.health_predict import DEFAULT_PREDICTOR, PREDICTORS, make_predictor
-from .health_scenarios import INCIDENTS, KINDS, ScenarioConfig, run_episode, tiny_model_config
-from .health_score import markdown_table, per_kind_table, score
+from ...diagnostics.health_predict import DEFAULT_PREDICTOR, PREDICTORS, make_predictor
+from .scenarios import INCIDENTS, KINDS, ScenarioConfig, run_episode, tiny_model_config
+from .score import markdown_table, per_kind_table, score
 
 
 def parse_seeds(text: str) -> list[int]:
