@@ -14,8 +14,8 @@ TTFT p50 / p99 of turns 3 and later (s, request sent to first content chunk), ou
 (completion tokens / wall time of the workload) and the routing decisions the gateway counted.
 Targets (issue 16): the router keeps >= 90% of the single replica's hit rate and >= 2x the default's.
 
-    .venv/bin/python benchmarks/cluster_bench.py [--sessions 16] [--turns 8] [--max-tokens 16]
-        [--pressure 0.65 [--kv-blocks N] [--pressure-only]] [--lock /work/.cpu.lock] [--out benchmarks/results]
+    .venv/bin/python benchmarks/cluster/cluster_bench.py [--sessions 16] [--turns 8] [--max-tokens 16]
+        [--pressure 0.65 [--kv-blocks N] [--pressure-only]] [--lock /work/.cpu.lock] [--out benchmarks/results/cluster_bench]
 
 ``--pressure F``: after the three set-ups with the default KV pool (1 GiB per replica, far more than the
 sessions need), run them again with each replica's pool at F x the KV blocks all sessions hold after their
@@ -48,11 +48,11 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 from common import MODEL, cpu_model, result_name, write_report  # noqa: E402
-from serve_bench import conversation, pct, stream_chat, user_turns  # noqa: E402
+from serving.serve_bench import conversation, pct, stream_chat, user_turns  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 16  # the engine's default --block-size, which the set-ups keep
 SETUPS = [("1 replica", 1, "kvkeeper"), ("2 replicas, kvkeeper router", 2, "kvkeeper"),
           ("2 replicas, Ray default router", 2, "default")]
@@ -249,7 +249,7 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--pressure-only", action="store_true", help="skip the default-pool run (needs --kv-blocks)")
     ap.add_argument("--lock", default=None, help="flock this file exclusively during each set-up")
     ap.add_argument("--note", default="", help="a line about the machine's state, for the report")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cluster_bench")
     ap.add_argument("--config", default=MODEL, help="the run's config in its file name (default %(default)s)")
     ap.add_argument("--name", default=None, help="write OUT/NAME.json and OUT/NAME.md (default: cluster_bench-CONFIG-DATE)")
     a = ap.parse_args(argv)

@@ -3,9 +3,9 @@
 validation against cluster_bench's measured results, reports and plots (the simulator itself, what is real and what
 is modelled: tests/utils/cluster_sim.py, which the suite checks).
 
-    .venv/bin/python benchmarks/cluster_sim.py --replicas 8 --json OUT.json [--routers default,ring,text,exact]
-    .venv/bin/python benchmarks/cluster_sim.py --validate --json OUT.json   # 2 replicas against cluster_bench
-    .venv/bin/python benchmarks/cluster_sim.py --replicas 64 --lose-replica-at 0.5 --json OUT.json
+    .venv/bin/python benchmarks/cluster/cluster_sim.py --replicas 8 --json OUT.json [--routers default,ring,text,exact]
+    .venv/bin/python benchmarks/cluster/cluster_sim.py --validate --json OUT.json   # 2 replicas against cluster_bench
+    .venv/bin/python benchmarks/cluster/cluster_sim.py --replicas 64 --lose-replica-at 0.5 --json OUT.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.utils
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.utils
 from tests.utils.cluster_sim import (ROUTERS, build_trace, ideal_hit_rate, load_costs, load_data,  # noqa: E402
                                      simulate, tag_maker, validate, working_set_blocks)
 

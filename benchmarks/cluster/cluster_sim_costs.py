@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The cost model of ``benchmarks/cluster_sim.py``, fit from a short real engine run on this machine.
+"""The cost model of ``benchmarks/cluster/cluster_sim.py``, fit from a short real engine run on this machine.
 
 One ``LLMEngine`` (the embedded SmolLM2-135M-Instruct, its GGUF weights, ``--threads`` torch threads: 1 by default,
 as each replica of ``cluster_bench`` runs) measures, with greedy decoding and ``ignore_eos``:
@@ -22,7 +22,7 @@ measured).
 
 Writes ``OUT/cluster_sim_costs-<config>-<date>.json`` (the fit, the raw points and their residuals) and ``.md``.
 
-    .venv/bin/python benchmarks/cluster_sim_costs.py [--threads 1] [--repeats 3]
+    .venv/bin/python benchmarks/cluster/cluster_sim_costs.py [--threads 1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 from common import MODEL, RESULTS, cpu_model, result_name, write_report  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT / "data" / "gutenberg_pride_and_prejudice" / "1342-0.txt"
 
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS / "cluster_sim_costs")
     ap.add_argument("--config", default=MODEL)
     ap.add_argument("--from-engine-bench", type=Path, default=None, help="take the points from this engine_bench JSON")
     ap.add_argument("--scale", type=float, default=2.0, help="with --from-engine-bench: times x this (default 2)")

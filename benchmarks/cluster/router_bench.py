@@ -1,6 +1,6 @@
 """Cost of one token-exact routing decision (kvkeeper.cluster.exact_router), measured, at N replicas and B cached
 blocks in the KV index: hashing the prompt's blocks, the index walk and the pass over the replicas (tokenization
-excluded: the prompt's ids are given).  ``python benchmarks/router_bench.py --replicas 256 --blocks 100000``
+excluded: the prompt's ids are given).  ``python benchmarks/cluster/router_bench.py --replicas 256 --blocks 100000``
 (``--replicas`` takes several counts).  Writes ``OUT/router_bench-<config>-<date>.json`` and ``.md`` (median and
 p99 per decision, the load average at the start and end) and prints the markdown; target (issue 28): under 1 ms
 at 256 replicas and 100k cached blocks."""
@@ -19,7 +19,7 @@ from kvkeeper.cluster.exact_router import ExactRouter, ReplicaLoad
 from kvkeeper.cluster.kv_index import KVIndex
 from kvkeeper.kvcache.kv_events import BlockStored, EventBatch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 from common import RESULTS, cpu_model, result_name, run_date, write_report  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=100_000)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--decisions", type=int, default=500)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS / "router_bench")
     ap.add_argument("--config", default="exact")
     a = ap.parse_args(argv)
     res = {"date": run_date(), "machine": f"{cpu_model()}, {os.cpu_count()} CPUs", "load_avg_start": _load(),

@@ -14,7 +14,7 @@ the reference as the reference scorer does (the first occurrence of the term's f
 for a two-word term only its last word, so that its first word becomes left context) and keeps only terms
 whose type contains ``tgt_original``.
 
-Usage: python benchmarks/terms_agreement.py --reference-repo DIR [--out benchmarks/results]
+Usage: python benchmarks/eval/terms_agreement.py --reference-repo DIR [--out benchmarks/results/terms_agreement]
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import string
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # common
 
 from kvkeeper.eval import terms as T  # noqa: E402
 
@@ -84,7 +85,7 @@ def reference_placed_overlap(hyp: list[str], ref: list[str], terms: list[T.Term]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reference-repo", required=True, type=Path, help="a checkout of terminology_evaluation")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "terms_agreement")
     args = ap.parse_args()
     segs = T.load_segments(TERMS)
     hyp = read_sgm_segments(args.reference_repo / "data" / "en-fr.dev.txt.truecased.sgm")

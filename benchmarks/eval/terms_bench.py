@@ -4,7 +4,7 @@ conditions and cache settings: the table of the README's "Terminology consistenc
 Each row is one ``kvkeeper eval terms generate`` run (its own process, ``--out RUNS/<name>``); the table is
 built from their ``scores.json``.  ``--collect`` only rebuilds the table from runs already there.
 
-Usage: python benchmarks/terms_bench.py [--runs DIR] [--max-segments 10] [--max-tokens 64] [--collect]
+Usage: python benchmarks/eval/terms_bench.py [--runs DIR] [--max-segments 10] [--max-tokens 64] [--collect]
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # common
 RUNS = {  # name: (extra arguments, conditions shown)
     "reuse": (["--conditions", "none", "glossary", "random"], ["none", "glossary", "random"]),
     "noreuse": (["--conditions", "glossary", "--no-reuse"], ["glossary"]),
@@ -76,15 +77,16 @@ def main() -> None:
     from common import result_path
 
     ap.add_argument("--runs", type=Path, default=result_path("terms_bench", suffix="-runs"),
-                    help="one folder per run (default: results/terms_bench-<config>-<date>-runs)")
+                    help="one folder per run (default: results/terms_bench/terms_bench-<config>-<date>-runs)")
     ap.add_argument("--max-segments", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--collect", action="store_true", help="only build the table from existing runs")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "terms_bench")
     args = ap.parse_args()
     if not args.collect:
         run(args.runs, args.max_segments, args.max_tokens)
     md, data = table(args.runs)
+    args.out.mkdir(parents=True, exist_ok=True)
     result_path("terms_bench", suffix=".md", out=args.out).write_text(md)
     result_path("terms_bench", out=args.out).write_text(json.dumps(data, indent=1))
     print(md)

@@ -2,7 +2,7 @@
 
     python -m kvkeeper.eval.health_eval --seeds 0-11 --predictors trend --json /tmp/train.json \\
         --traces /tmp/train.jsonl.gz                      # the training traces (seeds 0-11)
-    python benchmarks/health_lead.py --traces /tmp/train.jsonl.gz --json benchmarks/results/health_lead-DATE.json
+    python benchmarks/health/health_lead.py --traces /tmp/train.jsonl.gz --json benchmarks/results/health_lead/health_lead-training-DATE.json
 
 Two questions, on the training seeds only (refuses seeds above ``--max-seed``, default 99):
 

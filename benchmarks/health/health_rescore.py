@@ -1,7 +1,7 @@
 """Rescore a server's recorded health samples with any breach predictor (issue 29): the false alarms of a real soak.
 
     kvkeeper serve ... --health-trace /tmp/health.jsonl          # the server records every sample it forecasts on
-    python benchmarks/health_rescore.py --trace /tmp/health.jsonl [--predictors trend,gbt,...] [--json OUT]
+    python benchmarks/health/health_rescore.py --trace /tmp/health.jsonl [--predictors trend,gbt,...] [--json OUT]
 
 Each predictor is built as the server builds it (:func:`kvkeeper.api.server.breach_forecaster` with the default
 breaker thresholds and ``--ttft-objective``) and replayed on the recorded samples with the server's warning rule

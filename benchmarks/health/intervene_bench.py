@@ -1,10 +1,10 @@
 """The published cache "hotfixes" measured (issue 26): ``kvkeeper eval intervene`` on one model, the table of the
 README's "Cache hotfixes" and docs/evaluation.md.
 
-One ``kvkeeper eval intervene`` run (its own process, ``--out results/intervene-<config>-<date>.json``) with the
+One ``kvkeeper eval intervene`` run (its own process, ``--out results/intervene_bench/intervene_bench-<config>-<date>.json``) with the
 baseline and every policy; the markdown table is built from that JSON.  ``--collect`` only rebuilds the table.
 
-Usage: python benchmarks/intervene_bench.py [--model smollm2-135m-instruct] [--config smollm2-135m]
+Usage: python benchmarks/health/intervene_bench.py [--model smollm2-135m-instruct] [--config smollm2-135m]
     [--docs DOC ...] [--max-segments 6] [--max-tokens 48] [--context 2048] [--layers 3] [--collect]
 """
 
@@ -17,10 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 from common import cpu_model, result_path  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ["CMU_1", "PubMed_9", "Wikinews_2", "Wikipedia_handpicked_5", "Wikivoyage_1", "wiki_13"]
 
 
@@ -66,7 +66,8 @@ def main() -> None:
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more kvkeeper eval intervene arguments")
     ap.add_argument("--collect", action="store_true", help="only rebuild the table from the existing JSON")
     args = ap.parse_args()
-    out = result_path("intervene", args.config)
+    out = result_path("intervene_bench", args.config)
+    out.parent.mkdir(parents=True, exist_ok=True)
     if not args.collect:
         import time
 

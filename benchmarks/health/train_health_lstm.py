@@ -2,7 +2,7 @@
 
     python -m kvkeeper.eval.health_eval --seeds 0-11 --predictors ewma,trend --json /tmp/train.json \\
         --traces /tmp/train.jsonl.gz                      # the training traces (seeds 0-11)
-    python benchmarks/train_health_lstm.py --traces /tmp/train.jsonl.gz --train-seeds 0-8 --tune-seeds 9-11 \\
+    python benchmarks/health/train_health_lstm.py --traces /tmp/train.jsonl.gz --train-seeds 0-8 --tune-seeds 9-11 \\
         [--out src/kvkeeper/diagnostics/health_lstm.safetensors]
 
 Windows of ``--window`` samples (features of :func:`~kvkeeper.diagnostics.health_predict.features`) from the

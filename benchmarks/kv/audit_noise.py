@@ -3,9 +3,9 @@
 Runs MT-Bench two-turn sessions on the default engine (gguf weights, bf16 KV) with the reuse audit on every request
 and a tolerance too loose to fire, and records, per audited request, the largest (|stored - recomputed| - 0.01) /
 max|recomputed| of any token and layer (the quantity :func:`kvkeeper.diagnostics.audit.default_tolerance`'s
-``kv_rtol`` bounds), and the largest logits difference.  Writes benchmarks/results/audit_noise-smollm2-135m-<date>.{json,md}.
+``kv_rtol`` bounds), and the largest logits difference.  Writes benchmarks/results/audit_noise/audit_noise-smollm2-135m-<date>.{json,md}.
 
-    python benchmarks/audit_noise.py [--sessions 40] [--max-tokens 48]
+    python benchmarks/kv/audit_noise.py [--sessions 40] [--max-tokens 48]
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # common
 
 from kvkeeper import LLMEngine, SamplingParams  # noqa: E402
 from kvkeeper.diagnostics import audit as A  # noqa: E402
@@ -57,6 +58,7 @@ def main() -> int:
            "max_logits": max(logits), "default_kv_rtol": default.kv_rtol, "default_logits_atol": default.logits_atol}
     from common import result_path
 
+    result_path("audit_noise").parent.mkdir(parents=True, exist_ok=True)
     result_path("audit_noise").write_text(json.dumps(out, indent=1))
     result_path("audit_noise", suffix=".md").write_text(
         "| weights | KV | audits | max K/V relative difference | max logits difference | default kv_rtol | "

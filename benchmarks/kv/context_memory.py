@@ -2,11 +2,11 @@
 
 Generates the conversations (``kvkeeper eval memory-data``'s generator: seed, count and length below) from
 ``data/topical_chat/test_freq_conversations.jsonl``, then replays them under each (policy, budget) in RUNS order
-and rewrites ``benchmarks/results/context_memory-<config>-<date>.json`` (figures per run, no prompts) and ``.md`` (the table)
+and rewrites ``benchmarks/results/context_memory/context_memory-<config>-<date>.json`` (figures per run, no prompts) and ``.md`` (the table)
 after each run, so a cut-short run still leaves the runs it finished.  The per-question records (prompts
 included) go to ``--records DIR``.
 
-    python benchmarks/context_memory.py [--conversations 20] [--min-tokens 6000] [--only hybrid:2048 last:2048]
+    python benchmarks/kv/context_memory.py [--conversations 20] [--min-tokens 6000] [--only hybrid:2048 last:2048]
         [--harder] [--model gemma-3-270m] [--low-water F] [--top-k K] [--out PATH]
         # --harder: facts said in passing, paraphrases, corrections, distractors; --model: another installed model
         # (the conversations are generated with that model's tokenizer); --low-water: SessionConfig.context_low_water;
@@ -23,8 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # common
 
 from kvkeeper import LLMEngine  # noqa: E402
 from kvkeeper.eval.memory_recall import LibraryBackend, generate, load_dialogues, run  # noqa: E402
@@ -99,6 +100,7 @@ def main() -> int:
             Path(args.records, f"{policy}_{budget}.json").write_text(json.dumps({**r, "per_question": per, "per_turn": turns}))
         results.append({k: r[k] for k in ("policy", "budget", "questions", *FIGS)} | {"load_average": os.getloadavg()[0]})
         print(f"{spec}: {json.dumps(results[-1])} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out + ".json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
         Path(args.out + ".md").write_text(table(results, meta))
     return 0

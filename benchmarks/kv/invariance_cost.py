@@ -2,9 +2,10 @@
 previous one (flash-decoding splits), same build, same process, same engine, the two modes interleaved
 (``set_invariant_attention`` switches the C++ kernels), plus the exact reuse audit's cost per audited request.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/invariance_cost.py [--rounds 3] [--out benchmarks/results]
+    PYTHONPATH=src .venv/bin/python benchmarks/kv/invariance_cost.py [--rounds 3] [--out benchmarks/results/invariance_cost]
 
-Writes ``invariance_cost-<date>.json`` and ``.md`` (medians over the rounds; the load average at start and end).
+Writes ``invariance_cost-smollm2-135m-<date>.json`` and ``.md`` into benchmarks/results/invariance_cost/ (or --out):
+medians over the rounds, the load average at start and end.
 Both modes run the same prefill kernel, so prefill should not differ; decode differs by the attention kernel.
 Not measured here: the build flag -ffp-contract=off (it applies to both modes).
 """
@@ -16,6 +17,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +26,9 @@ import torch
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.diagnostics.audit import audit_sequence
 from kvkeeper.kernels import cpu as cpu_kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
+from common import result_path, results_dir  # noqa: E402
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
         "of a wife. However little known the feelings or views of such a man may be on his first entering a "
@@ -58,7 +63,7 @@ def prefill_rate(eng, ids: list[int]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=str(results_dir("invariance_cost")))
     args = ap.parse_args()
     load0 = os.getloadavg()
     eng = LLMEngine(validate_every=0)
@@ -96,10 +101,9 @@ def main() -> None:
            "load_average_end": os.getloadavg(), "weight_format": eng.runner.weight_format,
            "kv_dtype": str(eng.runner.kv_format.storage), "cases": rows,
            "audit_ms_per_request_512_tokens": statistics.median(audit_ms), "audit_ms_runs": audit_ms}
-    day = datetime.date.today().isoformat()
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"invariance_cost-{day}.json").write_text(json.dumps(out, indent=1))
+    result_path("invariance_cost", out=folder).write_text(json.dumps(out, indent=1))
     md = [f"# Invariant decode attention: cost ({out['date']}, {out['threads']} threads, load average "
           f"{load0[0]:.1f} at start, {out['load_average_end'][0]:.1f} at end; medians of {args.rounds} rounds)", "",
           "| case | invariant tok/s | previous tok/s | cost |", "|---|---:|---:|---:|"]
@@ -107,7 +111,7 @@ def main() -> None:
            for r in rows]
     md += ["", f"Exact reuse audit of a 512-token prompt: {out['audit_ms_per_request_512_tokens']:.0f} ms per audited "
            "request (one recompute of the prompt and a bitwise comparison of every layer's K/V and the logits).", ""]
-    (folder / f"invariance_cost-{day}.md").write_text("\n".join(md))
+    result_path("invariance_cost", suffix=".md", out=folder).write_text("\n".join(md))
     print("\n".join(md))
 
 

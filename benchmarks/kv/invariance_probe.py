@@ -6,7 +6,7 @@ tokens (fused decode step and layer by layer); alone vs in a batch of 9 mixed ro
 Each variant's KV dump (kvkeeper.diagnostics.kvdump) is compared bit for bit with the reference (whole prefill,
 512-token chunks, 2 threads): the first layer and token that differ and the largest difference.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/invariance_probe.py [--json benchmarks/results/invariance_probe.json]
+    PYTHONPATH=src .venv/bin/python benchmarks/kv/invariance_probe.py [--json benchmarks/results/invariance_probe/invariance_probe-smollm2-135m-DATE.json]
 """
 
 from __future__ import annotations

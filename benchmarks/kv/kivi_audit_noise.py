@@ -5,9 +5,9 @@
 MT-Bench two-turn sessions on SmolLM2-135M with fp32 weights (the test suite's engine) and the given KV dtype, the
 reuse audit on every request with a tolerance too loose to fire; prints and writes the largest per-layer relative
 K/V difference (``kv_max_rel_diff``) and logits difference over all audits.  Writes
-``benchmarks/results/kivi_audit_noise-<kv dtype>-<date>.json``.
+``benchmarks/results/kivi_audit_noise/kivi_audit_noise-<kv dtype>-<date>.json``.
 
-    PYTHONPATH=src:. python benchmarks/kivi_audit_noise.py int4 [--sessions 2] [--max-tokens 16]
+    PYTHONPATH=src:. python benchmarks/kv/kivi_audit_noise.py int4 [--sessions 2] [--max-tokens 16]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, result_name  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
+from common import result_path  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     from kvkeeper.diagnostics.audit import AuditTolerance, ReuseAuditor
     from kvkeeper.sessions import SessionManager
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     mt = [json.loads(x) for x in (root / "data" / "mt_bench" / "question.jsonl").read_text().splitlines() if x.strip()]
     eng = LLMEngine(quantization="none", num_kv_blocks=400, kv_dtype=args.kv_dtype)
     eng.auditor = ReuseAuditor(1.0, tolerance=AuditTolerance(kv_atol=1e9, kv_rtol=1e9, logits_atol=1e9)).attach(eng)
@@ -50,8 +50,9 @@ def main(argv=None) -> int:
     res = {"kv_dtype": args.kv_dtype, "sessions": args.sessions, "audits": eng.auditor.total,
            "max_kv_rel_diff": worst_kv, "max_logits_abs_diff": worst_lg, "seconds": time.time() - t,
            "load": " ".join(f"{x:.2f}" for x in os.getloadavg())}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{result_name('kivi_audit_noise', args.kv_dtype)}.json").write_text(json.dumps(res, indent=1))
+    out = result_path("kivi_audit_noise", args.kv_dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
     print(json.dumps(res))
     return 0
 

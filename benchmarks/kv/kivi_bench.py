@@ -17,7 +17,7 @@ default engine):
 
 Writes ``OUT/kivi_bench-smollm2-135m-<date>.json`` and ``.md``.
 
-    .venv/bin/python benchmarks/kivi_bench.py [--quick] [--kivi-block-size N] [--llama-python /path/to/python] [--out DIR]
+    .venv/bin/python benchmarks/kv/kivi_bench.py [--quick] [--kivi-block-size N] [--llama-python /path/to/python] [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 from common import RESULTS, cpu_model, result_name, run_date  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BOOK = ROOT / "data" / "gutenberg_pride_and_prejudice" / "1342-0.txt"
 DTYPES = ["bf16", "int8", "int4", "int2"]
 
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=1, help="passkey keys per (length, depth)")
     ap.add_argument("--llama-python", default=sys.executable,
                     help="a Python with llama-cpp-python (default: this one; '' to skip llama.cpp)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS / "kivi_bench")
     ap.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES, help="KV dtypes to run, in this order")
     ap.add_argument("--resume", type=Path, help="a previous run's JSON (or .partial.json): its dtypes and decode "
                     "rows are kept (a loaded machine: run the dtypes in several processes)")
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     lengths = [2000] if args.quick else [2000, 7000]  # passkey: 2k by passkey_grid, 7k one prompt per depth
     n_dec = 16 if args.quick else 64
     res = {"date": run_date(), "cpu": cpu_model(), "threads": torch.get_num_threads(), "load_start": load(),
-           "command": "benchmarks/kivi_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": "benchmarks/kv/kivi_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "dtypes": {}, "decode": {}}
     long_ids = None
     if args.resume:

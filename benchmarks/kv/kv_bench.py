@@ -14,7 +14,7 @@ Sections (SmolLM2-135M-Instruct fp32 weights, this CPU):
 
 Writes ``OUT/kv_bench-<config>-<date>.json``, ``.md`` and PNG plots ``OUT/kv_bench-<config>-<date>-*.png``.
 
-    .venv/bin/python benchmarks/kv_bench.py [--quick] [--kvpress-python /path/to/venv/bin/python] [--out DIR]
+    .venv/bin/python benchmarks/kv/kv_bench.py [--quick] [--kvpress-python /path/to/venv/bin/python] [--out DIR]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BOOK = ROOT / "data" / "gutenberg_pride_and_prejudice" / "1342-0.txt"
 SKIP = 2000
 DTYPES = ["fp32", "bf16", "fp16", "int8", "fp8"]
@@ -88,15 +88,16 @@ def section_policies(ratios: list[float], ctx: int, score: int, lengths, depths,
 
 
 def section_kvpress(py: str, inputs: dict, ratios: list[float], out_dir: Path) -> tuple[list, str | None]:
-    from serve_bench import hf_folder
+    from serving.serve_bench import hf_folder
 
     job = {"model": str(hf_folder()), "presses": [["none", 0.0]] + [[p, r] for r in ratios for p in POLICIES],
            "threads": os.cpu_count() or 2, "max_tokens": 8, **inputs}
     with tempfile.TemporaryDirectory() as td:
         jp, op = Path(td) / "job.json", Path(td) / "out.json"
         jp.write_text(json.dumps(job))
-        p = subprocess.run([py, str(ROOT / "benchmarks" / "kvpress_peer.py"), str(jp), str(op)], capture_output=True,
-                           text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        peer = ROOT / "benchmarks" / "kv" / "kvpress_peer.py"
+        p = subprocess.run([py, str(peer), str(jp), str(op)], capture_output=True, text=True,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
         log = result_path("kv_bench", suffix="-kvpress.log", out=out_dir)
         log.write_text(p.stdout + p.stderr)
         if p.returncode != 0:
@@ -263,7 +264,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small grid (smoke run)")
     ap.add_argument("--kvpress-python", metavar="PY", help="a Python with kvpress installed (peer)")
     ap.add_argument("--sections", nargs="+", default=["dtypes", "policies", "memspeed"])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kv_bench"))
     args = ap.parse_args(argv)
     if args._child:
         d, p, r, c, n = args._child

@@ -1,7 +1,7 @@
 """What the KV cache's own operations cost: offload/restore (host, disk) against recomputing the prompt,
 pool compaction, the reuse audit and the telemetry sample, with this machine's copy and disk bandwidth.
 
-Usage: python benchmarks/kvops_bench.py [--tokens 1000] [--repeats 3] [--out benchmarks/results]
+Usage: python benchmarks/kv/kvops_bench.py [--tokens 1000] [--repeats 3] [--out benchmarks/results/kvops_bench]
 Writes kvops_bench-<config>-<date>.json and .md.  SmolLM2-135M-Instruct, fp32 weights and KV, CPU.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 from common import cpu_model, result_name, write_report  # noqa: E402
 
 from kvkeeper import LLMEngine, SamplingParams, SessionManager  # noqa: E402
@@ -25,7 +25,7 @@ from kvkeeper.diagnostics.audit import audit_sequence  # noqa: E402
 from kvkeeper.kvcache.block_pool import BlockPool  # noqa: E402
 from kvkeeper.kvcache.telemetry import pool_stats  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT / "data" / "gutenberg_pride_and_prejudice" / "1342-0.txt"
 
 
@@ -151,7 +151,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1000, help="session length for offload/restore (tokens)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kvops_bench")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,9 +2,9 @@
 """NVIDIA kvpress as a peer: its presses on the same model, token ids and ratios as kvkeeper's policies.
 
 Runs in its own virtual environment (kvpress 0.5.5 needs transformers < 5.3; kvkeeper uses a newer
-one), started by ``benchmarks/kv_bench.py --kvpress-python PY``:
+one), started by ``benchmarks/kv/kv_bench.py --kvpress-python PY``:
 
-    PY benchmarks/kvpress_peer.py JOB.json OUT.json
+    PY benchmarks/kv/kvpress_peer.py JOB.json OUT.json
 
 JOB.json: ``{"model": HF folder, "presses": [[policy, ratio], ...], "ppl": {"ids": [...], "score_tokens": M},
 "passkey": [{"ids": [...], "key": N, "length": L, "depth": d}], "max_tokens": 8}``.  The prompts are

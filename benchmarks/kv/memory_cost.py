@@ -15,12 +15,12 @@ policy's ranking of the kept window (cosine of 20 turns' embeddings, cached by t
 decision between BM25 designs, what one bm25s rebuild over every stored sentence costs at N turns (the lazy
 rebuild a search after each batch would pay) against FTS5's incremental index.
 
-    python benchmarks/memory_cost.py [--turns 300] [--every 4] [--embed-threads 1] [--embed-dtype auto] [--out PATH]
+    python benchmarks/kv/memory_cost.py [--turns 300] [--every 4] [--embed-threads 1] [--embed-dtype auto] [--out PATH]
 
 ``--embed-threads N``: torch threads while embedding (the :class:`Embedder`'s ``threads``; 0: torch's own setting,
 the engine's thread count); ``--embed-dtype``: the :class:`Embedder`'s ``dtype`` (auto: bfloat16 on a CPU with AMX).
 
-Writes ``benchmarks/results/memory_cost-<date>.json`` and ``.md`` (load average recorded before and after).
+Writes ``benchmarks/results/memory_cost/memory_cost-<date>.json`` and ``.md`` (load average recorded before and after).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # common
 
 from kvkeeper.sessions.context import turn_text  # noqa: E402
 from kvkeeper.sessions.memory import Embedder, SessionMemory, lemmas  # noqa: E402
@@ -144,6 +145,7 @@ def main() -> int:
         *[f"| {k} | {v:.2f} |" for k, v in sorted(phases.items())],
         "", f"One bm25s rebuild over the {n_sent} sentences (what a lazy rebuild would cost per search after each "
         f"batch): {rebuild_ms:.1f} ms; FTS5's incremental index pays only the new rows (in `store` above).", ""])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
     Path(args.out + ".md").write_text(md)
     print(md)

@@ -12,10 +12,10 @@ itself always holds the whole history under ``full``, so ``answer_in_prompt`` is
 for the table's sake beside the context policies' figures (docs/serving/context-policies.md).
 
 Targets (issue 27, at ratio 0.5): KV held per session <= 0.55x the uncompressed session's, cached share of prompt
-tokens >= 0.9x the uncompressed session's.  Writes ``benchmarks/results/session_compression-<model>-<date>.json``
+tokens >= 0.9x the uncompressed session's.  Writes ``benchmarks/results/session_compression/session_compression-<model>-<date>.json``
 and ``.md`` after each run.
 
-    python benchmarks/session_compression.py [--conversations 3] [--min-tokens 1500] [--ratios 0.5 0.75]
+    python benchmarks/kv/session_compression.py [--conversations 3] [--min-tokens 1500] [--ratios 0.5 0.75]
         [--policies streaming_llm knorm kvzip] [--kv-dtype int4]
 """
 
@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # common
 
 from kvkeeper import LLMEngine  # noqa: E402
 from kvkeeper.eval.memory_recall import LibraryBackend, generate, history_turns, load_dialogues, run  # noqa: E402
@@ -213,7 +214,7 @@ def main() -> int:
             "kv_dtype": eng.runner.kv_format.name, "block_size": eng.block_size,
             "kv_bytes_per_token": eng.runner.kv_store.bytes_per_token,
             "machine": f"{platform.machine()}, 2 cores shared with other jobs",
-            "command": "python benchmarks/session_compression.py " + " ".join(sys.argv[1:]),
+            "command": "python benchmarks/kv/session_compression.py " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(meta), flush=True)
     rows, base_recs = [], None
@@ -227,6 +228,7 @@ def main() -> int:
         row["load_average"] = os.getloadavg()[0]
         rows.append(row)
         print(f"{policy}:{ratio}: {json.dumps(row)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out + ".json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=1))
         Path(args.out + ".md").write_text(table(rows, meta))
     return 0

@@ -24,15 +24,15 @@ Every comparison is a measured ratio next to its target; nothing is hard-coded.
 
 Usage::
 
-    .venv/bin/python benchmarks/engine_bench.py            # full run (a quiet machine, a few minutes)
-    .venv/bin/python benchmarks/engine_bench.py --quick    # tiny smoke run
-    .venv/bin/python benchmarks/engine_bench.py --out DIR --threads 4
-    .venv/bin/python benchmarks/engine_bench.py --quantization none   # the float32 engine instead of the default
+    .venv/bin/python benchmarks/models/engine_bench.py            # full run (a quiet machine, a few minutes)
+    .venv/bin/python benchmarks/models/engine_bench.py --quick    # tiny smoke run
+    .venv/bin/python benchmarks/models/engine_bench.py --out DIR --threads 4
+    .venv/bin/python benchmarks/models/engine_bench.py --quantization none   # the float32 engine instead of the default
 
 Writes ``DIR/engine_bench-<config>-<date>.json`` and ``.md`` (config: the model) and prints the markdown.
 
 This file is the driver (its command line, the order of the sections, the output); each section is a module of
-``benchmarks/engine/``: ``roofline``, ``formats``, ``multiturn`` (and the short turns), ``batched``, ``single``,
+``benchmarks/models/engine/``: ``roofline``, ``formats``, ``multiturn`` (and the short turns), ``batched``, ``single``,
 ``long_context``; the peers in ``peers``, the markdown in ``report``.
 """
 
@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 from engine.base import ROOT, BenchConfig, _err, log, machine_info
 from engine.batched import bench_batched
 from engine.formats import bench_formats
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny smoke run (3 turns, small batch, short outputs)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_bench"), help="output folder")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     ap.add_argument("--model", default=None, help="model id or GGUF path (default: the embedded SmolLM2-135M)")
     ap.add_argument("--quantization", default=None,

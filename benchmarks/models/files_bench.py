@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The engine benchmark's files section: kvkeeper beside llama.cpp on the GGUF files users run (issue 24).
 
-For each file, each engine runs in its own process (``benchmarks/engine/file_worker.py``) with the same KV size
+For each file, each engine runs in its own process (``benchmarks/models/engine/file_worker.py``) with the same KV size
 (``--kv-tokens``) and thread count: a cold load (the file's pages dropped from the page cache with
 ``posix_fadvise(DONTNEED)``, kvkeeper with an empty cache folder: first use), then a warm run (caches filled)
 that measures load time, peak resident memory, single-stream greedy decode after a short chat prompt, prefill of
@@ -16,10 +16,10 @@ the same threads, and the fraction of it each engine reached.
 
 Usage::
 
-    .venv/bin/python benchmarks/files_bench.py --file embedded --file /path/model.gguf ... \
+    .venv/bin/python benchmarks/models/files_bench.py --file embedded --file /path/model.gguf ... \
         [--llama-python /path/venv/bin/python] [--threads 2] [--kv-tokens 4096] [--config NAME]
 
-Writes ``benchmarks/results/files_bench-<config>-<date>.json`` and ``.md``.  llama.cpp runs under
+Writes ``benchmarks/results/files_bench/files_bench-<config>-<date>.json`` and ``.md``.  llama.cpp runs under
 ``--llama-python`` (default: this interpreter; ``make bench-llamacpp`` installs llama-cpp-python into the venv).
 """
 
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 from common import RESULTS, cpu_model, result_name, write_report  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "engine" / "file_worker.py"
 BOOK = ROOT / "data" / "gutenberg_pride_and_prejudice" / "1342-0.txt"
 QUESTIONS = ROOT / "data" / "mt_bench" / "question.jsonl"
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--config", default="issue24")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--out", default=str(RESULTS / "files_bench"))
     a = ap.parse_args(argv)
     chk = subprocess.run([a.llama_python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
                          capture_output=True, text=True)

@@ -12,11 +12,11 @@ to the window, its default).
 
 Each part is a separate process so that each exclusive hold of the CPU lock stays short:
 
-    PYTHONPATH=src flock -x /work/.cpu.lock python benchmarks/gemma_bench.py --part hybrid
-    PYTHONPATH=src flock -x /work/.cpu.lock python benchmarks/gemma_bench.py --part full
-    PYTHONPATH=src flock -x /work/.cpu.lock python benchmarks/gemma_bench.py --part llamacpp
+    PYTHONPATH=src flock -x /work/.cpu.lock python benchmarks/models/gemma_bench.py --part hybrid
+    PYTHONPATH=src flock -x /work/.cpu.lock python benchmarks/models/gemma_bench.py --part full
+    PYTHONPATH=src flock -x /work/.cpu.lock python benchmarks/models/gemma_bench.py --part llamacpp
 
-Each part merges its result into the latest ``results/gemma_bench-gemma3-270m-<date>.json`` and writes today's
+Each part merges its result into the latest ``results/gemma_bench/gemma_bench-gemma3-270m-<date>.json`` and writes today's
 ``.json`` and ``.md``.
 """
 
@@ -25,18 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from common import cpu_model, latest_result, result_name, write_report
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
+from common import cpu_model, latest_result, result_name, write_report  # noqa: E402
 
 CONFIG = "gemma3-270m"  # the config part of the result's name
 
 from kvkeeper import LLMEngine, SamplingParams
 
-BOOK = Path(__file__).resolve().parents[1] / "data" / "gutenberg_pride_and_prejudice" / "1342-0.txt"
+BOOK = Path(__file__).resolve().parents[2] / "data" / "gutenberg_pride_and_prejudice" / "1342-0.txt"
 
 
 def context_ids(tokenizer, n: int) -> list[int]:
@@ -110,7 +112,7 @@ def run_llama_cpp(context: int, steps: int) -> dict:
 def report(res: dict) -> str:
     rows = [res[k] for k in ("hybrid", "full", "llamacpp") if k in res]
     md = [f"# gemma_bench: Gemma 3 270M, {rows[0]['context'] if rows else '?'}-token context\n",
-          f"Machine: {res.get('cpu', '?')}, {res.get('threads', '?')} threads; see benchmarks/gemma_bench.py.\n",
+          f"Machine: {res.get('cpu', '?')}, {res.get('threads', '?')} threads; see benchmarks/models/gemma_bench.py.\n",
           "| engine | KV bytes held at context | KV bytes / token | prefill s | decode tok/s |", "|---|---|---|---|---|"]
     for r in rows:
         held = r.get("kv_bytes_held", r.get("state_bytes"))
@@ -132,7 +134,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "gemma_bench"))
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     out = Path(a.out)

@@ -23,11 +23,11 @@ weights of a shipped Llama-3.1-8B config, bf16):
 
 Usage::
 
-    python benchmarks/gpu.py --out DIR                       # everything (a CUDA torch, triton, transformers)
-    python benchmarks/gpu.py --sections kernels bandwidth    # a part
-    python benchmarks/gpu.py --smoke-cpu --out /tmp/x        # tiny CPU run of the script's logic (interpreter)
+    python benchmarks/models/gpu.py --out DIR                       # everything (a CUDA torch, triton, transformers)
+    python benchmarks/models/gpu.py --sections kernels bandwidth    # a part
+    python benchmarks/models/gpu.py --smoke-cpu --out /tmp/x        # tiny CPU run of the script's logic (interpreter)
 
-Writes ``DIR/gpu_bench-<config>-<date>.json`` and ``.md`` after every section (a run cut short keeps what
+Writes ``DIR/gpu-<config>-<date>.json`` and ``.md`` after every section (a run cut short keeps what
 it measured).  Without a CUDA device it refuses (exit status 2) unless ``--smoke-cpu``.
 """
 
@@ -45,13 +45,13 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("kernels", "bandwidth", "decode", "ttft", "transformers")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu"), help="output folder")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--config", default="llama-3.1-8b", help="dummy model config (shipped name or config.json)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -486,14 +486,14 @@ def markdown(res: dict) -> str:
 def main() -> int:
     args = ARGS
     if not args.smoke_cpu and not torch.cuda.is_available():
-        print(f"benchmarks/gpu.py needs a CUDA device, and torch {torch.__version__} sees none "
+        print(f"benchmarks/models/gpu.py needs a CUDA device, and torch {torch.__version__} sees none "
               f"(torch.version.cuda = {torch.version.cuda}). Run it on a machine with an NVIDIA GPU and a CUDA "
               "build of torch, or use --smoke-cpu to check the script itself.", file=sys.stderr)
         return 2
     try:
         import triton
     except ImportError:
-        print("benchmarks/gpu.py needs the triton package (pip install triton) for kvkeeper's CUDA kernels",
+        print("benchmarks/models/gpu.py needs the triton package (pip install triton) for kvkeeper's CUDA kernels",
               file=sys.stderr)
         return 2
     import transformers
@@ -509,7 +509,7 @@ def main() -> int:
         args.config = "tiny smoke-test config"
         args.prompt_len, args.new_tokens, args.dtype, args.kv_cache_gb = 8, 4, "float32", 0.01
     # the result is named by the config: a shipped name, or a config.json file by its folder
-    name = result_name("gpu_bench", Path(args.config).parent.name if args.config.endswith(".json") else args.config)
+    name = result_name("gpu", Path(args.config).parent.name if args.config.endswith(".json") else args.config)
     props = torch.cuda.get_device_properties(0) if dev.type == "cuda" else None
     res = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "config": args.config,
            "dtype": args.dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,

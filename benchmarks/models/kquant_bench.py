@@ -6,9 +6,9 @@ For each weight type (Q4_K, Q5_K, Q6_K, Q8_0, F16) and shape N x K (output rows 
 matmul x @ W^T on the dequantized weight, and the machine's streaming bandwidth measured here (a big copy,
 and a read-only sum), so that the GEMV figure can be read as a fraction of what memory can give.
 
-    python benchmarks/kquant_bench.py [--shapes 2048x2048,8192x2048] [--m 1,512] [--seconds 1.0] [--out DIR]
+    python benchmarks/models/kquant_bench.py [--shapes 2048x2048,8192x2048] [--m 1,512] [--seconds 1.0] [--out DIR]
 
-Writes ``kquant-<shape>-<date>.json`` and ``.md`` per shape into benchmarks/results/ (or --out).  Times are
+Writes ``kquant_bench-<shape>-<date>.json`` and ``.md`` per shape into benchmarks/results/kquant_bench/ (or --out).  Times are
 medians over repeated calls (at least --seconds per case after a warm-up call); the machine is shared, so
 the load average at the start is recorded with the numbers.
 """
@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import cpu_model, write_report  # noqa: E402
+from common import cpu_model, result_name, write_report  # noqa: E402
 from kvkeeper.kernels import cpu as cpu_kernels  # noqa: E402
 
 TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "F16": 1}
@@ -86,7 +86,7 @@ def main() -> int:
     ap.add_argument("--m", default="1,512", help="activation rows to time")
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--seconds", type=float, default=1.0, help="time per case")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kquant_bench"))
     ap.add_argument("--quiet", action="store_true", help="print only the markdown")
     ap.add_argument("--threads", type=int, default=0, help="torch/OpenMP threads (0: torch's default)")
     ap.add_argument("--cold-mb", type=int, default=256, help="bytes of weight copies a cold GEMV rotates over")
@@ -168,7 +168,7 @@ def main() -> int:
                "read-only sum's GB/s.  ms: median wall time; CPU ms: median process CPU time, all threads (with "
                "--threads 1 on a busy machine, the time it ran).  GFLOP/s, GB/s and speed-ups from wall time."]
         suffix = f"-t{args.threads}" if args.threads else ""
-        write_report(out, f"kquant-{N}x{K}-{date}{suffix}", res, "\n".join(md) + "\n")
+        write_report(out, result_name("kquant_bench", f"{N}x{K}{suffix}"), res, "\n".join(md) + "\n")
     return 0
 
 

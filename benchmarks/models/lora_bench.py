@@ -12,7 +12,7 @@ one warm-up run:
 A step with an adapter runs layer by layer (the fused C++ decode step knows no adapters) and adds each adapter's
 low-rank term with a loop over the distinct adapters in the step (kvkeeper.layers.lora).
 
-Run: ``PYTHONPATH=src flock -x /work/.cpu.lock python benchmarks/lora_bench.py`` (about 2 minutes on 2 cores).
+Run: ``PYTHONPATH=src flock -x /work/.cpu.lock python benchmarks/models/lora_bench.py`` (about 2 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from common import cpu_model, result_name, write_report
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
+from common import cpu_model, result_name, write_report  # noqa: E402
 
 from kvkeeper import LLMEngine, SamplingParams
 
@@ -103,7 +104,7 @@ def markdown(res: dict, load: tuple[float, float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "lora_bench")
     p.add_argument("--quantization", default="gguf")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=512)

@@ -10,7 +10,7 @@ per token of the latent cache against the same model with standard multi-head K/
 text (Pride and Prejudice) through an fp32 and an int8 latent cache (random weights: the delta measures the
 cache's quantization error, not language quality).
 
-Run: ``PYTHONPATH=src flock -x /work/.cpu.lock python benchmarks/mla_bench.py`` (about 3 minutes on 2 cores).
+Run: ``PYTHONPATH=src flock -x /work/.cpu.lock python benchmarks/models/mla_bench.py`` (about 3 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ from pathlib import Path
 
 import torch
 
-from common import cpu_model, result_name, write_report
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
+from common import cpu_model, result_name, write_report  # noqa: E402
 
 from kvkeeper import LLMEngine, SamplingParams
 from kvkeeper.engine.sequence import Sequence
 from kvkeeper.eval.perplexity import perplexity, read_text_tokens
 
-BOOK = Path(__file__).resolve().parents[1] / "data" / "gutenberg_pride_and_prejudice" / "1342-0.txt"
+BOOK = Path(__file__).resolve().parents[2] / "data" / "gutenberg_pride_and_prejudice" / "1342-0.txt"
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
              num_key_value_heads=16, kv_lora_rank=256, q_lora_rank=384, qk_rope_head_dim=64, qk_nope_head_dim=128,
              v_head_dim=128, first_k_dense_replace=4, n_routed_experts=8, vocab_size=49152,
@@ -107,7 +108,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,4096,8192")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--ppl-tokens", type=int, default=1024)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "mla_bench"))
     a = ap.parse_args()
     contexts = [int(x) for x in a.contexts.split(",")]
     folder = Path(tempfile.mkdtemp(prefix="mla-bench-"))

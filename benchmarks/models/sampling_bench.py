@@ -9,18 +9,20 @@ request has its first token (decode steps only), best of 3 runs per mode:
 * ``mixed``: half the requests with penalties and a grammar, half without.
 
 Compare the ``plain`` figure across code versions to see what the processor support costs requests
-that use none (run it on each tree: ``PYTHONPATH=OLD/src python benchmarks/sampling_bench.py --modes plain``).
-Writes ``benchmarks/results/sampling_bench-<config>-<date>.{json,md}``.
+that use none (run it on each tree: ``PYTHONPATH=OLD/src python benchmarks/models/sampling_bench.py --modes plain``).
+Writes ``benchmarks/results/sampling_bench/sampling_bench-<config>-<date>.{json,md}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
-from common import cpu_model, result_name, write_report
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
+from common import cpu_model, result_name, write_report  # noqa: E402
 
 from kvkeeper import LLMEngine, SamplingParams
 
@@ -55,7 +57,7 @@ def decode_rate(eng: LLMEngine, prompts: list[list[int]], mode: str, repeats: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modes", nargs="+", default=["plain", "penalties", "json", "mixed"])
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "sampling_bench")
     args = ap.parse_args()
     eng = LLMEngine(validate_every=0)
     prompts = [eng.encode_chat([{"role": "user", "content": f"Write a story about dragon number {i}."}])

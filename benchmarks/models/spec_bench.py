@@ -22,7 +22,7 @@ without (they must, token for token); the load average before and after.  The si
 
 Usage::
 
-    .venv/bin/python benchmarks/spec_bench.py [--k 8] [--method ngram|suffix] [--threads 2]
+    .venv/bin/python benchmarks/models/spec_bench.py [--k 8] [--method ngram|suffix] [--threads 2]
         [--llama-python PYTHON_WITH_LLAMA_CPP] [--no-llama] [--quick]
 
 The report states each of issue 30's targets as met or missed (copy-heavy >= 1.8x plain and >= 1.2x llama.cpp with
@@ -30,7 +30,7 @@ prompt lookup, open-ended >= 0.97x, 16 streams >= 1.0x, copy-heavy single-stream
 bandwidth limit), kvkeeper's copy-heavy decode over llama.cpp plain and llama.cpp lookup over plain, and how many of
 kvkeeper's greedy tokens llama.cpp's match before they part.
 
-Writes ``benchmarks/results/spec_bench-smollm2-135m-<date>.json`` and ``.md``.
+Writes ``benchmarks/results/spec_bench/spec_bench-smollm2-135m-<date>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 from common import RESULTS, cpu_model, result_name, write_report  # noqa: E402
 from files_bench import file_bytes, read_bandwidth_gb_s  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data"
 LLAMA_WORKER = Path(__file__).resolve().parent / "engine" / "spec_llama_worker.py"
 # issue 30's targets: copy decode vs plain and vs llama.cpp lookup, open-ended vs plain, 16 streams vs plain
@@ -227,7 +227,7 @@ def parse_args():
     ap.add_argument("--llama-python", default=sys.executable, help="the Python that has llama-cpp-python")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--quick", action="store_true", help="two copy chats, two open chats, 60 tokens")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS / "spec_bench")
     return ap.parse_args()
 
 

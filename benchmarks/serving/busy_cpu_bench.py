@@ -24,10 +24,10 @@ quota) and is compared with the same engine given ``--threads 1`` (``num_threads
 
 Usage::
 
-    .venv/bin/python benchmarks/busy_cpu_bench.py [--model embedded|ID|PATH] [--decode-tokens 64] [--reps 3]
+    .venv/bin/python benchmarks/serving/busy_cpu_bench.py [--model embedded|ID|PATH] [--decode-tokens 64] [--reps 3]
         [--one-cpu quota|affinity] [--no-one-cpu | --only-one-cpu]
 
-Writes ``benchmarks/results/busy_cpu_bench-<model>-<date>.json`` and ``.md``.  Run it on a quiet machine (the load
+Writes ``benchmarks/results/busy_cpu_bench/busy_cpu_bench-<model>-<date>.json`` and ``.md``.  Run it on a quiet machine (the load
 average is recorded beside the figures).
 """
 
@@ -43,11 +43,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 from common import RESULTS, cpu_model, result_name, write_report  # noqa: E402
 
 TARGET = 2.5  # busy / quiet time, at most
-CONVERSATIONS = Path(__file__).resolve().parent.parent / "data" / "topical_chat" / "test_freq_conversations_first20.jsonl"
+CONVERSATIONS = Path(__file__).resolve().parents[2] / "data" / "topical_chat" / "test_freq_conversations_first20.jsonl"
 DEMO_TURN, DEMO_TOKENS = 10, 64  # make demo: --turns 16 --max-tokens 64; its summary reads turn 10
 
 
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--one-cpu", choices=("quota", "affinity"), default="quota",
                     help="one CPU as a 1-CPU cgroup quota (default; needs root) or as the affinity mask {0}")
     ap.add_argument("--rounds", type=int, default=1, help="one-CPU comparison: children per setting, in turn")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--out", default=str(RESULTS / "busy_cpu_bench"))
     args = ap.parse_args(argv)
     from kvkeeper import LLMEngine
 

@@ -11,8 +11,8 @@ stream alone) and while other clients keep sending huge chat prompts, back to ba
 Per phase: the gaps' p50, p99 and max (s) and the p99's ratio to the quiet p99 (the target: below 3).  Before
 issue 31 the prompts were tokenized on the engine thread and a 4 MB one froze every stream for seconds.
 
-    .venv/bin/python benchmarks/prompt_stall_bench.py [--max-tokens 96] [--streams 3] [--senders 2]
-        [--out benchmarks/results] [--config NAME] [--baseline-src DIR]
+    .venv/bin/python benchmarks/serving/prompt_stall_bench.py [--max-tokens 96] [--streams 3] [--senders 2]
+        [--out benchmarks/results/prompt_stall_bench] [--config NAME] [--baseline-src DIR]
 
 ``--baseline-src DIR``: also measure the server of another copy of kvkeeper's ``src`` folder (``PYTHONPATH=DIR``,
 e.g. ``git archive main src | tar -x -C /tmp/main``) in the same run, before this one: a before / after table.
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # tests.utils.serverproc
 
 from benchmarks.common import MODEL, RESULTS, cpu_model, result_name, write_report  # noqa: E402
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--streams", type=int, default=3)
     ap.add_argument("--senders", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS / "prompt_stall_bench")
     ap.add_argument("--config", default=MODEL, help="the result's config name (e.g. the code measured)")
     ap.add_argument("--baseline-src", type=Path, default=None,
                     help="another kvkeeper src folder to measure first, in the same run (before / after)")

@@ -17,7 +17,7 @@ question, greedy, ``--max-tokens`` per reply, streamed.  Per turn and mode:
 Chat turns reuse the prefix cache (full blocks of 16 tokens); responses hand the previous turn's whole KV over
 (a session turn, :mod:`kvkeeper.api.responses.run`).  The replies of the two modes are compared turn by turn.
 
-    .venv/bin/python benchmarks/responses_bench.py [--turns 20] [--max-tokens 32] [--threads 2] [--out DIR]
+    .venv/bin/python benchmarks/serving/responses_bench.py [--turns 20] [--max-tokens 32] [--threads 2] [--out DIR]
 
 Writes ``OUT/responses_bench-<config>-<date>.json`` and ``.md`` and prints the markdown.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # tests.utils.serverproc
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import MODEL, RESULTS, cpu_model, result_name, write_report  # noqa: E402
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS / "responses_bench")
     a = ap.parse_args(argv)
     log = a.out / "responses_bench-server.log"
     extra = ("--model", a.model) if a.model else ()

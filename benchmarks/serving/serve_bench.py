@@ -21,8 +21,8 @@ server (``python -m llama_cpp.server``, its ``[server]`` extra, under ``--llama-
 same GGUF file with the same threads and context, its RAM prompt cache on (``--cache``) and requests queued rather than interrupted; that
 server runs one request at a time and reuses the longest common prefix of the last prompt).
 
-    .venv/bin/python benchmarks/serve_bench.py [--model FILE.gguf] [--peer transformers|llama_cpp|none]
-        [--llama-python PY] [--concurrency 1 8 32] [--turns 3] [--max-tokens 24] [--out benchmarks/results]
+    .venv/bin/python benchmarks/serving/serve_bench.py [--model FILE.gguf] [--peer transformers|llama_cpp|none]
+        [--llama-python PY] [--concurrency 1 8 32] [--turns 3] [--max-tokens 24] [--out benchmarks/results/serve_bench]
 
 Writes ``OUT/serve_bench-<config>-<date>.json`` and ``.md`` and prints the markdown.
 """
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # tests.utils.serverproc
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import cpu_model, result_name, write_report  # noqa: E402
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-python", default=sys.executable, help="the Python with llama-cpp-python[server]")
     ap.add_argument("--ctx", type=int, default=4096, help="context (tokens) of both servers")
     ap.add_argument("--config", default=None, help="the result's config name (default: the model and the peer)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_bench"))
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

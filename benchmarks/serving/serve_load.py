@@ -1,6 +1,6 @@
 """Bounded load check of a running ``kvkeeper serve``: concurrent streaming clients, some hanging up.
 
-    python benchmarks/serve_load.py --base-url http://127.0.0.1:8000 [--clients 32] [--hangup-fraction 0.2]
+    python benchmarks/serving/serve_load.py --base-url http://127.0.0.1:8000 [--clients 32] [--hangup-fraction 0.2]
         [--max-tokens 24] [--time-limit 120] [--json OUT]
 
 Every client streams one chat completion (``stream_options.include_usage``) with its
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = ROOT / "data" / "mt_bench" / "question.jsonl"
 
 

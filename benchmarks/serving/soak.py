@@ -1,15 +1,15 @@
 """Soak (endurance) test of ``kvkeeper serve``: simulated users for a bounded time, a restart in the middle.
 
-    python benchmarks/soak.py [--minutes 30] [--users 4] [--audit-fraction 0.25] [--out benchmarks/results]
+    python benchmarks/serving/soak.py [--minutes 30] [--users 4] [--audit-fraction 0.25] [--out benchmarks/results/soak]
         [--name soak] [--rss-slope-bound 2.0] [--sample-s 5] [--swing-min P] [--burst-every-s S --burst-size N]
 
 The health soak of issue 29 (the default engine and detector, fault-free light traffic with load swings and
 bursts, one server life, an hour):
 
-    python benchmarks/soak.py --minutes 60 --users 3 --swing-min 20 --burst-every-s 240 --burst-size 3 \
+    python benchmarks/serving/soak.py --minutes 60 --users 3 --swing-min 20 --burst-every-s 240 --burst-size 3 \
         --no-restart --kv-cache-bytes default --audit-fraction 0 --max-tokens 16 --think-s 2 --name soak-health-DATE \
         --server-arg=--health-trace --server-arg=/tmp/health.jsonl   # record the samples; then rescore them with
-    python benchmarks/health_rescore.py --trace /tmp/health.jsonl    # any predictor (the server's code, offline)
+    python benchmarks/health/health_rescore.py --trace /tmp/health.jsonl    # any predictor (the server's code, offline)
 
 Starts a server (a subprocess on a free 127.0.0.1 port, ``--data-dir`` in a temporary folder, the reuse audit on)
 and runs ``--users`` simulated users (asyncio; the official ``openai`` client for completions, ``httpx`` for the
@@ -62,8 +62,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 from common import cpu_model  # noqa: E402
 
 MT_BENCH = ROOT / "data" / "mt_bench" / "question.jsonl"
@@ -755,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="TTFT objective (s) the report compares requests against (the server's default, 3 s)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra argument for kvkeeper serve")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak"))
     ap.add_argument("--config", default="smollm2-135m", help="the run's config in its file name (default %(default)s)")
     ap.add_argument("--name", default=None, help="write OUT/NAME.{json,md,png} (default: soak-CONFIG-DATE)")
     args = ap.parse_args(argv)

@@ -12,8 +12,8 @@ Each start also records the CPU seconds (user + system, all threads) the process
 (``/proc/PID/stat``; the floor's from ``wait4``): on a shared machine the wall time stretches with the other jobs'
 load, the CPU time much less.
 
-    .venv/bin/python benchmarks/start_bench.py [--starts 5] [--llama-python PATH] [--baseline-src DIR]
-        [--out benchmarks/results] [--config NAME]
+    .venv/bin/python benchmarks/serving/start_bench.py [--starts 5] [--llama-python PATH] [--baseline-src DIR]
+        [--out benchmarks/results/start_bench] [--config NAME]
 
 ``--llama-python``: a Python with ``llama-cpp-python[server]`` (without it llama.cpp is not measured);
 ``--baseline-src DIR``: also start the kvkeeper of another ``src`` folder (``git archive REV src | tar -x -C DIR``)
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import MODEL, RESULTS, cpu_model, result_name, write_report  # noqa: E402
@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python[server]")
     ap.add_argument("--baseline-src", type=Path, default=None, help="another kvkeeper src folder, started too")
     ap.add_argument("--pycache", type=Path, default=Path(tempfile.gettempdir()) / "kvkeeper-start-bench-pycache")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS / "start_bench")
     ap.add_argument("--config", default=MODEL, help="the result's config name (e.g. the code measured)")
     args = ap.parse_args()
     if args.starts < 1:

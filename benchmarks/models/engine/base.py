@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 GB = 1e9
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One engine on one GGUF file in its own process, for the files section (``benchmarks/files_bench.py``).
+"""One engine on one GGUF file in its own process, for the files section (``benchmarks/models/files_bench.py``).
 
 Reads a JSON job on stdin: ``engine`` ("kvkeeper" or "llama_cpp"), ``model`` (GGUF path), ``threads``,
 ``kv_tokens`` (KV size in tokens, the same for both engines), ``tasks`` (a list of "decode", "prefill",

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """llama.cpp (llama-cpp-python) on the speculative decoding benchmark's chats, in its own process
-(``benchmarks/spec_bench.py``).
+(``benchmarks/models/spec_bench.py``).
 
 Reads a JSON job on stdin: ``model`` (GGUF path), ``threads``, ``n_ctx``, ``lookup`` (null: plain decoding, else
 ``{"num_pred_tokens": K, "max_ngram_size": N}``: llama-cpp-python's ``LlamaPromptLookupDecoding`` draft model, its
