@@ -80,7 +80,7 @@ soak: setup
 # this machine: a tiny random model on a simulated clock, so the figures do not depend on the machine's load)
 health-eval: setup
 	PYTHONPATH=$(CURDIR)/src $(VPY) -m kvkeeper.eval.health_eval --seeds 100-119 --soak-s 3600 --soak-seeds 200-201 \
-		--proactive --json benchmarks/results/health_eval-heldout.json
+		--proactive --json benchmarks/results/health_eval/health_eval-heldout-$$(date -u +%F).json
 
 # KV dtypes and compression policies, with NVIDIA kvpress as the peer in its own venv
 # (kvpress 0.5.5 pins transformers < 5.3).

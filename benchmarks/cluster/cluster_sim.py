@@ -69,7 +69,7 @@ def parse_args(argv=None):
     ap.add_argument("--report", type=Path, nargs="+", default=None, metavar="JSON",
                     help="write the table and plots of these runs to --json's stem (.md, .json, -*.png)")
     ap.add_argument("--validate", action="store_true",
-                    help="2 replicas against benchmarks/results/cluster_bench-*.json (16 sessions x 8 turns)")
+                    help="2 replicas against benchmarks/results/cluster_bench/cluster_bench-*.json (16 sessions x 8 turns)")
     ap.add_argument("--kv-blocks", type=int, default=None, help="pool per replica in blocks (instead of the fraction)")
     ap.add_argument("--lose-replica-at", type=float, default=None, metavar="F",
                     help="lose one replica at F x the last conversation's arrival time")

@@ -23,11 +23,12 @@ No Ray, no model: pure Python, one process.  What is real and what is modelled:
   the prefix cache keeps (full blocks), as in ``cluster_bench --pressure`` (no host tier).
 * **Costs (fit on this machine)**: a step with ``b`` decoding sequences and prefill chunks of ``n_i`` new tokens
   over ``c_i`` tokens of context takes ``d0 + d1 * b + p1 * sum(n_i) + p2 * sum(n_i * c_i)`` seconds (plus ``p0 -
-  d0`` when it prefills), the coefficients from ``benchmarks/cluster/cluster_sim_costs.py`` fit to the engine benchmark's
-  JSON of a quiet run (``engine_bench-smollm2-135m-2026-11-30``, 2 threads; times x 2 for replicas of 1 thread each),
-  in ``benchmarks/results/cluster_sim_costs-engine_bench-2026-12-02.json``; ``--costs`` names another (a short real
-  engine run on this machine writes one, but on a machine busy with other jobs its times are not a cost model:
-  ``cluster_sim_costs-measured-loaded-2026-12-02``, taken at load average 7 to 14 on 2 cores).
+  d0`` when it prefills), the coefficients from ``benchmarks/cluster/cluster_sim_costs.py`` fit to the engine
+  benchmark's JSON of a quiet run (``engine_bench-smollm2-135m-2026-11-30``, 2 threads; times x 2 for replicas of 1
+  thread each), in ``benchmarks/results/cluster_sim_costs/cluster_sim_costs-engine_bench-2026-12-02.json``;
+  ``--costs`` names another (a short real engine run on this machine writes one, but on a machine busy with other
+  jobs its times are not a cost model: ``cluster_sim_costs-measured-loaded-2026-12-02``, taken at load average 7 to
+  14 on 2 cores).
 * **Trace (the shipped data)**: conversations from Topical-Chat (all 539, user = agent_1, reply = agent_2's next line
   cut to ``--max-tokens`` tokens) and MT-Bench (80 questions, 2 turns; no answers shipped, so a reply is the
   question's first tokens: only a reply's length and that it is the same on every replay matter to a cache),
@@ -102,7 +103,8 @@ class Costs:
         return t
 
 
-COSTS = RESULTS / "cluster_sim_costs-engine_bench-2026-12-02.json"  # fit from engine_bench's quiet run (x 2)
+# fit from engine_bench's quiet run (x 2)
+COSTS = RESULTS / "cluster_sim_costs" / "cluster_sim_costs-engine_bench-2026-12-02.json"
 
 
 def load_costs(path: Path | None = None) -> Costs:
@@ -602,7 +604,7 @@ def working_set_blocks(trace: list[Instance], system, gen, rate: float, think_s:
     return rate * sum(per) / len(per)
 
 
-VALIDATION_BENCH = RESULTS / "cluster_bench-smollm2-135m-2026-12-01.json"
+VALIDATION_BENCH = RESULTS / "cluster_bench" / "cluster_bench-smollm2-135m-2026-12-01.json"
 # (set-up name in cluster_bench, replicas, router); pools: its default 1 GiB (bf16 KV of SmolLM2: 23,040 bytes a
 # token, 368,640 a block: 2,912 blocks) and its --pressure pool (its JSON's pressure.kv_blocks)
 VALIDATION_SETUPS = [("1 replica", 1, "ring"), ("2 replicas, kvkeeper router", 2, "ring"),
