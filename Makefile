@@ -41,14 +41,14 @@ test: setup
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: setup
-	$(VPY) benchmarks/engine_bench.py
+	$(VPY) benchmarks/models/engine_bench.py
 
-# llama.cpp as the peer of benchmarks/engine_bench.py (llama-cpp-python builds llama.cpp from source: about five
+# llama.cpp as the peer of benchmarks/models/engine_bench.py (llama-cpp-python builds llama.cpp from source: about five
 # minutes on two cores, -march=native).  Not needed by the tests or CI.
 LLAMA_CPP_PY := llama-cpp-python==0.3.36
 bench-llamacpp: setup
 	$(VPY) -c "import llama_cpp" 2>/dev/null || $(VPY) -m pip install "$(LLAMA_CPP_PY)"
-	$(VPY) benchmarks/engine_bench.py
+	$(VPY) benchmarks/models/engine_bench.py
 
 # issue 24's files section: kvkeeper beside llama.cpp (its own venv) on the embedded model, Gemma-3-270M and
 # synthetic 1.7B / 8B Q4_K_M files (written once under $(SYNTH))
@@ -60,27 +60,27 @@ bench-files: setup
 	mkdir -p $(SYNTH)
 	test -f $(SYNTH)/synth-1.7b-q4km.gguf || $(VPY) -m kvkeeper.weights.synth_gguf --shape 1.7b --out $(SYNTH)/synth-1.7b-q4km.gguf
 	test -f $(SYNTH)/synth-8b-q4km.gguf || $(VPY) -m kvkeeper.weights.synth_gguf --shape 8b --out $(SYNTH)/synth-8b-q4km.gguf
-	$(VPY) benchmarks/files_bench.py --llama-python $(LLAMA_VENV)/bin/python --file embedded \
+	$(VPY) benchmarks/models/files_bench.py --llama-python $(LLAMA_VENV)/bin/python --file embedded \
 		--file gemma-3-270m \
 		--file $(SYNTH)/synth-1.7b-q4km.gguf --file $(SYNTH)/synth-8b-q4km.gguf
 
 bench-kvops: setup
-	$(VPY) benchmarks/kvops_bench.py
+	$(VPY) benchmarks/kv/kvops_bench.py
 
 bench-serve: setup
-	$(VPY) benchmarks/serve_bench.py
+	$(VPY) benchmarks/serving/serve_bench.py
 
-# Endurance: simulated users against `kvkeeper serve` with a restart halfway (benchmarks/soak.py; README: Soak
+# Endurance: simulated users against `kvkeeper serve` with a restart halfway (benchmarks/serving/soak.py; README: Soak
 # test).  SOAK_MINUTES=2 for the short form the test suite runs.
 SOAK_MINUTES ?= 30
 soak: setup
-	$(VPY) benchmarks/soak.py --minutes $(SOAK_MINUTES)
+	$(VPY) benchmarks/serving/soak.py --minutes $(SOAK_MINUTES)
 
 # Cache-health prediction on generated incidents, held-out seeds (kvkeeper.eval.health.evaluate; about 40 min on
 # this machine: a tiny random model on a simulated clock, so the figures do not depend on the machine's load)
 health-eval: setup
 	PYTHONPATH=$(CURDIR)/src $(VPY) -m kvkeeper.eval.health.evaluate --seeds 100-119 --soak-s 3600 --soak-seeds 200-201 \
-		--proactive --json benchmarks/results/health_eval-heldout.json
+		--proactive --json benchmarks/results/health_eval/health_eval-heldout-$$(date -u +%F).json
 
 # KV dtypes and compression policies, with NVIDIA kvpress as the peer in its own venv
 # (kvpress 0.5.5 pins transformers < 5.3).
@@ -92,13 +92,13 @@ $(KVPRESS_VENV)/bin/python:
 
 bench-kv: setup $(KVPRESS_VENV)/bin/python
 	$(VPY) -m pip install --quiet -e ".[plots]"
-	$(VPY) benchmarks/kv_bench.py --kvpress-python $(KVPRESS_VENV)/bin/python
+	$(VPY) benchmarks/kv/kv_bench.py --kvpress-python $(KVPRESS_VENV)/bin/python
 
-# CUDA path (benchmarks/gpu.py): needs a GPU and a CUDA build of torch plus triton and transformers in the
+# CUDA path (benchmarks/models/gpu.py): needs a GPU and a CUDA build of torch plus triton and transformers in the
 # Python given as GPU_PY (the .venv made by `make setup` holds the CPU build); refuses without a GPU.
 GPU_PY ?= $(PY)
 bench-gpu:
-	$(GPU_PY) benchmarks/gpu.py --out benchmarks/results
+	$(GPU_PY) benchmarks/models/gpu.py --out benchmarks/results/gpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info src/kvkeeper/kernels/_ext

@@ -347,7 +347,7 @@ def test_stop_strings_inside_and_across_tokens_are_never_partly_emitted(client):
 
 
 def test_bounded_load_with_hangups_returns_to_idle(server):
-    script = ROOT / "benchmarks" / "serve_load.py"
+    script = ROOT / "benchmarks" / "serving" / "serve_load.py"
     out = subprocess.run([sys.executable, str(script), "--base-url", server, "--clients", "32", "--max-tokens", "12",
                           "--time-limit", "120"], capture_output=True, text=True, timeout=200)
     summary = json.loads(out.stdout)

@@ -4,7 +4,7 @@ refused before it is tokenized at all.
 
 Stated without timing: a profiler hook records on which thread every ``tokenizers.Tokenizer.encode*`` call runs
 while a stream is running; the engine thread must make none (the inter-chunk gaps themselves are measured by
-benchmarks/prompt_stall_bench.py).
+benchmarks/serving/prompt_stall_bench.py).
 """
 
 from __future__ import annotations

@@ -190,6 +190,28 @@ def test_docs_build_strict(tmp_path):
     assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stderr}\n{r.stdout}"
     assert (tmp_path / "site" / "index.html").exists()
     assert (tmp_path / "site" / "architecture" / "index.html").exists()
+    # docs/_hooks/results.py: a plot linked where it lies in the repository is in the site, and the page reaches it
+    plot = "benchmarks/results/cluster_sim/cluster_sim-targets-2026-12-02-hit_rate.png"
+    assert (tmp_path / "site" / plot).read_bytes() == (ROOT / plot).read_bytes()
+    assert f'src="../../{plot}"' in (tmp_path / "site" / "serving" / "cluster" / "index.html").read_text()
+
+
+def test_docs_build_fails_on_a_missing_result(tmp_path):
+    """A page's link to a file of benchmarks/results/ that does not exist fails the strict build, naming it."""
+    need_mkdocs()
+    shutil.copy(MKDOCS_YML, tmp_path / "mkdocs.yml")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    plots = Path("benchmarks") / "results" / "cluster_sim"
+    shutil.copytree(ROOT / plots, tmp_path / plots)
+    page, bad = tmp_path / "docs" / "serving" / "cluster.md", "![gone](../../benchmarks/results/cluster_sim/no-such.png)"
+    text = page.read_text(encoding="utf-8")
+    page.write_text(text + "\n" + bad + "\n", encoding="utf-8")
+    r = mkdocs_build(tmp_path / "mkdocs.yml", tmp_path / "site")
+    assert r.returncode != 0, f"a link to a missing result built:\n{r.stderr}"
+    assert "no-such.png" in r.stderr + r.stdout
+    page.write_text(text, encoding="utf-8")
+    r = mkdocs_build(tmp_path / "mkdocs.yml", tmp_path / "site")
+    assert r.returncode == 0, f"the copy without the bad link did not build:\n{r.stderr}"
 
 
 def test_docs_build_fails_on_a_broken_link(tmp_path):

@@ -158,6 +158,6 @@ def test_cuda_refused_clearly_without_cuda_by_the_cli_and_the_gpu_benchmark():
     r = subprocess.run([sys.executable, "-m", "kvkeeper.cli", "generate", "--prompt", "hi", "--device", "cuda",
                         "--load-format", "dummy", "--model", "llama-3-8b"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no CUDA device" in r.stderr
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--out", "/nonexistent"],
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "models" / "gpu.py"), "--out", "/nonexistent"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "needs a CUDA device" in r.stderr

@@ -1,5 +1,5 @@
-"""The soak test's short form (benchmarks/soak.py --minutes 1; ``$KVKEEPER_TEST_SOAK_MINUTES`` sets another length):
-simulated users with sessions, streaming, hang-ups, n=2, offloads, deletes and a restart that restores the sessions
+"""The soak test's short form (benchmarks/serving/soak.py --minutes 1; ``$KVKEEPER_TEST_SOAK_MINUTES`` sets another
+length): simulated users with sessions, streaming, hang-ups, n=2, offloads, deletes and a restart that restores the sessions
 from disk; the pass criteria hold.
 
 What one minute proves: the checks that do not depend on the length as at two (no 5xx; zero mismatches of the exact
@@ -30,8 +30,8 @@ def test_short_soak_passes(tmp_path):
     # KVKEEPER_QUANTIZATION=none reaches the server): reuse equals recompute bit for bit there, so the audit is exact
     # (tolerance 0) and any difference in any cached value is a mismatch (the verdict carries the server log's lines).
     # A 2-minute run with every request audited: 69 audits, 0 mismatches (docs/benchmarks.md, Soak test)
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", MINUTES, "--users", "3", "--sample-s", "1",
-           "--rss-slope-bound", "100", "--max-tokens", "12", "--audit-fraction", "0.5",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serving" / "soak.py"), "--minutes", MINUTES, "--users", "3",
+           "--sample-s", "1", "--rss-slope-bound", "100", "--max-tokens", "12", "--audit-fraction", "0.5",
            "--hangup-fraction", "0.3", "--offload-fraction", "0.3", "--out", str(tmp_path), "--name", "soak2",
            "--server-arg=--quantization", "--server-arg=gguf"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

@@ -23,11 +23,12 @@ No Ray, no model: pure Python, one process.  What is real and what is modelled:
   the prefix cache keeps (full blocks), as in ``cluster_bench --pressure`` (no host tier).
 * **Costs (fit on this machine)**: a step with ``b`` decoding sequences and prefill chunks of ``n_i`` new tokens
   over ``c_i`` tokens of context takes ``d0 + d1 * b + p1 * sum(n_i) + p2 * sum(n_i * c_i)`` seconds (plus ``p0 -
-  d0`` when it prefills), the coefficients from ``benchmarks/cluster_sim_costs.py`` fit to the engine benchmark's
-  JSON of a quiet run (``engine_bench-smollm2-135m-2026-11-30``, 2 threads; times x 2 for replicas of 1 thread each),
-  in ``benchmarks/results/cluster_sim_costs-engine_bench-2026-12-02.json``; ``--costs`` names another (a short real
-  engine run on this machine writes one, but on a machine busy with other jobs its times are not a cost model:
-  ``cluster_sim_costs-measured-loaded-2026-12-02``, taken at load average 7 to 14 on 2 cores).
+  d0`` when it prefills), the coefficients from ``benchmarks/cluster/cluster_sim_costs.py`` fit to the engine
+  benchmark's JSON of a quiet run (``engine_bench-smollm2-135m-2026-11-30``, 2 threads; times x 2 for replicas of 1
+  thread each), in ``benchmarks/results/cluster_sim_costs/cluster_sim_costs-engine_bench-2026-12-02.json``;
+  ``--costs`` names another (a short real engine run on this machine writes one, but on a machine busy with other
+  jobs its times are not a cost model: ``cluster_sim_costs-measured-loaded-2026-12-02``, taken at load average 7 to
+  14 on 2 cores).
 * **Trace (the shipped data)**: conversations from Topical-Chat (all 539, user = agent_1, reply = agent_2's next line
   cut to ``--max-tokens`` tokens) and MT-Bench (80 questions, 2 turns; no answers shipped, so a reply is the
   question's first tokens: only a reply's length and that it is the same on every replay matter to a cache),
@@ -47,7 +48,7 @@ Outputs per router: ``hit_rate`` (prompt tokens from the prefix cache / prompt t
 server with unbounded KV on the same trace), ``ttft_p50_s`` / ``ttft_p99_s`` (arrival to first token),
 ``load_max_over_mean`` (requests served by the busiest replica / the mean).
 
-The command line, its reports and plots: ``benchmarks/cluster_sim.py`` (this module is the simulator it runs and
+The command line, its reports and plots: ``benchmarks/cluster/cluster_sim.py`` (this module is the simulator it runs and
 tests/unit/cluster/test_cluster_sim.py checks).
 """
 
@@ -102,14 +103,16 @@ class Costs:
         return t
 
 
-COSTS = RESULTS / "cluster_sim_costs-engine_bench-2026-12-02.json"  # fit from engine_bench's quiet run (x 2)
+# fit from engine_bench's quiet run (x 2)
+COSTS = RESULTS / "cluster_sim_costs" / "cluster_sim_costs-engine_bench-2026-12-02.json"
 
 
 def load_costs(path: Path | None = None) -> Costs:
     """The fit of ``path`` (default :data:`COSTS`).  Raises FileNotFoundError naming the command that writes one."""
     path = Path(path or COSTS)
     if not path.exists():
-        raise FileNotFoundError(f"no cost model {path}: run benchmarks/cluster_sim_costs.py, or give --costs FILE")
+        raise FileNotFoundError(f"no cost model {path}: run benchmarks/cluster/cluster_sim_costs.py, or give --costs "
+                                "FILE")
     f = json.loads(Path(path).read_text())["fit"]
     return Costs(**{k: f[k] for k in ("prefill_s", "prefill_per_token_s", "prefill_per_token_context_s",
                                       "decode_step_s", "decode_per_seq_s")}, source=str(Path(path).name))
@@ -601,7 +604,7 @@ def working_set_blocks(trace: list[Instance], system, gen, rate: float, think_s:
     return rate * sum(per) / len(per)
 
 
-VALIDATION_BENCH = RESULTS / "cluster_bench-smollm2-135m-2026-12-01.json"
+VALIDATION_BENCH = RESULTS / "cluster_bench" / "cluster_bench-smollm2-135m-2026-12-01.json"
 # (set-up name in cluster_bench, replicas, router); pools: its default 1 GiB (bf16 KV of SmolLM2: 23,040 bytes a
 # token, 368,640 a block: 2,912 blocks) and its --pressure pool (its JSON's pressure.kv_blocks)
 VALIDATION_SETUPS = [("1 replica", 1, "ring"), ("2 replicas, kvkeeper router", 2, "ring"),

@@ -23,7 +23,7 @@ in blocks to prefill (``kv_usage`` in 0..1), and the request goes to the cheapes
    happened to serve the first ones, which would leave the others idle.
 
 Cost per decision: hashing the prompt's blocks (about a microsecond each), one index walk (prompt blocks x
-replicas holding them) and one pass over the replicas; measured by ``benchmarks/router_bench.py``.
+replicas holding them) and one pass over the replicas; measured by ``benchmarks/cluster/router_bench.py``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ attention, CUDA, int8/fp8 KV, LoRA adapters and ``--no-invariant-kernels``.  Def
 prefix-reusing prefill and a one-piece recompute (GEMMs of other shapes round
 differently): for fp32 weights and KV, measured on SmolLM2-135M over MT-Bench
 sessions, up to 7e-5 on K/V (7e-6 of the largest value) and 5e-5 on the logits;
-in the soak (benchmarks/soak.py, 652 audits over 5 runs with sessions, n=2,
+in the soak (benchmarks/serving/soak.py, 652 audits over 5 runs with sessions, n=2,
 hang-ups, offloads and a restart; 2026-12-01) up to 1.9e-4 on K/V (1.5e-5 of the
 token's largest value: a turn whose prompt was cached but for its last token) and
 7.6e-5 on the logits (see the README); bf16/fp16 storage and quantized formats
@@ -100,7 +100,7 @@ def default_tolerance(compute_dtype: torch.dtype, kv_format, weight_format: str 
     against a one-piece recompute); tolerance 0.15 and 0.5 (a wrong block differs by the order of the values).
     KIVI int4 / int2 (kvkeeper.kvcache.formats) are not invariant across reuse: a query reads its block's recent
     tokens in 16 bits, a recompute in one piece reads them quantized.  Measured on SmolLM2-135M (fp32 weights,
-    2 MT-Bench sessions, 16 tokens a reply, 4 audits, 2026-12-06, benchmarks/kivi_audit_noise.py): int4 up
+    2 MT-Bench sessions, 16 tokens a reply, 4 audits, 2026-12-06, benchmarks/kv/kivi_audit_noise.py): int4 up
     to 0.19 of a layer's largest value and 1.28 on the logits: tolerance 0.4 and 2.5.  int2 up to 1.01 and 7.2 (its
     noise is of the order of the values): tolerance 2.0 and 15, which names only gross faults (with int2 the audit
     cannot tell a wrong block from quantization noise).

@@ -117,7 +117,7 @@ class HealthConfig:
         metavar="S"))
     trace: str | None = field(default=None, metadata=option(
         "--health-trace", "append every health sample (the detector's signals and the forecaster's sample, with its "
-        "forecast) to FILE as JSON lines, for rescoring any predictor offline (benchmarks/health_rescore.py)",
+        "forecast) to FILE as JSON lines, for rescoring any predictor offline (benchmarks/health/health_rescore.py)",
         metavar="FILE"))
     usage_gate: float = 0.57
     frag_gate: float = 0.41

@@ -26,7 +26,7 @@ way for the evaluation and the server.
 * :class:`LstmPredictor`: the LSTM with additive attention over a window of the telemetry that published
   articles on KV-cache health describe (the attention of Bahdanau, Cho and Bengio, "Neural machine
   translation by jointly learning to align and translate", ICLR 2015, over the LSTM's outputs), giving the
-  probability of a breach within its training horizon; trained by ``benchmarks/train_health_lstm.py`` on
+  probability of a breach within its training horizon; trained by ``benchmarks/health/train_health_lstm.py`` on
   generated traces of training seeds, its weights shipped as package data (``health_lstm.safetensors``).
   It gives no time either: its ETA is its training horizon when it warns.
 * :class:`GbtPredictor`: gradient-boosted regression trees (J. H. Friedman, "Greedy function approximation: a
@@ -255,7 +255,7 @@ def load_lstm(path: Path = LSTM_WEIGHTS) -> tuple[LstmAttention, dict]:
     from safetensors.torch import load_file
 
     if not Path(path).exists():
-        raise FileNotFoundError(f"{path} is missing: regenerate it with python benchmarks/train_health_lstm.py")
+        raise FileNotFoundError(f"{path} is missing: regenerate it with python benchmarks/health/train_health_lstm.py")
     with safe_open(str(path), framework="pt") as f:
         meta = dict(f.metadata() or {})
     info = {"window": int(meta["window"]), "horizon_s": float(meta["horizon_s"]),

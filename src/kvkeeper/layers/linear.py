@@ -13,7 +13,7 @@ class Linear(nn.Linear):
     x: (M, in) -> (M, out).  On the 2-core EPYC CI machine with MKL, a one- or
     two-row product streams the weight about 30% faster as ``x @ W^T`` with
     ``W^T`` (in, out) contiguous than as ``F.linear`` (measured in
-    ``benchmarks/engine_bench.py``'s roofline section), and 9..48 rows run
+    ``benchmarks/models/engine_bench.py``'s roofline section), and 9..48 rows run
     faster as ``(W @ x^T)^T``.  ``add_transposed_copy()`` keeps that extra
     ``W^T`` copy (doubling this layer's weight memory); without it the module
     is a plain ``nn.Linear``.

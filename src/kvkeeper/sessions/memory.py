@@ -74,7 +74,7 @@ class Embedder:
     ``dtype``: the model's weights and activations, ``"float32"``, ``"bfloat16"`` or ``"auto"`` (the default:
     bfloat16 on a CPU with AMX tiles, whose bf16 matrix units oneDNN uses, float32 elsewhere, where bf16 would be
     emulated).  The returned rows are float32 either way, normalised in float32; a bf16 embedding is within
-    cosine 0.9998 of the float32 one.  Both choices are measured by ``benchmarks/memory_cost.py --embed-threads
+    cosine 0.9998 of the float32 one.  Both choices are measured by ``benchmarks/kv/memory_cost.py --embed-threads
     --embed-dtype`` (figures in docs/serving/context-policies.md).  Raises :class:`InvalidRequestError` when
     sentence-transformers or the model package is missing, ValueError for another ``dtype`` or ``threads`` < 1.
     """

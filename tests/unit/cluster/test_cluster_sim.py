@@ -1,4 +1,4 @@
-"""The cluster simulator (tests/utils/cluster_sim.py; its command line: benchmarks/cluster_sim.py) at a small
+"""The cluster simulator (tests/utils/cluster_sim.py; its command line: benchmarks/cluster/cluster_sim.py) at a small
 scale: its trace is the chat template's tokens, its 2-replica validation against the real cluster_bench results
 holds within the stated bounds, and a replica lost mid-run moves only that replica's conversations."""
 

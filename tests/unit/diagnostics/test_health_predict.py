@@ -33,7 +33,7 @@ def _first_warning(pred, stream):
     return None, None
 
 
-NAMES = list(PREDICTORS)  # the learned model with its shipped weights (benchmarks/train_health_lstm.py)
+NAMES = list(PREDICTORS)  # the learned model with its shipped weights (benchmarks/health/train_health_lstm.py)
 
 
 @pytest.fixture(params=NAMES)

@@ -163,7 +163,7 @@ def test_perplexity_matches_transformers_at_fp32(engine, hf_reference):
 def test_int8_kv_perplexity_within_one_percent_at_2k_with_a_quarter_of_the_bytes(engine):
     from kvkeeper.eval.perplexity import perplexity, read_text_tokens
 
-    ids = read_text_tokens(engine, BOOK, 2048, skip_tokens=2000)  # 4k: benchmarks/kv_bench.py
+    ids = read_text_tokens(engine, BOOK, 2048, skip_tokens=2000)  # 4k: benchmarks/kv/kv_bench.py
     fp32 = perplexity(engine, ids)
     q = make_engine(kv_dtype="int8", kv_cache_bytes=256 << 20, quantization="none")
     int8 = perplexity(q, ids)

@@ -2,7 +2,7 @@
 weights from configs, the decode CUDA-graph batch padding (run eagerly on the padded static
 buffers, kernels under Triton's interpreter), the eager fallback on CPU, the kernel backend inside
 the engine (same greedy tokens as the PyTorch path), and CUDA refused without one (the command line's and
-benchmarks/gpu.py's refusals: tests/e2e/test_cli_processes.py)."""
+benchmarks/models/gpu.py's refusals: tests/e2e/test_cli_processes.py)."""
 
 import os
 from tests.utils.engines import make_engine
@@ -76,7 +76,7 @@ def test_cuda_device_refused_clearly_without_cuda():
         pytest.skip("this machine has CUDA")
     with pytest.raises(InvalidRequestError, match="no CUDA device"):
         make_engine("llama-3-8b", load_format="dummy", device="cuda")
-    # the command line's refusal and benchmarks/gpu.py's: tests/e2e/test_cli_processes.py
+    # the command line's refusal and benchmarks/models/gpu.py's: tests/e2e/test_cli_processes.py
 
 
 def test_dummy_weights_seeded_and_engine_runs_on_cpu(tiny_config):

@@ -35,6 +35,8 @@ from ...diagnostics.health_predict import DEFAULT_PREDICTOR, PREDICTORS, make_pr
 from .scenarios import INCIDENTS, KINDS, ScenarioConfig, run_episode, tiny_model_config
 from .score import markdown_table, per_kind_table, score
 
+RESULTS_NAME = "health_eval"  # its reports' folder and name prefix under benchmarks/results/
+
 
 def parse_seeds(text: str) -> list[int]:
     """'A-B' (inclusive) or 'A,B,C' -> seeds; raises ValueError naming the form."""

@@ -30,6 +30,8 @@ from ...diagnostics.health_predict import (GBT_MODEL, GBT_SIGNALS, GBT_STATS, Fo
 from .evaluate import read_training_traces
 from .score import score_episode, summarize
 
+RESULTS_NAME = "health_train_gbt"  # its reports' folder and name prefix under benchmarks/results/
+
 PARAMS = {"n_estimators": 150, "max_depth": 3, "learning_rate": 0.1, "subsample": 1.0, "random_state": 0}
 
 

@@ -22,6 +22,8 @@ from ...diagnostics.health_predict import TrendConfig, TrendPredictor
 from .evaluate import read_training_traces
 from .score import score_episode, summarize
 
+RESULTS_NAME = "health_tune_trend"  # its reports' folder and name prefix under benchmarks/results/
+
 GRID = {"gate": (0.28, 0.3, 0.32, 0.35), "window": (10, 12, 16, 20), "min_t": (1.0, 1.5, 2.0),
         "half_ratio": (0.5,), "near_miss": (0.6,), "horizon_s": (90.0, 120.0)}
 
