@@ -21,8 +21,9 @@ T = 180  # seconds: bounds, not timings (a loaded CI machine)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("bench") / "server.log", "--threads", "2",
-                        "--max-model-len", "1024") as base:
+    d = tmp_path_factory.mktemp("bench")
+    with running_server(d / "server.log", "--threads", "2", "--max-model-len", "1024",
+                        "--data-dir", str(d / "data")) as base:  # a disk tier for the restore test
         yield base
 
 
@@ -88,6 +89,21 @@ def test_the_reuse_counter_agrees_with_the_usage(server):
     assert sum(got.values()) == cached, (got, cached)
     assert {k: got[k] for k in per_source} == per_source, got
     assert set(got) == {"prefix_cache", "session", "fork", "host", "disk", "import"}
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_restored_session_turn_counts_as_its_tier(server, tier):
+    """A session offloaded between turns (POST /v1/sessions/{id}/offload): the next turn's reuse is counted under
+    the tier it came back from, equal to its usage's cached_tokens."""
+    sid, msgs = f"restore-{tier}", [{"role": "user", "content": "Name a large animal."}]
+    first = _chat(server, msgs, {"X-Session-ID": sid})
+    off = httpx.post(server + f"/v1/sessions/{sid}/offload", params={"tier": tier}, timeout=T)
+    assert off.status_code == 200 and off.json()["tier"] == tier, off.text
+    before = _counters(server)
+    msgs += [first["choices"][0]["message"], {"role": "user", "content": "And a small one?"}]
+    reused = _chat(server, msgs, {"X-Session-ID": sid})["usage"]["prompt_tokens_details"]["cached_tokens"]
+    got = _sources(_counters(server), before)
+    assert reused > 0 and got[tier] == reused and sum(got.values()) == reused, (got, reused)
 
 
 # ---- item 6: what benchmark clients send ------------------------------------------------------------------------
