@@ -93,7 +93,8 @@ class HealthConfig:
     usage (0..1) below which fragmentation never counts, as the breaker's own ``frag_min_usage`` (on a pool mostly
     free, scattered blocks cost nothing: issue 29's warning at 1% usage); ``ttft_gate``: the fraction of
     ``ttft_objective_s`` the TTFT's EWMA must also reach to count (on a quiet server one long prompt among a few
-    short ones doubles the mean TTFT of its interval, far under the objective: issue 44's warning at 1.1 s of 3 s); ``predictor``: the breach forecaster
+    short ones doubles the mean TTFT of its interval, far under the objective: issue 44's warning at 1.1 s of 3 s);
+    ``predictor``: the breach forecaster
     the server builds (:data:`PREDICTORS`; default ``gbt_trend``) and ``ttft_objective_s`` (s) the TTFT limit it forecasts against.
     Raises ValueError for values out of range."""
 

@@ -212,7 +212,8 @@ def sampling_params(body, max_tokens: int | None, logprobs: int | None = None,
     """One SamplingParams per choice of a body of any endpoint (chat, text completions, responses): the one
     conversion of the sampling fields.  Seeds seed, seed+1, ... when a seed is given.  Prompt logprobs go to the
     first choice only (the others share its prompt).  prediction: the text of chat's ``prediction`` (every choice
-    drafts from it; "" for an empty one, which drafts nothing but is still reported in the usage); ``speculative_decoding`` false opts out of speculative decoding.  A field the body's schema
+    drafts from it; "" for an empty one, which drafts nothing but is still reported in the usage);
+    ``speculative_decoding`` false opts out of speculative decoding.  A field the body's schema
     lacks takes its default (one choice, no seed, no stop strings...).  max_tokens: the endpoint's field
     (``max_completion_tokens`` / ``max_tokens`` / ``max_output_tokens``).  Raises APIError (400) naming the field
     at fault."""

@@ -7,7 +7,8 @@ a message ``response.content_part.added``, ``response.output_text.delta`` ..., `
 ``max_output_tokens``, ``response.failed`` when it failed).  Every event has ``type`` and a ``sequence_number``
 (0, 1, ...).  With ``stream_options.include_obfuscation`` true, every ``*.delta`` event also has ``obfuscation``:
 random URL-safe characters that pad the delta to the next multiple of :data:`OBFUSCATION_BLOCK` characters (at
-least one), so that an event's size does not give away its delta's length (OpenAI's mitigation).  With tools, text that may open a call is held back until it is known to be text or a whole call.
+least one), so that an event's size does not give away its delta's length (OpenAI's mitigation).
+With tools, text that may open a call is held back until it is known to be text or a whole call.
 """
 
 from __future__ import annotations
