@@ -63,9 +63,14 @@ def panels() -> list[dict]:
                ("kvkeeper:kv_fragmentation_external", "external {{window}}"),
                ("kvkeeper:kv_fragmentation_rate", "pool rate {{window}}")], 16, 1, unit="percentunit",
               extra={"min": 0, "max": 1}),
-        panel(5, "Prefix-cache hit rate (prompt tokens)",
-              [(f"sum(rate(kvkeeper:prefix_cache_hits_total[{RATE}])) / "
-                f"clamp_min(sum(rate(kvkeeper:prefix_cache_queries_total[{RATE}])), 1e-9)", "hit rate")],
+        panel(5, "Cache hit rate: prompt tokens served from cache (every reuse path)",
+              [(f"sum(rate(kvkeeper:prompt_tokens_cached_total[{RATE}])) / "
+                f"clamp_min(sum(rate(kvkeeper:prompt_tokens_total[{RATE}])), 1e-9)", "all reuse"),
+               (f"sum by (source) (rate(kvkeeper:prompt_tokens_cached_total[{RATE}])) / ignoring (source) "
+                f"group_left clamp_min(sum(rate(kvkeeper:prompt_tokens_total[{RATE}])), 1e-9)", "{{source}}"),
+               (f"sum(rate(kvkeeper:prefix_cache_hits_total[{RATE}])) / "
+                f"clamp_min(sum(rate(kvkeeper:prefix_cache_queries_total[{RATE}])), 1e-9)",
+                "prefix-cache lookups only")],
               0, 9, unit="percentunit", extra={"min": 0, "max": 1}),
         panel(6, "Sessions open and pinned blocks",
               [("kvkeeper:sessions_open", "sessions open"), ("kvkeeper:pinned_blocks", "pinned blocks")], 8, 9),

@@ -122,3 +122,13 @@ def test_every_breaker_action_is_declared():
     counted = {(br.TIER_NAMES[int(t)], a) for t, a in re.findall(r'_event\((\d), "(\w+)"', src)}
     counted |= set(re.findall(r'actions\[\("(\w+)", "(\w+)"\)\]', src))
     assert counted and counted == set(br.ACTIONS)
+
+
+def test_the_hit_rate_panel_shows_every_reuse_path():
+    """Issue 44: the hit-rate panel showed the prefix cache's lookups only (16% for an aiperf multi-turn run served
+    75% from cache); its first query is now the share of prompt tokens served from cache by every reuse path."""
+    doc = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    panel = next(p for p in doc["panels"] if "hit rate" in p["title"].lower())
+    first = panel["targets"][0]["expr"]
+    assert metric_names(first) == {"kvkeeper:prompt_tokens_cached_total", "kvkeeper:prompt_tokens_total"}, first
+    assert any("by (source)" in t["expr"] for t in panel["targets"])

@@ -90,6 +90,8 @@ IMPLEMENTED = {
     "speculative_decoding": "test_speculative_server.py::test_prediction_is_used_and_counted_and_changes_nothing",
     "session_compression": "test_session_compression_api.py::test_a_compressed_two_turn_session_and_its_errors",
     "session_compression_ratio": "test_session_compression_api.py::test_a_compressed_two_turn_session_and_its_errors",
+    "min_tokens": "test_bench_clients_server.py::test_min_tokens_masks_stop_tokens_until_reached",
+    "conversation_id": "test_bench_clients_server.py::test_conversation_id_is_a_session",
 }
 # a value that is not the field's no-op, for each refused field
 NOT_NOOP = {"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "function_call": "auto",

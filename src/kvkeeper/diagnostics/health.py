@@ -29,7 +29,7 @@ ttft               up         mean time to first token of requests that started 
 A signal's **excess** is how far its EWMA has moved in the bad direction, in units of its
 control-limit distance (0 at the baseline, 1 on the limit).  A signal only counts once it is
 also past its **gate**, an absolute level that makes a shift matter (usage and fragmentation:
-60% of the circuit breaker's trip thresholds; TTFT: twice its baseline; the others: any
+60% of the circuit breaker's trip thresholds; TTFT: twice its baseline and half its objective; the others: any
 level), so that a server going from idle to busy is not a fault; fragmentation counts only while KV usage is
 at least ``frag_min_usage`` (the breaker's, default 0.5).  The **health score** is
 ``1 - min(1, max excess / 2)`` over the counting signals: 1 healthy, 0.5 on a control limit,
@@ -92,7 +92,10 @@ class HealthConfig:
     that close a warning; ``usage_gate`` / ``frag_gate``: usage and fragmentation levels below which a shift
     does not count (set from the breaker's thresholds by :func:`gates_from_breaker`); ``frag_min_usage``: the KV
     usage (0..1) below which fragmentation never counts, as the breaker's own ``frag_min_usage`` (on a pool mostly
-    free, scattered blocks cost nothing: issue 29's warning at 1% usage); ``predictor``: the breach forecaster
+    free, scattered blocks cost nothing: issue 29's warning at 1% usage); ``ttft_gate``: the fraction of
+    ``ttft_objective_s`` the TTFT's EWMA must also reach to count (on a quiet server one long prompt among a few
+    short ones doubles the mean TTFT of its interval, far under the objective: issue 44's warning at 1.1 s of 3 s);
+    ``predictor``: the breach forecaster
     the server builds (:data:`PREDICTORS`; default ``gbt_trend``) and ``ttft_objective_s`` (s) the TTFT limit it forecasts against.
     Raises ValueError for values out of range."""
 
@@ -122,6 +125,7 @@ class HealthConfig:
     usage_gate: float = 0.57
     frag_gate: float = 0.41
     frag_min_usage: float = 0.5
+    ttft_gate: float = 0.5
 
     def __post_init__(self):
         if not 0.0 < self.lam <= 1.0:
@@ -130,6 +134,8 @@ class HealthConfig:
             raise ValueError(f"frag_min_usage must be in [0, 1], got {self.frag_min_usage}")
         if self.predictor not in self.PREDICTORS:
             raise ValueError(f"predictor must be one of {', '.join(self.PREDICTORS)}, got {self.predictor!r}")
+        if not 0.0 <= self.ttft_gate <= 1.0:
+            raise ValueError(f"ttft_gate must be in [0, 1] (a fraction of ttft_objective_s), got {self.ttft_gate}")
         if self.ttft_objective_s <= 0:
             raise ValueError(f"ttft_objective_s must be > 0 seconds, got {self.ttft_objective_s}")
         if self.limit_sigmas <= 0 or self.interval_s < 0 or self.warmup < 2 or self.clear_after < 1:
@@ -343,7 +349,7 @@ class HealthMonitor:
     def __init__(self, config: HealthConfig | None = None, clock=time.monotonic):
         self.config = c = config or HealthConfig()
         self.clock = clock
-        gates = {"usage": c.usage_gate, "pool_rate": c.frag_gate}
+        gates = {"usage": c.usage_gate, "pool_rate": c.frag_gate, "ttft": c.ttft_gate * c.ttft_objective_s}
         self.charts = {s.name: EwmaChart(s, c.lam, c.limit_sigmas, c.warmup, gates.get(s.name)) for s in SIGNALS}
         self.deltas = CounterDeltas()
         self.score = 1.0

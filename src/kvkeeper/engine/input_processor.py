@@ -272,7 +272,7 @@ class InputProcessor(ChatRenderer):
         if params.structured is not None:
             matcher = self.grammars.matcher(params.structured)  # compiled now: errors reach the caller
             grammar = lambda: GrammarMask(matcher, self.grammars.eos_token_id)  # noqa: E731
-        return build_processors(params, prompt_ids, vocab, [w for ws in words for w in ws], grammar)
+        return build_processors(params, prompt_ids, vocab, [w for ws in words for w in ws], grammar, self.eos_token_ids)
 
     def word_ids(self, word: str) -> list[list[int]]:
         """vLLM's spellings of a bad word: its tokens alone and after a space (when they differ)."""

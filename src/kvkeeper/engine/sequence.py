@@ -36,7 +36,9 @@ class Sequence:
         ``num_computed - kv_offset`` slots of the block table (kv_offset > 0 after KV compression).
     block_table: block ids holding those tokens, in order.
     block_hashes: chained prefix-cache hashes of the full blocks at the head of block_table.
-    num_handed_over: tokens of KV a session gave the request before it was scheduled (its turn's reuse).
+    num_handed_over: tokens of KV a session gave the request before it was scheduled (its turn's reuse);
+    reuse_source: where that KV came from (``session``, ``fork``, ``host``, ``disk``, ``import``; None: no
+        hand-over, what it holds came from the prefix cache).
     num_cached_tokens: tokens whose KV the request held when first admitted (prefix-cache hits or a
         session's hand-over); None until then.
     kv_holder: called with the sequence when it finishes, to take its blocks over (a session's end of
@@ -60,6 +62,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_handed_over: int = 0
+    reuse_source: str | None = None
     num_cached_tokens: int | None = None
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop", "length", "abort", "error"

@@ -40,6 +40,8 @@ class SamplingParams:
     prediction: the text (or token ids) the output is expected to repeat (OpenAI's Predicted Outputs): the engine
     drafts from it and verifies the drafts, the output is unchanged (:mod:`kvkeeper.spec_decode`).
     speculative: False opts the request out of speculative decoding (n-gram drafts and the prediction alike).
+    min_tokens: tokens generated at least before EOS or a stop token id may be (vLLM's; they are masked until then;
+    0 = off); at most max_tokens.
     Raises :class:`InvalidRequestError` (with ``param``, the field) on out-of-range values.
     """
 
@@ -63,6 +65,7 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     prediction: str | list[int] | None = None
     speculative: bool = True
+    min_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -84,6 +87,8 @@ class SamplingParams:
         _check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
                f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens), "min_tokens",
+               f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(-2 <= v <= 2, name, f"{name} must be between -2 and 2 (0 = off), got {v}")
@@ -123,4 +128,4 @@ class SamplingParams:
     def has_processors(self) -> bool:
         """Whether the logits need changing before sampling (penalties, biases, banned words, a grammar)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.bad_words or self.structured is not None)
+                    or self.logit_bias or self.bad_words or self.min_tokens or self.structured is not None)

@@ -7,7 +7,7 @@ the logits of the rows that use it in a class method ``apply(logits, procs)``: l
 :func:`apply_processors` groups a batch's rows by feature, so a feature costs one batched
 operation per step, and rows without processors are never touched or copied.
 
-Order (as vLLM's): logit bias, penalties, banned words, then the grammar mask.  Sources:
+Order (as vLLM's): logit bias, penalties, banned words, min_tokens, then the grammar mask.  Sources:
 
 * ``logit_bias``: OpenAI API (``logit_bias``: a bias from -100 to 100 added to the logit of a
   token before sampling; -100 bans it in practice, +100 makes it near certain).
@@ -19,6 +19,9 @@ Order (as vLLM's): logit bias, penalties, banned words, then the grammar mask.  
   and a negative one multiplied by it.
 * ``bad_words``: vLLM's ``bad_words``: each word tokenized alone and after a space; its last token
   is banned when the output ends with its other tokens (a one-token word is always banned).
+* ``min_tokens``: vLLM's ``min_tokens`` (its ``MinTokensLogitsProcessor``): the stop token ids (EOS, unless
+  ``ignore_eos``, and ``stop_token_ids``) are masked to -inf until the request has generated ``min_tokens``
+  tokens.
 * the grammar: :class:`kvkeeper.sampling.structured.GrammarMask`.
 """
 
@@ -109,7 +112,25 @@ class BadWords:
                 logits[i, ids] = NEG_INF
 
 
-ORDER = (LogitBias, Penalties, BadWords, GrammarMask)
+class MinTokens:
+    """vLLM's ``min_tokens`` for one request: ``stop_ids`` (token ids) masked to -inf while fewer than
+    ``min_tokens`` tokens have been generated.  State: the number generated so far."""
+
+    def __init__(self, min_tokens: int, stop_ids: list[int]):
+        self.min_tokens, self.generated = min_tokens, 0
+        self.ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.int64)
+
+    def accept(self, token: int) -> None:
+        self.generated += 1
+
+    @classmethod
+    def apply(cls, logits: torch.Tensor, procs: list["MinTokens"]) -> None:
+        for i, p in enumerate(procs):
+            if p.generated < p.min_tokens and len(p.ids):
+                logits[i, p.ids] = NEG_INF
+
+
+ORDER = (LogitBias, Penalties, BadWords, MinTokens, GrammarMask)
 
 
 class RequestProcessors:
@@ -126,11 +147,13 @@ class RequestProcessors:
 
 def build_processors(params: SamplingParams, prompt_ids: list[int], vocab_size: int,
                      bad_word_ids: list[list[int]] | None = None,
-                     grammar: Callable[[], GrammarMask] | None = None) -> RequestProcessors | None:
+                     grammar: Callable[[], GrammarMask] | None = None,
+                     eos_token_ids: list[int] | set[int] = ()) -> RequestProcessors | None:
     """The processors ``params`` asks for, or None when it asks for none (the fast path).
 
     bad_word_ids: the token ids of ``params.bad_words`` (tokenized by the caller); grammar: makes the
-    request's :class:`GrammarMask` (called only when ``params.structured`` is set).
+    request's :class:`GrammarMask` (called only when ``params.structured`` is set); eos_token_ids: the ids
+    that end generation (masked by ``params.min_tokens`` with ``params.stop_token_ids``, unless ignore_eos).
     """
     if not params.has_processors:
         return None
@@ -142,6 +165,9 @@ def build_processors(params: SamplingParams, prompt_ids: list[int], vocab_size: 
                                prompt_ids, vocab_size))
     if bad_word_ids:
         procs.append(BadWords(bad_word_ids))
+    if params.min_tokens:
+        stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+        procs.append(MinTokens(params.min_tokens, [t for t in stop_ids if 0 <= t < vocab_size]))
     if params.structured is not None and grammar is not None:
         procs.append(grammar())
     return RequestProcessors(procs) if procs else None

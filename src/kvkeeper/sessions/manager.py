@@ -176,7 +176,7 @@ class SessionManager:
         s.messages, s.text, s.turns = [dict(m) for m in source.messages], source.text, list(source.turns)
         s.priority, s.context_state = source.priority, copy.deepcopy(source.context_state)
         if source.kv is not None:
-            s.kv = fork_kv(self.engine, source.kv, f"{s.id}-fork")
+            s.kv, s.kv_source = fork_kv(self.engine, source.kv, f"{s.id}-fork"), "fork"
         return s
 
     def find(self, tenant: str | None, session_id: str) -> Session | None:

@@ -128,5 +128,5 @@ def _write_kv(eng: EngineHandle, s: Session, st: Sequence, tensors: dict, nc: in
         raise InvalidRequestError(f"the session file's KV does not fit this cache: {e}") from None
     st.block_table, st.block_hashes, st.num_computed = bids, [], nc
     eng.commit_kv(st)  # its full blocks under their chained hashes (as a restore from the disk tier)
-    s.kv = st
+    s.kv, s.kv_source = st, "import"
 

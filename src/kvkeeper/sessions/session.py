@@ -110,6 +110,7 @@ class Session:
         self.last_used = time.monotonic()
         self.closed = False
         self.kv: Sequence | None = None
+        self.kv_source = "session"  # where self.kv came from: session (its own turn), fork, import (see _hand_over)
         self.text = ""
         self.turn: Turn | None = None
         self.context = context or ContextSpec()  # the context policy (kvkeeper.sessions.context)
@@ -235,6 +236,7 @@ class Session:
         seq = self.engine.add_request(ids, params or self.params, request_id or self._request_id(), **request)
         try:
             seq.num_handed_over = self._hand_over(seq)
+            seq.reuse_source = self.kv_source if seq.num_handed_over else None
         except BaseException:
             self.engine.abort(seq.request_id)  # nothing of the turn stays queued (it frees what it was given)
             raise
@@ -278,12 +280,14 @@ class Session:
         KV of another namespace (tenant salt) is freed, never handed over; so is all of it when the request computes its whole
         prompt (``seq.computes_whole_prompt``: a compression policy scoring with the attention of every
         prompt query, h2o or snapkv, or prompt logprobs; as with the prefix cache).  Offloaded KV is restored first (or, when it cannot be, the prompt is
-        recomputed).
+        recomputed; a restored KV's source, :attr:`kv_source`, becomes its tier).
         """
         store, st = self.manager.store, self.kv
-        if store.tier_of(self.id):
+        tier = store.tier_of(self.id)
+        if tier:
             if self.reuse and st is not None and st.namespace == seq.namespace:
-                store.restore(self)
+                if store.restore(self):
+                    self.kv_source = tier  # the turn's reuse is counted as the tier's (host, disk)
             else:
                 store.discard(self.id)
         if st is None or not st.block_table:
@@ -324,7 +328,7 @@ class Session:
         if self.compression.active and self.reuse and seq.block_table:
             report = self.last_compression = compress_session_kv(eng, seq, self.compression)  # before the
             # session pins it: a reclaim run while room is made never unpins the KV being compressed
-        self.kv = seq
+        self.kv, self.kv_source = seq, "session"
         self.text = "" if turn.prompt_text is None else (
             turn.prompt_text + eng.tokenizer.decode(seq.output_token_ids, skip_special_tokens=False))
         self.last_used = time.monotonic()

@@ -160,3 +160,28 @@ def test_a_tiny_temperature_samples_greedily_instead_of_crashing():
     params = [SamplingParams(temperature=t, seed=1) for t in (6.25e-270, 1e-6, 1e-4)]
     ids, _ = sample(logits, params, [make_generator(p) for p in params])
     assert ids == logits.argmax(-1).tolist()
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    """vLLM's min_tokens: EOS (unless ignore_eos) and stop_token_ids are -inf for the first min_tokens tokens, and
+    untouched after; other tokens never; min_tokens above max_tokens is refused naming it."""
+    eos, stop = [2, 5], [9]
+    logits = torch.randn(3, V)
+    procs = [build_processors(SamplingParams(min_tokens=2, stop_token_ids=stop), [1], V, eos_token_ids=eos),
+             None,
+             build_processors(SamplingParams(min_tokens=1, ignore_eos=True, stop_token_ids=stop), [1], V,
+                              eos_token_ids=eos)]
+    for step in range(3):
+        got = apply_processors(logits, procs)
+        masked0 = [t for t in range(V) if got[0][t] == float("-inf")]
+        assert masked0 == (sorted(eos + stop) if step < 2 else []), step
+        assert torch.equal(got[0][[t for t in range(V) if t not in eos + stop]],
+                           logits[0, [t for t in range(V) if t not in eos + stop]])
+        assert [t for t in range(V) if got[2][t] == float("-inf")] == (stop if step < 1 else [])  # EOS ignored
+        assert 1 not in got  # the row without processors is untouched
+        for p in (procs[0], procs[2]):
+            p.accept(7)
+    assert build_processors(SamplingParams(min_tokens=0), [1], V, eos_token_ids=eos) is None
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(min_tokens=5, max_tokens=4)
+    assert e.value.param == "min_tokens"

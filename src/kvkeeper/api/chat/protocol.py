@@ -26,6 +26,7 @@ class ChatCompletionRequest(_SamplingFields):
     context_budget: int | None = Field(None, ge=16)  # extension: prompt tokens the session's context policy keeps
     session_compression: Literal[SESSION_COMPRESSION_POLICIES] | None = None  # extension
     session_compression_ratio: float | None = Field(None, ge=0, lt=1)  # extension: KV fraction dropped per turn end
+    conversation_id: str | None = None  # extension (vLLM's multi-turn benchmark): the session, as X-Session-ID
     audio: Any = _only(None)
     function_call: Any = _only(None)
     functions: Any = _only(None)

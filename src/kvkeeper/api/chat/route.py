@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request
 
 from ..common.access_log import record_usage
 from ..common.auth import Caller, caller
-from ..common.context import request_context
+from ..common.context import body_session, request_context
 from ..common.rendering import (Collected, Renderer, continuous_usage, finish_reason, include_usage, respond, usage_of,
                                 vllm_prompt_logprobs)
 from ..common.streams import ChoiceDelta, RequestStream
@@ -23,7 +23,7 @@ router = APIRouter()  # included behind the caller dependency (kvkeeper.api.comm
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, who: Caller = Depends(caller)):
     aeng = request.app.state.engine
-    ctx = request_context(request, who)
+    ctx = body_session(request_context(request, who), body.conversation_id)
     gen, tools = chat_request(body, ctx, aeng.new_request_id("chatcmpl"))
     record_usage(request.scope, user=body.user or body.safety_identifier)
     base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": int(time.time()),

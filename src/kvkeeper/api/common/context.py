@@ -13,7 +13,7 @@ caller's tenant's, another tenant's id answering 404 exactly as an unknown one.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -65,6 +65,21 @@ def request_context(request: Request, who: Caller, chat: bool = True) -> Request
     return RequestContext(st.engine.served, who.tenant, who.quota, _refuse_unknown(request), sid,
                           _session_priority(h.get("x-session-priority")), h.get("x-cache-salt"), policy, budget,
                           comp, ratio)
+
+
+def body_session(ctx: RequestContext, conversation_id: str | None) -> RequestContext:
+    """``ctx`` with the session a body's ``conversation_id`` names (vLLM's multi-turn benchmark sends one per
+    conversation; chat completions map it to a session as ``X-Session-ID``).  400 naming ``conversation_id`` for an
+    id that is not 1 to 128 characters of ``A-Z a-z 0-9 . _ : -``, or that differs from a session header's."""
+    if conversation_id is None:
+        return ctx
+    if not SESSION_ID_RE.match(conversation_id):
+        raise APIError(400, "conversation_id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+                       param="conversation_id")
+    if ctx.session_id is not None and ctx.session_id != conversation_id:
+        raise APIError(400, f"conversation_id {conversation_id!r} names another session than the session header "
+                            f"({ctx.session_id!r}); send one of them", param="conversation_id")
+    return replace(ctx, session_id=conversation_id)
 
 
 def session_header(request: Request) -> str | None:

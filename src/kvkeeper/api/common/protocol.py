@@ -27,7 +27,7 @@ from ...sampling.params import SamplingParams
 from ...sampling.structured import StructuredOutput
 from .context import RequestContext
 from .errors import APIError
-from .schemas import _SamplingFields, refused_field, unknown_fields
+from .schemas import StreamOptions, _SamplingFields, refused_field, unknown_fields
 from .tools import ToolUse
 
 
@@ -45,6 +45,8 @@ def check_body(body, ctx: RequestContext, refused: dict[str, tuple[tuple, str]] 
     if so is not None and not body.stream:
         raise APIError(400, "stream_options applies to streamed responses only: send stream: true, or leave "
                             "stream_options out", param="stream_options")
+    if not isinstance(so, StreamOptions):  # the Responses API's (include_usage, include_obfuscation): its own rules
+        so = None
     if so is not None and so.continuous_usage_stats and not so.include_usage:
         raise APIError(400, "stream_options.continuous_usage_stats puts the usage in every chunk: it needs "
                             "include_usage: true", param="stream_options.continuous_usage_stats")
@@ -210,7 +212,8 @@ def sampling_params(body, max_tokens: int | None, logprobs: int | None = None,
     """One SamplingParams per choice of a body of any endpoint (chat, text completions, responses): the one
     conversion of the sampling fields.  Seeds seed, seed+1, ... when a seed is given.  Prompt logprobs go to the
     first choice only (the others share its prompt).  prediction: the text of chat's ``prediction`` (every choice
-    drafts from it); ``speculative_decoding`` false opts out of speculative decoding.  A field the body's schema
+    drafts from it; "" for an empty one, which drafts nothing but is still reported in the usage);
+    ``speculative_decoding`` false opts out of speculative decoding.  A field the body's schema
     lacks takes its default (one choice, no seed, no stop strings...).  max_tokens: the endpoint's field
     (``max_completion_tokens`` / ``max_tokens`` / ``max_output_tokens``).  Raises APIError (400) naming the field
     at fault."""
@@ -224,7 +227,8 @@ def sampling_params(body, max_tokens: int | None, logprobs: int | None = None,
               logprobs=logprobs, presence_penalty=_field(body, "presence_penalty", 0.0),
               frequency_penalty=_field(body, "frequency_penalty", 0.0),
               repetition_penalty=_field(body, "repetition_penalty", 1.0), logit_bias=logit_bias_of(body),
-              bad_words=_field(body, "bad_words", []), structured=structured, prediction=prediction or None,
+              min_tokens=_field(body, "min_tokens", 0),
+              bad_words=_field(body, "bad_words", []), structured=structured, prediction=prediction,
               speculative=_field(body, "speculative_decoding", True))
     n, seed = _field(body, "n", 1), _field(body, "seed", None)
     if seed is not None and seed + n - 1 > 2**63 - 1:

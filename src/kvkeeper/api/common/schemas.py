@@ -184,6 +184,7 @@ class _SamplingFields(BaseModel):
     structured_outputs: StructuredOutputs | None = None  # extension (vLLM)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # extension (vLLM)
     ignore_eos: bool = False  # extension (vLLM)
+    min_tokens: int | None = Field(None, ge=0)  # extension (vLLM): EOS and stop tokens masked until this many
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # extension (vLLM): tenant isolation
     kv_compression: KVCompressionSpec | None = None  # extension: drop prompt KV after prefill
     return_token_ids: bool = False  # extension (vLLM): prompt and output token ids in the response

@@ -10,6 +10,14 @@ name                                       kind       meaning (unit)
 kvkeeper:kv_cache_usage_perc               gauge      fraction of KV blocks referenced (0..1)
 kvkeeper:prefix_cache_queries_total        counter    prompt tokens looked up in the prefix cache (tokens)
 kvkeeper:prefix_cache_hits_total           counter    of those, tokens found cached (tokens)
+kvkeeper:prompt_tokens_total               counter    prompt tokens of finished requests, as their usage's
+                                                      prompt_tokens (tokens)
+kvkeeper:prompt_tokens_cached_total{source} counter   of those, served from cache, as usage's cached_tokens, by
+                                                      ``source`` (:data:`REUSE_SOURCES`): prefix_cache, session
+                                                      (a session's own KV handed to its next turn), fork (a
+                                                      forked session's or previous_response_id's), host / disk
+                                                      (restored from the tier), import (an imported session's);
+                                                      the true reuse share = cached / prompt (tokens)
 kvkeeper:num_requests_running              gauge      sequences being prefilled or decoded
 kvkeeper:num_requests_waiting              gauge      sequences queued (engine queue plus not yet admitted)
 kvkeeper:num_preemptions_total             counter    sequences preempted for lack of blocks
@@ -129,6 +137,8 @@ _FROM_SNAPSHOT = {
 _PER_TIER = {"offload.offload_total", "offload.offload_bytes_total", "offload.restore_total",
              "offload.restore_failures_total", "offload.offloaded_bytes"}
 TIERS = ("host", "disk")
+# where a request's reused prompt KV came from (kvkeeper:prompt_tokens_cached_total's ``source``)
+REUSE_SOURCES = ("prefix_cache", "session", "fork", "host", "disk", "import")
 
 
 _ABSENT = {"kv_health_breach_eta_seconds": math.inf}  # what an absent key reads as, when not 0
@@ -240,6 +250,13 @@ class ServerMetrics:
         self.e2e = Histogram("kvkeeper:e2e_request_latency_seconds", "Time from arrival to finish (s).",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
 
+        self.prompt_tokens = Counter("kvkeeper:prompt_tokens", "Prompt tokens of finished requests, as their usage's "
+                                     "prompt_tokens (tokens).", registry=self.registry)
+        self.cached_tokens = Counter("kvkeeper:prompt_tokens_cached", "Prompt tokens served from cache, as usage's "
+                                     "cached_tokens, by source: prefix_cache, session, fork, host, disk, import "
+                                     "(tokens).", ["source"], registry=self.registry)
+        for src in REUSE_SOURCES:
+            self.cached_tokens.labels(src)  # every series from start-up: a dashboard shows 0, not "no data"
         self.context_turns = Counter("kvkeeper:context_turns", "Turns of session prompts by context policy and "
                                      "kind: kept, dropped, summarized, retrieved (turns).", ["policy", "kind"],
                                      registry=self.registry)
@@ -257,6 +274,16 @@ class ServerMetrics:
             self.context_memory.observe(report.memory_ms / 1000.0)
         if report.policy in ("summary", "hybrid"):
             self.context_summary.observe(report.summary_ms / 1000.0)
+
+    def observe_usage(self, seq, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count one finished request's usage (tokens): ``cached_tokens`` split between the KV a session handed
+        ``seq`` (the lead sequence; ``seq.num_handed_over`` under ``seq.reuse_source``) and the prefix cache."""
+        self.prompt_tokens.inc(prompt_tokens)
+        handed = min(seq.num_handed_over, cached_tokens) if seq.reuse_source in REUSE_SOURCES else 0
+        if handed:
+            self.cached_tokens.labels(seq.reuse_source).inc(handed)
+        if cached_tokens > handed:
+            self.cached_tokens.labels("prefix_cache").inc(cached_tokens - handed)
 
     def update(self, snapshot: dict) -> None:
         """Replace the engine-state snapshot (called from the engine thread; a dict swap is atomic)."""

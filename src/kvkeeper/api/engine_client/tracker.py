@@ -230,10 +230,12 @@ class RequestTracker:
     def _retire(self, rid: str, t: Tracked) -> Usage:
         lead = t.seqs[0]
         usage = Usage(lead.num_prompt_tokens, sum(s.num_output_tokens for s in t.seqs), lead.num_cached_tokens or 0)
-        if lead.params.prediction:  # OpenAI's completion_tokens_details of Predicted Outputs
+        if lead.params.prediction is not None:  # OpenAI's completion_tokens_details of Predicted Outputs (zeros
+            # for an empty prediction, as OpenAI reports them)
             usage.accepted_prediction_tokens = sum(s.spec.prediction_accepted for s in t.seqs if s.spec is not None)
             usage.rejected_prediction_tokens = sum(s.spec.prediction_rejected for s in t.seqs if s.spec is not None)
         del self.tracked[rid]
+        self.metrics.observe_usage(lead, usage.prompt_tokens, usage.cached_tokens)
         sid = None if t.req.session_id is None else session_key(t.req.tenant, t.req.session_id)
         s = self.sessions.sessions.get(sid) if sid is not None and self.sessions is not None else None
         if s is not None and s.kv is lead and s.compression.active and s.last_compression is not None:

@@ -1,5 +1,6 @@
 """How the server is doing, open to every client (no key): ``GET`` / ``HEAD /health`` (200 while the engine thread
-runs, else 503) and ``GET /metrics`` (Prometheus text: :mod:`kvkeeper.api.engine_client.metrics`)."""
+runs, else 503) and ``GET /metrics`` (Prometheus text: :mod:`kvkeeper.api.engine_client.metrics`; ``HEAD /metrics``:
+200, its headers and no body)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,8 @@ async def health_head(request: Request):
 @public_router.get("/metrics")
 async def metrics(request: Request):
     return Response(request.app.state.engine.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@public_router.head("/metrics", include_in_schema=False)  # scrapers' and load balancers' probes: 200, no body
+async def metrics_head(request: Request):
+    return Response(media_type=CONTENT_TYPE)

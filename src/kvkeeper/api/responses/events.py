@@ -5,21 +5,37 @@ a message ``response.content_part.added``, ``response.output_text.delta`` ..., `
 ``response.content_part.done``, for a function call ``response.function_call_arguments.delta`` and ``.done``;
 ``response.output_item.done``; last ``response.completed`` (``response.incomplete`` when the reply was cut by
 ``max_output_tokens``, ``response.failed`` when it failed).  Every event has ``type`` and a ``sequence_number``
-(0, 1, ...).  With tools, text that may open a call is held back until it is known to be text or a whole call.
+(0, 1, ...).  With ``stream_options.include_obfuscation`` true, every ``*.delta`` event also has ``obfuscation``:
+random URL-safe characters that pad the delta to the next multiple of :data:`OBFUSCATION_BLOCK` characters (at
+least one), so that an event's size does not give away its delta's length (OpenAI's mitigation).
+With tools, text that may open a call is held back until it is known to be text or a whole call.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 
 from ..common.tools import ChoiceCalls, ToolUse
 from .items import call_item, message_item
 
 
-class ResponseEvents:
-    """Turns a reply's text deltas into events; ``items`` are the output items so far, ``raw`` the whole text."""
+OBFUSCATION_BLOCK = 32  # characters: a delta plus its padding is a multiple of this
 
-    def __init__(self, tools: ToolUse | None):
+
+def obfuscation(delta: str) -> str:
+    """Random URL-safe padding for ``delta``: 1 to :data:`OBFUSCATION_BLOCK` characters, ``len(delta) + len(pad)``
+    a multiple of the block."""
+    n = OBFUSCATION_BLOCK - len(delta) % OBFUSCATION_BLOCK
+    return secrets.token_urlsafe(n)[:n]
+
+
+class ResponseEvents:
+    """Turns a reply's text deltas into events; ``items`` are the output items so far, ``raw`` the whole text.
+    obfuscate: pad every delta event (``stream_options.include_obfuscation``)."""
+
+    def __init__(self, tools: ToolUse | None, obfuscate: bool = False):
+        self.obfuscate = obfuscate
         self.seq = 0
         self.items: list[dict] = []
         self.raw = ""
@@ -29,6 +45,8 @@ class ResponseEvents:
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
+        if self.obfuscate and kind.endswith(".delta"):
+            data["obfuscation"] = obfuscation(fields.get("delta", ""))
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 

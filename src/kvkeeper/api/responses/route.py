@@ -99,7 +99,9 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller 
 
 
 async def _events(request: Request, run: ResponseRun, s: RequestStream) -> AsyncIterator[str]:
-    ev, reason, usage, done = ResponseEvents(run.tools), None, None, False
+    opts = run.body.stream_options
+    ev = ResponseEvents(run.tools, bool(opts is not None and opts.include_obfuscation))
+    reason, usage, done = None, None, False
     try:
         start = run.obj("in_progress", [], None)
         yield ev.event("response.created", response=start)

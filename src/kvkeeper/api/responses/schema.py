@@ -149,6 +149,17 @@ class ConversationRef(BaseModel):
     id: str
 
 
+class ResponsesStreamOptions(BaseModel):
+    """``stream_options`` of ``/v1/responses``.  include_usage: accepted either way (a streamed response always ends
+    with its usage, in ``response.completed``; aiperf sends it).  include_obfuscation: true pads every delta event
+    with an ``obfuscation`` field of random characters (OpenAI's side-channel mitigation, see
+    :mod:`kvkeeper.api.responses.events`); false or absent: no padding (unlike OpenAI, off unless asked for)."""
+
+    model_config = _OPEN
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
+
+
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses``.  ``store`` defaults to true, as OpenAI's: the response is kept (and its KV, as a
     session turn) until deleted."""
@@ -185,7 +196,7 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = _only(None, 0)
     conversation: str | ConversationRef | None = None
     prompt: Any = _only(None)
-    stream_options: Any = _only(None)
+    stream_options: ResponsesStreamOptions | None = None
 
 
 RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
@@ -199,7 +210,6 @@ RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
     "max_tool_calls": ((None,), "the model calls at most the tools that one reply holds; set parallel_tool_calls"),
     "top_logprobs": ((None, 0), "logprobs are served on /v1/chat/completions"),
     "prompt": ((None,), "there are no stored prompt templates"),
-    "stream_options": ((None,), "stream events are not padded (no obfuscation); leave it out"),
     "text.verbosity": ((None, "medium"), "this model has no verbosity setting"),
     "text.format.description": ((None,), "the schema alone constrains the output; describe it in the input"),
     "reasoning.effort": ((None,), "this model has no reasoning mode: no effort to set (reasoning.summary is accepted)"),
