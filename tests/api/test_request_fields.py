@@ -438,9 +438,11 @@ def test_prompt_logprobs_independent_of_the_cache(tmp_path):
     # a prompt are equal bit for bit cold, after a prefix hit and batched with other prompts.  The module's server
     # runs the float32 path (the suite's default), whose GEMM is torch's: its rounding depends on the number of
     # rows in the batch on some CPUs (seen on an Intel Xeon with MKL: 3.05e-5 on these logprobs), as documented.
+    # The client waits as long as the slowest CPU needs: without AVX-512 the C++ kernels run their portable scalar
+    # path, where each of these 49-token prompts takes about 30 s on a 2-core AMD EPYC (the wait bounds a hang only).
     with running_server(tmp_path / "server.log", "--threads", "2", "--max-model-len", "1024",
                         "--quantization", "gguf") as base:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=900)
         prompt = "The history of cartography spans many centuries, from clay tablets to satellite images. " * 3
         salt = {"cache_salt": f"plp-{uuid.uuid4().hex}"}
 
