@@ -121,30 +121,40 @@ inline int code_at(const uint8_t* blk, int i, int k) {  // u(row i, element k) o
 template <int BITS>
 void qmm_group_generic(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* xq, const float* dx,
                        const float* sx, int64_t M, int64_t K, float* y, int64_t N, int64_t n0) {
+  // Each block's codes are decoded once for every row of x (not once per row): the sums per (row, output) are
+  // the same integers and the float updates run in the same order over the blocks, so the result is unchanged.
   constexpr int BYTES = BITS == 4 ? 256 : 512;
   const int rows = static_cast<int>(std::min<int64_t>(16, N - n0));
   const int64_t xs = xq_stride(K);
-  for (int64_t r = 0; r < M; ++r) {
-    float acc[16] = {0};
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = qs + b * BYTES;
-      const uint16_t* s = sc + b * 32;
+  std::vector<float> acc(static_cast<size_t>(M) * 16, 0.0f);
+  uint8_t codes[16][QK];
+  float dw[16], mw[16];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = qs + b * BYTES;
+    const uint16_t* s = sc + b * 32;
+    for (int i = 0; i < 16; ++i) {
+      for (int k = 0; k < QK; ++k) codes[i][k] = static_cast<uint8_t>(code_at<BITS>(blk, i, k));
+      dw[i] = half_to_float(s[i]);
+      mw[i] = half_to_float(s[16 + i]);
+    }
+    for (int64_t r = 0; r < M; ++r) {
       const int8_t* xb = xq + r * xs + b * QK;
+      float* a = acc.data() + r * 16;
       for (int i = 0; i < 16; ++i) {
         int isum = 0;
-        for (int k = 0; k < QK; ++k) isum += code_at<BITS>(blk, i, k) * static_cast<int>(xb[k]);
+        for (int k = 0; k < QK; ++k) isum += static_cast<int>(codes[i][k]) * static_cast<int>(xb[k]);
         if (g_act16) {
           int lo = 0;
-          for (int k = 0; k < QK; ++k) lo += code_at<BITS>(blk, i, k) * static_cast<int>(xb[K + k]);
+          for (int k = 0; k < QK; ++k) lo += static_cast<int>(codes[i][k]) * static_cast<int>(xb[K + k]);
           isum = isum * 256 + lo;
         }
-        const float dw = half_to_float(s[i]), mw = half_to_float(s[16 + i]);
-        acc[i] = std::fma(static_cast<float>(isum), dw * dx[r * nb + b], acc[i]);
-        acc[i] = std::fma(mw, sx[r * nb + b], acc[i]);
+        a[i] = std::fma(static_cast<float>(isum), dw[i] * dx[r * nb + b], a[i]);
+        a[i] = std::fma(mw[i], sx[r * nb + b], a[i]);
       }
     }
-    for (int i = 0; i < rows; ++i) y[r * N + n0 + i] = acc[i];
   }
+  for (int64_t r = 0; r < M; ++r)
+    for (int i = 0; i < rows; ++i) y[r * N + n0 + i] = acc[r * 16 + i];
 }
 
 template <int BITS, int MT, bool A16>
