@@ -18,7 +18,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 from kvkeeper import SamplingParams
-from kvkeeper.engine import speculative as speculative_mod
+from kvkeeper.spec_decode import verify as speculative_mod
 from kvkeeper.sampling import sampler as sampler_mod
 
 from tests.utils.engines import make_engine
