@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvkeeper.engine import cpu_threads
-from kvkeeper.engine.cpu_threads import cpu_cgroup_folders
+from kvkeeper.worker import cpu_threads
+from kvkeeper.worker.cpu_threads import cpu_cgroup_folders
 from kvkeeper.text.lazy_tokenizer import LazyTokenizer, qualifies
 from kvkeeper.text.tokenizer import load_tokenizer
 from kvkeeper.weights.sources import resolve_model_path

@@ -125,7 +125,7 @@ def _stored_item(it) -> dict:
 
 def _offered(body: ResponsesRequest) -> tuple[list[FunctionTool], dict[str, tuple[str, str]]]:
     """The functions offered to the model (a namespace's flattened, named by
-    :func:`~kvkeeper.api.responses_schema.qualified_name`) and the qualified name -> (namespace, name) map."""
+    :func:`~kvkeeper.api.responses.schema.qualified_name`) and the qualified name -> (namespace, name) map."""
     out, names = [], {}
     for t in body.tools or []:
         if isinstance(t, FunctionTool):
