@@ -33,9 +33,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ...errors import KVKeeperError
 from ...sessions.session import common_prefix
 from ..common.access_log import record_usage
-from ..common.auth import LOCAL, Caller, _unauthorized, caller
+from ..common.auth import LOCAL, Caller, unauthorized, caller
 from ..chat.serving import chat_request
-from ..common.errors import APIError, _validation_body, from_kvkeeper_error
+from ..common.errors import APIError, validation_body, from_kvkeeper_error
 from ..common.context import request_context
 from ..common.streams import EngineDeadError, GenerationRequest, RequestStream
 from .protocol import CountTokensRequest, MessagesRequest
@@ -61,7 +61,7 @@ def _error_response(e: Exception) -> JSONResponse:
     if isinstance(e, APIError):
         return anthropic_error(e.status, e.message, e.headers)
     if isinstance(e, RequestValidationError):
-        return anthropic_error(400, _validation_body(e)["error"]["message"])
+        return anthropic_error(400, validation_body(e)["error"]["message"])
     if isinstance(e, StarletteHTTPException):  # e.g. a body that is not UTF-8: "There was an error parsing the body"
         return anthropic_error(e.status_code, str(e.detail), e.headers)
     if isinstance(e, EngineDeadError):
@@ -95,7 +95,7 @@ def anthropic_caller(request: Request) -> Caller:
         return caller(request) if ring is not None else LOCAL
     who = ring.lookup(key.strip())
     if who is None:
-        raise _unauthorized("the API key (x-api-key) is not valid for this server")
+        raise unauthorized("the API key (x-api-key) is not valid for this server")
     return who
 
 

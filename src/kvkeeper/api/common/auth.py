@@ -167,7 +167,7 @@ def load_keys_file(path: str | Path) -> dict[str, Caller]:
     return out
 
 
-def _unauthorized(message: str) -> APIError:
+def unauthorized(message: str) -> APIError:
     return APIError(401, message, type="authentication_error", code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"})
 
@@ -181,16 +181,16 @@ def caller(request: Request) -> Caller:
         return LOCAL
     auth = request.headers.get("authorization")
     if not auth:
-        raise _unauthorized("this server needs an API key: send the header 'Authorization: Bearer <key>'")
+        raise unauthorized("this server needs an API key: send the header 'Authorization: Bearer <key>'")
     scheme, _, key = auth.strip().partition(" ")
     if scheme.lower() == "bearer" and not key.strip():  # e.g. a client whose key variable is unset
-        raise _unauthorized("the API key is missing: the Authorization header says 'Bearer' with no key after it; "
+        raise unauthorized("the API key is missing: the Authorization header says 'Bearer' with no key after it; "
                             "send 'Authorization: Bearer <key>'")
     if scheme.lower() != "bearer" or not key.strip():
-        raise _unauthorized("the Authorization header must be 'Bearer <key>'")
+        raise unauthorized("the Authorization header must be 'Bearer <key>'")
     who = ring.lookup(key.strip())
     if who is None:
-        raise _unauthorized("the API key is not valid for this server")
+        raise unauthorized("the API key is not valid for this server")
     return who
 
 

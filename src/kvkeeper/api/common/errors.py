@@ -101,7 +101,7 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403:
                  413: "invalid_request_error", 429: "rate_limit_error", 503: "server_overloaded"}
 
 
-def _validation_body(e) -> dict:
+def validation_body(e) -> dict:
     """A pydantic validation error as one 400 body naming the first field at fault."""
     msgs, param = [], None
     for err in e.errors():
@@ -140,7 +140,7 @@ def install_error_handlers(app, engine_dead: type[Exception]) -> None:
         return JSONResponse(a.body(), status_code=a.status, headers=a.headers)
 
     async def validation_error(request, e: RequestValidationError):
-        return JSONResponse(_validation_body(e), status_code=400)
+        return JSONResponse(validation_body(e), status_code=400)
 
     async def http_error(request, e: StarletteHTTPException):
         typ = _STATUS_TYPES.get(e.status_code, "invalid_request_error" if e.status_code < 500 else "server_error")
