@@ -10,9 +10,10 @@ using namespace kvk;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvkeeper CPU kernels (see csrc/cpu/)";
-  m.def("isa", &isa, "the instruction set the kernels use now: avx512_vnni or generic");
-  m.def("set_isa", &set_isa, "force the kernels' instruction set: auto, generic or avx512_vnni (tests)");
+  m.def("isa", &isa, "the instruction set the kernels use now: avx512_vnni, avx2 or generic");
+  m.def("set_isa", &set_isa, "force the kernels' instruction set: auto, generic, avx2 or avx512_vnni (tests)");
   m.def("cpu_has_avx512", &cpu_has_avx512, "whether this CPU has AVX-512 F/BW/VL/DQ + VNNI + F16C + FMA");
+  m.def("cpu_has_avx2", &cpu_has_avx2, "whether this CPU has AVX2 + FMA + F16C");
   m.def("qmm", &qmm, "y (M, N) float32 = x (M, K) float32 @ W^T over interleaved 4-/8-bit blocks",
         py::arg("x"), py::arg("qs"), py::arg("sc"), py::arg("bits"), py::arg("n"));
   m.def("quantize_activations", &quantize_activations, "x (M, K) float32 -> (codes int32 (M, K), dx, sx (M, K/32))");

@@ -8,7 +8,7 @@
 // baseline x86-64 ISA, so the .so loads on any x86-64 CPU.
 //
 // One file per operation (csrc/cpu/):
-//   isa.cpp           the instruction set chosen at run time
+//   isa.cpp           the instruction set chosen at run time (AVX-512, else AVX2 where a kernel has that path)
 //   qmm.cpp           activation quantization and the block matmul (qmm)
 //   attention.cpp     paged decode attention and paged prefill ("extend") attention
 //   elementwise.cpp   RMSNorm, SiLU(gate) * up, RoPE, storing a token's K/V
@@ -36,6 +36,7 @@
 #include <vector>
 
 #define KVK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
+#define KVK_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 // y (M, N) = x (M, K) @ W^T on GGUF bytes w (N rows of row_bytes) of a K-quant, Q8_0 or F16 type (kquant.cpp).
 namespace kquant {
@@ -85,9 +86,11 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, F&& f) {
 // ISA selection (isa.cpp)
 // ---------------------------------------------------------------------------------------------------
 bool cpu_has_avx512();                  // the CPU has AVX-512 F/BW/VL/DQ + VNNI + F16C + FMA
+bool cpu_has_avx2();                    // the CPU has AVX2 + FMA + F16C
 bool use_avx512();                      // the kernels take their AVX-512 paths now
-std::string isa();                      // "avx512_vnni" or "generic"
-void set_isa(const std::string& name);  // auto, generic or avx512_vnni (raises on another name)
+bool use_avx2();                        // the kernels that have one take their AVX2 path now (not AVX-512)
+std::string isa();                      // "avx512_vnni", "avx2" or "generic"
+void set_isa(const std::string& name);  // auto, generic, avx2 or avx512_vnni (raises on another name)
 
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 

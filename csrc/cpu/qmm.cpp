@@ -232,6 +232,96 @@ KVK_AVX512 void qmm_group_avx512(const uint8_t* qs, const uint16_t* sc, int64_t 
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// 1. qmm, AVX2 (CPUs without AVX-512 VNNI): the same integer block sums and the same float updates in the same
+//    order as the AVX-512 and generic paths, so the three agree bit for bit.  A 256-bit vector holds 8 of a
+//    group's 16 output rows (half h: bytes 32h..32h+31 of every 64-byte slice).  VPMADDUBSW multiplies the
+//    unsigned codes by the signed activation bytes and adds adjacent pairs into int16; with 4-bit codes a pair
+//    is at most 2 * 15 * 128 = 3840 in size and the 8 slices of a block 30720 < 2^15, so nothing saturates.
+//    An 8-bit code is taken as two 4-bit halves, u = 16 uh + ul.  VPMADDWD by ones then adds the int16 pairs
+//    of a row into its int32 block sum (exact).
+// ---------------------------------------------------------------------------------------------------
+template <int BITS>
+KVK_AVX2 inline __m256i block_sums_avx2(const __m256i* w, const int8_t* xb8) {
+  // lane i: sum over the block's 32 elements k of u(row i, k) * q(k); w: 4-bit codes of slices j = 0..7 (elements
+  // 4j..4j+3), for 8-bit the low nibbles then (w[8 + j]) the high nibbles
+  const __m256i ones = _mm256_set1_epi16(1);
+  int32_t xb[8];
+  std::memcpy(xb, xb8, sizeof(xb));
+  __m256i lo = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xb[j])));
+  if (BITS == 4) return _mm256_madd_epi16(lo, ones);
+  __m256i hi = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(w[8 + j], _mm256_set1_epi32(xb[j])));
+  return _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi, ones), 4), _mm256_madd_epi16(lo, ones));
+}
+
+template <int BITS, int MT, bool A16>
+KVK_AVX2 inline void qmm_tile_avx2(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* xq,
+                                   const float* dx, const float* sx, int64_t K, float* y, int64_t N, int64_t n0,
+                                   int rows) {
+  const int64_t xs = A16 ? 2 * K : K;
+  constexpr int BYTES = BITS == 4 ? 256 : 512;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[MT][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = qs + b * BYTES;
+    for (int h = 0; h < 2; ++h) {
+      __m256i w[BITS == 4 ? 8 : 16];
+      constexpr int SLICES = BITS == 4 ? 4 : 8, HI = BITS == 4 ? 4 : 8;
+#pragma GCC unroll 8
+      for (int s = 0; s < SLICES; ++s) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32 * h));
+        w[s] = _mm256_and_si256(v, low4);
+        w[s + HI] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 32 + 8 * h)));
+      const __m256 mw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 32 + 16 + 8 * h)));
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        __m256i is = block_sums_avx2<BITS>(w, xq + m * xs + b * QK);
+        if (A16)
+          is = _mm256_add_epi32(_mm256_slli_epi32(is, 8), block_sums_avx2<BITS>(w, xq + m * xs + K + b * QK));
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(dw, _mm256_set1_ps(dx[m * nb + b])),
+                                    acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[m * nb + b]), acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    float out[16];
+    _mm256_storeu_ps(out, acc[m][0]);
+    _mm256_storeu_ps(out + 8, acc[m][1]);
+    std::memcpy(y + m * N + n0, out, sizeof(float) * rows);
+  }
+}
+
+template <int BITS, bool A16>
+KVK_AVX2 void qmm_group_avx2(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* xq, const float* dx,
+                             const float* sx, int64_t M, int64_t K, float* y, int64_t N, int64_t n0) {
+  const int rows = static_cast<int>(std::min<int64_t>(16, N - n0));
+  const int64_t xs = A16 ? 2 * K : K;
+  constexpr int MT = 4;
+  int64_t r = 0;
+  for (; r + MT <= M; r += MT)
+    qmm_tile_avx2<BITS, MT, A16>(qs, sc, nb, xq + r * xs, dx + r * nb, sx + r * nb, K, y + r * N, N, n0, rows);
+  const int8_t* xr = xq + r * xs;
+  const float* dr = dx + r * nb;
+  const float* sr = sx + r * nb;
+  float* yr = y + r * N;
+  switch (M - r) {
+    case 0: break;
+    case 1: qmm_tile_avx2<BITS, 1, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, rows); break;
+    case 2: qmm_tile_avx2<BITS, 2, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, rows); break;
+    default: qmm_tile_avx2<BITS, 3, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, rows); break;
+  }
+}
+
 // Scratch for the quantized activations, reused across calls (one engine thread calls the kernels).
 struct ActScratch {
   std::vector<int8_t> xq;
@@ -265,7 +355,7 @@ void qmm_raw(const float* x, int64_t M, const QW& w, float* y) {
   s.xq.resize(M * xq_stride(K));
   s.dx.resize(M * nb);
   s.sx.resize(M * nb);
-  const bool fast = use_avx512();
+  const bool fast = use_avx512(), avx2 = use_avx2();
   if (fast)
     quantize_rows_avx512(x, M, K, s.xq.data(), s.dx.data(), s.sx.data());
   else
@@ -293,6 +383,17 @@ void qmm_raw(const float* x, int64_t M, const QW& w, float* y) {
           qmm_group_avx512<8, true>(qg, sg, nb, xq, dx, sx, M, K, y, N, 16 * g);
         else
           qmm_group_avx512<8, false>(qg, sg, nb, xq, dx, sx, M, K, y, N, 16 * g);
+      } else if (avx2) {
+        const uint8_t* qg = q + g * qstride;
+        const uint16_t* sg = scp + g * sstride;
+        if (bits == 4 && a16)
+          qmm_group_avx2<4, true>(qg, sg, nb, xq, dx, sx, M, K, y, N, 16 * g);
+        else if (bits == 4)
+          qmm_group_avx2<4, false>(qg, sg, nb, xq, dx, sx, M, K, y, N, 16 * g);
+        else if (a16)
+          qmm_group_avx2<8, true>(qg, sg, nb, xq, dx, sx, M, K, y, N, 16 * g);
+        else
+          qmm_group_avx2<8, false>(qg, sg, nb, xq, dx, sx, M, K, y, N, 16 * g);
       } else {
         if (bits == 4)
           qmm_group_generic<4>(q + g * qstride, scp + g * sstride, nb, xq, dx, sx, M, K, y, N, 16 * g);

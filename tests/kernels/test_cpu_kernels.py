@@ -23,7 +23,8 @@ from kvkeeper.worker import kernel_check
 from kvkeeper.layers import quantized
 from kvkeeper.weights import formats as qw
 
-ISAS = ["generic", "avx512_vnni"]
+ISAS = ["generic", "avx512_vnni"]  # attention: the AVX2 level runs the generic code
+QMM_ISAS = ["generic", "avx2", "avx512_vnni"]
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +34,24 @@ def kernels():
     mod.set_isa("auto")
 
 
-@pytest.fixture(params=ISAS)
-def isa(request, kernels):
+def _set_isa(request, kernels):
     if request.param == "avx512_vnni" and not kernels.cpu_has_avx512():
         pytest.skip("this CPU has no AVX-512 VNNI")
+    if request.param == "avx2" and not kernels.cpu_has_avx2():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
     kernels.set_isa(request.param)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, kernels):
+    _set_isa(request, kernels)
+    yield request.param
+    kernels.set_isa("auto")
+
+
+@pytest.fixture(params=QMM_ISAS)
+def qmm_isa(request, kernels):
+    _set_isa(request, kernels)
     yield request.param
     kernels.set_isa("auto")
 
@@ -116,7 +130,7 @@ FP32_TOL = {16: 1e-3, 8: 5e-2}
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,m", [(40, 96, 1), (17, 64, 3), (64, 128, 8), (48, 32, 13), (16, 256, 17)])
-def test_qmm_random_blocks(kernels, isa, act_bits, bits, n, k, m):
+def test_qmm_random_blocks(kernels, qmm_isa, act_bits, bits, n, k, m):
     _, _, _, pw = _random_packed(n, k, bits, seed=n * k * m + bits)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     y = kernels.qmm(x, pw.qs, pw.sc, bits, n)
@@ -152,17 +166,22 @@ def test_qmm_rows_are_independent_of_the_batch(kernels, bits):
 
 
 def test_qmm_instruction_sets_agree_bitwise(kernels, act_bits):
-    if not kernels.cpu_has_avx512():
-        pytest.skip("this CPU has no AVX-512 VNNI")
+    """The AVX2 and AVX-512 paths give the generic path's floats bit for bit (same integer block sums, same float
+    updates in the same order), for 4- and 8-bit codes, every tile size and a partial last group of rows."""
+    fast = [isa for isa, has in (("avx2", kernels.cpu_has_avx2()), ("avx512_vnni", kernels.cpu_has_avx512())) if has]
+    if not fast:
+        pytest.skip("this CPU has neither AVX2 + FMA + F16C nor AVX-512 VNNI")
     for bits in (4, 8):
-        _, _, _, pw = _random_packed(40, 160, bits, seed=bits)
-        x = torch.randn(11, 160) * 3
-        kernels.set_isa("generic")
-        a = kernels.qmm(x, pw.qs, pw.sc, bits, 40)
-        kernels.set_isa("avx512_vnni")
-        b = kernels.qmm(x, pw.qs, pw.sc, bits, 40)
-        kernels.set_isa("auto")
-        assert torch.equal(a, b)
+        for n, k, m in ((40, 160, 11), (48, 128, 21), (16, 64, 1), (37, 96, 5)):
+            _, _, _, pw = _random_packed(n, k, bits, seed=bits + n)
+            x = torch.randn(m, k) * 3
+            kernels.set_isa("generic")
+            a = kernels.qmm(x, pw.qs, pw.sc, bits, n)
+            for isa in fast:
+                kernels.set_isa(isa)
+                b = kernels.qmm(x, pw.qs, pw.sc, bits, n)
+                kernels.set_isa("auto")
+                assert torch.equal(a, b), (isa, bits, n, k, m)
 
 
 def test_qmm_bad_arguments_say_what_is_wrong(kernels):

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ ker
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=5)
 # (attention set_isa, weight kernels kq_set_isa)
-ISAS = {"generic": ("generic", "generic"), "avx512": ("avx512_vnni", "avx512")}
+# (avx2: the qmm block matmul of these int8 weights in AVX2; attention and K-quants generic)
+ISAS = {"generic": ("generic", "generic"), "avx2": ("avx2", "generic"), "avx512": ("avx512_vnni", "avx512")}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,8 @@ def isa(request):
     mod = cpu_kernels.load()
     if request.param == "avx512" and not mod.cpu_has_avx512():
         pytest.skip("this CPU has no AVX-512 VNNI")
+    if request.param == "avx2" and not mod.cpu_has_avx2():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
     attention, weights = ISAS[request.param]
     mod.set_isa(attention)
     mod.kq_set_isa(weights)
