@@ -18,7 +18,7 @@ two turns of an MT-Bench question or up to six turns of a Topical-Chat conversat
 Per turn, at random: streaming or not; a streaming request hangs up after two chunks (a tenth of them,
 ``--hangup-fraction``; the user then asks again, retrying while the server answers 409 because it is still aborting
 the turn); the session is offloaded to the host or disk tier afterwards (an eighth of turns, ``--offload-fraction``).
-Between conversations a user asks a one-off question with ``n=2``.  A finished conversation's session is deleted, or left
+Before a conversation (half the time) a user asks a one-off question with ``n=2``.  A finished conversation's session is deleted, or left
 open (a third of them; the oldest left-open ones are deleted later).  Halfway through, the users pause, the server
 is stopped (SIGTERM: it saves its sessions to disk) and started again on the same data directory; the sessions open
 before must be listed again (restored from disk) and the users carry on with them.
@@ -35,6 +35,13 @@ flat after warm-up: the slope of a least-squares line over the second half of ea
 false alarms, both kinds: the EWMA charts' warnings and the breach forecasts
 (``--health-predictor``; "KV cache health forecast: breach in about N s" in the log), each with the TTFT objective
 (``--ttft-objective``, 3 s) breached or not by the soak's own requests in the minute after it.
+
+Coverage (``--until-covered S``): a short run on a loaded machine may end before every kind of request has
+happened (a one-minute run with three users once made 8 turns and no ``n=2`` request).  With it the restart waits
+for a first completed turn, and the load goes on past ``--minutes`` until turns, streams, hang-ups, ``n=2``
+requests, offloads and at least one reuse audit have all happened, for at most S more seconds; the report says how
+long the load was extended and what was still missing (``coverage``).  Nothing then depends on how fast the
+machine is, only how long the run takes.
 
 Load variation (``--swing-min P``): the number of active users follows ``1 + (U - 1) (1 - cos(2 pi t / P)) / 2``,
 from one user to ``--users`` and back every P minutes (a daily-style swing, compressed); an inactive user waits
@@ -331,6 +338,12 @@ async def user(run: Run, k: int) -> None:
     async with http_client() as http:
         j = 0
         while not run.stop:
+            if rng.random() < 0.5:
+                await run.wait_active(k)
+                run.counts["n2"] += 1
+                q = rng.choice(run.convs)[0]
+                await _complete(run, oai, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                                None, rng.random() < 0.5, False, 2)
             turns = rng.choice(run.convs)
             sid, j = f"soak-u{k}-c{j}", j + 1
             history = [{"role": "system", "content": SYSTEM}]
@@ -349,12 +362,6 @@ async def user(run: Run, k: int) -> None:
             while len(left_open) > (0 if run.stop else 3) or (left_open and left_open[0] == sid):
                 run.counts["deletes"] += 1
                 await _session_call(run, http, "DELETE", f"/v1/sessions/{left_open.pop(0)}")
-            if not run.stop and rng.random() < 0.5:
-                await run.wait_active(k)
-                run.counts["n2"] += 1
-                q = rng.choice(run.convs)[0]
-                await _complete(run, oai, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
-                                None, rng.random() < 0.5, False, 2)
         for sid in left_open:
             run.counts["deletes"] += 1
             await _session_call(run, http, "DELETE", f"/v1/sessions/{sid}")
@@ -518,6 +525,7 @@ def verdict(res: dict, bound: float) -> dict:
         "zero_audit_mismatches": mism == 0 and (audits > 0 or res.get("audit_fraction") == 0),
         "sessions_restored": res.get("restart") is None or not res["restart"]["missing"],
         "rss_flat": bool(slopes) and all(s < bound for s in slopes),
+        "covered": not (res.get("coverage") or {}).get("missing"),
     }
     return {"checks": checks, "audits": audits, "audit_mismatches": mism, "rss_slope_bound_mib_per_min": bound,
             "ok": all(checks.values())}
@@ -644,6 +652,9 @@ def markdown(res: dict) -> str:
             ("409 (turn still aborting after a hang-up), retried", str(c["busy_retries"])),
             ("restart at / sessions restored", f"{rs.get('at_s', '-')} s / {rs.get('restored', '-')} of "
                                                f"{rs.get('open_before', '-')}"),
+            ("load extended to cover every kind (s) / still missing",
+             f"{(res.get('coverage') or {}).get('extended_s', 0)} / "
+             f"{', '.join((res.get('coverage') or {}).get('missing') or []) or 'none'}"),
             ("reuse audits / mismatches", f"{v['audits']:.0f} / {v['audit_mismatches']:.0f}"),
             ("owned / pinned blocks when idle", f"{res['idle']['owned_blocks_idle']:.0f} / "
                                                 f"{res['idle']['pinned_blocks_idle']:.0f}"),
@@ -687,6 +698,42 @@ def dumps(res: dict) -> str:
     return head + "".join(parts) + "\n}"
 
 
+# ---- coverage ----------------------------------------------------------------------------------------
+COVERED = ("turns", "streamed", "hung_up", "n2", "offloads")  # deletes: every user deletes its sessions at the end
+
+
+def missing_kinds(run: Run, audits_before: float) -> list[str]:
+    """The kinds of request that have not happened yet (and "audit" while no reuse audit ran in any life)."""
+    missing = [k for k in COVERED if not run.counts[k]]
+    if not audits_before and not read_metrics(run.server.base).get("kvkeeper:kv_audit_total", 0):
+        missing.append("audit")
+    return missing
+
+
+async def until(pred, cap_s: float) -> float:
+    """Wait (1 s polls) until ``pred()`` is true or ``cap_s`` seconds passed; returns the seconds waited."""
+    t = time.monotonic()
+    while time.monotonic() - t < cap_s and not await asyncio.to_thread(pred):
+        await asyncio.sleep(1.0)
+    return time.monotonic() - t
+
+
+async def covered_load(run: Run, args, t0: float) -> dict:
+    """The load phase: ``--minutes`` with the restart halfway, each stretched by ``--until-covered``."""
+    total, cap = args.minutes * 60, args.until_covered
+    rs, waited = None, 0.0
+    if not args.no_restart:
+        await asyncio.sleep(total / 2)
+        waited += await until(lambda: run.counts["turns"] > 0, cap)
+        rs = await restart(run, t0)
+    await asyncio.sleep(max(0.0, total + waited - (time.monotonic() - t0)))
+    audits1 = rs["life1"]["audit_total"] if rs else 0
+    if cap:
+        waited += await until(lambda: not missing_kinds(run, audits1), max(0.0, cap - waited))
+    return {"restart": rs, "coverage": {"extended_s": round(waited, 1), "cap_s": cap,
+                                        "missing": missing_kinds(run, audits1) if cap else None}}
+
+
 # ---- main --------------------------------------------------------------------------------------------
 async def soak(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="kvkeeper-soak-"))
@@ -707,12 +754,8 @@ async def soak(args) -> dict:
     if args.burst_every_s:
         tasks.append(asyncio.create_task(bursts(run)))
     samp = asyncio.create_task(sampler(run, t0, samples))
-    total = args.minutes * 60
-    rs = None
-    if not args.no_restart:
-        await asyncio.sleep(total / 2)
-        rs = await restart(run, t0)
-    await asyncio.sleep(max(0.0, total - (time.monotonic() - t0)))
+    load = await covered_load(run, args, t0)
+    rs = load["restart"]
     idle = await drain(run, tasks)
     samples.append(await asyncio.to_thread(sample, run, t0))
     run.stop = True
@@ -724,7 +767,7 @@ async def soak(args) -> dict:
            "first_start_s": round(first_start, 1), "server_args": extra, "cpu": cpu_model(),
            "load_avg_start": load0, "load_avg_end": os.getloadavg(), "audit_fraction": args.audit_fraction,
            "swing_min": args.swing_min, "burst_every_s": args.burst_every_s, "burst_size": args.burst_size,
-           "ttft_objective_s": args.ttft_objective, "counts": run.counts, "errors": run.errors, "restart": rs,
+           "ttft_objective_s": args.ttft_objective, "counts": run.counts, "errors": run.errors, "restart": rs, "coverage": load["coverage"],
            "life2": life2, "idle": idle, "samples": samples, "requests": run.requests}
     res["rss"] = rss_slopes(samples)
     res["latency"] = latency(run.requests)
@@ -748,6 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--rss-slope-bound", type=float, default=2.0, help="MiB per minute (default 2)")
     ap.add_argument("--no-restart", action="store_true")
+    ap.add_argument("--until-covered", type=float, default=0.0, metavar="S",
+                    help="extend the load by at most S seconds until every kind of request happened (0: off)")
     ap.add_argument("--swing-min", type=float, default=0.0, help="period of the active-user swing (minutes, 0: none)")
     ap.add_argument("--burst-every-s", type=float, default=0.0, help="seconds between bursts (0: none)")
     ap.add_argument("--burst-size", type=int, default=3, help="one-off requests per burst")
