@@ -28,6 +28,7 @@ Usage::
     .venv/bin/python benchmarks/models/engine_bench.py --quick    # tiny smoke run
     .venv/bin/python benchmarks/models/engine_bench.py --out DIR --threads 4
     .venv/bin/python benchmarks/models/engine_bench.py --quantization none   # the float32 engine instead of the default
+    .venv/bin/python benchmarks/models/engine_bench.py --isa generic   # the kernels' portable path (ISA comparisons)
 
 Writes ``DIR/engine_bench-<config>-<date>.json`` and ``.md`` (config: the model) and prints the markdown.
 
@@ -78,15 +79,24 @@ def main(argv=None) -> int:
                     choices=["roofline", "formats", "multiturn", "short", "batched", "single", "long", "transformers",
                              "llama_cpp"],
                     help="skip a section or a peer (repeatable)")
+    ap.add_argument("--isa", default="auto", choices=["auto", "generic", "avx2", "avx512_vnni"],
+                    help="the C++ kernels' instruction set (default: the best this CPU has; the others compare it)")
+    ap.add_argument("--config", default=None, help="the run's config in the result's name (default: the model)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from kvkeeper.kernels import cpu as cpu_kernels
+
+    mod = cpu_kernels.load()
+    if mod is not None:
+        mod.set_isa(args.isa)
     bc = BenchConfig.make(args.quick)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     questions = [json.loads(line) for line in (ROOT / "data" / "mt_bench" / "question.jsonl").read_text().splitlines()
                  if line.strip()]
-    R: dict = {"quick": bc.quick, "config": bc.__dict__, "machine": machine_info(), "errors": {}}
+    R: dict = {"quick": bc.quick, "config": bc.__dict__, "machine": machine_info(), "errors": {},
+               "kernels_isa": mod.isa() if mod is not None else None}
     t_start = time.perf_counter()
 
     log("loading kvkeeper engine")
@@ -160,7 +170,7 @@ def main(argv=None) -> int:
     md = render_markdown(R)
     from common import result_path
 
-    config = Path(args.model).stem if args.model else "smollm2-135m"
+    config = args.config or (Path(args.model).stem if args.model else "smollm2-135m")
     json_path, md_path = (result_path("engine_bench", config, suffix, out_dir) for suffix in (".json", ".md"))
     json_path.write_text(json.dumps(R, indent=2, default=str) + "\n")
     md_path.write_text(md)

@@ -92,7 +92,8 @@ def _render_header(L: list, R: dict) -> None:
         L.append(f"| {k} | {v} |")
     L.append(f"| model | {R['model']['path']} (same file for every engine) |")
     L.append(f"| kvkeeper weights (sections 2-6) | {R['model'].get('weights')}; attention backend "
-             f"{R['model'].get('attention_backend')}; fused decode step {_f(R['model'].get('fused_decode'))} |")
+             f"{R['model'].get('attention_backend')}; fused decode step {_f(R['model'].get('fused_decode'))}; "
+             f"C++ kernels' ISA {R.get('kernels_isa')} |")
     L.append(f"| llama.cpp | {R.get('llama_cpp')} |")
     L.append(f"| transformers load time | {_f(R['model'].get('transformers_load_s'), 1, ' s')} |")
     L.append("")
