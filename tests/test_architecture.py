@@ -24,6 +24,9 @@ MAX_FUNCTION_LINES = 60
 SHORT_FUNCTION_DIRS = ("engine", "sessions", "api", "cluster", "kvcache/store.py", "kvcache/formats")
 LAYER_DOC = ROOT / "docs" / "architecture.md"
 MAX_MODULES_PER_FOLDER = 12  # *.py files of one folder, __init__.py included
+# the engine class's module plus the modules of every class it inherits from within engine/ (its mixins), in lines
+ENGINE_CLASS = ("engine.llm_engine", "LLMEngine")
+MAX_ENGINE_LINES = 300
 # api/'s packages every endpoint may import, lowest first; an endpoint package imports no other endpoint package
 API_SHARED = ("common", "engine_client")
 # the one exception, named: an endpoint that is another vendor's wire format over an endpoint's conversion (the
@@ -192,6 +195,62 @@ def test_folders_hold_at_most_12_modules(folder):
     assert n <= MAX_MODULES_PER_FOLDER, f"{folder} holds {n} modules (at most {MAX_MODULES_PER_FOLDER})"
 
 
+def _base_refs(tree: ast.Module, pkg: str,
+               module: str) -> tuple[dict[str, ast.ClassDef], dict[str, tuple[str, str]]]:
+    """A module's own classes ({name: ClassDef}) and its module-level ``from`` imports of the package ``pkg``
+    ({local name: (dotted module relative to the package root, imported name)}); ``module`` is dotted, relative to
+    the package root (``engine.llm_engine``)."""
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    imports: dict[str, tuple[str, str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            parts = module.split(".")[:-node.level] + (node.module.split(".") if node.module else [])
+        elif node.module and node.module.split(".")[0] == pkg:
+            parts = node.module.split(".")[1:]
+        else:
+            continue
+        for alias in node.names:
+            imports[alias.asname or alias.name] = (".".join(parts), alias.name)
+    return classes, imports
+
+
+def inherited_modules(pkg_dir: Path, module: str, cls: str, within: str) -> list[Path]:
+    """The module of class ``cls`` of ``module`` (dotted, relative to ``pkg_dir``) and the modules of every class it
+    inherits from, directly or not, that live in the subpackage ``within`` (its mixins); base classes are resolved
+    with ``ast`` through each module's own classes and its ``from`` imports (``Base``, ``mod.Base``)."""
+    found: list[Path] = []
+    todo, seen = [(module, cls)], set()
+    while todo:
+        mod, name = todo.pop()
+        path = pkg_dir / (mod.replace(".", "/") + ".py")
+        if (mod, name) in seen or not (mod == within or mod.startswith(within + ".")) or not path.is_file():
+            continue
+        seen.add((mod, name))
+        classes, imports = _base_refs(ast.parse(path.read_text(encoding="utf-8")), pkg_dir.name, mod)
+        if name not in classes:  # re-exported here: follow the import
+            todo += [imports[name]] if name in imports else []
+            continue
+        found += [path] if path not in found else []
+        for base in classes[name].bases:
+            if isinstance(base, ast.Name):
+                todo.append((mod, base.id) if base.id in classes else imports.get(base.id, ("", "")))
+            elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id in imports:
+                target, sub = imports[base.value.id]  # ``from . import mixins`` then ``mixins.Base``
+                todo.append((f"{target}.{sub}" if target else sub, base.attr))
+    return found
+
+
+def test_the_engine_with_its_mixins_is_at_most_300_lines():
+    """llm_engine.py plus the modules of the classes LLMEngine inherits from within engine/ (a mixin moves lines
+    out of the file, not out of the engine): at most 300 lines.  The engine's KV is an object it owns (engine.kv)."""
+    mods = inherited_modules(SRC / PKG, *ENGINE_CLASS, within="engine")
+    assert mods and mods[0].name == "llm_engine.py"
+    lines = {str(m.relative_to(SRC)): len(m.read_text(encoding="utf-8").splitlines()) for m in mods}
+    assert sum(lines.values()) <= MAX_ENGINE_LINES, f"the engine is {sum(lines.values())} lines: {lines}"
+
+
 def cross_endpoint_imports(graph: dict[str, set[str]], api: str, shared: tuple[str, ...],
                            wire_formats: dict[str, str] | None = None) -> list[str]:
     """Imports from one endpoint package of ``api`` (a folder below it other than ``shared``) into another, but
@@ -318,6 +377,27 @@ def test_a_crowded_folder_is_caught(tmp_path):
     assert [str(d.relative_to(src)) for d in package_folders(src / "fake")] == ["fake", "fake/api", "fake/api/chat"]
     assert module_count(src / "fake" / "api") == MAX_MODULES_PER_FOLDER + 1  # over: the real test fails on it
     assert module_count(src / "fake" / "api" / "chat") == 2
+
+
+def test_an_engine_mixin_is_counted(tmp_path):
+    src = _fake_package(tmp_path, {
+        "__init__.py": "", "engine/__init__.py": "", "kvcache/__init__.py": "",
+        "engine/core.py": "from .kv_mixin import KVMixin as Mixin\nfrom . import more\n"
+                          "from ..kvcache.base import Outside\nfrom fake.engine.stats import Stats\n"
+                          "class Local:\n    pass\n"
+                          "class Engine(Mixin, more.More, Local, Outside, Stats, object):\n    pass\n",
+        "engine/kv_mixin.py": "from .deep import Deep\nclass KVMixin(Deep):\n    pass\n",
+        "engine/deep.py": "class Deep:\n    pass\n",
+        "engine/more.py": "class More:\n    pass\n",
+        "engine/stats.py": "class Stats:\n    pass\n",
+        "engine/unused.py": "class Unused:\n    pass\n",
+        "kvcache/base.py": "class Outside:\n    pass\n",
+    })
+    got = inherited_modules(src / "fake", "engine.core", "Engine", within="engine")
+    assert sorted(p.name for p in got) == ["core.py", "deep.py", "kv_mixin.py", "more.py", "stats.py"]
+    assert got[0].name == "core.py"
+    alone = _fake_package(tmp_path / "alone", {"engine/core.py": "class Engine:\n    pass\n"})
+    assert [p.name for p in inherited_modules(alone / "fake", "engine.core", "Engine", "engine")] == ["core.py"]
 
 
 def test_an_import_between_endpoints_is_caught(tmp_path):

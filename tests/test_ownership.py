@@ -10,10 +10,12 @@
   cache object's ``.k`` / ``.v`` (an expression naming a cache, a KV or a layer of the store), or builds a
   ``PagedKV`` itself.
 * Outside ``engine/``, ``worker/`` and ``spec_decode/`` no module reads an engine's ``.runner`` (any ``.runner``:
-  the engine's model runner is the only one) or an engine's ``.pool`` (an expression naming an engine); they call
-  the engine's methods (:class:`kvkeeper.engine.handle.EngineHandle`) and ``engine.kv_store``.
+  the engine's model runner is the only one), an engine's ``.pool`` or its KV manager ``.manager`` (an expression
+  naming an engine: ``engine.pool``, ``engine.kv.pool``, ``engine.kv.manager``); they call the engine's methods
+  (:class:`kvkeeper.engine.handle.EngineHandle`) and its KV's (``engine.kv``,
+  :class:`kvkeeper.engine.handle.KVHandle`), ``engine.kv.store`` for the KV tensors.
 * A layer of the store is the store's own: outside ``kvcache/`` and the forward-pass parts no module calls
-  ``.layer(i)`` on a store (``store.layer(i).write(...)``, ``engine.kv_store.layer(i).anything(...)``); it calls
+  ``.layer(i)`` on a store (``store.layer(i).write(...)``, ``engine.kv.store.layer(i).anything(...)``); it calls
   the store's methods, which take the layer index.
 """
 
@@ -90,15 +92,16 @@ def kv_tensor_accesses(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def engine_reach_ins(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, what) for every ``.runner`` (on anything) and every ``.pool`` of an expression naming an engine."""
+    """(line, what) for every ``.runner`` (on anything) and every ``.pool`` or ``.manager`` (the KV manager behind
+    ``engine.kv``) of an expression naming an engine."""
     return sorted({(n.lineno, ast.unparse(n)) for n in ast.walk(tree)
                    if isinstance(n, ast.Attribute) and (n.attr == "runner" or (
-                       n.attr == "pool" and _ENGINE_LIKE.search(ast.unparse(n.value))))})
+                       n.attr in ("pool", "manager") and _ENGINE_LIKE.search(ast.unparse(n.value))))})
 
 
 def store_layer_calls(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, what) for every ``.layer(...)`` call on an expression naming a store or a KV (a layer's handle taken
-    from the store: ``store.layer(i).write(...)``, ``layer = engine.kv_store.layer(i)``)."""
+    from the store: ``store.layer(i).write(...)``, ``layer = engine.kv.store.layer(i)``)."""
     return sorted({(n.lineno, ast.unparse(n)) for n in ast.walk(tree)
                    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "layer"
                    and _STORE_LIKE.search(ast.unparse(n.func.value))})
@@ -119,7 +122,7 @@ def violations(pkg_dir: Path) -> list[str]:
             bad += [f"{rel}:{line}: {what} (a store's layers are the store's: call its methods)"
                     for line, what in store_layer_calls(tree)]
         if not _allowed(rel, ENGINE_INSIDE_ALLOWED):
-            bad += [f"{rel}:{line}: {what} (outside the engine, call the engine's methods and engine.kv_store)"
+            bad += [f"{rel}:{line}: {what} (outside the engine, call the engine's methods and engine.kv's)"
                     for line, what in engine_reach_ins(tree)]
     return bad
 
@@ -161,14 +164,14 @@ def test_a_kv_tensor_access_outside_kvcache_is_caught(tmp_path):
         "sessions/offload.py": "def f(engine, i):\n"
                                "    for cache in engine.runner.kv_caches:\n"
                                "        yield cache.k, cache.v_scale\n"
-                               "    yield engine.kv_store.layer(i).v\n",
+                               "    yield engine.kv.store.layer(i).v\n",
         "diagnostics/audit.py": "from ..kvcache.formats.base import PagedKV\n"
                                 "def g(args):\n    return PagedKV(1, 2, 3, 4, None), args.k\n",
         "kvcache/formats/base.py": "class PagedKV:\n    def nbytes(self):\n        return self.k.nbytes + self.k_scale.nbytes\n",
     })
     bad = violations(pkg)
     for want in ("sessions/offload.py:2: engine.runner.kv_caches", "sessions/offload.py:3: cache.k ",
-                 "sessions/offload.py:3: cache.v_scale", "sessions/offload.py:4: engine.kv_store.layer(i).v",
+                 "sessions/offload.py:3: cache.v_scale", "sessions/offload.py:4: engine.kv.store.layer(i).v",
                  "sessions/offload.py:2: engine.runner (outside", "diagnostics/audit.py:3: PagedKV(...)"):
         assert any(b.startswith(want) for b in bad), (want, bad)
     assert not any("args.k" in b for b in bad), bad  # .k of something that is no cache is no KV access
@@ -181,7 +184,10 @@ def test_an_engine_reach_in_outside_the_engine_is_caught(tmp_path):
         "eval/ppl.py": "def f(engine, eng):\n"
                        "    r = engine.runner\n"
                        "    n = eng.pool.num_free\n"
-                       "    return self.engine.pool.evictions, r\n",
+                       "    return self.engine.pool.evictions, r\n"
+                       "def g(engine, sessions):\n"
+                       "    engine.kv.manager.allocate(None, 1)\n"
+                       "    return engine.kv.pool.num_free, sessions.manager, engine.kv.free(None)\n",
         "api/admin.py": "async def g(request):\n"
                         "    return await request.app.state.engine.call(lambda eng: eng.pool.evict_cached())\n",
         "sessions/fork.py": "def h(engine, seq):\n    return engine.fork_kv(seq), seq.pool\n",
@@ -191,8 +197,10 @@ def test_an_engine_reach_in_outside_the_engine_is_caught(tmp_path):
     })
     bad = violations(pkg)
     for want in ("eval/ppl.py:2: engine.runner (outside", "eval/ppl.py:3: eng.pool (outside",
-                 "eval/ppl.py:4: self.engine.pool (outside", "api/admin.py:2: eng.pool (outside"):
+                 "eval/ppl.py:4: self.engine.pool (outside", "api/admin.py:2: eng.pool (outside",
+                 "eval/ppl.py:6: engine.kv.manager (outside", "eval/ppl.py:7: engine.kv.pool (outside"):
         assert any(b.startswith(want) for b in bad), (want, bad)
+    assert not any("sessions.manager" in b or "kv.free" in b for b in bad), bad  # no engine's manager; engine.kv
     assert not any(b.startswith("sessions/") for b in bad), bad  # seq.pool names no engine
     assert not any(b.startswith(("engine/", "worker/", "spec_decode/")) for b in bad), bad  # the allow-list holds
 
@@ -202,15 +210,15 @@ def test_a_store_layer_call_outside_kvcache_is_caught(tmp_path):
         "__init__.py": "",
         "eval/intervention.py": "def f(store, engine, k, v, slots, i):\n"
                                 "    store.layer(i).write(k, v, slots)\n"
-                                "    engine.kv_store.layer(i).copy_tokens(slots, slots)\n"
-                                "    lay = engine.kv_store.layer(0)\n"
+                                "    engine.kv.store.layer(i).copy_tokens(slots, slots)\n"
+                                "    lay = engine.kv.store.layer(0)\n"
                                 "    return model.layer(i), lay\n",
         "kvcache/surgery.py": "def g(store, i, k, v, s):\n    store.layer(i).write(k, v, s)\n",
         "attention/cpu.py": "def h(kv_store, i):\n    return kv_store.layer(i).read_slots(None)\n",
     })
     bad = violations(pkg)
-    for want in ("eval/intervention.py:2: store.layer(i) (a store's", "eval/intervention.py:3: engine.kv_store.layer(i)",
-                 "eval/intervention.py:4: engine.kv_store.layer(0)"):
+    for want in ("eval/intervention.py:2: store.layer(i) (a store's", "eval/intervention.py:3: engine.kv.store.layer(i)",
+                 "eval/intervention.py:4: engine.kv.store.layer(0)"):
         assert any(b.startswith(want) for b in bad), (want, bad)
     assert not any("model.layer" in b for b in bad), bad  # a layer of something that is no store
     assert not any(b.startswith(("kvcache/", "attention/")) for b in bad), bad  # the allow-list holds

@@ -87,7 +87,7 @@ def main() -> None:
         seq.kv_holder = lambda s: None
         eng.run_until_done([seq])
         rep = audit_sequence(eng, seq)
-        eng.free_kv(seq)
+        eng.kv.free(seq)
         assert rep.ok, rep.summary()
         audit_ms.append(rep.elapsed_ms)
     mod.set_invariant_attention(True)

@@ -53,7 +53,7 @@ def decoded(eng: LLMEngine, prompt: list[int], n: int, companions: list[list[int
     eng.run_until_done([seq, *others])
     tensors, _ = dump_sequence(eng, seq)
     ids = list(seq.token_ids[: seq.num_computed])
-    eng.free_kv(seq)
+    eng.kv.free(seq)
     return tensors, ids
 
 

@@ -136,8 +136,8 @@ def memspeed_child(kv_dtype: str, policy: str, ratio: float, ctx: int, new: int)
     eng.run_until_done([seq])
     t2 = time.perf_counter()
     return {"kv_dtype": eng.runner.kv_format.name, "policy": policy, "ratio": ratio, "context": ctx,
-            "kv_tokens": kv_tokens, "kv_bytes": kv_blocks * eng.block_size * eng.kv_bytes_per_token,
-            "kv_bytes_per_token": eng.kv_bytes_per_token, "prefill_s": t1 - t0,
+            "kv_tokens": kv_tokens, "kv_bytes": kv_blocks * eng.block_size * eng.kv.bytes_per_token,
+            "kv_bytes_per_token": eng.kv.bytes_per_token, "prefill_s": t1 - t0,
             "decode_tok_per_s": (new - 1) / (t2 - t1), "peak_rss_bytes": _status_bytes("VmHWM"),
             "rss_before_request_bytes": rss0}
 

@@ -56,7 +56,7 @@ def machine_limits(tmp: Path) -> dict:
 
 def sessions_of(eng) -> SessionManager:
     """The engine's session manager (the one main() attaches)."""
-    return next(h for h in eng.holders if isinstance(h, SessionManager))
+    return next(h for h in eng.kv.holders if isinstance(h, SessionManager))
 
 
 def session_with(eng, n_tokens: int, sid: str, offset: int = 2000):
@@ -104,10 +104,10 @@ def compaction(eng) -> dict:
     ss = [session_with(eng, 300, f"frag-{i}", offset=5000 + 400 * i) for i in range(8)]
     for s in ss[::2]:
         s.close()
-    before = eng.pool_stats()
-    dt, res = _t(eng.compact)
-    after = eng.pool_stats()
-    moved_bytes = res["moved"] * eng.block_size * eng.kv_bytes_per_token
+    before = eng.kv.pool_stats()
+    dt, res = _t(eng.kv.compact)
+    after = eng.kv.pool_stats()
+    moved_bytes = res["moved"] * eng.block_size * eng.kv.bytes_per_token
     for s in ss[1::2]:
         s.close()
     return {"owned_blocks": before.owned, "cached_blocks": before.cached, "cached_after": after.cached,
@@ -136,7 +136,7 @@ def audit_cost(eng, n_tokens: int, repeats: int) -> dict:
 
 def telemetry_cost(eng) -> dict:
     out = {}
-    dt = min(_t(eng.pool_stats)[0] for _ in range(20))
+    dt = min(_t(eng.kv.pool_stats)[0] for _ in range(20))
     out[f"{eng.pool.num_blocks}_blocks_ms"] = dt * 1e3
     big = BlockPool(22528, 16)
     tables = [big.allocate(50) for _ in range(200)]
@@ -160,7 +160,7 @@ def main() -> int:
         eng = LLMEngine(validate_every=0, quantization="none", kv_dtype="fp32")  # the exact path (docstring)
         SessionManager(eng, data_dir=tmp / "data")
         res = {"machine": {"cpu": cpu_model(), "threads": torch.get_num_threads(), **limits},
-               "kv_bytes_per_token": eng.kv_bytes_per_token, "kv_dtype": str(eng.runner.kv_format.storage),
+               "kv_bytes_per_token": eng.kv.bytes_per_token, "kv_dtype": str(eng.runner.kv_format.storage),
                "weight_format": eng.runner.weight_format,
                "recompute": recompute_prefill(eng, args.tokens, args.repeats),
                "host": offload_restore(eng, "host", args.tokens, args.repeats),

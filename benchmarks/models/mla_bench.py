@@ -124,7 +124,7 @@ def main() -> None:
         assert eng.kv.allocate(seq, n)
         with torch.inference_mode():
             i, p, meta, _, _ = eng.runner.build_batch([(seq, n)])
-            eng.runner.model(i, p, eng.kv_store, meta)
+            eng.runner.model(i, p, eng.kv.store, meta)
         seq.num_computed += n
     prefill_s = time.perf_counter() - t
     _log(f"prefilled {len(ids) - 1} tokens in {prefill_s:.1f} s")

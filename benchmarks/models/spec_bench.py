@@ -264,7 +264,7 @@ def main() -> int:
                                 "throughput_runs": [r["throughput_tok_s"] for r in runs]}
     res["streams"]["identical"] = outs["plain"] == outs["spec"]
     ctx = sum(t["prompt_tokens"] + t["tokens"] / 2 for t in res["copy"]["plain"]) / len(res["copy"]["plain"])
-    res["bytes"] = file_bytes(str(eng.model_path), eng.kv_bytes_per_token, int(ctx))
+    res["bytes"] = file_bytes(str(eng.model_path), eng.kv.bytes_per_token, int(ctx))
     if not a.no_llama:
         res["llama"] = {}
         for name, lookup in (("plain", None), ("lookup", {"num_pred_tokens": a.k, "max_ngram_size": a.lookup_max})):

@@ -472,7 +472,7 @@ def test_one_server_per_engine(folder):
 
     eng = make_engine(str(folder), num_kv_blocks=16, block_size=4)
     build_server(eng)
-    hooks = (len(eng.holders), len(eng.step_hooks), len(eng.first_token_hooks))
+    hooks = (len(eng.kv.holders), len(eng.step_hooks), len(eng.first_token_hooks))
     with pytest.raises(ValueError, match="one server per engine"):
         build_server(eng)
-    assert (len(eng.holders), len(eng.step_hooks), len(eng.first_token_hooks)) == hooks  # nothing stacked
+    assert (len(eng.kv.holders), len(eng.step_hooks), len(eng.first_token_hooks)) == hooks  # nothing stacked

@@ -37,11 +37,11 @@ def eng(folder):
 
 
 def test_int8_latent_rows_have_one_scale_per_token(eng):
-    c = eng.kv_store[0]
+    c = eng.kv.store[0]
     assert c.latent and c.k.dtype == torch.int8 and c.v is None and c.v_scale is None
     assert tuple(c.k_scale.shape) == (128, 8, 1)
     # (32 + 8) int8 values + one fp16 scale, per token and layer
-    assert eng.kv_bytes_per_token == 2 * (32 + 8 + 2)
+    assert eng.kv.bytes_per_token == 2 * (32 + 8 + 2)
 
 
 def test_sessions_offload_round_trip_bit_exact(eng, tmp_path):
@@ -54,17 +54,17 @@ def test_sessions_offload_round_trip_bit_exact(eng, tmp_path):
     out = [s.send(t, GREEDY) for t in TURNS[:2]]
     assert out[1].cached_tokens > 0, "turn 2 reuses turn 1's latent rows"
     nb = -(-s.kv.num_computed // eng.block_size)
-    before = [c.read_blocks(s.kv.block_table[:nb]) for c in eng.kv_store]
+    before = [c.read_blocks(s.kv.block_table[:nb]) for c in eng.kv.store]
     s.offload("host")
     s.offload("disk")
     assert s.tier == "disk"
     eng.pool.reset_prefix_cache()
     free = torch.tensor([b.block_id for b in eng.pool.blocks if b.ref_count == 0], dtype=torch.int64)
-    for c in eng.kv_store:  # scribble over every free block: only the disk tier can give the KV back
+    for c in eng.kv.store:  # scribble over every free block: only the disk tier can give the KV back
         for t in c._parts().values():
             c._raw(t).index_fill_(0, free, 7)
     assert sessions.store.restore(s)
-    after = [c.read_blocks(s.kv.block_table[:nb]) for c in eng.kv_store]
+    after = [c.read_blocks(s.kv.block_table[:nb]) for c in eng.kv.store]
     for x, y in zip(before, after):
         assert set(x) == {"k", "k_scale"}
         assert all(torch.equal(x[k], y[k]) for k in x)
@@ -88,7 +88,7 @@ def test_audit_and_dump_on_latent_cache(eng):
         rep = audit_sequence(eng, kept[0])  # against a one-piece recompute
         assert rep.ok, rep
         assert len(rep.layer_max_abs_diff) == 2
-        stored, _ = eng.kv_store[1].gather(torch.tensor(kept[0].block_table), 40, torch.float32)
+        stored, _ = eng.kv.store[1].gather(torch.tensor(kept[0].block_table), 40, torch.float32)
         assert torch.equal(stored.to(tensors["layers.1.k"].dtype), tensors["layers.1.k"])
     finally:
         eng.kv.free(kept[0])

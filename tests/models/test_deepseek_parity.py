@@ -119,11 +119,11 @@ def test_config_and_cache_layout(case, engine):
     assert c.is_mla and c.kv_lora_rank == hc.kv_lora_rank and c.q_lora_rank == hc.q_lora_rank
     assert c.rope_layout == ("complex" if hc.model_type == "deepseek_v2" else
                              "interleave" if hc.rope_interleave else "half")
-    cache = engine.kv_store[0]
+    cache = engine.kv.store[0]
     assert cache.latent and cache.v is None
     assert tuple(cache.k.shape[2:]) == (1, hc.kv_lora_rank + hc.qk_rope_head_dim)
     # one latent row per token and layer: (32 + 8) fp32 values x layers
-    assert engine.kv_bytes_per_token == 4 * (hc.kv_lora_rank + hc.qk_rope_head_dim) * hc.num_hidden_layers
+    assert engine.kv.bytes_per_token == 4 * (hc.kv_lora_rank + hc.qk_rope_head_dim) * hc.num_hidden_layers
     moe = [hasattr(layer.mlp, "experts") for layer in engine.runner.model.model.layers]
     assert moe == [i >= hc.first_k_dense_replace for i in range(hc.num_hidden_layers)]
 
@@ -174,7 +174,7 @@ def test_latent_rows_equal_transformers_cache(case, engine):
         past = hf(torch.tensor([ids]), use_cache=True).past_key_values
     bt = torch.tensor(seq.block_table)
     try:
-        for i, cache in enumerate(engine.kv_store):
+        for i, cache in enumerate(engine.kv.store):
             rows = cache.gather_keys(bt, len(ids), torch.float32)[:, 0]  # (L, R + rope)
             layer = past.layers[i]
             ref = torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)

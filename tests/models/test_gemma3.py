@@ -75,7 +75,7 @@ def test_config_layers_and_bases(tiny):
     assert cfg.final_logit_softcapping == 30.0
     assert cfg.context_length == 512  # the window does not cap the context
     # hybrid: the sliding layers' caches hold the (smaller) window-block set
-    sizes = [c.k.shape[0] for c in eng.kv_store]
+    sizes = [c.k.shape[0] for c in eng.kv.store]
     assert [s < 64 for s in sizes] == [t == "sliding_attention" for t in LAYERS], sizes
 
 
@@ -210,13 +210,13 @@ def test_hybrid_refuses_what_reads_every_layer_by_block(tiny):
     folder, _ = tiny
     eng = _engine(folder)
     with pytest.raises(InvalidRequestError, match="no-hybrid-kv-cache"):
-        eng.compact()
+        eng.kv.compact()
     with pytest.raises(InvalidRequestError, match="no-hybrid-kv-cache"):
         dump_prompt(eng, _prompt(12, 1))
     with pytest.raises(InvalidRequestError, match="compression is not supported for sliding-window"):
         eng.add_request(_prompt(12, 1), SamplingParams(max_tokens=2), compression=KVCompression("streaming_llm", 0.5))
     full = _engine(folder, hybrid=False)
-    assert full.compact() == {"evicted": 0, "moved": 0}
+    assert full.kv.compact() == {"evicted": 0, "moved": 0}
     tensors, _ = dump_prompt(full, _prompt(12, 1))
     assert tensors
 

@@ -235,7 +235,7 @@ def test_session_switching_adapter_recomputes(tiny):
     finally:
         for sid in list(mgr.sessions):
             mgr.sessions[sid].close()
-        eng.holders.remove(mgr)
+        eng.kv.holders.remove(mgr)
 
 
 def test_adapter_errors(tiny, tmp_path, tokenizer):

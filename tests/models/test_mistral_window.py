@@ -64,7 +64,7 @@ def test_config_slides_every_layer_and_keeps_the_context(tiny):
     assert cfg.context_length == CONTEXT and eng.context_length == CONTEXT  # no longer capped at the window
     assert type(eng.runner.model).__name__ == "SlidingMistralForCausalLM"
     # every layer's KV is in the 48 window blocks; the pool's blocks are bookkeeping only
-    assert [c.k.shape[0] for c in eng.kv_store] == [48] * 3 and eng.pool.window_blocks == 48
+    assert [c.k.shape[0] for c in eng.kv.store] == [48] * 3 and eng.pool.window_blocks == 48
     assert eng.pool.num_blocks > 48 and eng.runner.kv_bytes_per_token_full_layers == 0
     caps = eng.runner.capabilities
     assert caps.kv_layout == "hybrid" and not caps.fused_decode and not caps.cuda_graphs and not caps.kv_compression

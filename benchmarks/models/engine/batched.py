@@ -138,8 +138,8 @@ def bench_batched(engine: LLMEngine, hf, questions: list[dict], bc: BenchConfig)
         log("batched: transformers generate_batch (continuous batching)")
         attn_before = getattr(hf.config, "_attn_implementation", None)
         res["transformers_generate_batch"] = hf_generate_batch(
-            hf, prompts, M, engine.pool.num_blocks * engine.block_size * engine.kv_bytes_per_token,
-            engine.kv_bytes_per_token, engine.scheduler.max_num_batched_tokens)
+            hf, prompts, M, engine.pool.num_blocks * engine.block_size * engine.kv.bytes_per_token,
+            engine.kv.bytes_per_token, engine.scheduler.max_num_batched_tokens)
         if getattr(hf.config, "_attn_implementation", None) != attn_before:
             res["transformers_generate_batch"]["note"] = (
                 f"attention implementation changed {attn_before} -> {hf.config._attn_implementation}")

@@ -43,7 +43,7 @@ def measure_rss(model: str | None, fmt: str) -> dict:
             "print(json.dumps({'rss_after_load_mib': after / 1024, 'rss_after_first_tokens_mib': kb('VmRSS:') / 1024,\n"
             "                  'peak_rss_mib': kb('VmHWM:') / 1024,\n"
             "                  'rss_before_load_mib': before / 1024, 'format': e.runner.weight_format,\n"
-            "                  'kv_pool_mib': e.pool.num_blocks * e.block_size * e.kv_bytes_per_token / 2**20}))\n")
+            "                  'kv_pool_mib': e.pool.num_blocks * e.block_size * e.kv.bytes_per_token / 2**20}))\n")
     env = dict(os.environ)
     env["PYTHONPATH"] = str(Path(_k.__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", code, model or "", fmt], capture_output=True, text=True, env=env,

@@ -15,7 +15,7 @@ from .peers import hf_generate
 
 def sessions_of(engine: LLMEngine) -> SessionManager:
     """The engine's session manager (made on first use)."""
-    return next((h for h in engine.holders if isinstance(h, SessionManager)), None) or SessionManager(engine)
+    return next((h for h in engine.kv.holders if isinstance(h, SessionManager)), None) or SessionManager(engine)
 
 
 def bench_multiturn(engine: LLMEngine, hf, llm, llm_status: str, questions: list[dict], bc: BenchConfig,

@@ -157,7 +157,7 @@ def model_costs(engine: LLMEngine) -> dict:
         "weight_format": engine.runner.weight_format,
         "decode_params": decode_params,
         "weight_bytes_per_decode_step": decode_bytes,
-        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "kv_bytes_per_token": engine.kv.bytes_per_token,
         "num_layers": cfg.num_layers,
         "q_width": cfg.num_heads * cfg.head_dim,
     }

@@ -134,7 +134,7 @@ def build_server(engine: EngineHandle, config: ServerConfig | None = None, sessi
     from .app import create_admin_app, create_app
     from .engine_client.async_engine import AsyncEngine
 
-    if any(isinstance(h, SessionManager) for h in engine.holders):
+    if any(isinstance(h, SessionManager) for h in engine.kv.holders):
         raise ValueError("this engine already has a session manager (it serves an app already): build one server "
                          "per engine")
     config = config or ServerConfig()

@@ -42,7 +42,7 @@ def run_compare(engine: EngineHandle, convs, system: str | None, params, progres
         warm.send(convs[0][1][0], params=dataclasses.replace(params, max_tokens=1))
     finally:
         warm.close()
-    bytes_per_block = engine.kv_bytes_per_token * engine.block_size
+    bytes_per_block = engine.kv.bytes_per_token * engine.block_size
     first_token = dataclasses.replace(params, max_tokens=1)
     records: list[dict] = []
     for cid, turns in convs:

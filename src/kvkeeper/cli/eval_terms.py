@@ -145,6 +145,6 @@ def cmd_terms_generate(args: argparse.Namespace) -> int:
 def _settings(args: argparse.Namespace, translator, docs: dict) -> dict:
     eng = getattr(translator, "engine", None)
     return {"server": args.server, "model": getattr(translator, "model", None) or (eng.model_name if eng else None),
-            "kv_dtype": eng.kv_store.format.name if eng else None, "reuse": not args.no_reuse,
+            "kv_dtype": eng.kv.store.format.name if eng else None, "reuse": not args.no_reuse,
             "policy": args.policy, "ratio": args.ratio if args.policy else None, "max_tokens": args.max_tokens,
             "documents": {d: len(s) for d, s in docs.items()}, "tokenize": args.tokenize}

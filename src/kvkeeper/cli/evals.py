@@ -241,7 +241,7 @@ def cmd_eval_intervene(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     rows = {("none" if p is None else p.name): {} for p in policies}
     res: dict = {"settings": {"model": engine.model_name, "weights": engine.numerics["weight_format"],
-                              "kv_dtype": engine.kv_store.format.name, "layers": args.layers, "gate": args.gate},
+                              "kv_dtype": engine.kv.store.format.name, "layers": args.layers, "gate": args.gate},
                  "rows": rows}
     if not args.skip_perplexity:
         ids = read_text_tokens(engine, text, args.context, args.skip_tokens)

@@ -195,7 +195,7 @@ def audit_sequence(engine: EngineHandle, seq, logits: torch.Tensor | None = None
     Raises ValueError for a compressed sequence (``kv_offset > 0``) or one with no KV.
     """
     t0 = time.perf_counter()
-    if not engine.kv_store.uniform:
+    if not engine.kv.store.uniform:
         raise ValueError(f"{seq.request_id}: the KV audit reads every layer by block id; a hybrid (sliding-window) "
                          "KV cache cannot be audited: start the engine with --no-hybrid-kv-cache")
     if seq.kv_offset:
@@ -208,13 +208,13 @@ def audit_sequence(engine: EngineHandle, seq, logits: torch.Tensor | None = None
     tol = tolerance or default_tolerance(num["dtype"], num["kv_format"], num["weight_format"], invariant)
     chunk = num["max_num_batched_tokens"]
     ref_logits, ref_store = recompute_prompt(engine, list(seq.token_ids[:P]), chunk, getattr(seq, "lora", None))
-    bs, dev = engine.block_size, engine.kv_store.device
+    bs, dev = engine.block_size, engine.kv.store.device
     table = torch.tensor(seq.block_table[: -(-P // bs)], dtype=torch.int64, device=dev)
     ref_table = torch.arange(len(table), dtype=torch.int64, device=dev)
     layer = token = tensor = None
     per_layer, rel = [], 0.0
     for i in range(ref_store.num_layers):
-        sk, sv = engine.kv_store.gather(i, table, P, torch.float32)
+        sk, sv = engine.kv.store.gather(i, table, P, torch.float32)
         rk, rv = ref_store.gather(i, ref_table, P, torch.float32)
         tk, dk, mk = _first_divergence(sk, rk, tol)
         tv, dv, mv = _first_divergence(sv, rv, tol) if sv is not None else (None, 0.0, 0.0)

@@ -257,12 +257,13 @@ def engine_counters(engine: EngineHandle, auditor=None, ttft_sum: float = 0.0, t
     """The counters :class:`CounterDeltas` reads, from an :class:`~kvkeeper.engine.llm_engine.LLMEngine`
     (its pool, prefix-cache and scheduler counters), a reuse auditor (None: no mismatches), the TTFT
     sum (seconds) and count the caller keeps, and a circuit breaker whose compactions' evictions are left
-    out of the eviction count (None: none).  ``stats``: a fresh ``engine.pool_stats()`` (None: taken here)."""
-    st = stats if stats is not None else engine.pool_stats()
+    out of the eviction count (None: none).  ``stats``: a fresh ``engine.kv.pool_stats()`` (None: taken here)."""
+    st = stats if stats is not None else engine.kv.pool_stats()
     dropped = breaker.evicted_blocks if breaker is not None else 0
+    query, hit = engine.kv.prefix_tokens()
     return {"usage": st.usage, "pool_rate": st.pool_rate, "num_blocks": st.num_blocks,
-            "prefix_query_tokens": engine.kv.query_tokens, "prefix_hit_tokens": engine.kv.hit_tokens,
-            "evictions": engine.num_evictions - dropped, "preemptions": engine.scheduler.num_preemptions,
+            "prefix_query_tokens": query, "prefix_hit_tokens": hit,
+            "evictions": engine.kv.num_evictions - dropped, "preemptions": engine.scheduler.num_preemptions,
             "audit_mismatches": auditor.mismatches if auditor is not None else 0,
             "ttft_sum": ttft_sum, "ttft_count": ttft_count}
 

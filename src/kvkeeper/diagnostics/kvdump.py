@@ -84,10 +84,10 @@ def dump_sequence(engine: EngineHandle, seq, layers=None, start: int | None = No
     as described in the module docstring.  Raises :class:`InvalidRequestError` for a bad layer
     list or a range outside the positions that have KV.
     """
-    store = engine.kv_store
+    store = engine.kv.store
     cfg = engine.model_config
     if not store.uniform:
-        engine.require_uniform_kv("dumping KV tensors")
+        engine.kv.require_uniform("dumping KV tensors")
     layer_ids = parse_layers(layers, cfg.num_layers)
     n = seq.num_computed
     off = seq.kv_offset
@@ -115,7 +115,7 @@ def dump_sequence(engine: EngineHandle, seq, layers=None, start: int | None = No
         "format": FORMAT, "source": source, "layers": ",".join(map(str, layer_ids)),
         "token_start": str(start), "token_end": str(end), "kv_offset": str(off),
         "kv_dtype": store.format.name, "tensor_dtype": str(dt).removeprefix("torch."),
-        "bytes_per_token": str(engine.kv_bytes_per_token), "model": str(engine.model_name),
+        "bytes_per_token": str(engine.kv.bytes_per_token), "model": str(engine.model_name),
         "model_revision": ns.model_revision, "namespace": ns.key, "num_layers": str(cfg.num_layers),
         "num_kv_heads": str(store.num_kv_heads), "head_dim": str(store.head_dim),
         "block_size": str(bs), "kv_layout": "mla_latent" if cfg.is_mla else "kv",
@@ -170,7 +170,7 @@ def dump_prompt(engine: EngineHandle, prompt_ids: list[int], layers=None, start:
             raise InvalidRequestError(seq.error or "the prompt could not be computed")
         return dump_sequence(engine, seq, layers, start, end, source="prompt")
     finally:
-        engine.free_kv(seq)
+        engine.kv.free(seq)
 
 
 def to_bytes(tensors: dict, meta: dict) -> bytes:

@@ -3,9 +3,10 @@
     eng = LLMEngine()                      # embedded SmolLM2-135M-Instruct, fp32, CPU
     out = eng.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0]
 
-Its parts: ``inputs``, ``adapters``, ``runner`` (:mod:`kvkeeper.worker.runner`), ``pool`` / ``kv``, ``scheduler``,
-``drafter`` (:mod:`kvkeeper.spec_decode`), ``processor``; KV holders, step hooks and first-token hooks let the layers
-above attach (sessions, a circuit breaker, the reuse audit).  What they may call: :mod:`kvkeeper.engine.handle`.
+Its parts: ``inputs``, ``adapters``, ``runner`` (:mod:`kvkeeper.worker.runner`), ``pool``, ``kv`` (the engine's KV:
+:mod:`kvkeeper.engine.kv_access`), ``scheduler``, ``drafter`` (:mod:`kvkeeper.spec_decode`), ``processor``; KV holders,
+step hooks and first-token hooks let the layers above attach (sessions, a circuit breaker, the reuse audit).  What
+they may call: :mod:`kvkeeper.engine.handle`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ from typing import Callable
 import torch
 
 from ..errors import InvalidRequestError
-from ..kvcache.block_pool import BlockPool
 from ..kvcache.compression import KVCompression
 from ..kvcache.kv_events.publisher import start_kv_events
-from ..kvcache.manager import KVCacheManager
 from ..kvcache.namespace import Namespace
 from ..kvcache.surgery import compress_observed_prefills, observe_prefills
 from ..kvcache.validate import assert_engine_ok
@@ -36,8 +35,8 @@ from ..text.multimodal import multimodal_token_ids
 from .adapters import AdapterRegistry
 from .config import EngineConfig, resolve_device
 from .input_processor import InputProcessor
-from .kv_access import EngineKV
-from .handle import KVHolder, KVHolders
+from .kv_access import KVAccess
+from .handle import KVHolder
 from .memory_fit import load_checked
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -47,11 +46,12 @@ from .sequence import Sequence
 __all__ = ["LLMEngine", "EngineConfig", "KVHolder", "RequestOutput", "resolve_device"]
 
 
-class LLMEngine(EngineKV):
+class LLMEngine:
     """Paged-KV inference engine on one device: ``LLMEngine(model=None, **settings)`` or
     ``LLMEngine(EngineConfig(...), **overrides)`` (the fields of :class:`~kvkeeper.engine.config.EngineConfig`).
 
-    Attributes: ``config``, ``model_config`` (the model's shapes), ``tokenizer``, the parts above, ``loras``
+    Attributes: ``config``, ``model_config`` (the model's shapes), ``tokenizer``, the parts above (``kv``: a
+    :class:`~kvkeeper.engine.kv_access.KVAccess`, the KV store, holders, blocks and pool figures), ``loras``
     (name -> loaded adapter), ``namespace`` (the default cache namespace), ``context_length`` (tokens),
     ``kv_events`` (the KV event publisher of ``kv_events_config``, :mod:`kvkeeper.kvcache.kv_events.publisher`;
     None when off).  Raises ModelNotFoundError / ModelFormatError / UnsupportedArchitectureError while loading
@@ -72,7 +72,6 @@ class LLMEngine(EngineKV):
         self.kv_events = start_kv_events(self.pool, cfg.kv_events_config, "GPU" if device.type == "cuda" else "CPU")
         self._req_ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
-        self.holders = KVHolders()  # what holds KV between requests (kvkeeper.engine.handle)
         self.num_steps = 0
         self.step_hooks: list[Callable[[], object]] = []  # before each step (a circuit breaker's evaluate)
         self.first_token_hooks: list[Callable[[Sequence, torch.Tensor], None]] = []  # (seq, (vocab,) logits)
@@ -82,14 +81,13 @@ class LLMEngine(EngineKV):
             self.runner.capture_cuda_graphs(cfg.max_num_seqs, self.context_length)
 
     def _make_parts(self, cfg: EngineConfig, mcfg) -> None:
-        """Block pool, KV manager, drafter, scheduler, namespace, input and output processors, LoRA registry."""
-        window_blocks = self.runner.window_blocks
-        self.pool = BlockPool(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching, window_blocks)
-        self.kv = KVCacheManager(self.pool, mcfg.sliding_window if window_blocks else None)
-        self.runner.window_of = self.pool.window_id if window_blocks else None
+        """KV (pool, manager, holders), drafter, scheduler, namespace, input and output processors, LoRA registry."""
+        self.kv = KVAccess(self.runner, cfg, mcfg)
+        self.pool = self.kv.pool
         self.drafter = Drafter(cfg.speculative_config)  # n-gram / suffix drafts and requests' predictions
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
-                                   reclaim=self.reclaim, drafter=self.drafter.propose)
+        self.scheduler = Scheduler(self.kv.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.enable_chunked_prefill, reclaim=self.kv.reclaim, drafter=self.drafter.propose)
+        self.kv.scheduler = self.scheduler  # its running and waiting requests hold KV
         self.context_length = min(mcfg.context_length, cfg.max_model_len or mcfg.context_length)
         self.namespace = Namespace(mcfg.revision, kv_dtype=self.runner.kv_format.name)
         self.adapters = AdapterRegistry(self.model_name, self.runner)
@@ -166,10 +164,7 @@ class LLMEngine(EngineKV):
         self.drafter.finish(seq)  # method "suffix": its tokens join its namespace's suffix table
         self.scheduler.finish(seq)
         self._seqs.pop(seq.request_id, None)
-        if seq.kv_holder is not None:
-            seq.kv_holder(seq)  # a session takes the blocks over
-        else:
-            self.kv.free(seq)
+        self.kv.release(seq)  # to its KV holder (a session takes the blocks over) or freed
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -192,7 +187,7 @@ class LLMEngine(EngineKV):
             self.kv.commit(seq)
         if logits is not None:
             finished += self._sample(logits, seqs)
-        compress_observed_prefills(out.scheduled, self.pool, self.kv_store, self.reclaim)
+        compress_observed_prefills(out.scheduled, self.pool, self.kv.store, self.kv.reclaim)
         return finished
 
     def _before_step(self) -> None:
@@ -215,7 +210,7 @@ class LLMEngine(EngineKV):
         plain_logits, plain, verifying = split_rows(logits, seqs)
         finished = []
         for seq, rows in verifying:
-            for done in self.drafter.verify(seq, rows, self.processor, self.kv):
+            for done in self.drafter.verify(seq, rows, self.processor, self.kv.manager):
                 self._finish(done)
                 finished.append(done)
         return finished + (self._sample_rows(plain_logits, plain) if plain else [])
@@ -240,13 +235,6 @@ class LLMEngine(EngineKV):
         """Whether sequences may verify drafts here: not with a hybrid KV cache (sliding-window layers' window
         blocks are not trimmed after a rejection)."""
         return not self.pool.hybrid
-
-    def write_kv_outside_scheduler(self, seq: Sequence, n: int, logits: str = "none") -> torch.Tensor | None:
-        """One forward pass over ``seq``'s ``n`` tokens from ``seq.num_computed`` on, writing their KV into its block
-        table's slots, for a sequence the scheduler does not hold (a session compression's reconstruction, an
-        evaluation's prefill).  The caller owns the blocks and advances ``num_computed``.  logits: "none" (returns
-        None) or "prompt" (the (n, vocab) logits of every token).  Raises what the model runner raises."""
-        return self.runner.forward(self.runner.build_batch([(seq, n)]), logits)
 
     @property
     def numerics(self) -> dict:
@@ -281,21 +269,16 @@ class LLMEngine(EngineKV):
         return [RequestOutput.from_seq(s) for s in seqs]
 
     def stats(self) -> dict:
-        """Pool, prefix-cache, scheduler and speculation counters now (blocks, tokens, bytes)."""
-        pool, sched = self.pool, self.scheduler
-        return {"kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used, "kv_blocks_cached": pool.num_cached,
-                "kv_usage": pool.usage(), "prefix_query_tokens": self.kv.query_tokens,
-                "prefix_hit_tokens": self.kv.hit_tokens, "num_preemptions": sched.num_preemptions,
-                "num_running": len(sched.running), "num_waiting": len(sched.waiting),
-                "kv_bytes_per_token": self.kv_bytes_per_token, "kv_cache_bytes": self.runner.kv_cache_bytes,
-                "kv_window_blocks_total": pool.window_blocks or 0, "kv_window_blocks_free": pool.num_window_free,
-                "weight_format": self.runner.weight_format, "spec_decode": dataclasses.asdict(self.drafter.stats)}
+        """Pool, prefix-cache (:meth:`KVAccess.stats`), scheduler and speculation counters now (blocks, tokens,
+        bytes)."""
+        sched = self.scheduler
+        return {**self.kv.stats(), "num_preemptions": sched.num_preemptions, "num_running": len(sched.running),
+                "num_waiting": len(sched.waiting), "weight_format": self.runner.weight_format,
+                "spec_decode": dataclasses.asdict(self.drafter.stats)}
 
     def describe(self) -> str:
         """The load line's description: dtype and device, weights, KV format and pool, context, speculation."""
-        r, pool = self.runner, self.pool
-        windows = f" ({pool.window_blocks} window blocks)" if pool.window_blocks else ""  # a hybrid cache
-        return (f"{str(r.dtype).removeprefix('torch.')} on {r.device}, weights {r.weight_description}, KV "
-                f"{r.kv_format.name} at {self.kv_bytes_per_token:,} bytes/token, {pool.num_blocks} KV blocks of "
-                f"{self.block_size} tokens{windows}, context {self.context_length}, "
+        r = self.runner
+        return (f"{str(r.dtype).removeprefix('torch.')} on {r.device}, weights {r.weight_description}, "
+                f"{self.kv.describe()}, context {self.context_length}, "
                 f"{self.drafter.describe(self.speculation_supported)}")

@@ -68,7 +68,7 @@ def document_perplexity(engine: EngineHandle, ids: list[int], policy: KVInterven
     nll, scored, count, ms = 0.0, 0, 0, 0.0
     t0 = time.perf_counter()
     if not engine.kv.allocate(seq, n):
-        raise InvalidRequestError(f"{n} tokens do not fit the {engine.num_free_blocks} free KV blocks; raise "
+        raise InvalidRequestError(f"{n} tokens do not fit the {engine.kv.num_free_blocks} free KV blocks; raise "
                                   "--kv-cache-bytes")
     try:
         start = 0
@@ -76,7 +76,7 @@ def document_perplexity(engine: EngineHandle, ids: list[int], policy: KVInterven
             while seq.num_computed < end:
                 c = seq.num_computed
                 m = min(chunk, end - c)
-                logits = engine.write_kv_outside_scheduler(seq, m, "prompt")  # (m, vocab)
+                logits = engine.kv.write_outside_scheduler(seq, m, "prompt")  # (m, vocab)
                 seq.num_computed += m
                 a, b = max(c, anchor - 1), min(c + m, n - 1)  # rows predicting tokens anchor .. n-1
                 if b > a:

@@ -109,11 +109,11 @@ def fresh_span_kv(engine: EngineHandle, token_ids: list[int], anchor: int, start
     if not 0 <= anchor <= start < end <= len(token_ids):
         raise InvalidRequestError(f"a span needs 0 <= anchor ({anchor}) <= start ({start}) < end ({end}) <= "
                                   f"{len(token_ids)} tokens")
-    if engine.kv_store.latent:
+    if engine.kv.store.latent:
         raise ValueError("an MLA latent cache has no separate K and V to intervene on")
     ids = torch.tensor(list(token_ids[:anchor]) + list(token_ids[start:end]), dtype=torch.int64)
     pos = torch.cat([torch.arange(anchor), torch.arange(start, end)])
-    wanted = list(range(engine.kv_store.num_layers)) if layers is None else sorted(layers)
+    wanted = list(range(engine.kv.store.num_layers)) if layers is None else sorted(layers)
     # a cache for the layers up to the deepest one wanted: the model's forward runs one layer per cache it is
     # given (zip over the layers and the caches), so the layers past it are not computed at all
     _, store = engine.prefill_private(ids, pos, chunk, "none", num_layers=wanted[-1] + 1)
@@ -139,7 +139,7 @@ def intervene(engine: EngineHandle, seq, start: int, end: int, anchor: int, poli
     ``--no-hybrid-kv-cache``) or a span in a block another owner references.
     """
     t0 = time.perf_counter()
-    store, bs = engine.kv_store, engine.block_size
+    store, bs = engine.kv.store, engine.block_size
     if not store.uniform:
         raise ValueError("KV interventions address every layer by block id; a hybrid (sliding-window) KV cache "
                          "cannot be rewritten: start the engine with --no-hybrid-kv-cache")
@@ -151,7 +151,7 @@ def intervene(engine: EngineHandle, seq, start: int, end: int, anchor: int, poli
     if bad:
         raise InvalidRequestError(f"layer {bad[0]} does not exist: the model has layers 0..{store.num_layers - 1}")
     blocks = seq.block_table[start // bs: -(-end // bs)]
-    shared = engine.shared_kv_blocks(blocks)
+    shared = engine.kv.shared_blocks(blocks)
     if shared:
         raise ValueError(f"{seq.request_id}: block {shared[0]} is shared with another owner; hold the KV in a "
                          "namespace of its own (LLMEngine.isolated_namespace) before rewriting it")

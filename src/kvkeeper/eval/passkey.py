@@ -75,5 +75,5 @@ def passkey_grid(engine: EngineHandle, lengths: list[int], depths: list[float], 
         c["accuracy"] = c["solved"] / c["trials"]
     solved = sum(c["solved"] for c in cells.values())
     return {"cells": list(cells.values()), "accuracy": solved / len(jobs), "trials": len(jobs),
-            "kv_dtype": engine.kv_store.format.name, "policy": compression.policy if compression else None,
+            "kv_dtype": engine.kv.store.format.name, "policy": compression.policy if compression else None,
             "ratio": compression.ratio if compression else 0.0, "seconds": time.perf_counter() - t0}

@@ -51,16 +51,16 @@ def _chunks(n: int, chunk: int) -> list[int]:
 def _run_chunks(engine: EngineHandle, seq, upto: int, chunk: int, targets: torch.Tensor, score_from: int) -> tuple[float, int]:
     """Prefill seq's tokens up to index ``upto`` in chunks; sum -log p of targets[t] for positions t >= score_from."""
     nll, scored = 0.0, 0
-    hybrid = not engine.kv_store.uniform  # window blocks are taken per chunk and given back past it
+    hybrid = not engine.kv.store.uniform  # window blocks are taken per chunk and given back past it
     for i, m in enumerate(track(_chunks(upto - seq.num_computed, chunk), "perplexity (prefill chunks)")):
         n = m if hybrid else upto - seq.num_computed
         if (hybrid or i == 0) and not engine.kv.allocate(seq, n):
-            raise InvalidRequestError(f"{n} more tokens do not fit the {engine.num_free_blocks} free KV blocks; "
+            raise InvalidRequestError(f"{n} more tokens do not fit the {engine.kv.num_free_blocks} free KV blocks; "
                                       "raise --kv-cache-bytes")
         start = seq.num_computed
         a = max(start, score_from)
         b = min(start + m, len(targets))
-        logits = engine.write_kv_outside_scheduler(seq, m, "prompt" if b > a else "none")  # (m, vocab)
+        logits = engine.kv.write_outside_scheduler(seq, m, "prompt" if b > a else "none")  # (m, vocab)
         seq.num_computed += m
         if hybrid:
             engine.kv.release_out_of_window(seq)
@@ -112,7 +112,7 @@ def perplexity(engine: EngineHandle, token_ids: list[int], chunk: int = 512, com
                 seq.observer = PrefillObserver(compression, ctx, mc.num_layers, mc.num_kv_heads)
             nll, scored = _run_chunks(engine, seq, ctx, chunk, targets, ctx - 1)
             if compression is not None:
-                engine.compress_prompt_kv(seq)
+                engine.kv.compress_prompt(seq)
             kv_tokens = ctx - seq.kv_offset
             more, k = _run_chunks(engine, seq, n - 1, chunk, targets, ctx)  # the last token predicts nothing
             nll, scored = nll + more, scored + k
@@ -120,6 +120,6 @@ def perplexity(engine: EngineHandle, token_ids: list[int], chunk: int = 512, com
         engine.kv.free(seq)
     mean = nll / scored
     return {"ppl": math.exp(mean), "nll_mean": mean, "tokens": n, "scored_tokens": scored, "kv_tokens": kv_tokens,
-            "kv_bytes_per_token": engine.kv_bytes_per_token, "kv_dtype": engine.kv_store.format.name,
+            "kv_bytes_per_token": engine.kv.bytes_per_token, "kv_dtype": engine.kv.store.format.name,
             "policy": compression.policy if compression is not None else None,
             "ratio": compression.ratio if compression is not None else 0.0, "seconds": time.perf_counter() - t0}

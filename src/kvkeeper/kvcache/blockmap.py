@@ -21,7 +21,7 @@ local engine) and drawn by ``kvkeeper kv map`` (terminal) and the server page ``
 States follow :mod:`kvkeeper.kvcache.telemetry`: *owned* = refcount above zero, *cached* =
 free but registered in the prefix cache, *free* otherwise.  An owned block that no listed
 owner holds (a raw allocation outside any sequence) has owner -1.  Owner names are those of
-``LLMEngine.kv_holdings()``: request ids and ``session:<id>``.
+``LLMEngine.kv.holdings()``: request ids and ``session:<id>``.
 
 Cost: O(B + total block-table length), about the cost of one ``pool_stats`` call.
 """
@@ -83,7 +83,7 @@ def owner_colours(names) -> list[str]:
 
 
 def owner_kind(name: str) -> str:
-    """"session" or "request" from an owner name of ``LLMEngine.kv_holdings()``."""
+    """"session" or "request" from an owner name of ``LLMEngine.kv.holdings()``."""
     return "session" if name.startswith("session:") else "request"
 
 
@@ -117,7 +117,7 @@ def _owner_index(owners, n: int) -> tuple[list[int], dict[int, list[int]], list[
 def block_map(pool, owners=(), offloaded_blocks: int = 0, stats=None, windows=None) -> dict:
     """The block-map document of ``pool`` (a BlockPool); see the module docstring.
 
-    owners: (name, sequence) pairs as ``LLMEngine.kv_holdings()`` yields them (a sequence has
+    owners: (name, sequence) pairs as ``LLMEngine.kv.holdings()`` yields them (a sequence has
     ``block_table``, ``num_computed`` and ``kv_offset``).  stats: a PoolStats to include (default:
     computed here); windows: ``FragmentationMonitor.windows()`` (default: the stats' figures for
     every default window).
@@ -149,7 +149,7 @@ def engine_block_map(engine, windows=None) -> dict:
 
     windows: ``FragmentationMonitor.windows()`` to include (default: the figures now for every window).
     """
-    return block_map(engine.pool, engine.kv_holdings(), engine.offloaded_blocks(), windows=windows)
+    return block_map(engine.pool, engine.kv.holdings(), engine.kv.offloaded_blocks(), windows=windows)
 
 
 def check_block_map(doc: dict) -> None:

@@ -1,6 +1,6 @@
 """Integrity validators for the paged KV cache: block tables, refcounts, positions, prefix-cache keys.
 
-``check_engine(engine)`` walks every owner of KV blocks (``engine.kv_holdings()``: running and
+``check_engine(engine)`` walks every owner of KV blocks (``engine.kv.holdings()``: running and
 waiting sequences, and what the engine's KV holders report, e.g. the sessions' pinned states)
 and returns a list of :class:`Violation` (empty when all is well).  It checks:
 
@@ -60,7 +60,7 @@ def check_engine(engine) -> list[Violation]:
     out: list[Violation] = []
     holders: Counter[int] = Counter()
     seen_tables: set[int] = set()
-    for owner, seq in engine.kv_holdings():
+    for owner, seq in engine.kv.holdings():
         if id(seq.block_table) in seen_tables:  # a session state that is also a live sequence
             continue
         seen_tables.add(id(seq.block_table))

@@ -6,9 +6,10 @@ least ``frag_min_usage`` (default 0.5: on a pool mostly free, scattered blocks c
 KV usage reaches ``usage_threshold`` (default 0.95).  While tripped it applies three tiers in
 order, giving each ``escalate_after_s`` seconds to work before the next:
 
-1. **compaction**: defragment the pool (:meth:`LLMEngine.compact`: owned blocks renumbered
-   contiguously, then the prefix cache's blocks, their KV moved; the prefix cache is kept, since its
-   unreferenced blocks are allocatable already and evicting them would only lose hits);
+1. **compaction**: defragment the pool (``engine.kv.compact()``,
+   :meth:`kvkeeper.engine.kv_access.KVAccess.compact`: owned blocks renumbered contiguously, then the
+   prefix cache's blocks, their KV moved; the prefix cache is kept, since its unreferenced blocks are
+   allocatable already and evicting them would only lose hits);
 2. **offload**: move idle sessions' KV out of the pool, to host memory first, then to
    disk when a data directory is configured (``SessionManager.offload_idle``), until
    usage would fall to ``recover_usage``;
@@ -196,7 +197,7 @@ class CircuitBreaker:
         if not force and now - self._last_eval < self.config.interval_s:
             return None
         self._last_eval = now
-        st = self.engine.pool_stats()
+        st = self.engine.kv.pool_stats()
         self.last_stats = st
         if self._over(st):
             self._calm_since = None
@@ -244,9 +245,10 @@ class CircuitBreaker:
         if ("pool_rate" in pool and st.usage >= self.config.frag_min_usage
                 and now - self._early_at >= self.config.cooldown_s):
             self._early_at = now
-            res = self.engine.compact()
+            res = self.engine.kv.compact()
             self.evicted_blocks += res["evicted"]
-            self._event(0, "early_compact", st, self.engine.pool_stats(), evicted=res["evicted"], moved=res["moved"])
+            self._event(0, "early_compact", st, self.engine.kv.pool_stats(), evicted=res["evicted"],
+                        moved=res["moved"])
 
     def _act_on_forecast(self, st, now: float) -> None:
         """Closed: offload ahead of a forecast usage breach (see the module docstring).  Once a forecast has put
@@ -266,10 +268,10 @@ class CircuitBreaker:
         if now - self._ahead_at < c.cooldown_s or st.owned <= self._calm_owned(st):
             return
         self._ahead_at = now
-        res = self.engine.compact()
+        res = self.engine.kv.compact()
         self.evicted_blocks += res["evicted"]
         freed = self.sessions.offload_idle(st.owned - self._calm_owned(st), tier="host")
-        self._event(0, "ahead_offload", st, self.engine.pool_stats(), blocks=freed, eta_s=eta, reason=why)
+        self._event(0, "ahead_offload", st, self.engine.kv.pool_stats(), blocks=freed, eta_s=eta, reason=why)
 
     def _relieve(self, st, now: float) -> None:
         """Tripped but not yet calm (between the recovery and trip levels, or degraded): every
@@ -299,10 +301,10 @@ class CircuitBreaker:
 
     def _compact(self, st, log_empty: bool = True) -> None:
         eng = self.engine
-        res = eng.compact()
+        res = eng.kv.compact()
         self.evicted_blocks += res["evicted"]
         if log_empty or res["evicted"] or res["moved"]:
-            self._event(1, "compact", st, eng.pool_stats(), evicted=res["evicted"], moved=res["moved"])
+            self._event(1, "compact", st, eng.kv.pool_stats(), evicted=res["evicted"], moved=res["moved"])
 
     def _offload(self, st, log_empty: bool = True) -> None:
         """Offload idle sessions until usage would fall to the recovery level (host tier; it spills to disk)."""
@@ -310,7 +312,7 @@ class CircuitBreaker:
         freed = self.sessions.offload_idle(max(1, st.owned - self._calm_owned(st)), tier="host")
         if log_empty or freed:
             held = self.sessions.offloaded_bytes()
-            self._event(2, "offload_idle_sessions", st, eng.pool_stats(), blocks=freed,
+            self._event(2, "offload_idle_sessions", st, eng.kv.pool_stats(), blocks=freed,
                         host_bytes=held.get("host", 0), disk_bytes=held.get("disk", 0))
 
     def _trim_lowest_priority(self, st) -> None:

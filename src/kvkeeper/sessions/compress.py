@@ -160,7 +160,7 @@ def _kvzip_scores(engine, seq, slots: int) -> list[torch.Tensor] | None:
     recon = engine.tokenizer.encode(REPEAT_PROMPT, add_special_tokens=False) + history
     total = slots + len(recon)
     own = -(-slots // bs)
-    extra = engine.allocate_kv_blocks(-(-total // bs) - own)
+    extra = engine.kv.allocate_blocks(-(-total // bs) - own)
     if extra is None:
         return None
     mc = engine.model_config
@@ -175,10 +175,10 @@ def _kvzip_scores(engine, seq, slots: int) -> list[torch.Tensor] | None:
         with torch.inference_mode():
             while tmp.num_computed < len(tmp.token_ids):
                 n = min(_RECON_CHUNK, len(tmp.token_ids) - tmp.num_computed)
-                engine.write_kv_outside_scheduler(tmp, n)
+                engine.kv.write_outside_scheduler(tmp, n)
                 tmp.num_computed += n
     finally:
-        engine.free_kv_blocks(extra)
+        engine.kv.free_blocks(extra)
     return obs.acc
 
 
@@ -220,7 +220,7 @@ def compress_session_kv(engine, seq, spec: SessionCompression) -> CompressionRep
     k = spec.n_keep(nc)
     if not spec.active or k >= slots or not seq.block_table:
         return rep
-    if not engine.kv_store.uniform:
+    if not engine.kv.store.uniform:
         raise ValueError("session compression needs a uniform KV cache (not a hybrid sliding-window one)")
     scores = None
     if spec.policy == "kvzip":
@@ -229,8 +229,8 @@ def compress_session_kv(engine, seq, spec: SessionCompression) -> CompressionRep
             log.warning("no free blocks for the kvzip reconstruction of %s; its KV stays whole", seq.request_id)
             rep.ms = (time.perf_counter() - t0) * 1000.0
             return rep
-    bs, store = engine.block_size, engine.kv_store
-    new = engine.allocate_kv_blocks(-(-k // bs))
+    bs, store = engine.block_size, engine.kv.store
+    new = engine.kv.allocate_blocks(-(-k // bs))
     if new is None:
         log.warning("no free blocks to compress %s into; its KV stays whole", seq.request_id)
         rep.ms = (time.perf_counter() - t0) * 1000.0
@@ -243,7 +243,7 @@ def compress_session_kv(engine, seq, spec: SessionCompression) -> CompressionRep
         keys = store.gather_keys(layer, old.to(dev), slots, torch.float32).cpu()
         idx = select_entries(spec, keys, k, None if scores is None else scores[layer])  # (KVH, k)
         store.copy_tokens(layer, (old[idx // bs] * bs + idx % bs).to(dev), dst.to(dev))
-    engine.free_kv_blocks(seq.block_table)
+    engine.kv.free_blocks(seq.block_table)
     seq.block_table, seq.block_hashes = new, []
     seq.kv_offset = nc - k
     seq.num_kv_dropped += slots - k

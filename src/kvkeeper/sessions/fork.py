@@ -30,20 +30,20 @@ def fork_kv(engine: EngineHandle, kv: Sequence, request_id: str) -> Sequence:
         return fork
     bs = engine.block_size
     nfull = min(kv.num_computed // bs, len(kv.block_table))
-    fork.block_table = engine.share_kv_blocks(kv.block_table[:nfull])
+    fork.block_table = engine.kv.share_blocks(kv.block_table[:nfull])
     fork.block_hashes = list(kv.block_hashes[:nfull])
     fork.num_computed = nfull * bs
     rest = kv.num_computed - nfull * bs
-    if rest and nfull < len(kv.block_table) and engine.kv_store.uniform:
+    if rest and nfull < len(kv.block_table) and engine.kv.store.uniform:
         src = kv.block_table[nfull]
-        engine.share_kv_blocks([src])  # held while room is made: a reclaim may unpin ``kv`` itself
+        engine.kv.share_blocks([src])  # held while room is made: a reclaim may unpin ``kv`` itself
         try:
-            got = engine.allocate_kv_blocks(1)
+            got = engine.kv.allocate_blocks(1)
             if got is not None:
-                dev = engine.kv_store.device
-                engine.kv_store.move_blocks(torch.tensor([src], device=dev), torch.tensor(got, device=dev))
+                dev = engine.kv.store.device
+                engine.kv.store.move_blocks(torch.tensor([src], device=dev), torch.tensor(got, device=dev))
                 fork.block_table.append(got[0])
                 fork.num_computed = kv.num_computed
         finally:
-            engine.free_kv_blocks([src])
+            engine.kv.free_blocks([src])
     return fork

@@ -136,7 +136,7 @@ class SessionManager:
         self.expired = 0  # sessions closed by expire_idle (a counter)
         self._embedder = None
         self._memories: dict[str, object] = {}
-        engine.add_kv_holder(self)
+        engine.kv.add_holder(self)
         self._reopen_saved()
 
     # ---- opening and closing ----------------------------------------------------------------

@@ -3,7 +3,7 @@
 An idle session (no turn in flight) pins blocks in the KV pool; compressed KV (a session compression policy,
 :mod:`kvkeeper.sessions.compress`) is offloaded as it is, with its ``kv_offset``.
 :meth:`SessionStore.offload` copies those blocks' raw storage out of the pool
-(``engine.kv_store.read_blocks``: values plus scales when quantized, so the round trip is
+(``engine.kv.store.read_blocks``: values plus scales when quantized, so the round trip is
 bit-exact for every KV dtype), frees them, and keeps the copy in a tier:
 
 * **host**: CPU tensors, within a byte budget (``host_offload_bytes``), each block once
@@ -108,13 +108,13 @@ class SessionStore:
 
     def identity(self) -> dict:
         """What saved KV must match to be continued here: model revision, KV dtype, block size and KV shapes, and
-        every other setting that changes a K/V entry's bytes (``engine.kv_numerics()``: weight format, activation
+        every other setting that changes a K/V entry's bytes (``engine.kv.numerics()``: weight format, activation
         dtype, KIVI group, RoPE, sliding window, attention backend and kernel mode).  A saved session of another
         identity is skipped with a warning naming the setting (its next turn recomputes); an import is refused."""
         eng, cfg = self.engine, self.engine.model_config
         return {"model_revision": eng.namespace.model_revision, "kv_dtype": eng.namespace.kv_dtype,
                 "block_size": eng.block_size, "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
-                "head_dim": cfg.head_dim, **eng.kv_numerics()}
+                "head_dim": cfg.head_dim, **eng.kv.numerics()}
 
     # ---- queries -----------------------------------------------------------------------------
     def tier_of(self, session_id: str) -> str | None:
@@ -169,7 +169,7 @@ class SessionStore:
         st = session.kv
         if st is None or not st.block_table:
             return 0
-        self.engine.require_uniform_kv("offloading a session's KV")
+        self.engine.kv.require_uniform("offloading a session's KV")
         if not session.idle:
             return 0
         eng = self.engine
@@ -177,15 +177,15 @@ class SessionStore:
         nb = -(-(nc - st.kv_offset) // eng.block_size)
         rec = OffloadRecord(session.id, tier, nb, nc, 0, session.last_used, session=session, kv_offset=st.kv_offset)
         if tier == "disk":
-            tensors = eng.kv_store.read_blocks(st.block_table[:nb])
+            tensors = eng.kv.store.read_blocks(st.block_table[:nb])
             rec.nbytes = sum(t.nbytes for t in tensors.values())
             rec.path = self.disk.write(tensors, session_manifest(session, st, nc, nb, rec.nbytes))  # raises first
         else:
             rec.keys = HostBlocks.keys_of(st, nb, eng.block_size)
-            self.host.put(eng.kv_store, st.block_table[:nb], rec.keys)
+            self.host.put(eng.kv.store, st.block_table[:nb], rec.keys)
             rec.nbytes = self.host.size_of(rec.keys)
         nbytes = rec.nbytes
-        freed = eng.free_kv(st)  # full blocks stay in the prefix cache as cached-free; token ids stay
+        freed = eng.kv.free(st)  # full blocks stay in the prefix cache as cached-free; token ids stay
         self.records[session.id] = rec
         self.counters.offloads[tier] += 1
         self.counters.offload_bytes[tier] += nbytes
@@ -265,7 +265,7 @@ class SessionStore:
         if self.checkpointed.get(session.id) == sig:
             return False
         nc, nb = st.num_computed, -(-(st.num_computed - st.kv_offset) // self.engine.block_size)
-        tensors = self.engine.kv_store.read_blocks(st.block_table[:nb])
+        tensors = self.engine.kv.store.read_blocks(st.block_table[:nb])
         nbytes = sum(t.nbytes for t in tensors.values())
         self.disk.write(tensors, session_manifest(session, st, nc, nb, nbytes))
         self.checkpointed[session.id] = sig
@@ -305,7 +305,7 @@ class SessionStore:
             self.discard(session.id)
             return False
         st.block_table, st.block_hashes, st.num_computed, st.kv_offset = bids, [], rec.num_computed, rec.kv_offset
-        self.engine.commit_kv(st)  # re-register the full blocks under their chained hashes (none when compressed)
+        self.engine.kv.commit(st)  # re-register the full blocks under their chained hashes (none when compressed)
         self.counters.restores[rec.tier] += 1
         self.counters.restore_bytes[rec.tier] += rec.nbytes
         self.forget(session.id)
@@ -320,17 +320,17 @@ class SessionStore:
             raise OffloadError(f"session {session.id} has no token state to restore into")
         tensors = self.host.gather(rec.keys) if rec.tier == "host" else self.disk.load(
             rec.path, session.id, st.namespace, rec.num_computed, rec.num_blocks, st.token_ids, rec.kv_offset)
-        if not eng.kv_store.uniform:
+        if not eng.kv.store.uniform:
             raise OffloadError(f"session {session.id}: saved KV cannot be restored into a hybrid (sliding-window) KV "
                                "cache; its next prompt is recomputed")
-        bids = eng.allocate_kv_blocks(rec.num_blocks)
+        bids = eng.kv.allocate_blocks(rec.num_blocks)
         if bids is None:
             raise OffloadError(f"no room in the KV pool for session {session.id}'s {rec.num_blocks} blocks, even after "
                                "reclaiming other idle sessions' blocks")
         try:
-            eng.kv_store.write_blocks(bids, tensors)
+            eng.kv.store.write_blocks(bids, tensors)
         except (ValueError, RuntimeError) as e:
-            eng.free_kv_blocks(bids)
+            eng.kv.free_blocks(bids)
             raise OffloadError(f"session {session.id}: its saved KV does not fit this cache: {e}") from None
         return bids
 

@@ -49,10 +49,10 @@ def export_session(manager: SessionManager, session: Session) -> bytes:
                                   "nothing to export")
     if st.kv_offset:
         raise InvalidRequestError(f"session {session.name!r} holds compressed KV, which is not exported")
-    eng.require_uniform_kv("exporting a session's KV")
+    eng.kv.require_uniform("exporting a session's KV")
     nc = st.num_computed
     nb = -(-nc // eng.block_size)
-    blob = save({k: t.contiguous() for k, t in eng.kv_store.read_blocks(st.block_table[:nb]).items()})
+    blob = save({k: t.contiguous() for k, t in eng.kv.store.read_blocks(st.block_table[:nb]).items()})
     man = {"format": FORMAT, **store.identity(), **session_manifest(session, st, nc, nb, len(blob))}
     head = json.dumps(man).encode()
     body = MAGIC + struct.pack("<Q", len(head)) + head + blob
@@ -117,16 +117,16 @@ def import_session(manager: SessionManager, data: bytes, session_id: str | None 
 
 
 def _write_kv(eng: EngineHandle, s: Session, st: Sequence, tensors: dict, nc: int, nb: int) -> None:
-    bids = eng.allocate_kv_blocks(nb)
+    bids = eng.kv.allocate_blocks(nb)
     if bids is None:
         raise InvalidRequestError(f"no room in the KV pool for the session's {nb} blocks, even after reclaiming idle "
                                   "sessions' blocks")
     try:
-        eng.kv_store.write_blocks(bids, tensors)
+        eng.kv.store.write_blocks(bids, tensors)
     except (ValueError, RuntimeError, KeyError) as e:
-        eng.free_kv_blocks(bids)
+        eng.kv.free_blocks(bids)
         raise InvalidRequestError(f"the session file's KV does not fit this cache: {e}") from None
     st.block_table, st.block_hashes, st.num_computed = bids, [], nc
-    eng.commit_kv(st)  # its full blocks under their chained hashes (as a restore from the disk tier)
+    eng.kv.commit(st)  # its full blocks under their chained hashes (as a restore from the disk tier)
     s.kv, s.kv_source = st, "import"
 

@@ -168,7 +168,7 @@ class Session:
         free list (blocks a fork of this session still references stay held)."""
         if self.kv is None or not self.kv.block_table:
             return 0
-        return self.engine.free_kv(self.kv)
+        return self.engine.kv.free(self.kv)
 
     def close(self) -> None:
         """Free the session's blocks (and any offloaded copy) and forget it; a turn in flight frees its own.
@@ -293,19 +293,19 @@ class Session:
         if st is None or not st.block_table:
             return 0
         if not self.reuse or st.namespace != seq.namespace or seq.computes_whole_prompt:
-            self.engine.free_kv(st)
+            self.engine.kv.free(st)
             return 0
         ids = seq.token_ids
         if st.kv_offset:  # compressed: appended to when the prompt extends the whole history, else recomputed
             nc = st.num_computed
             if not self.compression.active or seq.compression is not None or len(ids) <= nc \
                     or ids[:nc] != st.token_ids[:nc]:  # a request's kv_compression: never handed over
-                self.engine.free_kv(st)
+                self.engine.kv.free(st)
                 return 0
             seq.block_table, seq.block_hashes, seq.num_computed, seq.kv_offset = st.block_table, [], nc, st.kv_offset
             st.block_table, st.block_hashes, st.num_computed, st.kv_offset = [], [], 0, 0
             return nc
-        self.engine.truncate_kv(st, min(common_prefix(st.token_ids[: st.num_computed], ids), len(ids) - 1))
+        self.engine.kv.truncate(st, min(common_prefix(st.token_ids[: st.num_computed], ids), len(ids) - 1))
         seq.block_table, seq.block_hashes, seq.num_computed = st.block_table, st.block_hashes, st.num_computed
         st.block_table, st.block_hashes, st.num_computed = [], [], 0
         return seq.num_computed
@@ -320,10 +320,10 @@ class Session:
         turn, self.turn = self.turn, None
         eng = self.engine
         if self.closed or turn is None or turn.seq is not seq or seq.finish_reason == "error":
-            eng.free_kv(seq)
+            eng.kv.free(seq)
             return
         if self.kv is not None and self.kv.block_table:
-            eng.free_kv(self.kv)
+            eng.kv.free(self.kv)
         report = None
         if self.compression.active and self.reuse and seq.block_table:
             report = self.last_compression = compress_session_kv(eng, seq, self.compression)  # before the
@@ -333,7 +333,7 @@ class Session:
             turn.prompt_text + eng.tokenizer.decode(seq.output_token_ids, skip_special_tokens=False))
         self.last_used = time.monotonic()
         if not self.reuse:
-            eng.free_kv(seq)
+            eng.kv.free(seq)
         if seq.finish_reason == "abort":
             return
         if turn.messages is not None:

@@ -90,7 +90,7 @@ def test_stream_reproduces_the_prefix_cache_through_evictions_compaction_and_a_r
         settle(sub, eng, "r0")
         assert index.blocks("r0") == cached(eng)
 
-        assert eng.compact(evict_cache=True)["evicted"] > 0  # compaction: ids move, dropped blocks are removed
+        assert eng.kv.compact(evict_cache=True)["evicted"] > 0  # compaction: ids move, dropped blocks are removed
         settle(sub, eng, "r0")
         assert index.blocks("r0") == cached(eng)
 

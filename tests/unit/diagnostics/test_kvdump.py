@@ -52,12 +52,12 @@ def test_session_dumped_twice_diffs_to_zero(eng, sessions, session, tmp_path):
     assert sorted(t) == sorted(f"layers.{i}.{x}" for i in (0, 5, 29) for x in "kv")
     assert t["layers.5.k"].shape == (n, eng.model_config.num_kv_heads, eng.model_config.head_dim)
     assert (meta["token_start"], meta["token_end"], meta["kv_offset"]) == ("0", str(n), "0")
-    assert meta["kv_dtype"] == "float32" and meta["bytes_per_token"] == str(eng.kv_bytes_per_token)
+    assert meta["kv_dtype"] == "float32" and meta["bytes_per_token"] == str(eng.kv.bytes_per_token)
     assert meta["model_revision"] == eng.namespace.model_revision and meta["namespace"] == eng.namespace.key
     assert json.loads(meta["token_ids"]) == session.kv.token_ids[:n]
     # the dump is the cache itself: layer 5's K equals what attention gathers
     bt = torch.tensor(session.kv.block_table)
-    assert torch.equal(t["layers.5.k"], eng.kv_store[5].gather(bt, n, torch.float32)[0])
+    assert torch.equal(t["layers.5.k"], eng.kv.store[5].gather(bt, n, torch.float32)[0])
     r = diff_files(a, b)
     assert r["max_abs"] == 0 and r["mean_abs"] == 0 and r["first_divergent"] is None and not r["warnings"]
     assert [x["layer"] for x in r["layers"]] == [0, 5, 29]
@@ -173,7 +173,7 @@ def test_quantized_dump_is_exact_and_audit_is_clean(folder, kv_dtype):
     st = s.kv
     t, meta = dump_sequence(eng, st, "0,2")
     bt = torch.tensor(st.block_table)
-    k, v = eng.kv_store[2].gather(bt, st.num_computed, torch.float32)
+    k, v = eng.kv.store[2].gather(bt, st.num_computed, torch.float32)
     assert torch.equal(t["layers.2.k"].float(), k) and torch.equal(t["layers.2.v"].float(), v)
     assert meta["tensor_dtype"] == ("bfloat16" if kv_dtype == "bf16" else "float32")
     assert eng.auditor.total == 2 and eng.auditor.mismatches == 0, [r.summary() for r in eng.auditor.reports]

@@ -204,8 +204,8 @@ def test_bfloat16_engine_runs_close_to_fp32(engine):
         bf.run_until_done([got])
     finally:
         engine.capture_first_logits = False
-    assert bf.kv_store[0].k.dtype == torch.bfloat16
-    assert bf.kv_bytes_per_token * 2 == engine.kv_bytes_per_token
+    assert bf.kv.store[0].k.dtype == torch.bfloat16
+    assert bf.kv.bytes_per_token * 2 == engine.kv.bytes_per_token
     assert got.output_token_ids == ref.output_token_ids
     diff = (got.first_logits - ref.first_logits).abs().max().item()
     assert 0 < diff < 1.0, diff  # bf16 differs from fp32, but only by rounding

@@ -249,7 +249,7 @@ def test_exact_audit_names_one_flipped_bit_and_passes_clean_traffic(eng):
         b1, _ = eng.pool.lookup(h0, ns, ids[16:32])
         assert b0 is not None and b1 is not None
         layer, token, head, dim = 7, 16 + 5, 1, 3
-        k = eng.kv_store.layer(layer).k.view(torch.int16)
+        k = eng.kv.store.layer(layer).k.view(torch.int16)
         k[b1, token - 16, head, dim] ^= 1  # one bit of one cached K value
         try:
             seq = eng.add_request(ids + ids[-3:], SamplingParams(max_tokens=2), namespace=ns)

@@ -48,15 +48,15 @@ def _held(eng):
 def _kv(eng, s) -> list[tuple[torch.Tensor, torch.Tensor]]:
     bt = torch.tensor(s.block_table, dtype=torch.int64)
     n = s.num_computed
-    return [eng.kv_store.gather(i, bt[: -(-n // eng.block_size)], n, torch.float32)
-            for i in range(eng.kv_store.num_layers)]
+    return [eng.kv.store.gather(i, bt[: -(-n // eng.block_size)], n, torch.float32)
+            for i in range(eng.kv.store.num_layers)]
 
 
 @pytest.fixture
 def held(eng):
     s = _held(eng)
     yield s
-    eng.free_kv(s)
+    eng.kv.free(s)
 
 
 def test_fresh_recompute_keeps_positions_and_resets_the_context(eng, held):

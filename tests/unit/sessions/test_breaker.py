@@ -27,7 +27,7 @@ def folder(tmp_path_factory):
 def _session_kv(eng, s):
     st = s.kv
     bt = torch.tensor(st.block_table, dtype=torch.int64)
-    return [c.gather(bt, st.num_computed, torch.float32) for c in eng.kv_store]
+    return [c.gather(bt, st.num_computed, torch.float32) for c in eng.kv.store]
 
 
 def _fragmented(folder, kv_dtype=None):
@@ -47,11 +47,11 @@ def _fragmented(folder, kv_dtype=None):
 def test_compaction_moves_kv_bit_exactly_and_sessions_continue_identically(folder, kv_dtype):
     eng, live = _fragmented(folder, kv_dtype)
     twin, twin_live = _fragmented(folder, kv_dtype)  # the same history, never compacted
-    before = eng.pool_stats()
+    before = eng.kv.pool_stats()
     assert before.pool_rate > 0 and before.cached > 0
     kv_before = [_session_kv(eng, s) for s in live]
-    res = eng.compact()
-    after = eng.pool_stats()
+    res = eng.kv.compact()
+    after = eng.kv.pool_stats()
     assert res["evicted"] == 0 and res["moved"] > 0
     # the prefix cache is kept (its blocks are allocatable already: evicting them would only lose hits)
     assert after.cached == before.cached > 0 and after.pool_rate == 0.0 and after.external == 0.0
@@ -74,9 +74,9 @@ def test_compaction_moves_kv_bit_exactly_and_sessions_continue_identically(folde
 
 def test_compaction_can_drop_the_prefix_cache_when_asked(folder):
     eng, live = _fragmented(folder)
-    before = eng.pool_stats()
-    res = eng.compact(evict_cache=True)
-    after = eng.pool_stats()
+    before = eng.kv.pool_stats()
+    res = eng.kv.compact(evict_cache=True)
+    after = eng.kv.pool_stats()
     assert res["evicted"] == before.cached > 0 and after.cached == 0 and after.pool_rate == 0.0
     assert check_engine(eng) == []
 
@@ -102,15 +102,17 @@ def _scripted(stats, calls: list, moved: int = 0, on_offload=None):
     compaction and offloads are recorded in ``calls`` ("compact", then ("offload", n) or "offload" without
     ``on_offload``); ``on_offload(n)`` applies an offload of n blocks to the script."""
 
-    class Scripted:
-        step_hooks: list = []
-
+    class ScriptedKV:  # engine.kv
         def pool_stats(self):
             return stats()
 
         def compact(self):
             calls.append("compact")
             return {"evicted": 0, "moved": moved}
+
+    class Scripted:
+        step_hooks: list = []
+        kv = ScriptedKV()
 
     class ScriptedSessions:
         admission = None
@@ -266,7 +268,7 @@ def test_degraded_breaker_offloads_sessions_that_refill_the_pool_and_closes(fold
     st = br.evaluate(force=True)
     assert st.usage >= 0.6  # the finished turns pinned their KV again: the degraded breaker moves it out
     assert sum(e["action"] == "offload_idle_sessions" for e in br.events) == n_offload + 1
-    assert eng.pool_stats().usage < 0.5 and eng.offloaded_blocks() > 0
+    assert eng.kv.pool_stats().usage < 0.5 and eng.kv.offloaded_blocks() > 0
     for t in (4.0, 5.0, 6.5):
         clock.t = t
         br.evaluate(force=True)
@@ -322,7 +324,7 @@ def test_tripped_breaker_compacts_again_when_fragmentation_sits_between_its_leve
     """Tripped (tier 1) and the pool fragmentation rate between recover_frag and frag_threshold while idle:
     it must compact again and close, not stay tripped for good."""
     eng, live = _fragmented(folder)
-    rate = eng.pool_stats().pool_rate
+    rate = eng.kv.pool_stats().pool_rate
     assert rate > 0.1
     clock = Clock()
     br = CircuitBreaker(eng, sessions_of(eng), BreakerConfig(frag_threshold=min(1.0, rate + 0.05), recover_frag=rate - 0.05,
@@ -332,7 +334,7 @@ def test_tripped_breaker_compacts_again_when_fragmentation_sits_between_its_leve
     for t in range(1, 8):
         clock.t = float(t)
         br.evaluate(force=True)
-    assert br.tier == 0 and eng.pool_stats().pool_rate == 0.0, br.events
+    assert br.tier == 0 and eng.kv.pool_stats().pool_rate == 0.0, br.events
     assert all(s.tier == "pool" for s in live)  # tier 1 never offloads
     assert check_engine(eng) == []
 

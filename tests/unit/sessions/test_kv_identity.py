@@ -55,7 +55,7 @@ def saved(folder, tmp_path_factory):
     eng.run_until_done([s.turn.seq] if s.turn is not None else [])
     blob = export_session(mgr, s)
     assert mgr.save_all() == 1
-    return data, blob, eng.kv_numerics()
+    return data, blob, eng.kv.numerics()
 
 
 def _other_backend(numerics) -> dict:
@@ -85,7 +85,7 @@ def test_a_session_saved_under_other_numerics_is_skipped_and_its_import_refused(
     except InvalidRequestError as e:
         pytest.skip(f"{key}: this machine cannot run {settings}: {e}")
     if key != "block_size":
-        assert eng.kv_numerics()[key] != numerics[key] if key in numerics else True
+        assert eng.kv.numerics()[key] != numerics[key] if key in numerics else True
     with caplog.at_level(logging.WARNING, logger="kvkeeper.sessions"):
         mgr = SessionManager(eng, data_dir=data)
     assert "keep" not in mgr, f"a session saved under other {key} was reopened"

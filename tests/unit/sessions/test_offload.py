@@ -58,7 +58,7 @@ def _scribble(eng) -> None:
     """Empty the prefix cache and overwrite every free block's KV, so only the tier can give it back."""
     eng.pool.reset_prefix_cache()
     free = torch.tensor([b.block_id for b in eng.pool.blocks if b.ref_count == 0], dtype=torch.int64)
-    for c in eng.kv_store:
+    for c in eng.kv.store:
         for t in c._parts().values():
             c._raw(t).index_fill_(0, free, 7)
 
@@ -150,14 +150,14 @@ def test_host_offload_then_next_turn_is_exact(eng, sessions, reference):
     pinned, nc = s.num_blocks, s.kv.num_computed
     assert sessions.offload_idle(1, tier="host") == pinned
     assert s.tier == "host" and s.num_blocks == 0 and eng.pool.num_used == base
-    assert eng.offloaded_blocks() == -(-nc // eng.block_size) > 0
-    assert eng.pool_stats().offloaded == eng.offloaded_blocks()
+    assert eng.kv.offloaded_blocks() == -(-nc // eng.block_size) > 0
+    assert eng.kv.pool_stats().offloaded == eng.kv.offloaded_blocks()
     assert not check_engine(eng)
     _scribble(eng)
     restores = sessions.store.counters.restores["host"]
     out.append(s.send(TURNS[2], GREEDY))
     assert s.tier == "pool" and sessions.store.counters.restores["host"] == restores + 1
-    assert eng.offloaded_blocks() == 0
+    assert eng.kv.offloaded_blocks() == 0
     _assert_same(out, reference)
     s.close()
     assert eng.pool.num_used == base and not check_engine(eng)
@@ -214,13 +214,13 @@ def test_quantized_kv_round_trip_bit_exact(tmp_path, kv_dtype):
     e.pool.reset_prefix_cache()
     s, out = _two_turns(e, sessions)
     nb = -(-s.kv.num_computed // e.block_size)
-    before = [c.read_blocks(s.kv.block_table[:nb]) for c in e.kv_store]
+    before = [c.read_blocks(s.kv.block_table[:nb]) for c in e.kv.store]
     s.offload("host")
     s.offload("disk")  # host -> disk
     assert s.tier == "disk"
     _scribble(e)
     assert sessions.store.restore(s)
-    after = [c.read_blocks(s.kv.block_table) for c in e.kv_store]
+    after = [c.read_blocks(s.kv.block_table) for c in e.kv.store]
     for x, y in zip(before, after):
         assert set(x) == (KIVI_PARTS if kv_dtype == "int4" else {"k", "v", "k_scale", "v_scale"})
         assert all(_raw_equal(x[k], y[k]) for k in x)
@@ -388,4 +388,4 @@ def test_offload_errors_and_idle_selection(eng, sessions):
     eng.run_until_done([seq])
     for x in (old, new, busy):
         x.close()
-    assert eng.offloaded_blocks() == 0 and not check_engine(eng)
+    assert eng.kv.offloaded_blocks() == 0 and not check_engine(eng)

@@ -48,8 +48,8 @@ def _close_all(eng, mgr):
         s.close()
     eng.pool.reset_prefix_cache()
     assert eng.pool.num_used == 0
-    if mgr in eng.holders:
-        eng.holders.remove(mgr)
+    if mgr in eng.kv.holders:
+        eng.kv.holders.remove(mgr)
 
 
 def _used(eng) -> int:

@@ -160,11 +160,11 @@ def test_offload_to_host_and_disk_and_a_restart_keep_the_compressed_kv_bitwise(t
     seq = s.begin_turn(prompt=ids1, params=SamplingParams(max_tokens=N1, ignore_eos=True))
     eng.run_until_done([seq])
     nb, off, nc = len(s.kv.block_table), s.kv.kv_offset, s.kv.num_computed
-    raw = {key: t.clone() for key, t in eng.kv_store.read_blocks(s.kv.block_table).items()}
+    raw = {key: t.clone() for key, t in eng.kv.store.read_blocks(s.kv.block_table).items()}
 
     def same_kv(sess, e) -> None:
         assert (sess.kv.kv_offset, sess.kv.num_computed, len(sess.kv.block_table)) == (off, nc, nb)
-        got = e.kv_store.read_blocks(sess.kv.block_table)
+        got = e.kv.store.read_blocks(sess.kv.block_table)
         assert got.keys() == raw.keys() and all(torch.equal(got[key], raw[key]) for key in raw)
 
     assert s.offload("host") == nb and s.tier == "host" and eng.pool.num_used == 0

@@ -27,7 +27,7 @@ def _recompute(eng, ids):
 
 
 def _kv(eng, seq) -> dict:
-    return eng.kv_store.read_blocks(seq.block_table)
+    return eng.kv.store.read_blocks(seq.block_table)
 
 
 def test_fork_shares_full_blocks_copies_the_partial_one_and_branches_stay_apart(folder):
@@ -47,7 +47,7 @@ def test_fork_shares_full_blocks_copies_the_partial_one_and_branches_stay_apart(
         assert torch.equal(v, before[k]), k  # the partial block is a copy, bit for bit
     rb = b.send("Tell me about the sea.", P)
     assert rb.cached_tokens == st.num_computed and rb.token_ids == _recompute(eng, rb.prompt_token_ids)
-    after = eng.kv_store.read_blocks(st.block_table)
+    after = eng.kv.store.read_blocks(st.block_table)
     for k, v in after.items():
         assert torch.equal(v, before[k]), k  # branch b wrote nothing into a's blocks
     ra = a.send("Tell me about the mountains.", P)

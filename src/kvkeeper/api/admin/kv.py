@@ -373,4 +373,4 @@ async def health_state(request: Request):
 @router.post("/admin/kv/reset_prefix_cache", dependencies=[Depends(admin_caller)])
 async def reset_prefix_cache(request: Request):
     """Evict the unreferenced cached blocks (``BlockPool.evict_cached``); held blocks keep their KV."""
-    return {"evicted_blocks": await request.app.state.engine.call(lambda eng: eng.evict_cached())}
+    return {"evicted_blocks": await request.app.state.engine.call(lambda eng: eng.kv.evict_cached())}

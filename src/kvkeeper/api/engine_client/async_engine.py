@@ -427,7 +427,7 @@ class AsyncEngine:
             self.health = None
 
     def _sample_fragmentation(self) -> None:
-        """Record ``engine.pool_stats()`` if ``frag_interval_s`` has passed (engine thread only).
+        """Record ``engine.kv.pool_stats()`` if ``frag_interval_s`` has passed (engine thread only).
 
         The interval stretches to 50 times the cost of the last sample (``pool_stats`` is
         O(blocks): about 0.2 ms for 1,456 blocks), so sampling takes at most ~2% of the thread.
@@ -435,11 +435,11 @@ class AsyncEngine:
         now = time.monotonic()
         if now < self._frag_next:
             return
-        if not hasattr(self.engine, "pool_stats"):  # a stand-in engine (unit tests): no telemetry
+        if not hasattr(self.engine, "kv"):  # a stand-in engine (unit tests): no telemetry
             self._frag_next = float("inf")
             return
         try:
-            st = self.engine.pool_stats()
+            st = self.engine.kv.pool_stats()
         except Exception:  # telemetry must never take the engine down
             log.exception("pool_stats failed")
             self._frag_next = now + 10.0

@@ -342,12 +342,12 @@ class Episode:
 
     def _sample(self) -> dict:
         c, eng = self.cfg, self.eng
-        st = eng.pool_stats()
+        st = eng.kv.pool_stats()
         w = [x for t, x in self.first_tokens if t > self.now - c.ttft_window_s]
         w.sort()
         p99 = w[min(len(w) - 1, math.ceil(0.99 * len(w)) - 1)] if w else 0.0
-        cnt = (eng.num_evictions - self.breaker.evicted_blocks, eng.scheduler.num_preemptions,
-               eng.kv.query_tokens, eng.kv.hit_tokens, self.busy_s)
+        cnt = (eng.kv.num_evictions - self.breaker.evicted_blocks, eng.scheduler.num_preemptions,
+               *eng.kv.prefix_tokens(), self.busy_s)
         prev, self._prev = self._prev, cnt
         dt = c.sample_every_s
         ev = pr = busy = 0.0
