@@ -1304,7 +1304,12 @@ KQ_AVX2 void rows8_dot_avx2_t(const uint8_t* w, int64_t rb, int nrows, const Act
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_ps();
+  // the next 8 rows (contiguous) into cache while these are computed, a share per block (see rows16_dot_avx512_t)
+  const uint8_t* next = w + 8 * rb;
+  const int64_t lines = (8 * rb + 63) / 64, per = (lines + nb - 1) / nb;
   for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t l = b * per; l < std::min(lines, (b + 1) * per); ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
     alignas(16) uint16_t dh[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     __m256i C[8];  // Q8_0: the int8 weights; Q5_0: the codes
     for (int r = 0; r < 8; ++r) {
