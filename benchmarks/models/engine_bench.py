@@ -90,13 +90,15 @@ def main(argv=None) -> int:
     mod = cpu_kernels.load()
     if mod is not None:
         mod.set_isa(args.isa)
+        mod.kq_set_isa("avx512" if args.isa == "avx512_vnni" else args.isa)  # the GGUF K-quant kernels too
     bc = BenchConfig.make(args.quick)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     questions = [json.loads(line) for line in (ROOT / "data" / "mt_bench" / "question.jsonl").read_text().splitlines()
                  if line.strip()]
     R: dict = {"quick": bc.quick, "config": bc.__dict__, "machine": machine_info(), "errors": {},
-               "kernels_isa": mod.isa() if mod is not None else None}
+               "kernels_isa": mod.isa() if mod is not None else None,
+               "kquant_isa": mod.kq_isa() if mod is not None else None}
     t_start = time.perf_counter()
 
     log("loading kvkeeper engine")

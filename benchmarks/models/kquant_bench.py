@@ -1,12 +1,13 @@
 """Micro-benchmark of the GGUF in-place matmul kernels (csrc/cpu/kquant.cpp, kq_matmul).
 
-For each weight type (Q4_K, Q5_K, Q6_K, Q8_0, F16) and shape N x K (output rows x row length: 2048x2048 and
+For each weight type (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, F16; --types picks) and shape N x K (output rows x row length: 2048x2048 and
 8192x2048 by default) it times GEMV (M = 1, decode) and GEMM (M = 512, prefill) and reports GFLOP/s
 (2 M N K / time) and the effective weight read bandwidth (GGUF bytes of W / time), next to torch's float32
 matmul x @ W^T on the dequantized weight, and the machine's streaming bandwidth measured here (a big copy,
 and a read-only sum), so that the GEMV figure can be read as a fraction of what memory can give.
 
     python benchmarks/models/kquant_bench.py [--shapes 2048x2048,8192x2048] [--m 1,512] [--seconds 1.0] [--out DIR]
+        [--types Q4_K,Q8_0] [--threads 1] [--isa auto|generic|avx2|avx512]
 
 Writes ``kquant_bench-<shape>-<date>.json`` and ``.md`` per shape into benchmarks/results/kquant_bench/ (or --out).  Times are
 medians over repeated calls (at least --seconds per case after a warm-up call); the machine is shared, so
@@ -31,8 +32,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import cpu_model, result_name, write_report  # noqa: E402
 from kvkeeper.kernels import cpu as cpu_kernels  # noqa: E402
 
-TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "F16": 1}
-BLOCK = {12: (256, 144), 13: (256, 176), 14: (256, 210), 8: (32, 34), 1: (1, 2)}
+TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_0": 8, "Q5_0": 6, "F16": 1}
+BLOCK = {12: (256, 144), 13: (256, 176), 14: (256, 210), 8: (32, 34), 6: (32, 22), 1: (1, 2)}
 
 
 def random_weight(t: int, N: int, K: int, rng: np.random.Generator) -> np.ndarray:
@@ -91,6 +92,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch/OpenMP threads (0: torch's default)")
     ap.add_argument("--cold-mb", type=int, default=256, help="bytes of weight copies a cold GEMV rotates over")
     ap.add_argument("--cold-max-m", type=int, default=1, help="time M up to this also with cold weights")
+    ap.add_argument("--isa", default="auto", choices=["auto", "generic", "avx2", "avx512"],
+                    help="the kernels' instruction set (kq_set_isa; auto: avx512, else avx2, else generic)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)  # the one OpenMP runtime torch and the extension share
@@ -98,6 +101,7 @@ def main() -> int:
     kq = cpu_kernels.load()
     if kq is None:
         raise SystemExit(f"the C++ kernels are unavailable: {cpu_kernels.unavailable_reason()} (make setup)")
+    kq.kq_set_isa(args.isa)  # raises when this CPU lacks it
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
@@ -167,7 +171,7 @@ def main() -> int:
                f"({args.cold_mb} MB in all), so GEMV streams W from memory.  of read bw: weight GB/s over the "
                "read-only sum's GB/s.  ms: median wall time; CPU ms: median process CPU time, all threads (with "
                "--threads 1 on a busy machine, the time it ran).  GFLOP/s, GB/s and speed-ups from wall time."]
-        suffix = f"-t{args.threads}" if args.threads else ""
+        suffix = (f"-t{args.threads}" if args.threads else "") + (f"-{args.isa}" if args.isa != "auto" else "")
         write_report(out, result_name("kquant_bench", f"{N}x{K}{suffix}"), res, "\n".join(md) + "\n")
     return 0
 

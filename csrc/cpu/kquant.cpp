@@ -2,9 +2,11 @@
 // Q5_0, Q8_0 or F16 weight, without dequantizing the weight to float32.
 //
 // Self-contained: register_kquant(m) defines the Python bindings (kq_matmul, kq_dequantize_rows, kq_set_isa,
-// kq_isa, kq_cpu_has_avx512); the main extension (bindings.cpp) calls it from its PYBIND11_MODULE.  The file is compiled for the baseline x86-64 ISA; the
-// AVX-512 functions carry a target attribute (KQ_AVX512) and are chosen at run time from the CPU's flags,
-// every kernel also having a portable C++ path (kq_set_isa("generic") forces it, for tests).
+// kq_isa, kq_cpu_has_avx512, kq_cpu_has_avx2); the main extension (bindings.cpp) calls it from its PYBIND11_MODULE.
+// The file is compiled for the baseline x86-64 ISA; the AVX-512 functions carry a target attribute (KQ_AVX512),
+// the AVX2 ones (KQ_AVX2: AVX2 + FMA + F16C, for CPUs without AVX-512 such as AMD Zen 3) theirs, and one of them is
+// chosen at run time from the CPU's flags (AVX-512, else AVX2), every kernel also having a portable C++ path
+// (kq_set_isa("generic" | "avx2" | "avx512") forces one, for tests).  F16 has no AVX2 path (float fallback).
 //
 // GGUF block layouts (one weight row of K elements is K/256 super-blocks, or K/32 blocks for Q8_0, stored
 // back to back, or K/32 blocks for Q5_0 / Q8_0; a tensor is N such rows; f16 = IEEE half, little-endian):
@@ -61,8 +63,11 @@
 // Gemma 3 270M Q4_K_M tensors with Gaussian x: 0.5-0.8%.
 //
 // Parallel: the kernels' thread pool (pool.cpp) over tasks of (16 weight rows) x (128 activation rows): decode is split over output
-// rows, prefill over both.  The two ISA paths compute the same integers; only float rounding differs.
-// Batch invariance: on the AVX-512 path every route (decode rows, unpacked rows against a few activation rows,
+// rows, prefill over both.  The three ISA paths compute the same integers; the AVX2 path also takes the portable
+// path's float steps in its order (bit-identical to it, tested), the AVX-512 path its own (only float rounding
+// differs).
+// Batch invariance (each ISA; the portable and AVX2 paths by one float step per row and super-block / block whatever
+// the route): on the AVX-512 path every route (decode rows, unpacked rows against a few activation rows,
 // prefill tiles) computes a row's exact integer sums per super-block (per block for Q5_0, Q8_0) and applies the same
 // float operations to them in the same order, so an output does not depend on M or on the row's place in the
 // batch: a token's logits are the same bit for bit whether its step was a decode or part of a prefill.
@@ -83,6 +88,7 @@
 namespace kquant {
 
 #define KQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c,fma")))
+#define KQ_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 enum GgmlType : int64_t { T_F16 = 1, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 constexpr int QK_K = 256;
@@ -111,20 +117,27 @@ bool cpu_has_avx512() {
   return ok;
 }
 
-bool g_force_generic = false;
-bool use_avx512() { return !g_force_generic && cpu_has_avx512(); }
-std::string isa() { return use_avx512() ? "avx512" : "generic"; }
+// auto: AVX-512 where the CPU has it, else AVX2 (+ FMA + F16C), else the portable code; generic / avx2 force a
+// lower level (tests compare them), avx512 checks the CPU and is auto.
+enum class Level { Auto, Generic, Avx2 };
+Level g_level = Level::Auto;
+bool use_avx512() { return g_level == Level::Auto && cpu_has_avx512(); }
+bool use_avx2() { return g_level != Level::Generic && !use_avx512() && kvk::cpu_has_avx2(); }
+std::string isa() { return use_avx512() ? "avx512" : use_avx2() ? "avx2" : "generic"; }
 
 void set_isa(const std::string& name) {
   if (name == "auto") {
-    g_force_generic = false;
+    g_level = Level::Auto;
   } else if (name == "generic") {
-    g_force_generic = true;
+    g_level = Level::Generic;
+  } else if (name == "avx2") {
+    TORCH_CHECK(kvk::cpu_has_avx2(), "kq_set_isa: this CPU lacks AVX2 + FMA + F16C");
+    g_level = Level::Avx2;
   } else if (name == "avx512") {
     TORCH_CHECK(cpu_has_avx512(), "kq_set_isa: this CPU lacks AVX-512 F/BW/VL/DQ + VNNI + F16C + FMA");
-    g_force_generic = false;
+    g_level = Level::Auto;
   } else {
-    TORCH_CHECK(false, "kq_set_isa: unknown ISA '", name, "': choose auto, generic or avx512");
+    TORCH_CHECK(false, "kq_set_isa: unknown ISA '", name, "': choose auto, generic, avx2 or avx512");
   }
 }
 
@@ -198,6 +211,44 @@ KQ_AVX512 void quantize_row_avx512(const float* xr, int64_t K, int64_t B, bool p
   }
 }
 
+// One row, AVX2: the portable loop's numbers (the same float32 max, d and 1 / d; VCVTPS2DQ rounds half to even
+// as nearbyint does under the default rounding mode, then the clamp to [-127, 127]), 32 elements at a time.
+KQ_AVX2 void quantize_row_avx2(const float* xr, int64_t K, int64_t B, bool perm, int8_t* qr, float* dr,
+                               int16_t* bsr) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / B; ++b) {
+    const float* xb = xr + b * B;
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < B; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    const __m256 idv = _mm256_set1_ps(id);
+    for (int e = 0; e < B; e += 32) {
+      __m256i v[4];
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + e + 8 * j), idv));
+        v[j] = _mm256_max_epi32(nlim, _mm256_min_epi32(lim, v[j]));
+      }
+      // bytes in element order: packs interleaves the 128-bit lanes, the dword permute undoes it
+      const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      const int pos = perm ? 32 * ORD[e / 32] : e;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + b * B + pos), _mm256_permutevar8x32_epi32(p8, order));
+      // the two 16-element sums
+      const __m256i h = _mm256_hadd_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+      s4 = _mm_hadd_epi32(s4, s4);
+      bsr[b * (B / 16) + e / 16] = static_cast<int16_t>(_mm_cvtsi128_si32(s4));
+      bsr[b * (B / 16) + e / 16 + 1] = static_cast<int16_t>(_mm_extract_epi32(s4, 1));
+    }
+    dr[b] = d;
+  }
+}
+
 void quantize_act(const float* x, int64_t M, int64_t K, int64_t type, Act& a) {
   const int64_t B = per32(type) ? QK8 : QK_K, nb = K / B;
   a.K = K;
@@ -211,6 +262,13 @@ void quantize_act(const float* x, int64_t M, int64_t K, int64_t type, Act& a) {
       for (int64_t r = r0; r < r1; ++r)
         quantize_row_avx512(x + r * K, K, B, perm, a.q.data() + r * K, a.d.data() + r * nb,
                             a.bs.data() + r * (K / 16));
+    });
+    return;
+  }
+  if (use_avx2()) {
+    kvk::parallel_for(0, M, std::max<int64_t>(1, (int64_t(1) << 16) / K), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        quantize_row_avx2(x + r * K, K, B, perm, a.q.data() + r * K, a.d.data() + r * nb, a.bs.data() + r * (K / 16));
     });
     return;
   }
@@ -1008,6 +1066,307 @@ KQ_AVX512 void kq_rows16_avx512(const uint8_t* w, int64_t rb, int64_t type, int6
 }
 
 // ---------------------------------------------------------------------------------------------------
+// AVX2 (+ FMA + F16C; CPUs without AVX-512 VNNI): the portable path's integers and its float steps, in its order,
+// so the two agree bit for bit (tested).  VPMADDUBSW multiplies unsigned codes by the signed activation bytes into
+// int16 pairs (K-quants: at most 2 * 63 * 127 = 16002; Q5_0: 2 * 31 * 127; Q8_0 as |w| times x with w's sign,
+// at most 2 * 128 * 127 = 32512: nothing saturates), VPMADDWD by the scales (K-quants) or by ones (Q5_0, Q8_0)
+// sums them in int32, exact.
+//  * K-quants: per weight row and super-block the integer sums P = sum s_g q x and Mi = sum m_g bsum_g (two
+//    horizontal sums), then the portable code's scalar step acc += dx * (d * P - dmin * Mi).  Decode (a task with
+//    at most 4 activation rows) unpacks each super-block into registers and uses it at once; a task with more
+//    rows unpacks its 16 weight rows to the KU layout once (as the portable path does) and runs 4 activation rows
+//    at a time against them.
+//  * Q8_0 / Q5_0: 8 weight rows in the 8 lanes: per block each row's int32 vector, one transpose-and-add tree
+//    (VPHADDD) gives the 8 rows' exact block sums in lanes, and the float step is the portable one lane for lane
+//    (Q8_0: acc + (d_w * d_x) * float(s); Q5_0: fma(float(s), d_w * d_x, acc)), block after block.
+// Every route computes a row's integers per super-block / block and the same float steps in the same order, so an
+// output does not depend on M or on the row's place in the batch either.
+// ---------------------------------------------------------------------------------------------------
+// (P, Mi) = the lane sums of p and mi
+KQ_AVX2 inline void hsum2_avx2(__m256i p, __m256i mi, int32_t& P, int32_t& Mi) {
+  const __m256i h = _mm256_hadd_epi32(p, mi);  // [p01 p23 m01 m23 | p45 p67 m45 m67]
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  s = _mm_hadd_epi32(s, s);
+  P = _mm_cvtsi128_si32(s);
+  Mi = _mm_extract_epi32(s, 1);
+}
+
+// lane r = the sum of v[r]'s 8 lanes (integer adds, exact)
+KQ_AVX2 inline __m256i sum8_avx2(const __m256i* v) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// One super-block in registers, the KU layout: q[c] the codes of activation positions 32 c .. 32 c + 31, sc[c] the
+// 16-bit scales of VPMADDUBSW's output lanes (pairs of positions), mn the mins of the 16 natural groups.
+struct SbRegs2 {
+  __m256i q[8], sc[8], mn;
+  float d, dmin;
+};
+
+template <int64_t TYPE>
+__attribute__((always_inline)) KQ_AVX2 inline void sb_regs_avx2(const uint8_t* b, SbRegs2& u) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (TYPE == T_Q4_K || TYPE == T_Q5_K) {
+    u.d = f16_at(b);
+    u.dmin = f16_at(b + 2);
+    uint32_t sm[4];
+    scale_min_words(b + 4, sm);
+    uint8_t s8[8];
+    std::memcpy(s8, sm, 8);
+    // position chunk c holds sub-block ORD[c] (see ORD): qs bytes 32 (j / 2) .., low nibble for j even
+    for (int c = 0; c < 8; ++c) u.sc[c] = _mm256_set1_epi16(s8[ORD[c]]);
+    const __m128i m8 = _mm_cvtepu8_epi16(_mm_setr_epi32(static_cast<int>(sm[2]), static_cast<int>(sm[3]), 0, 0));
+    u.mn = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+    constexpr int64_t qoff = TYPE == T_Q4_K ? 16 : 48;
+    for (int h = 0; h < 2; ++h) {
+      const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + qoff + 64 * h));
+      const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + qoff + 64 * h + 32));
+      u.q[4 * h] = _mm256_and_si256(a0, low4);
+      u.q[4 * h + 1] = _mm256_and_si256(a1, low4);
+      u.q[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(a0, 4), low4);
+      u.q[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(a1, 4), low4);
+    }
+    if constexpr (TYPE == T_Q5_K) {  // bit j of qh[l]: the 5th bit of element l of sub-block j
+      const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      const __m256i sixteen = _mm256_set1_epi8(16);
+      for (int c = 0; c < 8; ++c) {
+        const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << ORD[c]));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(H, bit), bit);
+        u.q[c] = _mm256_or_si256(u.q[c], _mm256_and_si256(set, sixteen));
+      }
+    }
+    return;
+  }
+  // Q6_K, natural order: chunk 4 h + k is elements 128 h + 32 k + l, low nibbles of ql[64 h + 32 (k % 2) + l]
+  // (high nibbles for k >= 2), high bits (qh[32 h + l] >> 2 k) & 3
+  u.d = u.dmin = f16_at(b + 208);
+  const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  const __m256i s2 = _mm256_broadcastsi128_si256(s8);
+  for (int c = 0; c < 8; ++c) {  // lanes 0-7: scale of group 2c, 8-15: 2c + 1 (the byte twice, then >> 8)
+    const __m256i ctl = _mm256_set_m128i(_mm_set1_epi8(static_cast<char>(2 * c + 1)), _mm_set1_epi8(static_cast<char>(2 * c)));
+    u.sc[c] = _mm256_srai_epi16(_mm256_shuffle_epi8(s2, ctl), 8);
+  }
+  u.mn = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i L0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+    const __m256i L1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+    const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    u.q[4 * h] = _mm256_or_si256(_mm256_and_si256(L0, low4), _mm256_slli_epi16(_mm256_and_si256(H, _mm256_set1_epi8(0x03)), 4));
+    u.q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(L1, low4), _mm256_slli_epi16(_mm256_and_si256(H, _mm256_set1_epi8(0x0C)), 2));
+    u.q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), low4), _mm256_and_si256(H, _mm256_set1_epi8(0x30)));
+    u.q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), low4),
+                                     _mm256_srli_epi16(_mm256_and_si256(H, _mm256_set1_epi8(static_cast<char>(0xC0))), 2));
+  }
+}
+
+// The super-block's exact integer sums against one activation row: P = sum s q x, Mi = sum m_g bsum_g.
+__attribute__((always_inline)) KQ_AVX2 inline void sb_dot_avx2(const __m256i* q, const __m256i* sc, __m256i mn,
+                                                               const int8_t* x, const int16_t* bs, int32_t& P,
+                                                               int32_t& Mi) {
+  __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+  for (int c = 0; c < 8; c += 2) {
+    p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * c))), sc[c]));
+    p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(_mm256_maddubs_epi16(q[c + 1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * c + 32))), sc[c + 1]));
+  }
+  const __m256i mi = _mm256_madd_epi16(mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
+  hsum2_avx2(_mm256_add_epi32(p0, p1), mi, P, Mi);
+}
+
+// Decode: rows [0, nrows) of w (stride rb) against activation rows m0 .. m0 + R - 1, each super-block unpacked
+// into registers; y[(m0 + m) * N + n0 + r].
+template <int R, int64_t TYPE>
+KQ_AVX2 void kq_rows_avx2_t(const uint8_t* w, int64_t rb, int nrows, const Act& a, int64_t m0, float* y, int64_t N,
+                            int64_t n0) {
+  const int64_t K = a.K, nsb = K / QK_K, sbb = row_bytes(TYPE, QK_K);
+  for (int r = 0; r < nrows; ++r) {
+    float acc[R];
+    for (int m = 0; m < R; ++m) acc[m] = 0.f;
+    for (int64_t s = 0; s < nsb; ++s) {
+      SbRegs2 u;
+      sb_regs_avx2<TYPE>(w + r * rb + s * sbb, u);
+#pragma GCC unroll 4
+      for (int m = 0; m < R; ++m) {
+        const int64_t row = m0 + m;
+        int32_t P, Mi;
+        sb_dot_avx2(u.q, u.sc, u.mn, a.q.data() + row * K + s * QK_K, a.bs.data() + row * (K / 16) + s * 16, P, Mi);
+        // the portable step (ku_dot_generic), the same float operations in the same order
+        acc[m] += a.d[row * nsb + s] * (u.d * static_cast<float>(P) - u.dmin * static_cast<float>(Mi));
+      }
+    }
+    for (int m = 0; m < R; ++m) y[(m0 + m) * N + n0 + r] = acc[m];
+  }
+}
+
+template <int64_t TYPE>
+KQ_AVX2 void kq_rows_avx2_mr(const uint8_t* w, int64_t rb, int nrows, const Act& a, int64_t m0, int mr, float* y,
+                             int64_t N, int64_t n0) {
+  switch (mr) {
+    case 1: kq_rows_avx2_t<1, TYPE>(w, rb, nrows, a, m0, y, N, n0); break;
+    case 2: kq_rows_avx2_t<2, TYPE>(w, rb, nrows, a, m0, y, N, n0); break;
+    case 3: kq_rows_avx2_t<3, TYPE>(w, rb, nrows, a, m0, y, N, n0); break;
+    default: kq_rows_avx2_t<4, TYPE>(w, rb, nrows, a, m0, y, N, n0); break;
+  }
+}
+
+KQ_AVX2 void kq_rows_avx2(const uint8_t* w, int64_t rb, int64_t type, int nrows, const Act& a, int64_t m0, int mr,
+                          float* y, int64_t N, int64_t n0) {
+  switch (type) {
+    case T_Q4_K: kq_rows_avx2_mr<T_Q4_K>(w, rb, nrows, a, m0, mr, y, N, n0); break;
+    case T_Q5_K: kq_rows_avx2_mr<T_Q5_K>(w, rb, nrows, a, m0, mr, y, N, n0); break;
+    default: kq_rows_avx2_mr<T_Q6_K>(w, rb, nrows, a, m0, mr, y, N, n0); break;
+  }
+}
+
+template <int64_t TYPE>
+KQ_AVX2 void unpack_avx2_t(const uint8_t* row, int64_t nsb, KU* out) {
+  const int64_t sbb = row_bytes(TYPE, QK_K);
+  for (int64_t s = 0; s < nsb; ++s) {
+    SbRegs2 r;
+    sb_regs_avx2<TYPE>(row + s * sbb, r);
+    KU& u = out[s];
+    u.d = r.d;
+    u.dmin = r.dmin;
+    for (int c = 0; c < 8; ++c) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u.q + 32 * c), r.q[c]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u.sc + 16 * c), r.sc[c]);
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u.mn), r.mn);
+  }
+}
+
+KQ_AVX2 void unpack_avx2(const uint8_t* row, int64_t type, int64_t nsb, KU* out) {
+  switch (type) {
+    case T_Q4_K: unpack_avx2_t<T_Q4_K>(row, nsb, out); break;
+    case T_Q5_K: unpack_avx2_t<T_Q5_K>(row, nsb, out); break;
+    default: unpack_avx2_t<T_Q6_K>(row, nsb, out); break;
+  }
+}
+
+// ku_dot_generic's results, bit for bit: activation rows m0 .. m0 + R - 1 against one unpacked row.
+template <int R>
+KQ_AVX2 void ku_dot_avx2_t(const KU* w, int64_t nsb, const Act& a, int64_t m0, float* out) {
+  const int64_t K = a.K;
+  float acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = 0.f;
+  for (int64_t s = 0; s < nsb; ++s) {
+    const KU& u = w[s];
+    __m256i q[8], sc[8];
+    for (int c = 0; c < 8; ++c) {
+      q[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * c));
+      sc[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.sc + 16 * c));
+    }
+    const __m256i mn = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.mn));
+#pragma GCC unroll 4
+    for (int m = 0; m < R; ++m) {
+      const int64_t row = m0 + m;
+      int32_t P, Mi;
+      sb_dot_avx2(q, sc, mn, a.q.data() + row * K + s * QK_K, a.bs.data() + row * (K / 16) + s * 16, P, Mi);
+      acc[m] += a.d[row * nsb + s] * (u.d * static_cast<float>(P) - u.dmin * static_cast<float>(Mi));
+    }
+  }
+  for (int m = 0; m < R; ++m) out[m] = acc[m];
+}
+
+KQ_AVX2 void ku_dot_avx2(const KU* w, int64_t nsb, const Act& a, int64_t m0, int mr, float* out) {
+  switch (mr) {
+    case 1: ku_dot_avx2_t<1>(w, nsb, a, m0, out); break;
+    case 2: ku_dot_avx2_t<2>(w, nsb, a, m0, out); break;
+    case 3: ku_dot_avx2_t<3>(w, nsb, a, m0, out); break;
+    default: ku_dot_avx2_t<4>(w, nsb, a, m0, out); break;
+  }
+}
+
+// The 32 codes (0..31) of a Q5_0 block, natural order: the nibbles of qs, 16 where qh has the element's bit.
+KQ_AVX2 inline __m256i q5_codes_avx2(const uint8_t* blk) {
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low4), _mm_and_si128(qs, low4));
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, 4);
+  // byte i <- the byte of qh holding bit i, then all ones where bit i is set
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
+                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                               0x0101010101010101, 0x0000000000000000));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
+// Q8_0 / Q5_0: weight rows [0, nrows) (nrows <= 8, stride rb) in lanes against activation rows m0 .. m0 + R - 1.
+template <int R, int64_t TYPE>
+KQ_AVX2 void rows8_dot_avx2_t(const uint8_t* w, int64_t rb, int nrows, const Act& a, int64_t m0, float* y, int64_t N,
+                              int64_t n0) {
+  constexpr bool Q8 = TYPE == T_Q8_0;
+  constexpr int64_t bb = Q8 ? 34 : 22;
+  const int64_t K = a.K, nb = K / QK8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_ps();
+  // the next 8 rows (contiguous) into cache while these are computed, a share per block (see rows16_dot_avx512_t)
+  const uint8_t* next = w + 8 * rb;
+  const int64_t lines = (8 * rb + 63) / 64, per = (lines + nb - 1) / nb;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t l = b * per; l < std::min(lines, (b + 1) * per); ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
+    alignas(16) uint16_t dh[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    __m256i C[8];  // Q8_0: the int8 weights; Q5_0: the codes
+    for (int r = 0; r < 8; ++r) {
+      if (r >= nrows) {
+        C[r] = _mm256_setzero_si256();
+        continue;
+      }
+      const uint8_t* blk = w + r * rb + bb * b;
+      std::memcpy(&dh[r], blk, 2);
+      C[r] = Q8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)) : q5_codes_avx2(blk);
+    }
+    const __m256 D = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
+    for (int m = 0; m < R; ++m) {
+      const int64_t row = m0 + m;
+      const __m256i X = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + row * K + b * QK8));
+      __m256i v[8];
+      for (int r = 0; r < 8; ++r)
+        v[r] = Q8 ? _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(C[r]), _mm256_sign_epi8(X, C[r])), ones)
+                  : _mm256_madd_epi16(_mm256_maddubs_epi16(C[r], X), ones);
+      __m256i S = sum8_avx2(v);
+      const __m256 dd = _mm256_mul_ps(D, _mm256_set1_ps(a.d[row * nb + b]));
+      if constexpr (Q8) {  // q8_dot_generic: acc += (d_w * d_x) * float(s)
+        acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(S)));
+      } else {  // q5_dot_generic: s - 16 * (bsum_0 + bsum_1), then fma(float(s), d_w * d_x, acc)
+        const int16_t* bs = a.bs.data() + row * (K / 16) + 2 * b;
+        S = _mm256_sub_epi32(S, _mm256_set1_epi32(16 * (static_cast<int32_t>(bs[0]) + bs[1])));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), dd, acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc[m]);
+    std::memcpy(y + (m0 + m) * N + n0, out, sizeof(float) * nrows);
+  }
+}
+
+template <int64_t TYPE>
+KQ_AVX2 void rows8_dot_avx2_mr(const uint8_t* w, int64_t rb, int nrows, const Act& a, int64_t m0, int mr, float* y,
+                               int64_t N, int64_t n0) {
+  switch (mr) {
+    case 1: rows8_dot_avx2_t<1, TYPE>(w, rb, nrows, a, m0, y, N, n0); break;
+    case 2: rows8_dot_avx2_t<2, TYPE>(w, rb, nrows, a, m0, y, N, n0); break;
+    case 3: rows8_dot_avx2_t<3, TYPE>(w, rb, nrows, a, m0, y, N, n0); break;
+    default: rows8_dot_avx2_t<4, TYPE>(w, rb, nrows, a, m0, y, N, n0); break;
+  }
+}
+
+KQ_AVX2 void rows8_dot_avx2(const uint8_t* w, int64_t rb, int nrows, int64_t type, const Act& a, int64_t m0, int mr,
+                            float* y, int64_t N, int64_t n0) {
+  if (type == T_Q8_0)
+    rows8_dot_avx2_mr<T_Q8_0>(w, rb, nrows, a, m0, mr, y, N, n0);
+  else
+    rows8_dot_avx2_mr<T_Q5_0>(w, rb, nrows, a, m0, mr, y, N, n0);
+}
+
+// ---------------------------------------------------------------------------------------------------
 // F16 (float fallback: no activation quantization)
 // ---------------------------------------------------------------------------------------------------
 void f16_dot_generic(const uint8_t* row, int64_t K, const float* x, int mr, float* out) {
@@ -1065,7 +1424,7 @@ T* room(std::vector<T>& v, int64_t n) {
 
 void run_task(const Product& p, int64_t t) {
   static thread_local Scratch s;
-  const bool fast = use_avx512();
+  const bool fast = use_avx512(), avx2 = !fast && use_avx2();
   const Act& a = *p.a;
   const uint8_t* w = p.w;
   const int64_t K = p.K, N = p.ldy, rb = p.rb, type = p.type, nsb = K / QK_K;
@@ -1092,6 +1451,13 @@ void run_task(const Product& p, int64_t t) {
                         static_cast<int>(std::min<int64_t>(MR, m1 - m)), y, N, n0);
     return;
   }
+  if (!kq && avx2) {  // 8 rows in lanes, 4 activation rows at a time (decode and prefill alike)
+    for (int64_t g = n0; g < n1; g += 8)
+      for (int64_t m = m0; m < m1; m += MR)
+        rows8_dot_avx2(w + g * rb, rb, static_cast<int>(std::min<int64_t>(8, n1 - g)), type, a, m,
+                       static_cast<int>(std::min<int64_t>(MR, m1 - m)), y, N, g);
+    return;
+  }
   if (!kq) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = m0; m < m1; m += MR) {
@@ -1107,6 +1473,10 @@ void run_task(const Product& p, int64_t t) {
       kq_rows16_avx512(w, rb, type, n0, n1, p.N, a, m0, mr, y, N);
       return;
     }
+    if (avx2) {
+      kq_rows_avx2(w + n0 * rb, rb, type, static_cast<int>(n1 - n0), a, m0, mr, y, N, n0);
+      return;
+    }
     KU* u = room(s.ku, nsb);
     for (int64_t n = n0; n < n1; ++n) {
       unpack_generic(w + n * rb, type, nsb, u);
@@ -1119,6 +1489,8 @@ void run_task(const Product& p, int64_t t) {
   for (int64_t n = n0; n < n1; ++n) {
     if (fast)
       unpack_avx512(w + n * rb, type, nsb, scratch + (n - n0) * nsb);
+    else if (avx2)
+      unpack_avx2(w + n * rb, type, nsb, scratch + (n - n0) * nsb);
     else
       unpack_generic(w + n * rb, type, nsb, scratch + (n - n0) * nsb);
   }
@@ -1140,6 +1512,8 @@ void run_task(const Product& p, int64_t t) {
       const KU* u = scratch + (n - n0) * nsb;
       if (fast)
         ku_dot_avx512(u, nsb, a, m, mr, out);
+      else if (avx2)
+        ku_dot_avx2(u, nsb, a, m, mr, out);
       else
         ku_dot_generic(u, nsb, a, m, mr, out);
       for (int i = 0; i < mr; ++i) y[(m + i) * N + n] = out[i];
@@ -1327,7 +1701,9 @@ void register_kquant(pybind11::module_& m) {
         pybind11::arg("rows") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kq_row_bytes", &kquant::row_bytes, "bytes of one GGUF row of K elements of a GGML type",
         pybind11::arg("ggml_type"), pybind11::arg("K"));
-  m.def("kq_set_isa", &kquant::set_isa, "force the kquant kernels' ISA: auto, generic or avx512 (tests)");
-  m.def("kq_isa", &kquant::isa, "the ISA the kquant kernels use now: avx512 or generic");
+  m.def("kq_set_isa", &kquant::set_isa,
+        "force the kquant kernels' ISA: auto (avx512, else avx2, else generic), generic, avx2 or avx512 (tests)");
+  m.def("kq_isa", &kquant::isa, "the ISA the kquant kernels use now: avx512, avx2 or generic");
   m.def("kq_cpu_has_avx512", &kquant::cpu_has_avx512, "whether this CPU has AVX-512 F/BW/VL/DQ + VNNI + F16C + FMA");
+  m.def("kq_cpu_has_avx2", &kvk::cpu_has_avx2, "whether this CPU has AVX2 + FMA + F16C");
 }

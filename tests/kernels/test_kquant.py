@@ -11,8 +11,8 @@ is finite), and two references are checked, per output element y[m, n]:
   (Cauchy-Schwarz on the activation rounding, |x - x_q| <= dx / 2 per element); F16 does not quantize x
   and is held to the TOL_EXACT term alone.
 
-Both instruction-set paths (portable C++ and AVX-512 VNNI, when the CPU has it) are checked, and against
-each other.  The test on real tensors reads the Gemma 3 270M Q4_K_M GGUF when its package is installed.
+Every instruction-set path the CPU has (portable C++; AVX2 + FMA + F16C; AVX-512 VNNI) is checked, and against
+each other: AVX2 bit for bit against the portable path, AVX-512 within the tolerance.  The test on real tensors reads the Gemma 3 270M Q4_K_M GGUF when its package is installed.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def kq():
 
 
 def isas(kq):
-    return ["generic", "avx512"] if kq.kq_cpu_has_avx512() else ["generic"]
+    """Every instruction set the kernels can run on this CPU: generic always, avx2 and avx512 where it has them."""
+    return ["generic"] + (["avx2"] if kq.kq_cpu_has_avx2() else []) + (["avx512"] if kq.kq_cpu_has_avx512() else [])
 
 
 def random_weight(t: GT, N: int, K: int, rng: np.random.Generator) -> np.ndarray:
@@ -135,6 +136,34 @@ def test_matmul_matches_gguf(kq, t, shape):
     if "avx512" in ys:
         scale = np.linalg.norm(x, axis=1)[:, None] * np.linalg.norm(wf, axis=1)[None, :]
         assert (np.abs(ys["avx512"] - ys["generic"]) <= TOL_EXACT * scale + 1e-30).all()
+    if "avx2" in ys and t != GT.F16:  # F16 has no AVX2 path
+        np.testing.assert_array_equal(ys["avx2"], ys["generic"])
+
+
+@pytest.mark.parametrize("t", [t for t in TYPES if t != GT.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("M", [1, 3, 16, 40])
+def test_avx2_equals_generic_bit_for_bit(kq, t, M):
+    """The AVX2 path takes the portable path's integer sums and its float steps in its order, so the two agree bit
+    for bit (decode rows at M = 1, 3; the 4-row micro-kernel over unpacked rows at M = 16, 40), here with x of
+    mixed magnitudes, zero rows and zero 32-blocks, and N not a multiple of the 8 / 16 rows the kernels take."""
+    if not kq.kq_cpu_has_avx2():
+        pytest.skip("CPU lacks AVX2 + FMA + F16C")
+    K = 640 if t in PER32 else 768
+    for N in (1, 37):
+        rng = np.random.default_rng(1000 * M + N + t.value)
+        w = torch.from_numpy(random_weight(t, N, K, rng))
+        x = rng.standard_normal((M, K)) * rng.choice([1e-3, 1.0, 30.0], size=(M, 1))
+        x[:, 32:64] = 0.0
+        if M > 2:
+            x[1] = 0.0
+        x = torch.from_numpy(x.astype(np.float32))
+        kq.kq_set_isa("generic")
+        want = kq.kq_matmul(x, w, int(t), N, K)
+        kq.kq_set_isa("avx2")
+        assert kq.kq_isa() == "avx2"
+        got = kq.kq_matmul(x, w, int(t), N, K)
+        kq.kq_set_isa("auto")
+        assert torch.equal(got, want), f"{t.name} M={M} N={N}: max diff {(got - want).abs().max().item():.3g}"
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -212,6 +241,23 @@ def test_zero_rows_and_activations(kq):
     assert kq.kq_matmul(torch.zeros(0, K), torch.from_numpy(w), int(GT.Q4_K), N, K).shape == (0, N)
 
 
+def test_isa_selection(kq):
+    """auto takes the best the CPU has (avx512, else avx2, else generic); each ISA it has can be forced and kq_isa
+    names the one in use."""
+    kq.kq_set_isa("auto")
+    best = "avx512" if kq.kq_cpu_has_avx512() else "avx2" if kq.kq_cpu_has_avx2() else "generic"
+    assert kq.kq_isa() == best
+    for isa in isas(kq):
+        kq.kq_set_isa(isa)
+        assert kq.kq_isa() == isa
+    kq.kq_set_isa("auto")
+    for isa, has in (("avx2", kq.kq_cpu_has_avx2()), ("avx512", kq.kq_cpu_has_avx512())):
+        if not has:
+            with pytest.raises(RuntimeError, match="lacks"):
+                kq.kq_set_isa(isa)
+            assert kq.kq_isa() == best
+
+
 def test_bad_arguments(kq):
     w = torch.zeros(4, 144, dtype=torch.uint8)
     x = torch.zeros(2, 256)
@@ -227,7 +273,7 @@ def test_bad_arguments(kq):
         kq.kq_matmul(torch.zeros(2, 512), w, int(GT.Q4_K), 4, 256)
     with pytest.raises(RuntimeError, match="out of"):
         kq.kq_dequantize_rows(w, int(GT.Q4_K), 4, 256, torch.tensor([4]))
-    with pytest.raises(RuntimeError, match="unknown ISA"):
+    with pytest.raises(RuntimeError, match="unknown ISA 'sse9': choose auto, generic, avx2 or avx512"):
         kq.kq_set_isa("sse9")
     assert kq.kq_row_bytes(int(GT.Q6_K), 512) == 420
     assert kq.kq_row_bytes(int(GT.Q5_0), 640) == 440

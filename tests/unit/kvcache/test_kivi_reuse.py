@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ ker
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=5)
 # (attention set_isa, weight kernels kq_set_isa)
-# (avx2: the qmm block matmul of these int8 weights in AVX2; attention and K-quants generic)
-ISAS = {"generic": ("generic", "generic"), "avx2": ("avx2", "generic"), "avx512": ("avx512_vnni", "avx512")}
+# (avx2: the qmm block matmul of these int8 weights and the K-quant kernels in AVX2; attention generic)
+ISAS = {"generic": ("generic", "generic"), "avx2": ("avx2", "avx2"), "avx512": ("avx512_vnni", "avx512")}
 
 
 @pytest.fixture(scope="module")
