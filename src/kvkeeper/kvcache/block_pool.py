@@ -393,8 +393,10 @@ class BlockPool:
         return any(self._by_hash.get(h) in self._free_held for h in hold.hashes)
 
     def _give_way(self) -> None:
-        """No unheld block left: the oldest hold with an unreferenced block gives it up (counted)."""
-        self._release(self.holds.give_way(self._has_free_block))
+        """No unheld cached block left: holds with an unreferenced block give way, oldest first (each counted), until
+        one of their blocks is held by no other hold."""
+        while not self._free_cached and self._free_held:
+            self._release(self.holds.give_way(self._has_free_block))
 
     # ---- invariants --------------------------------------------------------
     def check_invariants(self) -> None:
