@@ -86,6 +86,7 @@ IMPLEMENTED = {
     "context_policy": "test_context_server.py::test_last_policy_header_body_400_and_metrics",
     "context_budget": "test_context_server.py::test_last_policy_header_body_400_and_metrics",
     "prompt_cache_key": "test_responses_api.py::test_prompt_cache_key_scopes_the_cache",
+    "prompt_cache_retention": "test_cache_retention.py::test_prompt_cache_retention_24h_holds_the_prompt_on_chat",
     "prediction": "test_speculative_server.py::test_prediction_is_used_and_counted_and_changes_nothing",
     "speculative_decoding": "test_speculative_server.py::test_prediction_is_used_and_counted_and_changes_nothing",
     "session_compression": "test_session_compression_api.py::test_a_compressed_two_turn_session_and_its_errors",
@@ -96,7 +97,7 @@ IMPLEMENTED = {
 # a value that is not the field's no-op, for each refused field
 NOT_NOOP = {"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "function_call": "auto",
     "functions": [{"name": "f"}], "reasoning_effort": "low", "verbosity": "low", "web_search_options": {}, "service_tier": "flex", "store": True, "metadata": {"k": "v"},
-    "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {"x": 1}, "moderation": {"x": 1},
+    "prompt_cache_key": "k", "prompt_cache_options": {"x": 1}, "moderation": {"x": 1},
     "suffix": "end"}
 
 

@@ -190,7 +190,7 @@ def test_another_tenants_response_is_not_found(alice, bob):
 
 @pytest.mark.parametrize("extra,param", [
     ({"background": True}, "background"), ({"frobnicate": 1}, "frobnicate"),
-    ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"), ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
+    ({"prompt_cache_retention": "7d"}, "prompt_cache_retention"), ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "description": "d"}}},
      "text.format.description"),
     ({"input": [{"role": "user", "content": "hi", "colour": "red"}]}, "input.0.colour"),

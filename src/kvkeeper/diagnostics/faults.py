@@ -72,8 +72,9 @@ def free_while_referenced(engine: EngineHandle, seq, index: int) -> int:
     bid = seq.block_table[index]
     pool.free(bid)
     if pool.blocks[bid].ref_count == 0:
-        if bid in pool._free_cached:  # drop its prefix-cache entry and hand it out next
-            del pool._free_cached[bid]
+        cached = pool._free_held if bid in pool._free_held else pool._free_cached
+        if bid in cached:  # drop its prefix-cache entry and hand it out next
+            del cached[bid]
             pool._evict(bid)
             pool._free_plain[bid] = None
         pool._free_plain.move_to_end(bid, last=False)

@@ -66,6 +66,8 @@ class EngineConfig:
     hybrid_kv_cache: a model with sliding-window layers keeps their KV only for the window (see
     ``kvkeeper.kvcache.block_pool``); False gives every layer every token's block.
     block_size: tokens per KV block (None: 16, or 32 for the KIVI dtypes int4 / int2).  KV budget: ``num_kv_blocks``, else ``kv_cache_bytes`` (default 1 GiB).
+    kv_hold_share: the share of the KV blocks retention holds may keep from eviction (0..1; 0: off;
+    :mod:`kvkeeper.kvcache.retention`).
     max_num_seqs: running sequences at most.  max_num_batched_tokens: tokens per step (the prefill chunk).
     max_model_len: cap on the context window (None: the model's own).  num_threads: torch CPU threads.
     validate_every: run the KV integrity validators before every N-th step (0: never).
@@ -131,6 +133,10 @@ class EngineConfig:
         action="store_true", negate=True))
     enable_prefix_caching: bool = field(default=True, metadata=option(
         "--no-prefix-caching", "never reuse cached blocks across requests", action="store_true", negate=True))
+    kv_hold_share: float = field(default=0.25, metadata=option(
+        "--kv-hold-share", "share of the KV blocks that prompt-cache retention holds (cache_control breakpoints, "
+        "prompt_cache_retention 24h) may keep from LRU eviction until their TTL, the oldest hold giving way first; "
+        "0 turns holds off", type=float, metavar="F"))
     max_model_len: int | None = field(default=None, metadata=option(
         "--max-model-len", "cap the context window at N tokens (default: the model's own)", type=positive_int,
         metavar="N"))
@@ -185,6 +191,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and int(v) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1 (or unset), got {v}")
+        if not 0.0 <= self.kv_hold_share <= 1.0:
+            raise InvalidRequestError(f"kv_hold_share is a share of the KV blocks, 0..1, got {self.kv_hold_share}")
         if self.validate_every < 0:
             raise InvalidRequestError(f"validate_every must be >= 0 (0 = never), got {self.validate_every}")
 

@@ -13,6 +13,7 @@ import torch
 from ..errors import InvalidRequestError
 from ..kvcache.block_pool import BlockPool
 from ..kvcache.manager import KVCacheManager
+from ..kvcache.namespace import Namespace
 from ..kvcache.surgery import compact, compress_prompt
 from ..kvcache.telemetry import PoolStats, pool_stats
 from ..model_config import ModelConfig
@@ -34,7 +35,8 @@ class KVAccess:
 
     def __init__(self, runner: ModelRunner, config: EngineConfig, model_config: ModelConfig):
         window_blocks = runner.window_blocks
-        self.pool = BlockPool(runner.num_blocks, config.block_size, config.enable_prefix_caching, window_blocks)
+        self.pool = BlockPool(runner.num_blocks, config.block_size, config.enable_prefix_caching, window_blocks,
+                              config.kv_hold_share)
         self.manager = KVCacheManager(self.pool, model_config.sliding_window if window_blocks else None)
         runner.window_of = self.pool.window_id if window_blocks else None  # which window block a slot's block has
         self.runner, self.config, self.model_config = runner, config, model_config
@@ -178,6 +180,12 @@ class KVAccess:
         """Cached blocks evicted for reuse since the start (prefix-cache pressure)."""
         return self.pool.evictions
 
+    def hold_prefix(self, namespace: Namespace, token_ids: list[int], ttl_s: float) -> int:
+        """Keep the full blocks of ``token_ids`` under ``namespace`` from LRU eviction for ``ttl_s`` seconds (a
+        cache breakpoint's prefix; :meth:`BlockPool.hold`, rules in :mod:`kvkeeper.kvcache.retention`); returns
+        the blocks held (0 with holds off).  Engine thread only."""
+        return self.pool.hold(namespace, token_ids, ttl_s)
+
     def prefix_tokens(self) -> tuple[int, int]:
         """(prompt tokens looked up in the prefix cache, of them found there: KV reused) since the start."""
         return self.manager.query_tokens, self.manager.hit_tokens
@@ -191,7 +199,17 @@ class KVAccess:
                 "prefix_query_tokens": query, "prefix_hit_tokens": hit,
                 "kv_bytes_per_token": self.bytes_per_token,
                 "kv_cache_bytes": self.runner.kv_cache_bytes, "kv_window_blocks_total": pool.window_blocks or 0,
-                "kv_window_blocks_free": pool.num_window_free}
+                "kv_window_blocks_free": pool.num_window_free, **self.hold_stats()}
+
+    def hold_stats(self) -> dict:
+        """Retention holds now: ``kv_held_blocks`` (distinct blocks under a live hold, the share bound's count),
+        ``kv_holds`` (live holds), and the counters (holds) ``kv_holds_expired``, ``kv_holds_gave_way`` (to
+        allocation pressure) and ``kv_holds_displaced`` (by a newer hold, over the share bound)."""
+        pool = self.pool
+        pool.expire_holds()
+        h = pool.holds
+        return {"kv_held_blocks": h.num_blocks, "kv_holds": h.num_holds, "kv_holds_expired": h.expired,
+                "kv_holds_gave_way": h.gave_way, "kv_holds_displaced": h.displaced}
 
     def describe(self) -> str:
         """The load line's KV part: format, bytes per token, blocks and their size, a hybrid pool's window blocks."""

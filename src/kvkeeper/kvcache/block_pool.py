@@ -21,16 +21,24 @@ prefix-cache entry) stays.  A cached free block keeps its window block until a w
 (least recently freed first), so a prefix hit can still use it as the last window of the matched prefix.
 This follows vLLM's hybrid KV cache manager (sliding-window blocks outside the window go back to the free
 list), with one window block per block instead of vLLM's separate block tables per layer group.
+
+Retention holds (:mod:`kvkeeper.kvcache.retention`): a cached free block whose hash is under a live hold sits on a
+third free list, ``_free_held``, which eviction reaches only when the never-cached and unheld cached blocks are gone
+(then the oldest hold with a block there gives way).  Held blocks count as free (:attr:`BlockPool.num_free`): a
+hold never makes an allocation fail.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 from .namespace import Namespace
+from .retention import Hold, RetentionHolds
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -71,8 +79,13 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window_blocks: int | None = None):
-        """window_blocks: size of the sliding layers' window-block set (hybrid KV cache), None for none."""
+                 window_blocks: int | None = None, hold_share: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
+        """window_blocks: size of the sliding layers' window-block set (hybrid KV cache), None for none.
+        hold_share: the share of the pool that retention holds may keep (0..1; 0: holds off), ``clock`` their
+        monotonic seconds (:mod:`kvkeeper.kvcache.retention`).  Raises ValueError for a share outside 0..1."""
+        if not 0.0 <= hold_share <= 1.0:
+            raise ValueError(f"hold_share is a share of the pool, 0..1 (got {hold_share})")
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
         if window_blocks is not None and window_blocks < 1:
@@ -86,6 +99,8 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_plain: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
+        self._free_held: OrderedDict[int, None] = OrderedDict()  # cached free blocks under a live hold
+        self.holds = RetentionHolds(int(hold_share * num_blocks) if enable_prefix_caching else 0, clock)
         self._by_hash: dict[int, int] = {}
         self.evictions = 0
         self.events = None  # a kvkeeper.kvcache.kv_events.wire.EventRecorder when KV events are on (attach_events)
@@ -113,7 +128,7 @@ class BlockPool:
     def num_free(self) -> int:
         """Blocks allocatable now: refcount 0, including evictable cached ones; in a hybrid pool no more than
         the window blocks that are free or held by cached free blocks (each new block takes one)."""
-        n = len(self._free_plain) + len(self._free_cached)
+        n = len(self._free_plain) + len(self._free_cached) + len(self._free_held)
         if self.window_blocks is not None:
             n = min(n, len(self._win_free) + len(self._win_reclaimable))
         return n
@@ -155,7 +170,7 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         """Blocks referenced by some owner (refcount > 0)."""
-        return self.num_blocks - len(self._free_plain) - len(self._free_cached)
+        return self.num_blocks - len(self._free_plain) - len(self._free_cached) - len(self._free_held)
 
     @property
     def num_cached(self) -> int:
@@ -164,8 +179,13 @@ class BlockPool:
 
     @property
     def num_cached_free(self) -> int:
-        """Cached blocks no owner references: allocatable, reused by a prefix hit until then (LRU order)."""
-        return len(self._free_cached)
+        """Cached blocks no owner references (held ones included): allocatable, reused by a prefix hit until then."""
+        return len(self._free_cached) + len(self._free_held)
+
+    @property
+    def num_held_free(self) -> int:
+        """Cached blocks no owner references that a live retention hold keeps from eviction."""
+        return len(self._free_held)
 
     def usage(self) -> float:
         """Fraction of blocks referenced by some sequence or session (0..1)."""
@@ -183,7 +203,9 @@ class BlockPool:
         self.evictions += 1
 
     def allocate(self, n: int = 1) -> list[int]:
-        """Take ``n`` free blocks (refcount becomes 1); never-cached blocks go first, then LRU cached ones."""
+        """Take ``n`` free blocks (refcount becomes 1); never-cached blocks go first, then LRU cached ones, then
+        held ones (the oldest hold gives way: :mod:`kvkeeper.kvcache.retention`)."""
+        self.expire_holds()
         if n > self.num_free:
             raise NoFreeBlocksError(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks}")
         out = []
@@ -191,6 +213,8 @@ class BlockPool:
             if self._free_plain:
                 bid, _ = self._free_plain.popitem(last=False)
             else:
+                if not self._free_cached:
+                    self._give_way()
                 bid, _ = self._free_cached.popitem(last=False)
                 self._evict(bid)
             self.blocks[bid].ref_count = 1
@@ -204,7 +228,7 @@ class BlockPool:
         b = self.blocks[bid]
         if b.ref_count == 0:
             if b.hash is not None:
-                del self._free_cached[bid]
+                del (self._free_cached if bid in self._free_cached else self._free_held)[bid]
                 self._win_reclaimable.pop(bid, None)
             else:
                 del self._free_plain[bid]
@@ -218,7 +242,8 @@ class BlockPool:
         b.ref_count -= 1
         if b.ref_count == 0:
             if b.hash is not None:
-                self._free_cached[bid] = None  # most recently used at the end
+                # most recently used at the end
+                (self._free_held if self.holds.held(b.hash) else self._free_cached)[bid] = None
                 if b.window is not None:
                     self._win_reclaimable[bid] = None
             else:
@@ -242,6 +267,7 @@ class BlockPool:
 
         Does not add a reference: call :meth:`incref` to keep it.
         """
+        self.expire_holds()
         h = block_hash(parent, namespace, token_ids)
         if not self.enable_prefix_caching:
             return None, h
@@ -271,9 +297,12 @@ class BlockPool:
         return h
 
     def evict_cached(self, n: int | None = None) -> int:
-        """Evict up to ``n`` (default all) unreferenced cached blocks, LRU first; returns how many."""
+        """Evict up to ``n`` (default all) unreferenced cached blocks, LRU first, held ones last (their holds give
+        way, oldest first); returns how many."""
         k = 0
-        while self._free_cached and (n is None or k < n):
+        while (self._free_cached or self._free_held) and (n is None or k < n):
+            if not self._free_cached:
+                self._give_way()
             bid, _ = self._free_cached.popitem(last=False)
             self._evict(bid)
             self._free_plain[bid] = None
@@ -299,7 +328,7 @@ class BlockPool:
             missing, extra = sorted(owned - set(order)), sorted(set(order) - owned)
             raise ValueError(f"defragment needs every owned block once: missing {missing[:8]}, not owned {extra[:8]}, "
                              f"{len(order) - len(set(order))} repeated")
-        seq = order + list(self._free_cached) + list(self._free_plain)
+        seq = order + list(self._free_cached) + list(self._free_held) + list(self._free_plain)
         mapping = {old: new for new, old in enumerate(seq)}
         old_blocks = self.blocks
         self.blocks = []
@@ -308,29 +337,86 @@ class BlockPool:
             b.block_id = new
             self.blocks.append(b)
         self._free_cached = OrderedDict((mapping[i], None) for i in self._free_cached)
+        self._free_held = OrderedDict((mapping[i], None) for i in self._free_held)
         self._free_plain = OrderedDict((mapping[i], None) for i in self._free_plain)
         self._by_hash = {h: mapping[bid] for h, bid in self._by_hash.items()}
         self._win_reclaimable = OrderedDict((mapping[i], None) for i in self._win_reclaimable)
         return mapping
 
     def reset_prefix_cache(self) -> None:
+        self._release(self.holds.clear())
         self.evict_cached()
+
+    # ---- retention holds ---------------------------------------------------
+    def chain_hashes(self, namespace: Namespace, token_ids, n_blocks: int | None = None) -> list[int]:
+        """The chained hashes of the first ``n_blocks`` (default: all) full blocks of ``token_ids`` under
+        ``namespace``: the keys the prefix cache files them under."""
+        bs, parent, out = self.block_size, None, []
+        full = len(token_ids) // bs if n_blocks is None else min(n_blocks, len(token_ids) // bs)
+        for i in range(full):
+            parent = block_hash(parent, namespace, token_ids[i * bs : (i + 1) * bs])
+            out.append(parent)
+        return out
+
+    def hold(self, namespace: Namespace, token_ids, ttl_s: float) -> int:
+        """Hold the full blocks of ``token_ids`` (a prompt's head, up to a cache breakpoint) under ``namespace``
+        against eviction for ``ttl_s`` seconds, or renew their hold (rules: :mod:`kvkeeper.kvcache.retention`).
+        Blocks not computed yet are held once they are.  Returns the blocks held (0 with holds off; at most the
+        bound).  Raises ValueError for a negative ``ttl_s``."""
+        if not self.holds.enabled:
+            return 0
+        self.expire_holds()
+        hashes = self.chain_hashes(namespace, token_ids)[: self.holds.max_blocks]
+        gained, lost = self.holds.place(hashes, ttl_s)
+        self._release(lost)
+        for h in gained:
+            bid = self._by_hash.get(h)
+            if bid is not None and bid in self._free_cached:
+                del self._free_cached[bid]
+                self._free_held[bid] = None
+        return len(hashes)
+
+    def expire_holds(self) -> None:
+        """End the holds past their deadline (lazily: :meth:`allocate` and :meth:`lookup` call it)."""
+        self._release(self.holds.expire())
+
+    def _release(self, hashes) -> None:
+        """Blocks whose hold ended: back among the unheld cached blocks, first in line for eviction."""
+        for h in hashes:
+            bid = self._by_hash.get(h)
+            if bid is not None and bid in self._free_held:
+                del self._free_held[bid]
+                self._free_cached[bid] = None
+                self._free_cached.move_to_end(bid, last=False)
+
+    def _has_free_block(self, hold: Hold) -> bool:
+        return any(self._by_hash.get(h) in self._free_held for h in hold.hashes)
+
+    def _give_way(self) -> None:
+        """No unheld cached block left: holds with an unreferenced block give way, oldest first (each counted), until
+        one of their blocks is held by no other hold."""
+        while not self._free_cached and self._free_held:
+            self._release(self.holds.give_way(self._has_free_block))
 
     # ---- invariants --------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent."""
-        free_ids = set(self._free_plain) | set(self._free_cached)
-        assert not (set(self._free_plain) & set(self._free_cached)), "block in both free lists"
+        free_ids = set(self._free_plain) | set(self._free_cached) | set(self._free_held)
+        assert len(free_ids) == len(self._free_plain) + len(self._free_cached) + len(self._free_held), \
+            "block in two free lists"
         for b in self.blocks:
             assert b.ref_count >= 0, f"block {b.block_id} refcount {b.ref_count}"
             assert (b.ref_count == 0) == (b.block_id in free_ids), f"block {b.block_id} free-list mismatch"
             if b.block_id in self._free_cached:
-                assert b.hash is not None
+                assert b.hash is not None and not self.holds.held(b.hash), f"held block {b.block_id} not on the held list"
+            if b.block_id in self._free_held:
+                assert b.hash is not None and self.holds.held(b.hash), f"block {b.block_id} on the held list, unheld"
             if b.hash is not None:
                 assert self._by_hash.get(b.hash) == b.block_id
         for h, bid in self._by_hash.items():
             assert self.blocks[bid].hash == h
-        assert len(self._free_plain) + len(self._free_cached) + self.num_used == self.num_blocks
+        assert len(free_ids) + self.num_used == self.num_blocks
+        self.holds.check()
         assert self.num_free <= len(free_ids)
         if self.window_blocks is not None:
             held = [b.window for b in self.blocks if b.window is not None]
@@ -339,5 +425,6 @@ class BlockPool:
             assert len(held) + len(self._win_free) == self.window_blocks, "window blocks lost"
             for b in self.blocks:
                 if b.window is not None:
-                    assert b.ref_count > 0 or b.block_id in self._free_cached, f"free block {b.block_id} holds one"
+                    assert b.ref_count > 0 or b.block_id in self._free_cached or b.block_id in self._free_held, \
+                        f"free block {b.block_id} holds one"
                 assert (b.block_id in self._win_reclaimable) == (b.ref_count == 0 and b.window is not None)

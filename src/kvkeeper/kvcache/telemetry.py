@@ -77,8 +77,9 @@ def _state_codes(pool) -> torch.Tensor:
     st = torch.zeros(pool.num_blocks, dtype=torch.uint8)
     if pool._free_plain:
         st[torch.tensor(list(pool._free_plain), dtype=torch.int64)] = _FREE
-    if pool._free_cached:
-        st[torch.tensor(list(pool._free_cached), dtype=torch.int64)] = _CACHED
+    cached = list(pool._free_cached) + list(pool._free_held)  # held by a retention hold or not
+    if cached:
+        st[torch.tensor(cached, dtype=torch.int64)] = _CACHED
     return st
 
 

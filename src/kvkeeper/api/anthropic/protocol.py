@@ -15,8 +15,13 @@ from pydantic import BaseModel, Field
 from ..common.schemas import _OPEN, _only
 
 
+# a breakpoint's ttl -> seconds its prefix is held against eviction (kvkeeper.kvcache.retention)
+TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+
+
 class CacheControl(BaseModel):
-    """A cache breakpoint: the prompt up to and including the block it marks is written to the cache."""
+    """A cache breakpoint: the prompt up to and including the block it marks is written to the cache and held
+    there for its ``ttl`` (:data:`TTL_SECONDS`)."""
 
     model_config = _OPEN
     type: Literal["ephemeral"]

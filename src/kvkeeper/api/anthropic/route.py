@@ -39,7 +39,7 @@ from ..common.errors import APIError, validation_body, from_kvkeeper_error
 from ..common.context import request_context
 from ..common.streams import EngineDeadError, GenerationRequest, RequestStream
 from .protocol import CountTokensRequest, MessagesRequest
-from .serving import Rendered, chat_body, check_fields, message_id, usage_of
+from .serving import Rendered, breakpoint_ttl, chat_body, check_fields, message_id, usage_of
 
 log = logging.getLogger("kvkeeper.api")
 
@@ -127,7 +127,10 @@ async def _plan(request: Request, body: MessagesRequest, who: Caller) -> tuple[G
     if 0 < room < body.max_tokens:  # as llama.cpp: the reply may use the context left, and the response says so
         gen.params = [dataclasses.replace(p, max_tokens=room) for p in gen.params]
         headers["X-KVKeeper-Max-Tokens-Clamped"] = f"{body.max_tokens} -> {room}"
-    return gen, Rendered(tools), headers, await _breakpoint_end(aeng, gen, ids, last)
+    bp, ttl = await _breakpoint_end(aeng, gen, ids, last), breakpoint_ttl(body)
+    if bp and ttl is not None:  # the prefix up to the last breakpoint stays in the cache for the ttl
+        gen.retention = (bp, ttl)
+    return gen, Rendered(tools), headers, bp
 
 
 @router.post("/v1/messages")

@@ -14,6 +14,10 @@ of the message that holds the last breakpoint (the system prompt for ``system`` 
 conversation for the request-level ``cache_control``) is written to the cache.  ``cache_read_input_tokens`` are
 the prompt tokens whose KV the request found (prefix cache or session), ``cache_creation_input_tokens`` the tokens
 up to the last breakpoint that it computed, ``input_tokens`` the rest.
+
+**Retention.**  The prompt's full blocks up to the last breakpoint's end are held in the cache for the longest
+``ttl`` among the breakpoints (:func:`breakpoint_ttl`; ``engine.kv.hold_prefix``, rules in
+:mod:`kvkeeper.kvcache.retention`): LRU eviction skips them until then, within the server's ``--kv-hold-share``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from ..common.protocol import refuse_unknown
 from ..common.context import RequestContext
 from ..chat.protocol import ChatCompletionRequest
 from ..common.tools import ChoiceCalls, ToolUse
-from .protocol import NOT_APPLIED, REFUSED, ContentBlock, Message, MessagesRequest
+from .protocol import NOT_APPLIED, REFUSED, TTL_SECONDS, ContentBlock, Message, MessagesRequest
 
 # The fields each block type may carry besides ``type`` and ``cache_control``.
 _BLOCK_FIELDS = {"text": {"text", "citations"}, "tool_use": {"id", "name", "input"},
@@ -202,6 +206,17 @@ def usage_of(prompt: int, cached: int, output: int | None, breakpoint_end: int) 
     out = {"input_tokens": prompt - cached - write, "cache_creation_input_tokens": write,
            "cache_read_input_tokens": cached}
     return out if output is None else {**out, "output_tokens": output}
+
+
+def breakpoint_ttl(body: MessagesRequest) -> float | None:
+    """Seconds the prefix up to the last breakpoint is held in the cache (:mod:`kvkeeper.kvcache.retention`): the
+    longest ``ttl`` of the body's ``cache_control`` marks (system blocks, tools, message blocks, the request-level
+    one; :data:`~.protocol.TTL_SECONDS`, "5m" when a mark names none); None without a breakpoint."""
+    marks = [b.cache_control for b in body.system or [] if not isinstance(body.system, str)]
+    marks += [t.cache_control for t in body.tools or []] + [body.cache_control]
+    marks += [b.cache_control for m in body.messages if not isinstance(m.content, str) for b in m.content]
+    ttls = [TTL_SECONDS[c.ttl or "5m"] for c in marks if c is not None]
+    return max(ttls, default=None)
 
 
 def message_id() -> str:

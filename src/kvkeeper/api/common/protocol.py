@@ -27,7 +27,7 @@ from ...sampling.params import SamplingParams
 from ...sampling.structured import StructuredOutput
 from .context import RequestContext
 from .errors import APIError
-from .schemas import StreamOptions, _SamplingFields, refused_field, unknown_fields
+from .schemas import RETENTION_SECONDS, StreamOptions, _SamplingFields, refused_field, unknown_fields
 from .tools import ToolUse
 
 
@@ -74,9 +74,17 @@ def generation_fields(body: _SamplingFields, ctx: RequestContext, lora: str | No
     ``X-Session-Compression-Ratio`` included: :func:`session_compression`) and ``kv_compression``."""
     kv = body.kv_compression
     return dict(namespace=cache_namespace(body, ctx), lora=lora, session_id=ctx.session_id,
+                retention=retention_of(body.prompt_cache_retention),
                 session_priority=ctx.session_priority, tenant=ctx.tenant, quota=ctx.quota,
                 compression=None if kv is None else KVCompression(kv.policy, kv.ratio),
                 session_compression=session_compression(ctx.session_compression, ctx.session_compression_ratio))
+
+
+def retention_of(value: str | None) -> tuple[None, float] | None:
+    """The retention hold of ``prompt_cache_retention`` (:data:`~kvkeeper.api.common.schemas.RETENTION_SECONDS`):
+    ``(None, seconds)`` (the whole prompt's full blocks) for "24h", None (no hold) for "in_memory" or none."""
+    seconds = RETENTION_SECONDS[value]
+    return None if seconds is None else (None, seconds)
 
 
 def session_compression(policy: str | None, ratio: float | None) -> tuple[str | None, float | None] | None:

@@ -23,6 +23,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 _OPEN = ConfigDict(extra="allow", strict=True, json_schema_extra={"additionalProperties": False})
 
 
+# prompt_cache_retention (chat, completions, responses) -> seconds the prompt's full blocks are held against LRU
+# eviction (kvkeeper.kvcache.retention); None: no hold.  Any other value is a 400 naming the field.
+RETENTION_SECONDS: dict[str | None, float | None] = {None: None, "in_memory": None, "24h": 24 * 3600.0}
+RETENTION_DOC = ("How long the prompt's cached prefix is kept: in_memory (default) = until evicted, least recently "
+                 "used first; 24h = its full blocks are held against eviction for 24 hours (renewed by each request "
+                 "that sends it again), within the server's --kv-hold-share of the KV blocks; under pressure the "
+                 "oldest hold gives way, so a request is never refused for a hold")
+
+
 def _only(*noop: Any) -> Any:
     """A field refused unless it holds one of its no-op values: the published schema allows only those
     (the server answers other values with a 400 that names the field and says why)."""
@@ -194,7 +203,7 @@ class _SamplingFields(BaseModel):
     store: bool | None = _only(None, False)
     metadata: dict[str, Any] | None = _only(None, {})
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)  # scopes the prefix cache (cache_namespace)
-    prompt_cache_retention: str | None = _only(None, "in_memory")
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(None, description=RETENTION_DOC)
     prompt_cache_options: Any = _only(None)
     moderation: Any = _only(None)
 
@@ -212,8 +221,6 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "service_tier": ((None, "auto", "default"), "there is one service tier: auto (or default)"),
     "store": ((None, False), _NOT_STORED),
     "metadata": ((None, {}), f"metadata is kept only with stored completions; {_NOT_STORED}"),
-    "prompt_cache_retention": ((None, "in_memory"), "cached prefixes stay in memory until evicted (least recently "
-                                                    "used first), as in_memory; a 24h retention is not offered"),
     "prompt_cache_options": ((None,), "cached prefixes stay until evicted (least recently used first)"),
     "moderation": ((None,), "there is no moderation model"),
     "suffix": ((None, ""), "insertion (a suffix after the completion) is not supported"),

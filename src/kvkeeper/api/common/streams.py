@@ -42,6 +42,9 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt's text comes back before each choice's text
     tenant: str | None = None  # the caller's tenant (kvkeeper.api.common.auth): owns the session it names
     quota: Any = None  # the tenant's kvkeeper.sessions.manager.TenantQuota (None: no limits)
+    # a retention hold on the prompt's head: (tokens, None for the whole prompt; seconds), None for none
+    # (kvkeeper.kvcache.retention: cache_control breakpoints, prompt_cache_retention "24h")
+    retention: tuple[int | None, float] | None = None
 
 
 @dataclass

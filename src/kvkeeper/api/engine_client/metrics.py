@@ -57,6 +57,14 @@ kvkeeper:kv_restore_failures_total{tier}   counter    offloaded sessions recompu
 kvkeeper:kv_checkpoint_total               counter    idle sessions copied to disk, KV kept in the pool (sessions)
 kvkeeper:kv_offloaded_bytes{tier}          gauge      KV bytes held in the tier now (bytes)
 kvkeeper:kv_offloaded_blocks               gauge      blocks' worth of KV held in host plus disk tiers (blocks)
+kvkeeper:kv_held_blocks                    gauge      blocks under a live retention hold (cache_control
+                                                      breakpoints, prompt_cache_retention 24h): kept from LRU
+                                                      eviction, at most --kv-hold-share of the pool (blocks)
+kvkeeper:kv_holds                          gauge      live retention holds (holds)
+kvkeeper:kv_holds_expired_total            counter    holds ended at their deadline (holds)
+kvkeeper:kv_holds_gave_way_total           counter    holds ended early because an allocation found no other
+                                                      block; their blocks were evicted, not offloaded (holds)
+kvkeeper:kv_holds_displaced_total          counter    holds ended early by a newer hold over the share bound
 kvkeeper:context_turns_total               counter    session turns by context ``policy`` and ``kind``: kept,
                                                       dropped, summarized, retrieved, over the session turns (turns)
 kvkeeper:context_memory_seconds            histogram  time a turn spent storing and retrieving memory (s)
@@ -121,6 +129,14 @@ _FROM_SNAPSHOT = {
     "kv_health_breach_eta_seconds": ("kvkeeper:kv_health_breach_eta_seconds", "gauge",
                                      "Predicted seconds until the server breaches (usage past the breaker's "
                                      "threshold, TTFT over its objective); +Inf when no breach is forecast (s)."),
+    "kv_held_blocks": ("kvkeeper:kv_held_blocks", "gauge", "KV blocks under a live retention hold (cache_control "
+                       "breakpoints, prompt_cache_retention 24h), kept from LRU eviction (blocks)."),
+    "kv_holds": ("kvkeeper:kv_holds", "gauge", "Live retention holds (holds)."),
+    "kv_holds_expired": ("kvkeeper:kv_holds_expired", "counter", "Retention holds ended at their deadline (holds)."),
+    "kv_holds_gave_way": ("kvkeeper:kv_holds_gave_way", "counter", "Retention holds ended early because an "
+                          "allocation found no other block; their blocks were evicted (holds)."),
+    "kv_holds_displaced": ("kvkeeper:kv_holds_displaced", "counter", "Retention holds ended early by a newer hold "
+                           "over the --kv-hold-share bound (holds)."),
     # the offload tiers (snapshot["offload"]); a dict value is one sample per tier (label ``tier``)
     "offload.offload_total": ("kvkeeper:kv_offload", "counter", "Idle sessions offloaded to the tier (sessions)."),
     "offload.offload_bytes_total": ("kvkeeper:kv_offload_bytes", "counter", "KV bytes written to the tier (bytes)."),

@@ -94,6 +94,8 @@ class RequestTracker:
             if opened and sid in self.sessions:
                 self.sessions.close(sid)  # no empty session stays open per refused first request
             raise
+        if req.retention is not None:
+            self._hold(seq, *req.retention)
         n = len(req.params)
         self.tracked[req.request_id] = Tracked(req, [seq], loop, q, [[0, 0, 0] for _ in range(n)],
                                                pending=list(req.params[1:]), opened_session=opened)
@@ -106,6 +108,12 @@ class RequestTracker:
                 report.prompt_tokens = len(prompt)
             self.metrics.observe_context(report)
         return Accepted(prompt, trimmed, echo, report.header() if report is not None else None)
+
+    def _hold(self, seq, tokens: int | None, ttl_s: float) -> None:
+        """Hold the first ``tokens`` of the sequence's prompt (None: all of it) in the cache for ``ttl_s`` seconds
+        (``engine.kv.hold_prefix``: its full blocks, once computed, skip LRU eviction until then)."""
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        self.engine.kv.hold_prefix(seq.namespace, prompt if tokens is None else prompt[:tokens], ttl_s)
 
     def _under_adapter(self, req: GenerationRequest) -> GenerationRequest:
         """``req`` with its namespace under the LoRA adapter it names (``ModelNotFoundError``, a 404, when the

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..common.context import SESSION_ID_RE, RequestContext
 from ..common.errors import APIError
 from ..common.protocol import (cache_namespace, check_body, output_constraint, sampling_params,
-                               session_compression)
+                               retention_of, session_compression)
 from ..common.streams import GenerationRequest, Usage
 from ..common.tools import ToolUse
 from .conversation_store import Conversation, ConversationStore
@@ -148,7 +148,8 @@ def plan_response(body: ResponsesRequest, ctx: RequestContext, store: ResponseSt
                             quota=ctx.quota, session_priority=ctx.session_priority,
                             context=None if policy is None and budget is None else (policy, budget),
                             session_compression=session_compression(ctx.session_compression,
-                                                                    ctx.session_compression_ratio))
+                                                                    ctx.session_compression_ratio),
+                            retention=retention_of(body.prompt_cache_retention))
     return ResponseRun(rid, body, body.model or ctx.served.name, ctx.tenant, prev, conv, before, known, msgs, items,
                        calls, gen, tools, session, int(time.time()))
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from ..common.schemas import _OPEN, FunctionDefinition, FunctionName, _only
+from ..common.schemas import _OPEN, RETENTION_DOC, FunctionDefinition, FunctionName, _only
 
 
 class InputContent(BaseModel):
@@ -184,7 +184,7 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None  # written to the access log
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # extension (vLLM): tenant isolation
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)
-    prompt_cache_retention: str | None = _only(None, "in_memory")
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(None, description=RETENTION_DOC)
     # refused unless they hold their no-op value (see RESPONSES_REFUSED)
     truncation: str | None = _only(None, "disabled")
     include: list[str] | None = _only(None, [], ["reasoning.encrypted_content"])
@@ -200,8 +200,6 @@ class ResponsesRequest(BaseModel):
 
 
 RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {
-    "prompt_cache_retention": ((None, "in_memory"), "cached prefixes stay in memory until evicted (least recently "
-                                                    "used first), as in_memory; a 24h retention is not offered"),
     "truncation": ((None, "disabled"), "a prompt over the context is refused, never cut: send \"disabled\""),
     "include": ((None, [], ["reasoning.encrypted_content"]), "no extra output data is kept (no logprobs, no tool "
                                                              "sources; reasoning.encrypted_content: there is none)"),
