@@ -19,6 +19,7 @@ Endpoints::
     GET    /admin/kv/dump           ?session=ID[&tenant=T&layers=0,5&start=N&end=M]: the session's K/V (safetensors)
     GET    /admin/breaker           the KV circuit breaker: tier, trips, action counts, recent events
     GET    /admin/health            the cache-health detector: score, signals, warning events (kvkeeper.api.admin.kv)
+    GET    /admin/cache/misses      why session / prompt_cache_key requests missed the cache (X-KVKeeper-Cache-Miss)
 
 Keys (:mod:`kvkeeper.api.common.auth`): with API keys every route but ``/health``, ``/metrics`` and
 ``/openapi.json`` needs ``Authorization: Bearer <key>`` (401 otherwise); sessions and the cache namespace belong

@@ -14,6 +14,9 @@ only by a second app bound to 127.0.0.1 (:func:`kvkeeper.api.app.create_admin_ap
 * ``GET /admin/health`` -- the cache-health detector's state
   (:meth:`kvkeeper.diagnostics.health.HealthMonitor.snapshot`): score, whether a warning is open, each
   signal's EWMA, baseline and control limit, and the warning events with their reasons.
+* ``GET /admin/cache/misses?limit=N`` -- the last ``N`` (default 50, at most 256) explanations of why a session's
+  or ``prompt_cache_key``'s request read less from the cache than its predecessor
+  (:mod:`kvkeeper.api.engine_client.cache_miss`): reason, token index, the texts either side, newest last.
 
 * ``GET /admin/kv.json`` -- the block map document of :mod:`kvkeeper.kvcache.blockmap` (built on
   the engine thread through ``AsyncEngine.call``; one letter per block for its state, an owner
@@ -374,3 +377,13 @@ async def health_state(request: Request):
 async def reset_prefix_cache(request: Request):
     """Evict the unreferenced cached blocks (``BlockPool.evict_cached``); held blocks keep their KV."""
     return {"evicted_blocks": await request.app.state.engine.call(lambda eng: eng.kv.evict_cached())}
+
+
+@router.get("/admin/cache/misses", dependencies=[Depends(admin_caller)])
+async def cache_misses(request: Request, limit: int = 50):
+    """The last ``limit`` (1 to 256) explanations of why a session's or ``prompt_cache_key``'s request read less
+    from the cache than its predecessor (:class:`~kvkeeper.api.engine_client.cache_miss.CacheMiss`), newest last."""
+    if not 1 <= limit <= 256:
+        raise APIError(400, "limit must be 1 to 256", param="limit")
+    misses = request.app.state.engine.tracker.misses
+    return {"object": "list", "data": misses.recent(limit)}

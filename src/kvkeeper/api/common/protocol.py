@@ -74,7 +74,7 @@ def generation_fields(body: _SamplingFields, ctx: RequestContext, lora: str | No
     ``X-Session-Compression-Ratio`` included: :func:`session_compression`) and ``kv_compression``."""
     kv = body.kv_compression
     return dict(namespace=cache_namespace(body, ctx), lora=lora, session_id=ctx.session_id,
-                retention=retention_of(body.prompt_cache_retention),
+                retention=retention_of(body.prompt_cache_retention), cache_key=body.prompt_cache_key,
                 session_priority=ctx.session_priority, tenant=ctx.tenant, quota=ctx.quota,
                 compression=None if kv is None else KVCompression(kv.policy, kv.ratio),
                 session_compression=session_compression(ctx.session_compression, ctx.session_compression_ratio))

@@ -170,7 +170,9 @@ async def respond(request: Request, engine, gen: GenerationRequest | list[Genera
     """Submit ``gen`` (a list: one request per prompt, their streams merged by
     :func:`~kvkeeper.api.common.streams.submit_all`) and answer with SSE (``stream``) or one JSON body; ``continuous``:
     every chunk carries its choice's usage so far (:func:`continuous_usage`).  A degraded session's trimmed turns
-    are named in ``X-KVKeeper-Trimmed-Turns``, a session turn's context report in ``X-KVKeeper-Context``."""
+    are named in ``X-KVKeeper-Trimmed-Turns``, a session turn's context report in ``X-KVKeeper-Context``, why a
+    whole response's prompt read less from the cache than its predecessor in ``X-KVKeeper-Cache-Miss``
+    (:func:`miss_header`)."""
     gens = gen if isinstance(gen, list) else [gen]
     s = await engine.submit(gen) if not isinstance(gen, list) else await submit_all(engine, gens)
     n = sum(len(g.params) for g in gens)
@@ -189,7 +191,15 @@ async def respond(request: Request, engine, gen: GenerationRequest | list[Genera
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     got = await collect(request, s, n)
-    return JSONResponse(render.body(s, got), headers=headers)
+    return JSONResponse(render.body(s, got), headers={**headers, **miss_header(got.usage)})
+
+
+def miss_header(usage: Usage | None) -> dict:
+    """``{"X-KVKeeper-Cache-Miss": ...}`` when the request read less than its session's or cache key's predecessor
+    (:mod:`kvkeeper.api.engine_client.cache_miss`), else empty.  Whole responses only: a stream's headers leave
+    before its prompt is read (the admin endpoint ``/admin/cache/misses`` has every explanation)."""
+    miss = getattr(usage, "cache_miss", None)
+    return {"X-KVKeeper-Cache-Miss": miss.header()} if miss is not None else {}
 
 
 class _ChunkUsage:

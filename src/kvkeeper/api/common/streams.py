@@ -45,6 +45,7 @@ class GenerationRequest:
     # a retention hold on the prompt's head: (tokens, None for the whole prompt; seconds), None for none
     # (kvkeeper.kvcache.retention: cache_control breakpoints, prompt_cache_retention "24h")
     retention: tuple[int | None, float] | None = None
+    cache_key: str | None = None  # the body's prompt_cache_key (kvkeeper.api.engine_client.cache_miss keys on it)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Usage:
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
     session_compression: dict | None = None  # a session turn's compression report (kvkeeper.sessions.compress)
+    cache_miss: Any = None  # why the request read less than its predecessor (cache_miss.CacheMiss), not in to_dict
 
     def to_dict(self) -> dict:
         out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

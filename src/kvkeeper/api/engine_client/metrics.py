@@ -65,6 +65,10 @@ kvkeeper:kv_holds_expired_total            counter    holds ended at their deadl
 kvkeeper:kv_holds_gave_way_total           counter    holds ended early because an allocation found no other
                                                       block; their blocks were evicted, not offloaded (holds)
 kvkeeper:kv_holds_displaced_total          counter    holds ended early by a newer hold over the share bound
+kvkeeper:cache_miss_total{reason}          counter    session / prompt_cache_key requests that read less from the
+                                                      cache than their predecessor left, by ``reason``:
+                                                      content_changed, namespace_changed, evicted
+                                                      (:mod:`kvkeeper.api.engine_client.cache_miss`) (requests)
 kvkeeper:context_turns_total               counter    session turns by context ``policy`` and ``kind``: kept,
                                                       dropped, summarized, retrieved, over the session turns (turns)
 kvkeeper:context_memory_seconds            histogram  time a turn spent storing and retrieving memory (s)
@@ -89,6 +93,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ...sessions.breaker import ACTIONS
+from .cache_miss import REASONS as MISS_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -273,6 +278,11 @@ class ServerMetrics:
                                      "(tokens).", ["source"], registry=self.registry)
         for src in REUSE_SOURCES:
             self.cached_tokens.labels(src)  # every series from start-up: a dashboard shows 0, not "no data"
+        self.cache_misses = Counter("kvkeeper:cache_miss", "Session or prompt_cache_key requests that read less "
+                                    "from the cache than their predecessor left, by reason: content_changed, "
+                                    "namespace_changed, evicted (requests).", ["reason"], registry=self.registry)
+        for reason in MISS_REASONS:
+            self.cache_misses.labels(reason)
         self.context_turns = Counter("kvkeeper:context_turns", "Turns of session prompts by context policy and "
                                      "kind: kept, dropped, summarized, retrieved (turns).", ["policy", "kind"],
                                      registry=self.registry)
@@ -290,6 +300,10 @@ class ServerMetrics:
             self.context_memory.observe(report.memory_ms / 1000.0)
         if report.policy in ("summary", "hybrid"):
             self.context_summary.observe(report.summary_ms / 1000.0)
+
+    def observe_cache_miss(self, reason: str) -> None:
+        """Count one explained cache miss (engine thread)."""
+        self.cache_misses.labels(reason).inc()
 
     def observe_usage(self, seq, prompt_tokens: int, cached_tokens: int) -> None:
         """Count one finished request's usage (tokens): ``cached_tokens`` split between the KV a session handed

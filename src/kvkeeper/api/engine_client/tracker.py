@@ -24,6 +24,7 @@ from ...errors import InvalidRequestError, ModelNotFoundError
 from ...sampling.params import SamplingParams
 from ...sessions.session import session_key
 from ..common.streams import Accepted, ChoiceDelta, EngineDeadError, GenerationRequest, StepOutput, Usage
+from .cache_miss import MissLog
 from .metrics import ServerMetrics
 from .token_text import TokenText
 from ...engine.handle import EngineHandle
@@ -71,6 +72,7 @@ class RequestTracker:
         self.max_new_tokens = max_new_tokens
         self.tracked: dict[str, Tracked] = {}
         self._token_text = TokenText(engine.tokenizer)
+        self.misses = MissLog(engine.tokenizer.decode, getattr(engine.kv, "block_size", 1))
 
     # ---- adding --------------------------------------------------------------------------------
     def add(self, req: GenerationRequest, loop, q) -> Accepted:
@@ -238,6 +240,7 @@ class RequestTracker:
     def _retire(self, rid: str, t: Tracked) -> Usage:
         lead = t.seqs[0]
         usage = Usage(lead.num_prompt_tokens, sum(s.num_output_tokens for s in t.seqs), lead.num_cached_tokens or 0)
+        usage.cache_miss = self._explain_miss(rid, t, usage.cached_tokens)
         if lead.params.prediction is not None:  # OpenAI's completion_tokens_details of Predicted Outputs (zeros
             # for an empty prediction, as OpenAI reports them)
             usage.accepted_prediction_tokens = sum(s.spec.prediction_accepted for s in t.seqs if s.spec is not None)
@@ -258,6 +261,25 @@ class RequestTracker:
             except Exception:  # tracing must never take a request down
                 log.exception("could not record the trace of %s", rid)
         return usage
+
+    def _explain_miss(self, rid: str, t: Tracked, cached: int):
+        """Why the request read less than its session's or cache key's predecessor (a
+        :class:`~kvkeeper.api.engine_client.cache_miss.CacheMiss`, counted), None when nothing was lost, there was
+        no predecessor, the request names neither or failed."""
+        req, lead = t.req, t.seqs[0]
+        if (req.session_id is None and req.cache_key is None) or lead.finish_reason == "error":
+            return None
+        session = req.session_id is not None
+        name = ("session", req.session_id) if session else ("cache_key", req.cache_key)
+        try:
+            miss = self.misses.observe((req.tenant, *name), name, rid, lead.token_ids[: lead.num_prompt_tokens],
+                                       lead.output_token_ids, lead.namespace, cached, session)
+        except Exception:  # an explanation must never take a request down
+            log.exception("could not explain the cache read of %s", rid)
+            return None
+        if miss is not None:
+            self.metrics.observe_cache_miss(miss.reason)
+        return miss
 
     def _logprob_entries(self, entries: list[dict], with_ids: bool = False) -> list[dict]:
         """OpenAI logprob entries (token, logprob, bytes, top_logprobs); ``with_ids``: plus token ids and ranks."""
