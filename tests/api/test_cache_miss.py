@@ -48,18 +48,18 @@ def test_a_changed_namespace_is_named_before_eviction():
 
 def test_the_log_explains_against_the_predecessor_and_stays_bounded():
     log = MissLog(lambda ids: "".join(chr(97 + i % 26) for i in ids), block_size=1, max_keys=2, max_recent=3)
-    assert log.observe("k", ("session", "s1"), "r1", PREV[:30], PREV[30:], NS, 0, True) is None  # no predecessor
+    assert log.observe("k", ("session", "s1"), "r1", PREV[:30], PREV[30:], NS, 0) is None  # no predecessor
     ids = PREV[:5] + [0] + PREV[6:] + [1]
-    miss = log.observe("k", ("session", "s1"), "r2", ids, [2, 3], NS, 5, True)
+    miss = log.observe("k", ("session", "s1"), "r2", ids, [2, 3], NS, 5)
     assert (miss.reason, miss.at, miss.cached, miss.previous_tokens, miss.prompt_tokens) == \
         ("content_changed", 5, 5, 40, 41)
     assert miss.before.endswith(log.decode(PREV[:5])) and miss.current.startswith("a")
     assert miss.header().startswith("reason=content_changed; at=5; cached=5; previous=") and miss.header().isascii()
     assert log.recent(1)[0]["request_id"] == "r2"
     # the predecessor is now r2's prompt + reply: appending to it, all read, is no miss
-    assert log.observe("k", ("session", "s1"), "r3", ids + [2, 3, 9], [], NS, 43, True) is None
+    assert log.observe("k", ("session", "s1"), "r3", ids + [2, 3, 9], [], NS, 43) is None
     for k in ("a", "b"):  # two newer keys push "k" out
-        log.observe(k, ("cache_key", k), k, [1, 2], [], NS, 0, False)
+        log.observe(k, ("cache_key", k), k, [1, 2], [], NS, 0)
     assert "k" not in log._last and len(log._last) == 2
 
 

@@ -14,8 +14,9 @@ everything the two share; when it reads less, :func:`classify` says why, one of 
   told apart from an eviction (``expired`` is not reported);
 * ``none``: nothing was lost (not counted, no header).
 
-Reads are block-granular outside a session (the prefix cache keeps full blocks) and the last prompt token is
-always computed, so the expected read is ``min(common, len(prompt) - 1)`` rounded down to a block.
+Reads are block-granular (the prefix cache keeps full blocks; a session turn whose prompt does not extend the
+session's KV reads from it too) and the last prompt token is always computed, so the expected read is
+``min(common, len(prompt) - 1)`` rounded down to a block: a loss within the last partial block is not reported.
 Bounded: :class:`MissLog` remembers at most ``max_keys`` keys (the oldest forgotten first) and the last
 ``max_recent`` explanations.  Runs on the engine thread; :meth:`MissLog.recent` copies under a lock.
 """
@@ -93,18 +94,17 @@ class MissLog:
         self._lock = threading.Lock()
 
     def observe(self, key: Hashable, name: tuple[str, str], request_id: str, prompt: list[int], reply: list[int],
-                ns, cached: int, session: bool) -> CacheMiss | None:
+                ns, cached: int) -> CacheMiss | None:
         """Compare a finished request (``prompt`` ids, ``cached`` of them read, namespace ``ns``) with its key's
         predecessor and remember it (``prompt + reply``) as the next one's; ``name``: (kind, key) as reported.
-        ``session``: a session turn reads token by token, else by blocks.  Returns the explanation, None when
-        there was no predecessor or nothing was lost."""
+        Returns the explanation, None when there was no predecessor or nothing was lost."""
         prev = self._last.pop(key, None)
         self._last[key] = (list(prompt) + list(reply), ns)
         while len(self._last) > self.max_keys:
             self._last.popitem(last=False)
         if prev is None:
             return None
-        reason, at = classify(prev[0], prev[1], prompt, ns, cached, 1 if session else self.block_size)
+        reason, at = classify(prev[0], prev[1], prompt, ns, cached, self.block_size)
         if reason == "none":
             return None
         before = self.decode(prompt[max(0, at - 16):at])[-CONTEXT_CHARS:]

@@ -72,7 +72,7 @@ class RequestTracker:
         self.max_new_tokens = max_new_tokens
         self.tracked: dict[str, Tracked] = {}
         self._token_text = TokenText(engine.tokenizer)
-        self.misses = MissLog(engine.tokenizer.decode, getattr(engine.kv, "block_size", 1))
+        self.misses = MissLog(engine.tokenizer.decode, engine.block_size)
 
     # ---- adding --------------------------------------------------------------------------------
     def add(self, req: GenerationRequest, loop, q) -> Accepted:
@@ -269,11 +269,10 @@ class RequestTracker:
         req, lead = t.req, t.seqs[0]
         if (req.session_id is None and req.cache_key is None) or lead.finish_reason == "error":
             return None
-        session = req.session_id is not None
-        name = ("session", req.session_id) if session else ("cache_key", req.cache_key)
+        name = ("session", req.session_id) if req.session_id is not None else ("cache_key", req.cache_key)
         try:
             miss = self.misses.observe((req.tenant, *name), name, rid, lead.token_ids[: lead.num_prompt_tokens],
-                                       lead.output_token_ids, lead.namespace, cached, session)
+                                       lead.output_token_ids, lead.namespace, cached)
         except Exception:  # an explanation must never take a request down
             log.exception("could not explain the cache read of %s", rid)
             return None
