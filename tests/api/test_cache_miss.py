@@ -123,3 +123,25 @@ def test_a_changed_timestamp_is_named_and_an_unchanged_turn_is_not(base):
     assert r3.headers.get("x-kvkeeper-cache-miss") is None, r3.headers.get("x-kvkeeper-cache-miss")
     assert c3.usage.prompt_tokens_details.cached_tokens >= len(ids2)
     assert _misses(base) == {**before, "content_changed": before["content_changed"] + 1}
+
+
+@pytest.mark.slow
+def test_anthropic_messages_with_claude_codes_session_header_name_the_change(base):
+    sid = f"cc-{uuid.uuid4().hex[:8]}"
+
+    def turn(stamp: str, messages: list[dict]) -> httpx.Response:
+        r = httpx.post(base + "/v1/messages", headers={"X-Claude-Code-Session-Id": sid}, timeout=300,
+                       json={"model": MODEL, "max_tokens": 2, "system": _system(stamp), "messages": messages,
+                             "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r
+
+    first = [{"role": "user", "content": "Name a colour."}]
+    r1 = turn("2026-12-07 12:00:01", first)
+    assert "x-kvkeeper-cache-miss" not in r1.headers
+    reply = "".join(b.get("text", "") for b in r1.json()["content"])
+    r2 = turn("2026-12-07 12:09:01", first + [{"role": "assistant", "content": reply or "Red."},
+                                               {"role": "user", "content": "Another."}])
+    assert r2.headers["x-kvkeeper-cache-miss"].startswith("reason=content_changed; at="), r2.headers
+    last = httpx.get(base + "/admin/cache/misses", params={"limit": 1}, timeout=30).json()["data"]
+    assert [(m["key"], m["reason"]) for m in last] == [(sid, "content_changed")]

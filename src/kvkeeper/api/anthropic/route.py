@@ -34,6 +34,7 @@ from ...errors import KVKeeperError
 from ...sessions.session import common_prefix
 from ..common.access_log import record_usage
 from ..common.auth import LOCAL, Caller, unauthorized, caller
+from ..common.rendering import miss_header
 from ..chat.serving import chat_request
 from ..common.errors import APIError, validation_body, from_kvkeeper_error
 from ..common.context import request_context
@@ -154,7 +155,8 @@ async def create_message(body: MessagesRequest, request: Request, who: Caller = 
         final = data if name == "message_delta" else final
     if final is None:
         raise APIError(400, "the request was aborted before it finished", code="request_aborted")
-    return JSONResponse({**msg, "content": r.blocks, **final["delta"], "usage": final["usage"]}, headers=headers)
+    return JSONResponse({**msg, "content": r.blocks, **final["delta"], "usage": final["usage"]},
+                        headers={**headers, **miss_header(r.usage)})
 
 
 @router.post("/v1/messages/count_tokens")
@@ -201,7 +203,7 @@ async def _events(request: Request, s: RequestStream, r: Rendered, msg: dict, bp
                     yield ev
                 reason, stop = d.finish_reason or reason, d.stop_string or stop
             if out.finished:
-                usage = out.usage
+                usage = r.usage = out.usage
                 record_usage(request.scope, usage)
         if usage is None:  # aborted (the client went away): nothing more to send
             return

@@ -233,6 +233,7 @@ class Rendered:
         self.calls = ChoiceCalls() if tools is not None and tools.parses else None
         self.blocks: list[dict] = []
         self.text_open = False
+        self.usage = None  # the engine's Usage once the request finished (its cache_miss: the response header)
 
     def _close_text(self) -> list[tuple[str, dict]]:
         if not self.text_open:
