@@ -1,5 +1,5 @@
-"""Issue 45 item 6, why a request missed the cache: the classifier (:func:`kvkeeper.api.engine_client.cache_miss.classify`
-and :class:`MissLog`) on token ids, then the ``openai`` client against a real server (the embedded model): a session
+"""Issue 45 item 6, why a request missed the cache: the classifier
+(:func:`kvkeeper.api.engine_client.cache_miss.classify` and :class:`MissLog`) on token ids, then the ``openai`` client against a real server (the embedded model): a session
 whose turn 2 changes a timestamp in the system prompt gets ``X-KVKeeper-Cache-Miss: reason=content_changed`` at the
 token where the timestamp differs, ``/admin/cache/misses`` lists it and ``kvkeeper:cache_miss_total`` counts it; an
 unchanged follow-up turn gets no header."""
@@ -47,7 +47,7 @@ def test_a_changed_namespace_is_named_before_eviction():
 
 
 def test_the_log_explains_against_the_predecessor_and_stays_bounded():
-    log = MissLog(lambda ids: "".join(chr(97 + i % 26) for i in ids), block_size=1, max_keys=2, max_recent=3)
+    log = MissLog(lambda ids: "".join(chr(97 + i % 26) for i in ids), max_keys=2, max_recent=3)
     assert log.observe("k", ("session", "s1"), "r1", PREV[:30], PREV[30:], NS, 0) is None  # no predecessor
     ids = PREV[:5] + [0] + PREV[6:] + [1]
     miss = log.observe("k", ("session", "s1"), "r2", ids, [2, 3], NS, 5)

@@ -84,27 +84,27 @@ class CacheMiss:
 class MissLog:
     """Per key the predecessor's token ids and namespace; the last explanations.
 
-    decode: token ids -> text (the tokenizer's).  block_size: tokens per KV block (see :func:`classify`)."""
+    decode: token ids -> text (the tokenizer's)."""
 
-    def __init__(self, decode: Callable[[list[int]], str], block_size: int = 1, max_keys: int = 4096,
-                 max_recent: int = 256):
-        self.decode, self.block_size, self.max_keys = decode, block_size, max_keys
+    def __init__(self, decode: Callable[[list[int]], str], max_keys: int = 4096, max_recent: int = 256):
+        self.decode, self.max_keys = decode, max_keys
         self._last: OrderedDict[Hashable, tuple[list[int], object]] = OrderedDict()
         self._recent: deque[CacheMiss] = deque(maxlen=max_recent)
         self._lock = threading.Lock()
 
     def observe(self, key: Hashable, name: tuple[str, str], request_id: str, prompt: list[int], reply: list[int],
-                ns, cached: int) -> CacheMiss | None:
+                ns, cached: int, block_size: int = 1) -> CacheMiss | None:
         """Compare a finished request (``prompt`` ids, ``cached`` of them read, namespace ``ns``) with its key's
-        predecessor and remember it (``prompt + reply``) as the next one's; ``name``: (kind, key) as reported.
-        Returns the explanation, None when there was no predecessor or nothing was lost."""
+        predecessor and remember it (``prompt + reply``) as the next one's; ``name``: (kind, key) as reported;
+        ``block_size``: tokens per KV block (see :func:`classify`).  Returns the explanation, None when there was
+        no predecessor or nothing was lost."""
         prev = self._last.pop(key, None)
         self._last[key] = (list(prompt) + list(reply), ns)
         while len(self._last) > self.max_keys:
             self._last.popitem(last=False)
         if prev is None:
             return None
-        reason, at = classify(prev[0], prev[1], prompt, ns, cached, self.block_size)
+        reason, at = classify(prev[0], prev[1], prompt, ns, cached, block_size)
         if reason == "none":
             return None
         before = self.decode(prompt[max(0, at - 16):at])[-CONTEXT_CHARS:]

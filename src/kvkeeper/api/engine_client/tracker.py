@@ -72,7 +72,7 @@ class RequestTracker:
         self.max_new_tokens = max_new_tokens
         self.tracked: dict[str, Tracked] = {}
         self._token_text = TokenText(engine.tokenizer)
-        self.misses = MissLog(engine.tokenizer.decode, engine.block_size)
+        self.misses = MissLog(lambda ids: self.engine.tokenizer.decode(ids))
 
     # ---- adding --------------------------------------------------------------------------------
     def add(self, req: GenerationRequest, loop, q) -> Accepted:
@@ -272,7 +272,8 @@ class RequestTracker:
         name = ("session", req.session_id) if req.session_id is not None else ("cache_key", req.cache_key)
         try:
             miss = self.misses.observe((req.tenant, *name), name, rid, lead.token_ids[: lead.num_prompt_tokens],
-                                       lead.output_token_ids, lead.namespace, cached)
+                                       lead.output_token_ids, lead.namespace, cached,
+                                       self.engine.block_size)
         except Exception:  # an explanation must never take a request down
             log.exception("could not explain the cache read of %s", rid)
             return None
