@@ -1,8 +1,9 @@
 """Issue 45 item 6, why a request missed the cache: the classifier
-(:func:`kvkeeper.api.engine_client.cache_miss.classify` and :class:`MissLog`) on token ids, then the ``openai`` client against a real server (the embedded model): a session
-whose turn 2 changes a timestamp in the system prompt gets ``X-KVKeeper-Cache-Miss: reason=content_changed`` at the
-token where the timestamp differs, ``/admin/cache/misses`` lists it and ``kvkeeper:cache_miss_total`` counts it; an
-unchanged follow-up turn gets no header."""
+(:func:`kvkeeper.api.engine_client.cache_miss.classify` and :class:`MissLog`) on token ids, then the ``openai``
+client against a real server (the embedded model): a session whose turn 2 changes a timestamp in the system prompt
+gets ``X-KVKeeper-Cache-Miss: reason=content_changed`` at the token where the timestamp differs,
+``/admin/cache/misses`` lists it and ``kvkeeper:cache_miss_total`` counts it; an unchanged follow-up turn gets no
+header.  Also ``/v1/messages`` with Claude Code's session header."""
 
 from __future__ import annotations
 
