@@ -22,6 +22,25 @@ from tests.utils.engines import make_engine  # noqa: E402
 from tests.utils.paths import DATA  # noqa: E402
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``), each worker's torch threads (which the C++ kernels' pool takes too:
+    ``torch.set_num_threads``) are its share of the CPUs, at least 1; a test that needs more sets them itself.
+
+    N workers each running one thread per CPU oversubscribe the CPUs N times, and every parallel region (a matmul,
+    a kernel call) then waits for whichever of its threads lost its core.  Measured on the 2-core AMD EPYC at load
+    4.6-5 (2026-12-07): four real-model generations of 12 tokens took 12.1 s and 15.4 s on 2 threads, 3.5 s and
+    5.0 s on 1.  Engines built in the worker keep the count (``kvkeeper.worker.cpu_threads.choose_threads`` never
+    raises a program's own setting); servers the tests start are other processes and choose their own.
+    """
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    if workers > 1:
+        import torch
+
+        from kvkeeper.worker.cpu_threads import available_cpus
+
+        torch.set_num_threads(max(1, available_cpus() // workers))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _free_the_modules_engines():
     """After each test file: a full garbage collection and the C heap's free pages back to the OS.

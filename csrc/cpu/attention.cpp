@@ -19,6 +19,9 @@
 //    flash-decoding's split (Dao et al., 2023) at fixed points.  The previous kernel (splits every split_blocks
 //    blocks, scores summed by a lane tree) stays available with set_invariant_attention(false); a decoded token's
 //    K/V then differs in the last bits from the same token prefilled.
+//
+//    On a CPU with AVX2 but not AVX-512 both kernels run the portable routine 8 query lanes at a time
+//    (attend_lanes_avx2): the same floats, bit for bit, several times faster.
 #include "common.h"
 
 namespace kvk {
@@ -131,6 +134,159 @@ void attend_query_generic(const float* qr, float scale, const void* k, const voi
     mx = mnew;
   }
   for (int64_t d = 0; d < D; ++d) dst[d] = hi > lo ? o[d] / sm : 0.f;
+}
+
+// AVX2 (a CPU without AVX-512): attend_query_generic for 8 query lanes at a time, bit for bit.  A lane is one query
+// row (one query head of one token) over its keys [lo, hi) of KV head h; every lane of a call reads the same
+// sequence (block table bt).  Each lane's arithmetic is the portable routine's, in its order: the score a sequential
+// sum over d of (q[d] * scale) * (k[d] * kscale), separate multiplies and adds (no fused multiply-add: the file is
+// built with -ffp-contract=off and the code uses none), the running maximum as std::max, std::exp lane by lane
+// (exp(0) = 1 exactly is not called), the sum and outputs updated key by key in key order.  Only the layout
+// differs: 16 keys are converted to float32 once for all the lanes, four keys' scores are computed side by side.
+struct Lane {
+  const float* q;  // D floats, not scaled
+  float* dst;      // D floats
+  int64_t lo, hi;  // keys [lo, hi)
+};
+
+struct LaneKV {
+  const void *k, *v;
+  const uint16_t *ks, *vs;
+  int64_t kind, BS, KVH, D;
+};
+
+// Row `row` of K or V as float32, times its scale (attend_query_generic's load_scalar(..) * scale, per element).
+KVK_AVX2 inline void lane_row_f32(const void* base, const uint16_t* scales, int64_t kind, int64_t row, int64_t D,
+                                  float* out) {
+  const float sc = scales ? half_to_float(scales[row]) : 1.f;
+  if (kind == KV_F32) {
+    const float* p = static_cast<const float*>(base) + row * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = p[d] * sc;
+  } else if (kind == KV_I8) {
+    const int8_t* p = static_cast<const int8_t*>(base) + row * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(p[d]) * sc;
+  } else {
+    for (int64_t d = 0; d < D; ++d) out[d] = load_scalar(base, row * D + d, kind) * sc;
+  }
+}
+
+// One group of up to 8 lanes: scaled queries and outputs transposed (D, 8), running maxima and sums, key ranges.
+struct LaneGroup {
+  float* qs;
+  float* o;
+  alignas(32) float m[8], l[8];
+  alignas(32) int32_t lo[8], hi[8];
+  int64_t kmin, kmax, all_from, all_to;  // keys some lane reads; keys every lane reads
+  int nl;
+};
+
+// The online softmax update of one key (score s) for the group's lanes in `mask` (every lane when full).
+KVK_AVX2 inline void lane_update(LaneGroup& g, __m256 s, const float* vrow, int64_t D, bool full, __m256 mask) {
+  const __m256 m = _mm256_load_ps(g.m), mnew = _mm256_max_ps(s, m);  // std::max(m, s): s > m ? s : m
+  alignas(32) float da[8], dp[8], al[8], pw[8];
+  _mm256_store_ps(da, _mm256_sub_ps(m, mnew));
+  _mm256_store_ps(dp, _mm256_sub_ps(s, mnew));
+  bool ones = true;
+  for (int j = 0; j < 8; ++j) {
+    al[j] = j < g.nl && da[j] != 0.f ? std::exp(da[j]) : 1.f;
+    pw[j] = j < g.nl && dp[j] != 0.f ? std::exp(dp[j]) : 1.f;
+    ones = ones && al[j] == 1.f;
+  }
+  const __m256 alpha = _mm256_load_ps(al), p = _mm256_load_ps(pw);
+  const __m256 l = _mm256_add_ps(_mm256_mul_ps(_mm256_load_ps(g.l), alpha), p);
+  if (full) {
+    _mm256_store_ps(g.m, mnew);
+    _mm256_store_ps(g.l, l);
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 o = _mm256_load_ps(g.o + d * 8), pv = _mm256_mul_ps(p, _mm256_broadcast_ss(vrow + d));
+      _mm256_store_ps(g.o + d * 8, _mm256_add_ps(ones ? o : _mm256_mul_ps(o, alpha), pv));  // o * 1 = o
+    }
+    return;
+  }
+  _mm256_store_ps(g.m, _mm256_blendv_ps(m, mnew, mask));
+  _mm256_store_ps(g.l, _mm256_blendv_ps(_mm256_load_ps(g.l), l, mask));
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 o = _mm256_load_ps(g.o + d * 8);
+    const __m256 u = _mm256_add_ps(_mm256_mul_ps(o, alpha), _mm256_mul_ps(p, _mm256_broadcast_ss(vrow + d)));
+    _mm256_store_ps(g.o + d * 8, _mm256_blendv_ps(o, u, mask));
+  }
+}
+
+// Keys [a, b) of the converted chunk (rows kf, vf (16, D) from key k0 on) for one group: four scores side by side,
+// then the updates in key order.
+KVK_AVX2 void lane_group_keys(LaneGroup& g, const float* kf, const float* vf, int64_t k0, int64_t a, int64_t b,
+                              int64_t D) {
+  const __m256i lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.lo));
+  const __m256i hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.hi));
+  for (int64_t t0 = a; t0 < b; t0 += 4) {
+    const int nk = static_cast<int>(std::min<int64_t>(4, b - t0));
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const float* kr = kf + (t0 - k0) * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 q = _mm256_load_ps(g.qs + d * 8);
+      for (int c = 0; c < 4; ++c)
+        if (c < nk) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(q, _mm256_broadcast_ss(kr + c * D + d)));
+    }
+    for (int c = 0; c < nk; ++c) {
+      const int64_t p = t0 + c;
+      const bool full = p >= g.all_from && p < g.all_to;
+      const __m256i pv = _mm256_set1_epi32(static_cast<int32_t>(p));
+      const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(lo, pv), _mm256_cmpgt_epi32(hi, pv));
+      lane_update(g, acc[c], vf + (p - k0) * D, D, full, _mm256_castsi256_ps(in));
+    }
+  }
+}
+
+// Sets up group `gi` (lanes [8 gi, 8 gi + 8) of `lanes`) in the scratch buffer `buf` ((D, 8) queries, then outputs).
+KVK_AVX2 void lane_group_init(LaneGroup& g, const Lane* lanes, int64_t n, int64_t gi, float scale, int64_t D,
+                              float* buf) {
+  g.qs = buf, g.o = buf + D * 8;
+  g.nl = static_cast<int>(std::min<int64_t>(8, n - gi * 8));
+  g.kmin = std::numeric_limits<int64_t>::max(), g.kmax = 0, g.all_from = 0, g.all_to = g.kmin;
+  for (int j = 0; j < 8; ++j) {
+    const Lane* ln = j < g.nl ? lanes + gi * 8 + j : nullptr;
+    for (int64_t d = 0; d < D; ++d) g.qs[d * 8 + j] = ln ? ln->q[d] * scale : 0.f;
+    g.m[j] = -std::numeric_limits<float>::infinity(), g.l[j] = 0.f;
+    g.lo[j] = ln ? static_cast<int32_t>(ln->lo) : 0, g.hi[j] = ln ? static_cast<int32_t>(ln->hi) : 0;
+    if (!ln || ln->hi <= ln->lo) continue;
+    g.kmin = std::min(g.kmin, ln->lo), g.kmax = std::max(g.kmax, ln->hi);
+    g.all_from = std::max(g.all_from, ln->lo), g.all_to = std::min(g.all_to, ln->hi);
+  }
+  std::fill(g.o, g.o + D * 8, 0.f);
+}
+
+// Every lane of `lanes` (n of them, KV head h, block table bt): each lane's D outputs written to its dst.
+KVK_AVX2 void attend_lanes_avx2(const Lane* lanes, int64_t n, float scale, const LaneKV& kv, int64_t h,
+                                const int64_t* bt) {
+  const int64_t D = kv.D, ng = (n + 7) / 8;
+  thread_local std::vector<float> buf;
+  thread_local std::vector<LaneGroup> groups;
+  buf.resize(static_cast<size_t>(ng * 16 * D + 32 * D + 8));
+  groups.resize(ng);
+  float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 31) & ~uintptr_t{31});  // 32 B
+  int64_t kmin = std::numeric_limits<int64_t>::max(), kmax = 0;
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    lane_group_init(groups[gi], lanes, n, gi, scale, D, base + gi * 16 * D);
+    kmin = std::min(kmin, groups[gi].kmin), kmax = std::max(kmax, groups[gi].kmax);
+  }
+  float *kf = base + ng * 16 * D, *vf = kf + 16 * D;
+  for (int64_t k0 = kmin; k0 < kmax; k0 += 16) {
+    const int64_t k1 = std::min(kmax, k0 + 16);
+    for (int64_t p = k0; p < k1; ++p) {
+      const int64_t row = (bt[p / kv.BS] * kv.BS + p % kv.BS) * kv.KVH + h;
+      lane_row_f32(kv.k, kv.ks, kv.kind, row, D, kf + (p - k0) * D);
+      lane_row_f32(kv.v, kv.vs, kv.kind, row, D, vf + (p - k0) * D);
+    }
+    for (auto& g : groups) {
+      const int64_t a = std::max(k0, g.kmin), b = std::min(k1, g.kmax);
+      if (a < b) lane_group_keys(g, kf, vf, k0, a, b, D);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const LaneGroup& g = groups[i / 8];
+    const int j = static_cast<int>(i % 8);
+    for (int64_t d = 0; d < D; ++d) lanes[i].dst[d] = lanes[i].hi > lanes[i].lo ? g.o[d * 8 + j] / g.l[j] : 0.f;
+  }
 }
 
 // Convert n tokens (from slot `slot0` on, within one block) of KV head h to float32 rows (n, D), scaled.
@@ -520,6 +676,19 @@ void run_invariant_tasks(int64_t work, int64_t n, F&& task) {
   }
 }
 
+// The portable decode of row b, KV head h (its G query heads over the same keys), 8 heads at a time on AVX2.
+KVK_AVX2 void decode_row_avx2(const AttnArgs& a, int64_t b, int64_t h, float* out) {
+  const int64_t ctx = a.ctx[b];
+  thread_local std::vector<Lane> lanes;
+  lanes.clear();
+  for (int64_t g = 0; g < a.G; ++g) {
+    const int64_t r = b * a.H + h * a.G + g;
+    lanes.push_back({a.q + r * a.D, out + r * a.D, first_key(a, ctx), ctx});
+  }
+  const LaneKV kv{a.k, a.v, a.ks, a.vs, a.kind, a.BS, a.KVH, a.D};
+  attend_lanes_avx2(lanes.data(), a.G, a.qscale, kv, h, a.bt + b * a.W);
+}
+
 struct AttnScratch {
   std::vector<WorkItem> items;
   std::vector<int64_t> first;
@@ -534,8 +703,10 @@ void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* ou
     int64_t keys = 0;
     for (int64_t b = 0; b < B; ++b) keys += a.ctx[b];
     if (!fast) {  // portable: one (row, KV head) a task, key by key (the prefill kernel's portable routine)
+      const bool avx2 = use_avx2();
       const auto task = [&](int64_t i) {
         const int64_t b = i / a.KVH, h = i % a.KVH, ctx = a.ctx[b];
+        if (avx2) return decode_row_avx2(a, b, h, out);
         for (int64_t g = 0; g < a.G; ++g) {
           const int64_t hq = h * a.G + g;
           attend_query_generic(a.q + (b * a.H + hq) * a.D, a.qscale, a.k, a.v, a.ks, a.vs, a.kind, a.bt + b * a.W,
@@ -879,6 +1050,25 @@ void extend_item_generic(const ExtendArgs& a, const ExtendItem& it) {
   }
 }
 
+// The portable routine's tile on AVX2: the tile's queries x the G heads as lanes (attend_lanes_avx2).
+KVK_AVX2 void extend_item_avx2(const ExtendArgs& a, const ExtendItem& it) {
+  const int64_t G = a.G, D = a.D, H = a.H;
+  const int64_t qlen = a.qlens[it.span], ctx = a.ctxs[it.span], start = a.starts[it.span];
+  const int64_t nq = std::min<int64_t>(16, qlen - it.i0);
+  thread_local std::vector<Lane> lanes;
+  lanes.clear();
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t qpos = ctx - qlen + it.i0 + j;
+    const int64_t lo = a.window > 0 ? std::max<int64_t>(0, qpos - a.window + 1) : 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = (start + it.i0 + j) * H + it.h * G + g;
+      lanes.push_back({a.q + r * D, a.out + r * D, lo, qpos + 1});
+    }
+  }
+  const LaneKV kv{a.k, a.v, a.ks, a.vs, a.kind, a.BS, a.KVH, D};
+  attend_lanes_avx2(lanes.data(), nq * G, a.scale, kv, it.h, a.bt + it.span * a.W);
+}
+
 KVK_AVX512 void extend_item_avx512_dispatch(const ExtendArgs& a, const ExtendItem& it) {
 #define KVK_EXT_CASE(GG, DDV) if (a.G == GG && a.D == 16 * DDV) return extend_item_avx512<GG, DDV>(a, it);
   KVK_EXT_CASE(1, 4) KVK_EXT_CASE(2, 4) KVK_EXT_CASE(3, 4) KVK_EXT_CASE(4, 4)
@@ -943,11 +1133,13 @@ torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k, c
                quant ? reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>()) : nullptr,
                stp, qlp, clp, bt.data_ptr<int64_t>(), W, kind, H, KVH, D, BS, H / KVH, static_cast<float>(scale),
                std::max<int64_t>(0, window)};
-  const bool fast = use_avx512() && extend_fast(H / KVH, D);
+  const bool fast = use_avx512() && extend_fast(H / KVH, D), avx2 = !fast && use_avx2();
   // tasks are claimed one at a time: tiles late in a causal prompt see more keys
   parallel_tasks(static_cast<int64_t>(items.size()), [&](int64_t i) {
     if (fast)
       extend_item_avx512_dispatch(a, items[i]);
+    else if (avx2)
+      extend_item_avx2(a, items[i]);
     else
       extend_item_generic(a, items[i]);
   });

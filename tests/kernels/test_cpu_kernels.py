@@ -23,7 +23,7 @@ from kvkeeper.worker import kernel_check
 from kvkeeper.layers import quantized
 from kvkeeper.weights import formats as qw
 
-ISAS = ["generic", "avx512_vnni"]  # attention: the AVX2 level runs the generic code
+ISAS = ["generic", "avx512_vnni"]  # attention: the AVX2 level gives the generic code's bits (tested below)
 QMM_ISAS = ["generic", "avx2", "avx512_vnni"]
 
 
@@ -203,7 +203,9 @@ def gguf_tensors():
         path = resolve_model_path()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"embedded model not installed: {e}")
-    reader = gguf.GGUFReader(str(path))
+    from kvkeeper.weights.gguf_file import GGUFFile
+
+    reader = GGUFFile.open(path)  # GGUFReader's tensor table without its views over the vocabulary
     return gguf, {t.name: t for t in reader.tensors}
 
 
@@ -304,6 +306,29 @@ def test_windowed_attention_matches_reference(kernels, isa, window, H, KVH, D):
     m_ref.window = m_k.window = window
     assert _rel(cpu_attention.decode_attention(qd, c_k, m_k, D**-0.5), ref.decode_attention(qd, c_ref, m_ref,
                                                                                            D**-0.5)) < 1e-4
+
+
+@pytest.mark.parametrize("kv,H,KVH,D,bs", [(kv, 9, 3, 64, 16) for kv in ("float32", "bfloat16", "float16", "int8",
+                                                                          "fp8_e4m3")]
+                         + [("int8", 10, 2, 24, 16), ("fp8_e4m3", 6, 1, 64, 5), ("bfloat16", 4, 1, 256, 16)])
+def test_attention_avx2_equals_generic_bitwise(kernels, kv, H, KVH, D, bs):
+    """The AVX2 attention (8 query lanes at a time) gives the portable routine's floats bit for bit: prefill spans
+    (cached and fresh) and the decode tokens of the same step, with and without a window, every KV format."""
+    if not kernels.cpu_has_avx2():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    seqs = [(301, 40), (130, 130), (9, 1), (120, 1)]
+    for window in (None, 17):
+        got = {}
+        for isa in ("generic", "avx2"):
+            q, k, v, _, c_k, _, m_k = kernel_check.random_step(seqs, H, KVH, D, bs, kv, torch.float32, "cpu",
+                                                               seed=H + D, extra_cols=1)
+            m_k.window = window
+            kernels.set_isa(isa)
+            try:
+                got[isa] = cpu_attention.paged_attention(q, k, v, c_k, m_k, D**-0.5)
+            finally:
+                kernels.set_isa("auto")
+        assert torch.equal(got["generic"], got["avx2"]), (kv, window)
 
 
 def test_decode_attention_is_batch_invariant(kernels):

