@@ -133,6 +133,93 @@ void attend_query_generic(const float* qr, float scale, const void* k, const voi
   for (int64_t d = 0; d < D; ++d) dst[d] = hi > lo ? o[d] / sm : 0.f;
 }
 
+// One K or V row of D elements as float32 times `scale`, written to dst[d * stride]: load_scalar's conversion (exact
+// for every kind) with the kind's switch taken once per row, not per element.
+KVK_AVX2 inline void kv_row_scaled(const void* base, int64_t off, int64_t kind, float scale, int64_t D, float* dst,
+                                   int64_t stride) {
+#define KVK_ROW_CASE(KIND) \
+  case KIND:               \
+    for (int64_t d = 0; d < D; ++d) dst[d * stride] = load_scalar(base, off + d, KIND) * scale; \
+    return;
+  switch (kind) {
+    KVK_ROW_CASE(KV_F32) KVK_ROW_CASE(KV_BF16) KVK_ROW_CASE(KV_F16) KVK_ROW_CASE(KV_I8)
+    default:
+      for (int64_t d = 0; d < D; ++d) dst[d * stride] = load_scalar(base, off + d, kind) * scale;
+  }
+#undef KVK_ROW_CASE
+}
+
+// Keys [lo, hi) of one KV head as float32 rows, scaled (load_scalar's exact conversion, then the per-token scale, as
+// attend_query_generic computes each element): kt holds the keys in chunks of 8 transposed ((hi - lo + 7) / 8, D, 8:
+// one lane per key, lanes past hi zero), vf the values (hi - lo, D).  Converted once for every query that reads them
+// (a prefill tile's 16 queries times the GQA group; a decode row's G heads) instead of once per query.
+struct KVRows {
+  std::vector<float> kt, vf;
+  int64_t lo = 0;
+};
+
+KVK_AVX2 void kv_rows_avx2(const void* k, const void* v, const uint16_t* ks, const uint16_t* vs, int64_t kind,
+                           const int64_t* bt, int64_t BS, int64_t KVH, int64_t h, int64_t D, int64_t lo, int64_t hi,
+                           KVRows& r) {
+  const int64_t n = std::max<int64_t>(0, hi - lo);
+  r.lo = lo;
+  r.kt.assign(static_cast<size_t>((n + 7) / 8 * 8 * D), 0.f);
+  r.vf.resize(static_cast<size_t>(n * D));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = lo + i, row = (bt[p / BS] * BS + p % BS) * KVH + h;
+    kv_row_scaled(k, row * D, kind, ks ? half_to_float(ks[row]) : 1.f, D, r.kt.data() + (i / 8) * 8 * D + i % 8, 8);
+    kv_row_scaled(v, row * D, kind, vs ? half_to_float(vs[row]) : 1.f, D, r.vf.data() + i * D, 1);
+  }
+}
+
+// One key of the online softmax (attend_query_generic's update, the value update 8 dimensions at a time).
+KVK_AVX2 inline void softmax_key_avx2(float dot, const float* vr, int64_t D, float& mx, float& sm, float* o) {
+  const float mnew = std::max(mx, dot);
+  const float alpha = std::exp(mx - mnew), pw = std::exp(dot - mnew);
+  sm = sm * alpha + pw;
+  const __m256 va = _mm256_set1_ps(alpha), vp = _mm256_set1_ps(pw);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8)
+    _mm256_storeu_ps(o + d, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(o + d), va),
+                                          _mm256_mul_ps(vp, _mm256_loadu_ps(vr + d))));
+  for (; d < D; ++d) o[d] = o[d] * alpha + pw * vr[d];
+  mx = mnew;
+}
+
+// attend_query_generic's AVX2 path over rows converted by kv_rows_avx2 (keys [lo, hi) within them), bit for bit the
+// same floats: every score is the same sequential sum over the head dimension (a multiply, then an add: the kernels
+// build with -ffp-contract=off), computed for 8 keys at once (one lane per key, two chunks interleaved); the online
+// softmax then runs key by key in key order with the same scalar exp, and its value update goes 8 dimensions at a
+// time (o * alpha + pw * v, element by element).  The portable routine spent its time in the score's chain of adds,
+// in a switch on the KV kind per element and in converting every key again for each query.
+KVK_AVX2 void attend_rows_avx2(const float* qr, float scale, const KVRows& r, int64_t D, int64_t lo, int64_t hi,
+                               float* dst) {
+  thread_local std::vector<float> buf;
+  buf.assign(static_cast<size_t>(2 * D), 0.f);
+  float *o = buf.data(), *qs = o + D;
+  for (int64_t d = 0; d < D; ++d) qs[d] = qr[d] * scale;
+  float mx = -std::numeric_limits<float>::infinity(), sm = 0.f;
+  alignas(32) float dots[16];
+  const __m256 zero = _mm256_setzero_ps();
+  const int64_t first = lo - r.lo, last = hi - r.lo;  // keys [first, last) of the rows
+  for (int64_t c = first / 8 * 8; c < last; c += 16) {
+    const float* k0 = r.kt.data() + (c / 8) * 8 * D;
+    const bool two = c + 8 < last;
+    const float* k1 = two ? k0 + 8 * D : k0;
+    __m256 acc0 = zero, acc1 = zero;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 qv = _mm256_set1_ps(qs[d]);
+      acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + d * 8)));
+      acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(qv, _mm256_loadu_ps(k1 + d * 8)));
+    }
+    _mm256_store_ps(dots, acc0);
+    _mm256_store_ps(dots + 8, acc1);
+    for (int64_t i = std::max(c, first); i < std::min(c + (two ? 16 : 8), last); ++i)
+      softmax_key_avx2(dots[i - c], r.vf.data() + i * D, D, mx, sm, o);
+  }
+  for (int64_t d = 0; d < D; ++d) dst[d] = hi > lo ? o[d] / sm : 0.f;
+}
+
 // Convert n tokens (from slot `slot0` on, within one block) of KV head h to float32 rows (n, D), scaled.
 KVK_AVX512 inline void kv_rows_to_f32(const void* base, const uint16_t* scales, int64_t kind, int64_t slot0,
                                       int64_t n, int64_t KVH, int64_t h, int64_t D, float* dst) {
@@ -534,8 +621,19 @@ void attention_raw(const AttnArgs& a, int64_t B, int64_t split_blocks, float* ou
     int64_t keys = 0;
     for (int64_t b = 0; b < B; ++b) keys += a.ctx[b];
     if (!fast) {  // portable: one (row, KV head) a task, key by key (the prefill kernel's portable routine)
+      const bool avx2 = use_avx2();
       const auto task = [&](int64_t i) {
         const int64_t b = i / a.KVH, h = i % a.KVH, ctx = a.ctx[b];
+        if (avx2) {  // the same floats, the row's keys converted once for its G heads
+          thread_local KVRows rows;
+          const int64_t lo = first_key(a, ctx);
+          kv_rows_avx2(a.k, a.v, a.ks, a.vs, a.kind, a.bt + b * a.W, a.BS, a.KVH, h, a.D, lo, ctx, rows);
+          for (int64_t g = 0; g < a.G; ++g) {
+            const int64_t hq = h * a.G + g;
+            attend_rows_avx2(a.q + (b * a.H + hq) * a.D, a.qscale, rows, a.D, lo, ctx, out + (b * a.H + hq) * a.D);
+          }
+          return;
+        }
         for (int64_t g = 0; g < a.G; ++g) {
           const int64_t hq = h * a.G + g;
           attend_query_generic(a.q + (b * a.H + hq) * a.D, a.qscale, a.k, a.v, a.ks, a.vs, a.kind, a.bt + b * a.W,
@@ -879,6 +977,24 @@ void extend_item_generic(const ExtendArgs& a, const ExtendItem& it) {
   }
 }
 
+// extend_item_generic's AVX2 path (the same floats): the tile's keys converted once for its queries and heads.
+KVK_AVX2 void extend_item_avx2(const ExtendArgs& a, const ExtendItem& it) {
+  const int64_t G = a.G, D = a.D, H = a.H;
+  const int64_t qlen = a.qlens[it.span], ctx = a.ctxs[it.span], start = a.starts[it.span];
+  const int64_t nq = std::min<int64_t>(16, qlen - it.i0), qpos0 = ctx - qlen + it.i0;
+  const auto first = [&](int64_t qpos) { return a.window > 0 ? std::max<int64_t>(0, qpos - a.window + 1) : 0; };
+  thread_local KVRows rows;
+  kv_rows_avx2(a.k, a.v, a.ks, a.vs, a.kind, a.bt + it.span * a.W, a.BS, a.KVH, it.h, D, first(qpos0), qpos0 + nq,
+               rows);
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t qpos = qpos0 + j;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = (start + it.i0 + j) * H + it.h * G + g;
+      attend_rows_avx2(a.q + r * D, a.scale, rows, D, first(qpos), qpos + 1, a.out + r * D);
+    }
+  }
+}
+
 KVK_AVX512 void extend_item_avx512_dispatch(const ExtendArgs& a, const ExtendItem& it) {
 #define KVK_EXT_CASE(GG, DDV) if (a.G == GG && a.D == 16 * DDV) return extend_item_avx512<GG, DDV>(a, it);
   KVK_EXT_CASE(1, 4) KVK_EXT_CASE(2, 4) KVK_EXT_CASE(3, 4) KVK_EXT_CASE(4, 4)
@@ -943,11 +1059,13 @@ torch::Tensor extend_attention(const torch::Tensor& q, const torch::Tensor& k, c
                quant ? reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>()) : nullptr,
                stp, qlp, clp, bt.data_ptr<int64_t>(), W, kind, H, KVH, D, BS, H / KVH, static_cast<float>(scale),
                std::max<int64_t>(0, window)};
-  const bool fast = use_avx512() && extend_fast(H / KVH, D);
+  const bool fast = use_avx512() && extend_fast(H / KVH, D), avx2 = use_avx2();
   // tasks are claimed one at a time: tiles late in a causal prompt see more keys
   parallel_tasks(static_cast<int64_t>(items.size()), [&](int64_t i) {
     if (fast)
       extend_item_avx512_dispatch(a, items[i]);
+    else if (avx2)
+      extend_item_avx2(a, items[i]);
     else
       extend_item_generic(a, items[i]);
   });

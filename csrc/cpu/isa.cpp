@@ -1,5 +1,5 @@
 // ISA selection: the AVX-512 paths run when the CPU has every extension they use; on a CPU without them the
-// AVX2 paths (AVX2 + FMA + F16C: the qmm block matmul) run; set_isa("generic") / ("avx2") force a lower level.
+// AVX2 paths (AVX2 + FMA + F16C: the qmm block matmul, the portable attention routine) run; set_isa("generic") / ("avx2") force a lower level.
 #include "common.h"
 
 namespace kvk {

@@ -23,7 +23,7 @@ from kvkeeper.worker import kernel_check
 from kvkeeper.layers import quantized
 from kvkeeper.weights import formats as qw
 
-ISAS = ["generic", "avx512_vnni"]  # attention: the AVX2 level runs the generic code
+ISAS = ["generic", "avx2", "avx512_vnni"]  # attention: the AVX2 level runs the portable arithmetic vectorized
 QMM_ISAS = ["generic", "avx2", "avx512_vnni"]
 
 
