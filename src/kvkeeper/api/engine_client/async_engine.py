@@ -167,8 +167,26 @@ class AsyncEngine:
 
     def start(self) -> None:
         if self._thread is None:
+            self._warm_prompt_path()
             self._thread = threading.Thread(target=self._run, name="kvkeeper-engine", daemon=True)
             self._thread.start()
+
+    def _warm_prompt_path(self) -> None:
+        """Build the prompt path's one-time parts here, at the process's own priority, not in a prompt worker at
+        nice 19 (:data:`PROMPT_NICE`): the chat encoder's tokenizer copies, the chat template and the modules its
+        rendering imports, the vocabulary's longest token (:meth:`check_bytes`), about 1.3 s of CPU.  Nothing is
+        tokenized here: prompts still are in the workers only.  Niceness is
+        machine-wide: beside two busy processes of other programs a nice-19 thread got about 3% of a core, and the
+        first request's ``count_tokens`` took 69 s (1.3 s on the idle machine).  A failure is left to the first
+        request (which reports it)."""
+        inputs = self._inputs
+        if inputs is None:
+            return
+        try:
+            inputs.render_prompt([{"role": "user", "content": "hi"}])  # renders, tokenizes nothing
+            _ = inputs.chat_encoder, inputs.max_token_bytes
+        except Exception:  # noqa: BLE001  (the first request meets it again and answers with it)
+            log.debug("warming the prompt path failed", exc_info=True)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the engine thread; then, with a disk tier, save the sessions holding KV (see sessions.offload)."""
