@@ -219,7 +219,7 @@ RULES = {
     ("GET", "/admin/kv/dump"): _check_dump,
     ("GET", "/admin/kv"): _check_admin, ("GET", "/admin/kv.json"): _check_admin,
     ("GET", "/admin/breaker"): _check_admin, ("GET", "/admin/sessions"): _check_admin,
-    ("GET", "/admin/health"): _check_admin,
+    ("GET", "/admin/health"): _check_admin, ("GET", "/admin/cache/misses"): _check_admin,
     ("POST", "/v1/load_lora_adapter"): _check_lora, ("POST", "/v1/unload_lora_adapter"): _check_lora,
     ("POST", "/v1/sessions/{sid}/fork"): _check_owned_session_file,
     ("GET", "/v1/sessions/{sid}/export"): _check_owned_session_file,
