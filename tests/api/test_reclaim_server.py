@@ -118,7 +118,11 @@ def test_fifty_hot_and_twenty_five_cold_sessions_never_wedge_the_server(server):
         for k in range(25):  # cold: one turn each, then idle
             answers.append(_turn(server, f"cold-{k}", _text(30 + k, 100 + k)))
             if k % 5 == 0 and answers[-1].status_code == 200:  # some have forks sharing their blocks
-                assert HTTP.post(f"{server}/v1/sessions/cold-{k}/fork", timeout=60).status_code == 200
+                f = HTTP.post(f"{server}/v1/sessions/cold-{k}/fork", timeout=60)
+                # a fork opens a session: while the circuit breaker degrades (its tiers follow the pool's usage
+                # over time, so whether it does at this moment depends on timing) it refuses with a 503 to retry
+                assert f.status_code == 200 or (f.status_code == 503 and "retry-after" in f.headers
+                                                and f.json()["error"]["code"] == "kv_memory_short"), f.text
         with cf.ThreadPoolExecutor(max_workers=50) as pool:  # hot: 50 sessions' turns at once
             answers += pool.map(lambda k: _turn(server, f"hot-{k}", _text(20 + k, 200 + k)), range(50))
         codes = sorted(r.status_code for r in answers)
