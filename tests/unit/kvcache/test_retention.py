@@ -25,15 +25,16 @@ class Clock:
         return self.t
 
 
-def computed(pool: BlockPool, tokens: list[int], ns: Namespace = NS) -> list[int]:
-    """A request's blocks for ``tokens`` as the engine leaves them: prefix hits taken, the rest allocated and
-    registered; returns the block table (the caller frees it)."""
+def computed(pool: BlockPool, tokens: list[int], ns: Namespace = NS, allocate=None) -> list[int]:
+    """A request's blocks for ``tokens`` as the engine leaves them: prefix hits taken, the rest allocated (by
+    ``allocate``, default ``pool.allocate``) and registered; returns the block table (the caller frees it)."""
+    allocate = allocate or pool.allocate
     table, parent = [], None
     for i in range(len(tokens) // BS):
         chunk = tokens[i * BS : (i + 1) * BS]
         bid, h = pool.lookup(parent, ns, chunk)
         if bid is None:
-            bid = pool.allocate(1)[0]
+            bid = allocate(1)[0]
             pool.register(bid, parent, ns, chunk)
         else:
             pool.incref(bid)
@@ -231,18 +232,8 @@ class HoldMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pool.num_free >= 6)
     @rule(head=st.integers(0, 2), tail=st.lists(st.integers(0, 3), max_size=4), keep=st.booleans())
     def request(self, head, tail, keep):
-        pool, toks = self.pool, PREFIXES[head] + tail
-        table, parent = [], None
-        for i in range(len(toks) // BS):
-            chunk = toks[i * BS : (i + 1) * BS]
-            bid, h = pool.lookup(parent, NS, chunk)
-            if bid is None:
-                bid = self._checked_allocate(1)[0]
-                h = pool.register(bid, parent, NS, chunk)
-            else:
-                pool.incref(bid)
-            table.append(bid)
-            parent = h
+        pool = self.pool
+        table = computed(pool, PREFIXES[head] + tail, allocate=self._checked_allocate)
         if keep:
             self.tables.append(table)
         else:

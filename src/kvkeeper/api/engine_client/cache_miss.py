@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import threading
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 from typing import Callable, Hashable
@@ -88,7 +89,7 @@ class MissLog:
 
     def __init__(self, decode: Callable[[list[int]], str], max_keys: int = 4096, max_recent: int = 256):
         self.decode, self.max_keys = decode, max_keys
-        self._last: OrderedDict[Hashable, tuple[list[int], object]] = OrderedDict()
+        self._last: OrderedDict[Hashable, tuple[array, object]] = OrderedDict()  # prompt + reply ids
         self._recent: deque[CacheMiss] = deque(maxlen=max_recent)
         self._lock = threading.Lock()
 
@@ -99,7 +100,9 @@ class MissLog:
         ``block_size``: tokens per KV block (see :func:`classify`).  Returns the explanation, None when there was
         no predecessor or nothing was lost."""
         prev = self._last.pop(key, None)
-        self._last[key] = (list(prompt) + list(reply), ns)
+        ids = array("i", prompt)  # 4 bytes a token: a 20k-token agent prompt is 80 kB, not ~0.7 MB as a list
+        ids.extend(reply)
+        self._last[key] = (ids, ns)
         while len(self._last) > self.max_keys:
             self._last.popitem(last=False)
         if prev is None:
@@ -109,7 +112,7 @@ class MissLog:
             return None
         before = self.decode(prompt[max(0, at - 16):at])[-CONTEXT_CHARS:]
         miss = CacheMiss(name[1], name[0], reason, at, cached, len(prev[0]), len(prompt), before,
-                         self.decode(prev[0][at:at + 16])[:CONTEXT_CHARS],
+                         self.decode(prev[0][at:at + 16].tolist())[:CONTEXT_CHARS],
                          self.decode(prompt[at:at + 16])[:CONTEXT_CHARS], request_id)
         with self._lock:
             self._recent.append(miss)
