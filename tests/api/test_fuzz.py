@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 def test_generated_requests_get_no_5xx(tmp_path):
     exe = shutil.which("schemathesis") or str(Path(sys.executable).parent / "schemathesis")
-    with running_server(tmp_path / "server.log", "--threads", "2", "--max-model-len", "256",
+    with running_server(tmp_path / "server.log", "--max-model-len", "256",
                         "--max-new-tokens", "4", "--otel-traces", "console") as base:
         out = subprocess.run([exe, "run", base + "/openapi.json", "--checks", "not_a_server_error",
                               "--max-examples", "15", "--max-time", "45", "--workers", "1", "--seed", "1",

@@ -39,7 +39,7 @@ def server_log(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(server_log):
-    with running_server(server_log, "--threads", "2", "--max-model-len", "1024") as base:
+    with running_server(server_log, "--max-model-len", "1024") as base:
         yield base
 
 
@@ -441,7 +441,7 @@ def test_prompt_logprobs_independent_of_the_cache(tmp_path):
     # rows in the batch on some CPUs (seen on an Intel Xeon with MKL: 3.05e-5 on these logprobs), as documented.
     # The client waits as long as the slowest CPU needs: without AVX-512 the C++ kernels run their portable scalar
     # path, where each of these 49-token prompts takes about 30 s on a 2-core AMD EPYC (the wait bounds a hang only).
-    with running_server(tmp_path / "server.log", "--threads", "2", "--max-model-len", "1024",
+    with running_server(tmp_path / "server.log", "--max-model-len", "1024",
                         "--quantization", "gguf") as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=900)
         prompt = "The history of cartography spans many centuries, from clay tablets to satellite images. " * 3
