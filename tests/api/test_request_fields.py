@@ -61,6 +61,14 @@ def _chat(client, content: str, **kw):
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
 
 
+def _together(*calls):
+    """The results of ``calls`` (callables without arguments), run at once: the server batches them, and the
+    decode steps they share cost about one step's CPU.  Only for requests whose outputs no assertion compares with
+    each other's bit for bit (on the float32 path the GEMM's rounding may depend on the batch)."""
+    with cf.ThreadPoolExecutor(len(calls)) as ex:
+        return [f.result() for f in [ex.submit(c) for c in calls]]
+
+
 def _error(r: httpx.Response) -> dict:
     assert r.status_code == 400, r.text
     return r.json()["error"]
@@ -206,9 +214,11 @@ def _penalised(entries, presence: float, frequency: float) -> list[str]:
 
 
 def test_presence_and_frequency_penalties(client):
-    plain = _chat(client, BANANA, max_tokens=16).choices[0].message.content
-    for kw in ({"presence_penalty": 2.0}, {"frequency_penalty": 1.5}):
-        r = _chat(client, BANANA, max_tokens=16, logprobs=True, top_logprobs=20, **kw)
+    kws = ({"presence_penalty": 2.0}, {"frequency_penalty": 1.5})
+    plain, *penalised = _together(lambda: _chat(client, BANANA, max_tokens=16), *[
+        lambda kw=kw: _chat(client, BANANA, max_tokens=16, logprobs=True, top_logprobs=20, **kw) for kw in kws])
+    plain = plain.choices[0].message.content
+    for kw, r in zip(kws, penalised, strict=True):
         entries = r.choices[0].logprobs.content
         assert r.choices[0].message.content != plain
         assert [e.token for e in entries] == _penalised(entries, kw.get("presence_penalty", 0),
@@ -216,8 +226,9 @@ def test_presence_and_frequency_penalties(client):
 
 
 def test_repetition_penalty(client):
-    plain = _chat(client, BANANA, max_tokens=24).choices[0].message.content
-    rep = _chat(client, BANANA, max_tokens=24, extra_body={"repetition_penalty": 1.3}).choices[0].message.content
+    plain, rep = (r.choices[0].message.content for r in _together(
+        lambda: _chat(client, BANANA, max_tokens=24),
+        lambda: _chat(client, BANANA, max_tokens=24, extra_body={"repetition_penalty": 1.3})))
     assert plain.lower().count("banana") > rep.lower().count("banana")  # exact reference: test_sampling_reference.py
 
 
@@ -225,10 +236,10 @@ def test_min_p(client):
     """Every sampled token passes vLLM's min-p rule at the temperature: lp - lp_max >= T * ln(min_p)."""
     t, mp = 1.5, 0.3
     kw = dict(max_tokens=16, temperature=t, seed=11, n=4, logprobs=True, top_logprobs=20)
-    r = _chat(client, "Write a sentence about the sea.", **kw, extra_body={"min_p": mp})
+    r, free = _together(lambda: _chat(client, "Write a sentence about the sea.", **kw, extra_body={"min_p": mp}),
+                        lambda: _chat(client, "Write a sentence about the sea.", **kw))
     gaps = [e.logprob - e.top_logprobs[0].logprob for c in r.choices for e in c.logprobs.content]
     assert min(gaps) >= t * math.log(mp) - 1e-4
-    free = _chat(client, "Write a sentence about the sea.", **kw)
     assert min(e.logprob - e.top_logprobs[0].logprob for c in free.choices for e in c.logprobs.content) < t * math.log(mp)
 
 
@@ -266,8 +277,9 @@ def test_bad_words(server, client):
     def has(ids):
         return any(ids[i:i + len(w)] == w for w in spellings for i in range(len(ids)))
 
-    plain = _chat(client, BANANA, max_tokens=16, extra_body={"return_token_ids": True}).choices[0]
-    banned = _chat(client, BANANA, max_tokens=16, extra_body={"return_token_ids": True, "bad_words": words}).choices[0]
+    plain, banned = (r.choices[0] for r in _together(
+        lambda: _chat(client, BANANA, max_tokens=16, extra_body={"return_token_ids": True}),
+        lambda: _chat(client, BANANA, max_tokens=16, extra_body={"return_token_ids": True, "bad_words": words})))
     assert has(plain.model_extra["token_ids"]) and not has(banned.model_extra["token_ids"])
 
 
@@ -330,15 +342,21 @@ def test_json_object_outputs_parse(client):
 
 
 def test_guided_fields(client):
-    r = _chat(client, "Give me a phone number.", max_tokens=16, extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
-    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].message.content)
-    for body in ({"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}}):
-        assert _chat(client, "Is the sky blue?", extra_body=body).choices[0].message.content in ("yes", "no")
-    r = _chat(client, "Pick a colour.", extra_body={"guided_grammar": 'root ::= "red" | "green" | "blue"'})
-    assert r.choices[0].message.content in ("red", "green", "blue")
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    for body in ({"guided_json": schema}, {"structured_outputs": {"json": schema}}):
-        jsonschema.validate(json.loads(_chat(client, "A number?", extra_body=body).choices[0].message.content), schema)
+    choices = ({"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}})
+    jsons = ({"guided_json": schema}, {"structured_outputs": {"json": schema}})
+    phone, grammar, *rest = (r.choices[0].message.content for r in _together(  # each answer checked on its own
+        lambda: _chat(client, "Give me a phone number.", max_tokens=16,
+                      extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"}),
+        lambda: _chat(client, "Pick a colour.", extra_body={"guided_grammar": 'root ::= "red" | "green" | "blue"'}),
+        *[lambda body=body: _chat(client, "Is the sky blue?", extra_body=body) for body in choices],
+        *[lambda body=body: _chat(client, "A number?", extra_body=body) for body in jsons]))
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone)
+    assert grammar in ("red", "green", "blue")
+    for text in rest[:len(choices)]:
+        assert text in ("yes", "no")
+    for text in rest[len(choices):]:
+        jsonschema.validate(json.loads(text), schema)
     with pytest.raises(openai.BadRequestError):  # two constraints at once
         _chat(client, "x", response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
 
@@ -358,15 +376,20 @@ SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHE
 def test_tool_calls(client):
     h = {"X-Session-ID": f"tools-{uuid.uuid4().hex[:8]}"}
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
-    r1 = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice="required",
-                                        parallel_tool_calls=False, max_tokens=64, temperature=0, extra_headers=h)
+    first = list(msgs)
+    r1, named, none = _together(  # three independent first turns at once (the server batches them)
+        lambda: client.chat.completions.create(model=MODEL, messages=first, tools=[WEATHER, TIME],
+                                               tool_choice="required", parallel_tool_calls=False, max_tokens=64,
+                                               temperature=0, extra_headers=h),
+        lambda: client.chat.completions.create(model=MODEL, messages=first, tools=[WEATHER, TIME], max_tokens=64,
+                                               tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                               parallel_tool_calls=False, temperature=0),
+        lambda: client.chat.completions.create(model=MODEL, messages=first, tools=[WEATHER], tool_choice="none",
+                                               max_tokens=8, temperature=0))
     c = r1.choices[0]
     assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
     call = c.message.tool_calls[0]
     jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
-    named = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], max_tokens=64,
-                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                           parallel_tool_calls=False, temperature=0)
     ncall = named.choices[0].message.tool_calls[0]
     assert ncall.function.name == "get_time"
     jsonschema.validate(json.loads(ncall.function.arguments), SCHEMA_OF["get_time"])
@@ -376,8 +399,6 @@ def test_tool_calls(client):
     r2 = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], max_tokens=24,
                                         temperature=0, extra_headers=h)
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.total_tokens - 1 > 0
-    none = client.chat.completions.create(model=MODEL, messages=msgs[:1], tools=[WEATHER], tool_choice="none",
-                                          max_tokens=8, temperature=0)
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
 
 
