@@ -42,7 +42,7 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("anthropic")
     keys = d / "keys.json"
     keys.write_text(json.dumps({"keys": KEYS}))
-    with running_server(d / "server.log", "--threads", "2", "--max-model-len", str(CTX),
+    with running_server(d / "server.log", "--max-model-len", str(CTX),
                         "--api-keys-file", str(keys)) as base:
         yield base
 

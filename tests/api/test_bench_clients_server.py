@@ -22,7 +22,7 @@ T = 180  # seconds: bounds, not timings (a loaded CI machine)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
-    with running_server(d / "server.log", "--threads", "2", "--max-model-len", "1024",
+    with running_server(d / "server.log", "--max-model-len", "1024",
                         "--data-dir", str(d / "data")) as base:  # a disk tier for the restore test
         yield base
 

@@ -68,7 +68,7 @@ def test_the_log_explains_against_the_predecessor_and_stays_bounded():
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("cache-miss")
-    with running_server(d / "server.log", "--threads", "2", "--max-model-len", "1024") as url:
+    with running_server(d / "server.log", "--max-model-len", "1024") as url:
         yield url
 
 

@@ -33,7 +33,7 @@ def server(request, tmp_path_factory):
     """(base URL, whether holds are on): the default share, then ``--kv-hold-share 0``."""
     d = tmp_path_factory.mktemp(f"retention-{request.param}")
     share = [] if request.param == "holds" else ["--kv-hold-share", "0"]
-    with running_server(d / "server.log", "--threads", "2", "--kv-blocks", str(NUM_BLOCKS), "--max-model-len", "1024",
+    with running_server(d / "server.log", "--kv-blocks", str(NUM_BLOCKS), "--max-model-len", "1024",
                         *share) as base:
         yield base, request.param == "holds"
 

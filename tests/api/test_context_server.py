@@ -29,8 +29,13 @@ def _chat(base: str, messages: list[dict], headers: dict | None = None, **body) 
 
 
 @pytest.fixture(scope="module")
-def tokenizer(engine):
-    return engine.tokenizer
+def tokenizer():
+    """The embedded model's tokenizer, read alone (no engine: weights and KV pool) and lazily (``tokenizers``
+    decodes; transformers is not imported into the test process for it)."""
+    from kvkeeper.text.tokenizer import load_tokenizer
+    from kvkeeper.weights.sources import resolve_model_path
+
+    return load_tokenizer(resolve_model_path(None), lazy=True)
 
 
 def _prompt_text(tokenizer, r: httpx.Response) -> str:

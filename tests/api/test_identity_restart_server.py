@@ -22,7 +22,7 @@ def _turn(base: str, content: str) -> httpx.Response:
 
 def test_a_restart_with_another_activation_dtype_skips_the_saved_session(tmp_path):
     data = tmp_path / "data"
-    common = ("--threads", "2", "--data-dir", str(data), "--quantization", "none", "--kv-dtype", "bf16")
+    common = ("--data-dir", str(data), "--quantization", "none", "--kv-dtype", "bf16")
     with running_server(tmp_path / "a.log", *common) as base:
         assert _turn(base, "Name three rivers of Europe and say which is the longest.").status_code == 200
     assert (data / "sessions" / "probe").is_dir()  # saved on shutdown

@@ -32,7 +32,7 @@ def get_weather(city: str) -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("langchain") / "server.log"
-    with running_server(log, "--threads", "2", "--max-model-len", "2048") as base:
+    with running_server(log, "--max-model-len", "2048") as base:
         yield base
 
 

@@ -45,7 +45,7 @@ def adapters(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, adapters):
     log = tmp_path_factory.mktemp("lora-server") / "server.log"
-    with running_server(log, "--quantization", "gguf", "--max-model-len", "1024", "--threads", "2",
+    with running_server(log, "--quantization", "gguf", "--max-model-len", "1024",
                         "--lora-modules", f"a={adapters['a']}", "--lora-modules", f"b={adapters['b']}",
                         "--allow-runtime-lora") as base:
         yield base

@@ -21,7 +21,7 @@ PROMPT = ("A long note on lighthouses, their keepers, lenses and the ships they 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("framing")
-    with running_server(d / "server.log", "--threads", "2") as base:
+    with running_server(d / "server.log") as base:
         yield base
 
 

@@ -35,7 +35,7 @@ LONG_PROMPT = ("Here is a long note about the history of cartography, maps, glob
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server(log_path, "--threads", "2", "--max-model-len", str(CTX)) as base:
+    with running_server(log_path, "--max-model-len", str(CTX)) as base:
         yield base
 
 

@@ -35,7 +35,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("real-clients") / "server.log"
-    with running_server(log, "--threads", "2", "--max-model-len", "1024", "--api-key", KEY) as base:
+    with running_server(log, "--max-model-len", "1024", "--api-key", KEY) as base:
         yield base
 
 

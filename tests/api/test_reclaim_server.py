@@ -33,7 +33,7 @@ HTTP = httpx.Client()
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("reclaim")
-    with running_server(d / "server.log", "--threads", "2", "--kv-blocks", "48", "--max-model-len", "1024") as base:
+    with running_server(d / "server.log", "--kv-blocks", "48", "--max-model-len", "1024") as base:
         yield base
     HTTP.close()
 

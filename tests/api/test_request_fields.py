@@ -39,8 +39,15 @@ def server_log(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(server_log):
-    with running_server(server_log, "--threads", "2", "--max-model-len", "1024") as base:
+    with running_server(server_log, "--max-model-len", "1024") as base:
         yield base
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """One httpx client for the module's raw requests (``httpx.post`` builds a client, ~50 ms of CPU, per call)."""
+    with httpx.Client(base_url=server, timeout=120) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +59,14 @@ def _chat(client, content: str, **kw):
     kw.setdefault("max_tokens", 16)
     kw.setdefault("temperature", 0)
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+
+
+def _together(*calls):
+    """The results of ``calls`` (callables without arguments), run at once: the server batches them, and the
+    decode steps they share cost about one step's CPU.  Only for requests whose outputs no assertion compares with
+    each other's bit for bit (on the float32 path the GEMM's rounding may depend on the batch)."""
+    with cf.ThreadPoolExecutor(len(calls)) as ex:
+        return [f.result() for f in [ex.submit(c) for c in calls]]
 
 
 def _error(r: httpx.Response) -> dict:
@@ -113,6 +128,7 @@ def test_every_field_is_applied_or_refused(server):
     openai_cmpl = set(typing.get_type_hints(cp.CompletionCreateParamsBase)) | {"stream"}
     assert openai_chat <= _wire_names(ChatCompletionRequest), openai_chat - _wire_names(ChatCompletionRequest)
     assert openai_cmpl <= _wire_names(CompletionRequest), openai_cmpl - _wire_names(CompletionRequest)
+    jobs = []  # (path, field, refused body, body with the field's no-op value)
     for model, path, base in ((ChatCompletionRequest, "/v1/chat/completions",
                                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
                               (CompletionRequest, "/v1/completions", {"prompt": "hi", "max_tokens": 1})):
@@ -120,11 +136,16 @@ def test_every_field_is_applied_or_refused(server):
             if name in IMPLEMENTED:
                 continue
             assert name in REFUSED, f"{name} is neither implemented nor refused"
-            err = _error(httpx.post(server + path, json={**base, name: NOT_NOOP[name]}, timeout=120))
+            jobs.append((path, name, {**base, name: NOT_NOOP[name]}, {**base, name: REFUSED[name][0][-1]}))
+    # one client for all (a new one per call costs ~50 ms of CPU), the requests several at once (the server
+    # batches them); each answer is checked on its own
+    with httpx.Client(base_url=server, timeout=180) as http, cf.ThreadPoolExecutor(8) as ex:
+        answers = list(ex.map(lambda j: (http.post(j[0], json=j[2]), http.post(j[0], json=j[3])), jobs))
+        for (path, name, _, _), (refused, noop) in zip(jobs, answers, strict=True):
+            err = _error(refused)
             assert err["param"] == name and "not supported" in err["message"], err
-            assert httpx.post(server + path, json={**base, name: REFUSED[name][0][-1]},
-                              timeout=180).status_code == 200  # bounds, not timings: a loaded CI machine
-    err = _error(httpx.post(server + "/v1/completions", json={"prompt": "hi", "best_of": 2}))
+            assert noop.status_code == 200, (path, name, noop.text)  # bounds, not timings: a loaded CI machine
+        err = _error(http.post("/v1/completions", json={"prompt": "hi", "best_of": 2}))
     assert err["param"] == "best_of"
 
 
@@ -146,9 +167,9 @@ def test_every_field_is_applied_or_refused(server):
      "tools.0.function.parameters"),
     ({"seed": 2**70}, "seed"), ({"seed": 2**63 - 1, "n": 2, "temperature": 1}, "seed"),
 ])
-def test_unknown_and_unusable_fields_are_named(server, body, param):
+def test_unknown_and_unusable_fields_are_named(http, body, param):
     full = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **body}
-    err = _error(httpx.post(server + "/v1/chat/completions", json=full))
+    err = _error(http.post("/v1/chat/completions", json=full))
     assert err["param"] == param, err
 
 
@@ -160,9 +181,9 @@ def test_unknown_and_unusable_fields_are_named(server, body, param):
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
     ("tool_choice", "required"),  # without tools
 ])
-def test_out_of_range_values_are_400_naming_the_field(server, field, value):
+def test_out_of_range_values_are_400_naming_the_field(http, field, value):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, field: value}
-    err = _error(httpx.post(server + "/v1/chat/completions", json=body))
+    err = _error(http.post("/v1/chat/completions", json=body))
     assert err["param"].split(".")[0] == field, err
 
 
@@ -193,9 +214,11 @@ def _penalised(entries, presence: float, frequency: float) -> list[str]:
 
 
 def test_presence_and_frequency_penalties(client):
-    plain = _chat(client, BANANA, max_tokens=16).choices[0].message.content
-    for kw in ({"presence_penalty": 2.0}, {"frequency_penalty": 1.5}):
-        r = _chat(client, BANANA, max_tokens=16, logprobs=True, top_logprobs=20, **kw)
+    kws = ({"presence_penalty": 2.0}, {"frequency_penalty": 1.5})
+    plain, *penalised = _together(lambda: _chat(client, BANANA, max_tokens=16), *[
+        lambda kw=kw: _chat(client, BANANA, max_tokens=16, logprobs=True, top_logprobs=20, **kw) for kw in kws])
+    plain = plain.choices[0].message.content
+    for kw, r in zip(kws, penalised, strict=True):
         entries = r.choices[0].logprobs.content
         assert r.choices[0].message.content != plain
         assert [e.token for e in entries] == _penalised(entries, kw.get("presence_penalty", 0),
@@ -203,8 +226,9 @@ def test_presence_and_frequency_penalties(client):
 
 
 def test_repetition_penalty(client):
-    plain = _chat(client, BANANA, max_tokens=24).choices[0].message.content
-    rep = _chat(client, BANANA, max_tokens=24, extra_body={"repetition_penalty": 1.3}).choices[0].message.content
+    plain, rep = (r.choices[0].message.content for r in _together(
+        lambda: _chat(client, BANANA, max_tokens=24),
+        lambda: _chat(client, BANANA, max_tokens=24, extra_body={"repetition_penalty": 1.3})))
     assert plain.lower().count("banana") > rep.lower().count("banana")  # exact reference: test_sampling_reference.py
 
 
@@ -212,10 +236,10 @@ def test_min_p(client):
     """Every sampled token passes vLLM's min-p rule at the temperature: lp - lp_max >= T * ln(min_p)."""
     t, mp = 1.5, 0.3
     kw = dict(max_tokens=16, temperature=t, seed=11, n=4, logprobs=True, top_logprobs=20)
-    r = _chat(client, "Write a sentence about the sea.", **kw, extra_body={"min_p": mp})
+    r, free = _together(lambda: _chat(client, "Write a sentence about the sea.", **kw, extra_body={"min_p": mp}),
+                        lambda: _chat(client, "Write a sentence about the sea.", **kw))
     gaps = [e.logprob - e.top_logprobs[0].logprob for c in r.choices for e in c.logprobs.content]
     assert min(gaps) >= t * math.log(mp) - 1e-4
-    free = _chat(client, "Write a sentence about the sea.", **kw)
     assert min(e.logprob - e.top_logprobs[0].logprob for c in free.choices for e in c.logprobs.content) < t * math.log(mp)
 
 
@@ -253,8 +277,9 @@ def test_bad_words(server, client):
     def has(ids):
         return any(ids[i:i + len(w)] == w for w in spellings for i in range(len(ids)))
 
-    plain = _chat(client, BANANA, max_tokens=16, extra_body={"return_token_ids": True}).choices[0]
-    banned = _chat(client, BANANA, max_tokens=16, extra_body={"return_token_ids": True, "bad_words": words}).choices[0]
+    plain, banned = (r.choices[0] for r in _together(
+        lambda: _chat(client, BANANA, max_tokens=16, extra_body={"return_token_ids": True}),
+        lambda: _chat(client, BANANA, max_tokens=16, extra_body={"return_token_ids": True, "bad_words": words})))
     assert has(plain.model_extra["token_ids"]) and not has(banned.model_extra["token_ids"])
 
 
@@ -317,15 +342,21 @@ def test_json_object_outputs_parse(client):
 
 
 def test_guided_fields(client):
-    r = _chat(client, "Give me a phone number.", max_tokens=16, extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
-    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].message.content)
-    for body in ({"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}}):
-        assert _chat(client, "Is the sky blue?", extra_body=body).choices[0].message.content in ("yes", "no")
-    r = _chat(client, "Pick a colour.", extra_body={"guided_grammar": 'root ::= "red" | "green" | "blue"'})
-    assert r.choices[0].message.content in ("red", "green", "blue")
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    for body in ({"guided_json": schema}, {"structured_outputs": {"json": schema}}):
-        jsonschema.validate(json.loads(_chat(client, "A number?", extra_body=body).choices[0].message.content), schema)
+    choices = ({"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}})
+    jsons = ({"guided_json": schema}, {"structured_outputs": {"json": schema}})
+    phone, grammar, *rest = (r.choices[0].message.content for r in _together(  # each answer checked on its own
+        lambda: _chat(client, "Give me a phone number.", max_tokens=16,
+                      extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"}),
+        lambda: _chat(client, "Pick a colour.", extra_body={"guided_grammar": 'root ::= "red" | "green" | "blue"'}),
+        *[lambda body=body: _chat(client, "Is the sky blue?", extra_body=body) for body in choices],
+        *[lambda body=body: _chat(client, "A number?", extra_body=body) for body in jsons]))
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone)
+    assert grammar in ("red", "green", "blue")
+    for text in rest[:len(choices)]:
+        assert text in ("yes", "no")
+    for text in rest[len(choices):]:
+        jsonschema.validate(json.loads(text), schema)
     with pytest.raises(openai.BadRequestError):  # two constraints at once
         _chat(client, "x", response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
 
@@ -345,15 +376,20 @@ SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHE
 def test_tool_calls(client):
     h = {"X-Session-ID": f"tools-{uuid.uuid4().hex[:8]}"}
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
-    r1 = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], tool_choice="required",
-                                        parallel_tool_calls=False, max_tokens=64, temperature=0, extra_headers=h)
+    first = list(msgs)
+    r1, named, none = _together(  # three independent first turns at once (the server batches them)
+        lambda: client.chat.completions.create(model=MODEL, messages=first, tools=[WEATHER, TIME],
+                                               tool_choice="required", parallel_tool_calls=False, max_tokens=64,
+                                               temperature=0, extra_headers=h),
+        lambda: client.chat.completions.create(model=MODEL, messages=first, tools=[WEATHER, TIME], max_tokens=64,
+                                               tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                               parallel_tool_calls=False, temperature=0),
+        lambda: client.chat.completions.create(model=MODEL, messages=first, tools=[WEATHER], tool_choice="none",
+                                               max_tokens=8, temperature=0))
     c = r1.choices[0]
     assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
     call = c.message.tool_calls[0]
     jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
-    named = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], max_tokens=64,
-                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                           parallel_tool_calls=False, temperature=0)
     ncall = named.choices[0].message.tool_calls[0]
     assert ncall.function.name == "get_time"
     jsonschema.validate(json.loads(ncall.function.arguments), SCHEMA_OF["get_time"])
@@ -363,8 +399,6 @@ def test_tool_calls(client):
     r2 = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME], max_tokens=24,
                                         temperature=0, extra_headers=h)
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.total_tokens - 1 > 0
-    none = client.chat.completions.create(model=MODEL, messages=msgs[:1], tools=[WEATHER], tool_choice="none",
-                                          max_tokens=8, temperature=0)
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
 
 
@@ -441,7 +475,7 @@ def test_prompt_logprobs_independent_of_the_cache(tmp_path):
     # rows in the batch on some CPUs (seen on an Intel Xeon with MKL: 3.05e-5 on these logprobs), as documented.
     # The client waits as long as the slowest CPU needs: without AVX-512 the C++ kernels run their portable scalar
     # path, where each of these 49-token prompts takes about 30 s on a 2-core AMD EPYC (the wait bounds a hang only).
-    with running_server(tmp_path / "server.log", "--threads", "2", "--max-model-len", "1024",
+    with running_server(tmp_path / "server.log", "--max-model-len", "1024",
                         "--quantization", "gguf") as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=900)
         prompt = "The history of cartography spans many centuries, from clay tablets to satellite images. " * 3

@@ -36,7 +36,7 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("responses")
     keys = d / "keys.json"
     keys.write_text(json.dumps({"keys": KEYS}))
-    with running_server(d / "server.log", "--threads", "2", "--max-model-len", "2048",
+    with running_server(d / "server.log", "--max-model-len", "2048",
                         "--api-keys-file", str(keys)) as base:
         yield base
 

@@ -26,7 +26,7 @@ def _client(base):
 
 
 def test_a_stored_response_continues_after_a_restart(tmp_path):
-    args = ("--threads", "2", "--max-model-len", "1024", "--data-dir", str(tmp_path / "data"))
+    args = ("--max-model-len", "1024", "--data-dir", str(tmp_path / "data"))
     ask = dict(model=MODEL, temperature=0, max_output_tokens=12)
     with server_process(tmp_path / "first.log", *args) as (base, proc):
         c = _client(base)
@@ -58,7 +58,7 @@ def test_a_stored_response_continues_after_a_restart(tmp_path):
 
 def test_idle_sessions_responses_and_conversations_expire_and_are_counted(tmp_path):
     data = tmp_path / "data"
-    with server_process(tmp_path / "ttl.log", "--threads", "2", "--max-model-len", "1024", "--data-dir", str(data),
+    with server_process(tmp_path / "ttl.log", "--max-model-len", "1024", "--data-dir", str(data),
                         "--session-ttl", "2") as (base, _):
         c = _client(base)
         r = c.responses.create(model=MODEL, input="Say ok.", temperature=0, max_output_tokens=4)

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
-ARGS = ("--threads", "2", "--max-model-len", "1024")
+ARGS = ("--max-model-len", "1024")
 FIRST = [{"role": "user", "content": "My name is Ada and I live in Oslo. Say hello."}]
 
 

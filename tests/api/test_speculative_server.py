@@ -33,7 +33,7 @@ def server_log(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(server_log):
-    with running_server(server_log, "--threads", "2", "--max-model-len", "1024", "--quantization", "gguf",
+    with running_server(server_log, "--max-model-len", "1024", "--quantization", "gguf",
                         "--speculative-config", SPEC) as base:
         yield base
 

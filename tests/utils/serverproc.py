@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -38,12 +39,30 @@ def _wait_healthy(proc: subprocess.Popen, base: str, log_path: Path, timeout_s: 
             time.sleep(0.1)  # a refused connection costs nothing; every server start waits here
 
 
+def default_threads(extra_args: tuple[str, ...]) -> tuple[str, ...]:
+    """``--threads`` for a server started under pytest-xdist with N workers (``PYTEST_XDIST_WORKER_COUNT``) and no
+    ``--threads`` of its own: the worker's share of the CPUs, at least 1, as tests/conftest.py gives the workers'
+    own torch.  Otherwise nothing (the server's default: every CPU it may use).
+
+    The server is another process and would take every CPU: two workers each waiting on a server of two threads
+    on two cores oversubscribe them twice over, and each parallel region then waits for its thread that lost
+    its core (the measurement in tests/conftest.py's ``pytest_configure``)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if workers <= 1 or "--threads" in extra_args:
+        return ()
+    from kvkeeper.worker.cpu_threads import available_cpus
+
+    return ("--threads", str(max(1, available_cpus() // workers)))
+
+
 @contextlib.contextmanager
 def server_process(log_path: Path, *extra_args: str, timeout_s: float = 300, env: dict | None = None):
-    """Yield (base URL, Popen) of a healthy server (env: the subprocess's environment, default ours).
+    """Yield (base URL, Popen) of a healthy server (env: the subprocess's environment, default ours).  Under
+    pytest-xdist a server without ``--threads`` gets its worker's share of the CPUs (:func:`default_threads`).
 
     On exit the server is terminated if it still runs (a test may have killed it itself).
     """
+    extra_args = (*extra_args, *default_threads(extra_args))
     port = free_port()
     log_file = open(log_path, "w")  # a file, not a pipe: a full pipe would block the server
     proc = subprocess.Popen([sys.executable, "-m", "kvkeeper.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
