@@ -101,7 +101,10 @@ def test_breaker_under_overload_trips_in_order_and_serves_everything_correctly(t
     results: list[dict] = []
     errors: list[str] = []
     log = tmp_path / "server.log"
-    with running_server(log, "--kv-blocks", "40", "--degrade-budget-tokens", "160", "--threads", "2") as base:
+    # one client for the polls below: httpx.get builds a client (and its SSL context, about 40 ms of CPU) per call,
+    # and the breaker is polled every 50 ms while the sessions run (on two cores, CPU taken from the server)
+    with running_server(log, "--kv-blocks", "40", "--degrade-budget-tokens", "160", "--threads", "2") as base, \
+            httpx.Client(timeout=30) as http:
         port = int(base.rsplit(":", 1)[1])
         pid = _server_pid(port)
         threads = [threading.Thread(target=_client_session, args=(base, i, mt_bench, results, errors))
@@ -111,7 +114,7 @@ def test_breaker_under_overload_trips_in_order_and_serves_everything_correctly(t
         # a late session: it arrives as soon as the breaker is seen degraded (so it is refused first)
         saw_degraded, seen_at = False, None
         while any(t.is_alive() for t in threads):
-            if httpx.get(base + "/admin/breaker", timeout=30).json()["tier"] == 3:
+            if http.get(base + "/admin/breaker").json()["tier"] == 3:
                 saw_degraded, seen_at = True, time.time()
                 _client_session(base, N_SESSIONS, mt_bench, results, errors, delay=0.0)
                 break
@@ -121,16 +124,16 @@ def test_breaker_under_overload_trips_in_order_and_serves_everything_correctly(t
         closed_after = None  # once the load is gone the breaker closes again and admits new sessions
         t_end = time.monotonic()
         while time.monotonic() - t_end < 30:
-            if httpx.get(base + "/admin/breaker", timeout=30).json()["tier"] == 0:
+            if http.get(base + "/admin/breaker").json()["tier"] == 0:
                 closed_after = time.monotonic() - t_end
                 break
             time.sleep(0.25)
-        fresh = httpx.post(base + "/v1/chat/completions", headers={"X-Session-ID": "after-the-storm"}, timeout=300,
-                           json={"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4})
+        fresh = http.post(base + "/v1/chat/completions", headers={"X-Session-ID": "after-the-storm"}, timeout=300,
+                          json={"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4})
         hwm = _vm_hwm_mb(pid) if pid else float("nan")
-        breaker = httpx.get(base + "/admin/breaker", timeout=30).json()
-        metrics = httpx.get(base + "/metrics", timeout=30).text
-        health = httpx.get(base + "/health", timeout=30).status_code
+        breaker = http.get(base + "/admin/breaker").json()
+        metrics = http.get(base + "/metrics").text
+        health = http.get(base + "/health").status_code
     assert not errors, errors
     assert health == 200
     ok = [r for r in results if r["status"] == 200]

@@ -26,6 +26,9 @@ from tests.utils.engines import make_engine  # noqa: E402
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
+# the default weight format (GGUF blocks in place): what a replica serves by default, and its prefill costs about half
+# the CPU of the suite's float32 path (KVKEEPER_QUANTIZATION=none); the stream's events do not depend on the format
+QUANT = "gguf"
 TENANT, SALT = "acme-corp-tenant", "client-salt-4242"
 
 
@@ -76,7 +79,7 @@ def prompts(n: int, words: int = 60) -> list[str]:
 
 def test_stream_reproduces_the_prefix_cache_through_evictions_compaction_and_a_restart(tmp_path):
     pub, rep = free_port(), free_port()
-    eng = make_engine(num_kv_blocks=64, kv_events_config=events_config(pub, rep))
+    eng = make_engine(quantization=QUANT, num_kv_blocks=64, kv_events_config=events_config(pub, rep))
     index = KVIndex()
     sub = KVEventSubscriber(index, [Feed("r0", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}", "kv")])
     try:
@@ -113,7 +116,7 @@ def test_stream_reproduces_the_prefix_cache_through_evictions_compaction_and_a_r
         assert sessions.save_all() == 2  # the replica stops: sessions to disk, then a new process comes up
         eng.kv_events.close()
         del sessions, chats
-        eng = make_engine(num_kv_blocks=64, kv_events_config=events_config(pub, rep))
+        eng = make_engine(quantization=QUANT, num_kv_blocks=64, kv_events_config=events_config(pub, rep))
         sessions = SessionManager(eng, data_dir=tmp_path)
         r = sessions.get("s0").send("And three animals?", GREEDY)
         assert r.cached_tokens > 0  # its KV came back from disk and was registered again
@@ -127,7 +130,8 @@ def test_stream_reproduces_the_prefix_cache_through_evictions_compaction_and_a_r
 
 def test_token_ids_on_the_wire_only_when_asked():
     pub, rep = free_port(), free_port()
-    eng = make_engine(num_kv_blocks=64, kv_events_config=events_config(pub, rep, include_token_ids=True))
+    eng = make_engine(quantization=QUANT, num_kv_blocks=64,
+                      kv_events_config=events_config(pub, rep, include_token_ids=True))
     try:
         out = eng.generate(prompts(1), GREEDY)[0]
         deadline = time.monotonic() + 10
@@ -147,5 +151,5 @@ def test_an_endpoint_in_use_is_refused_with_the_reason():
         s.bind(("127.0.0.1", pub))
         s.listen()
         with pytest.raises(InvalidRequestError, match="cannot bind endpoint"):
-            make_engine(num_kv_blocks=16, kv_events_config={"enable_kv_cache_events": True,
+            make_engine(quantization=QUANT, num_kv_blocks=16, kv_events_config={"enable_kv_cache_events": True,
                                                             "endpoint": f"tcp://127.0.0.1:{pub}"})
