@@ -9,6 +9,7 @@ a module may import its own layer or lower ones, never a higher one.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import shutil
 import subprocess
@@ -50,18 +51,35 @@ def read_layers(readme: Path) -> dict[str, int]:
     return layers
 
 
+@functools.lru_cache(maxsize=None)
+def parse_source(text: str) -> ast.Module:
+    """``ast.parse(text)``, once per distinct text: several tests walk every module of the package (read only)."""
+    return ast.parse(text)
+
+
+def parse_file(path: Path) -> ast.Module:
+    return parse_source(path.read_text(encoding="utf-8"))
+
+
 def module_imports(src: Path, pkg: str) -> dict[str, set[str]]:
-    """{module: modules of the package it imports}, module-level and function-level imports alike."""
+    """{module: modules of the package it imports}, module-level and function-level imports alike (a fresh copy:
+    a caller may change it; computed once per content of the files, which five tests read)."""
+    stamp = tuple((str(p), p.read_text(encoding="utf-8")) for p in sorted((src / pkg).rglob("*.py")))
+    return {name: set(targets) for name, targets in _module_imports(src, pkg, stamp).items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _module_imports(src: Path, pkg: str, stamp: tuple) -> dict[str, frozenset[str]]:
     mods: dict[str, tuple[Path, bool]] = {}
     for path in sorted((src / pkg).rglob("*.py")):
         rel = path.relative_to(src).with_suffix("")
         is_pkg = rel.name == "__init__"
         name = ".".join(rel.parent.parts if is_pkg else rel.parts)
         mods[name] = (path, is_pkg)
-    graph: dict[str, set[str]] = {}
+    graph: dict[str, frozenset[str]] = {}
     for name, (path, is_pkg) in mods.items():
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(parse_file(path)):
             if isinstance(node, ast.Import):
                 cands = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -75,7 +93,7 @@ def module_imports(src: Path, pkg: str) -> dict[str, set[str]]:
             for c in cands:
                 if c in mods and c != name and not c.startswith(name + ".") and not name.startswith(c + "."):
                     targets.add(c)
-        graph[name] = targets
+        graph[name] = frozenset(targets)
     return graph
 
 
@@ -139,7 +157,7 @@ def long_functions(root: Path, limit: int) -> list[str]:
     """Functions over ``limit`` lines in the module ``root`` or in every module below the folder ``root``."""
     out = []
     for path in ([root] if root.is_file() else sorted(root.rglob("*.py"))):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(parse_file(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
                 if n > limit:
@@ -228,7 +246,7 @@ def inherited_modules(pkg_dir: Path, module: str, cls: str, within: str) -> list
         if (mod, name) in seen or not (mod == within or mod.startswith(within + ".")) or not path.is_file():
             continue
         seen.add((mod, name))
-        classes, imports = _base_refs(ast.parse(path.read_text(encoding="utf-8")), pkg_dir.name, mod)
+        classes, imports = _base_refs(parse_file(path), pkg_dir.name, mod)
         if name not in classes:  # re-exported here: follow the import
             todo += [imports[name]] if name in imports else []
             continue
@@ -438,9 +456,10 @@ def llm_engine_calls(root: Path, allowed: Path) -> list[str]:
     """``LLMEngine(...)`` calls (by name or attribute) in the Python files under root, as 'path:line'."""
     calls = []
     for p in sorted(root.rglob("*.py")):
-        if p == allowed:
+        text = p.read_text(encoding="utf-8")
+        if p == allowed or "LLMEngine" not in text:  # no such name, no such call: not parsed
             continue
-        for node in ast.walk(ast.parse(p.read_text())):
+        for node in ast.walk(parse_source(text)):
             f = node.func if isinstance(node, ast.Call) else None
             if (isinstance(f, ast.Name) and f.id == "LLMEngine") or (isinstance(f, ast.Attribute) and
                                                                      f.attr == "LLMEngine"):

@@ -1,8 +1,12 @@
 """The command-line interface, run as a subprocess (``python -m kvkeeper.cli``).
 
 Every model-using call loads the embedded SmolLM2-135M (~10 s), so those are few,
-shared through module-scoped fixtures and marked slow.  The error-path tests fail
-before any model is loaded and are fast.
+shared through module-scoped fixtures and marked slow; they run on one CPU thread (``--threads 1``): beside the
+other xdist worker, two threads of a subprocess oversubscribe the 2 cores and spin (measured on the 2-core EPYC
+under load: ``converse --compare`` took 36-39 s of CPU on 2 threads, 10 s on 1).  The error-path tests fail
+before any model is loaded and are fast; those whose subject is the message run the CLI's ``main()`` in this
+process (tests/utils/cli.py), one of them (test_unknown_model_lists_known_ids) and the ``serve`` refusals through a
+real process.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+from tests.utils.cli import main_in_process
 
 MT_BENCH = [
     {"question_id": 901, "category": "writing", "turns": ["Name three colours of the rainbow.", "Now name two more."]},
@@ -39,7 +44,7 @@ def run_cli(*args: str, stdin: str | None = None, timeout: float = 900) -> subpr
 @pytest.fixture(scope="module")
 def generated():
     p = run_cli("generate", "--chat", "--prompt", MT_BENCH[0]["turns"][0], "--max-tokens", "16",
-                "--temperature", "0", "--json", "--threads", "2")
+                "--temperature", "0", "--json", "--threads", "1")
     assert p.returncode == 0, p.stderr
     return p
 
@@ -49,7 +54,7 @@ def conversed(tmp_path_factory):
     d = tmp_path_factory.mktemp("converse")
     src, out = d / "convs.jsonl", d / "turns.json"
     src.write_text("".join(json.dumps(o) + "\n" for o in [*MT_BENCH, TOPICAL]), encoding="utf-8")
-    p = run_cli("converse", str(src), "--max-tokens", "16", "--json", str(out), "--threads", "2")
+    p = run_cli("converse", str(src), "--max-tokens", "16", "--json", str(out), "--threads", "1")
     assert p.returncode == 0, p.stderr
     return p, json.loads(out.read_text(encoding="utf-8"))
 
@@ -99,7 +104,7 @@ def test_greedy_is_deterministic_across_processes(generated, conversed):
 
 @pytest.mark.slow
 def test_chat_piped_stdin():
-    p = run_cli("chat", "--max-tokens", "8", "--temperature", "0", "--threads", "2",
+    p = run_cli("chat", "--max-tokens", "8", "--temperature", "0", "--threads", "1",
                 stdin="Hello, who are you?\nTell me a joke.\n")
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr
@@ -130,18 +135,18 @@ def test_unknown_model_lists_known_ids():
     assert "no-such-model" in p.stderr and "smollm2-135m-instruct" in p.stderr
 
 
-def test_bad_input_files(tmp_path):
+def test_bad_input_files(tmp_path, capfd):
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps(MT_BENCH[0]) + "\n" + '{"turns": []}\n', encoding="utf-8")
-    p = run_cli("converse", str(empty))
+    p = main_in_process(capfd, "converse", str(empty))
     _assert_clean_error(p)
     assert "line 2" in p.stderr and "turns" in p.stderr
 
-    p = run_cli("converse", str(tmp_path / "missing.jsonl"))
+    p = main_in_process(capfd, "converse", str(tmp_path / "missing.jsonl"))
     _assert_clean_error(p)
     assert "missing.jsonl" in p.stderr
 
-    p = run_cli("generate", "--prompt", "")
+    p = main_in_process(capfd, "generate", "--prompt", "")
     _assert_clean_error(p)
     assert "empty" in p.stderr
 
@@ -158,7 +163,7 @@ def test_converse_compare_reuse_vs_reprefill(tmp_path):
 
     out, png = tmp_path / "cmp.json", tmp_path / "ttft.png"
     p = run_cli("converse", TOPICAL_SHIPPED, "--compare", "--limit", "1", "--turns", "4", "--max-tokens", "8",
-                "--json", str(out), "--plot", str(png), "--threads", "2")
+                "--json", str(out), "--plot", str(png), "--threads", "1")
     assert p.returncode == 0, p.stderr
     recs = json.loads(out.read_text(encoding="utf-8"))
     assert [r["turn"] for r in recs] == [1, 2, 3, 4]
@@ -180,14 +185,14 @@ def test_converse_compare_reuse_vs_reprefill(tmp_path):
         assert img.format == "PNG" and img.width > 300
 
 
-def test_converse_compare_flag_errors(tmp_path):
-    p = run_cli("converse", TOPICAL_SHIPPED, "--plot", str(tmp_path / "x.png"))
+def test_converse_compare_flag_errors(tmp_path, capfd):
+    p = main_in_process(capfd, "converse", TOPICAL_SHIPPED, "--plot", str(tmp_path / "x.png"))
     _assert_clean_error(p)
     assert "--compare" in p.stderr
-    p = run_cli("converse", TOPICAL_SHIPPED, "--compare", "--no-reuse")
+    p = main_in_process(capfd, "converse", TOPICAL_SHIPPED, "--compare", "--no-reuse")
     _assert_clean_error(p)
     assert "--no-reuse" in p.stderr
-    p = run_cli("converse", TOPICAL_SHIPPED, "--compare", "--plot", str(tmp_path / "no" / "x.png"))
+    p = main_in_process(capfd, "converse", TOPICAL_SHIPPED, "--compare", "--plot", str(tmp_path / "no" / "x.png"))
     _assert_clean_error(p)
     assert "does not exist" in p.stderr
 
@@ -207,9 +212,12 @@ def _cli(*args, env=None):
                           env={**os.environ, **(env or {})})
 
 
-def test_cli_refuses_bad_environment_and_ports_without_a_traceback():
-    r = _cli("generate", "--prompt", "hi", env={"KVKEEPER_VALIDATE": "abc"})
+def test_cli_refuses_bad_environment_and_ports_without_a_traceback(capfd, monkeypatch):
+    monkeypatch.setenv("KVKEEPER_VALIDATE", "abc")  # read when main() builds its parser
+    r = main_in_process(capfd, "generate", "--prompt", "hi")
+    monkeypatch.undo()
     assert r.returncode == 2 and "KVKEEPER_VALIDATE" in r.stderr and "Traceback" not in r.stderr
+    # serve stays a subprocess (with a timeout): in this process, a refusal that regressed would serve forever
     r = _cli("serve", "--port", "99999999")
     assert r.returncode == 2 and "1..65535" in r.stderr and "Traceback" not in r.stderr
     with socket.socket() as s:

@@ -64,7 +64,8 @@ def test_glossary_prefix_is_served_from_cache_after_the_first_turn(engine, runs,
 
 
 def test_generate_through_a_server_with_the_openai_client(tmp_path, engine, runs, capsys):
-    with running_server(tmp_path / "server.log", "--quantization", "none", "--kv-dtype", "fp32") as base:
+    with running_server(tmp_path / "server.log", "--quantization", "none", "--kv-dtype", "fp32",
+                        "--threads", "1") as base:  # one thread: two oversubscribe the 2 cores beside the workers
         rc = main(["eval", "terms", "generate", "--server", base, "--docs", "CMU_1", "wiki_26", "--max-segments", "3",
                    "--max-tokens", str(MAX_TOKENS), "--conditions", "glossary", "--out", str(tmp_path / "out"),
                    "--json"])
