@@ -61,8 +61,11 @@ def cache_dir(folder: str | os.PathLike | None = None) -> Path:
 
 
 def _gguf_key(path: Path) -> str:
+    """The cache folder name of a GGUF file's tokenizer: its path, size and mtime, and the chat template this
+    module writes into a conversion (a changed template makes a new conversion, not a stale cached one)."""
     st = path.stat()
-    h = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()
+    template = hashlib.sha256(GEMMA_CHAT_TEMPLATE.encode()).hexdigest()[:8]
+    h = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}:{template}".encode()).hexdigest()
     return h[:16]
 
 
