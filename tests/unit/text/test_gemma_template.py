@@ -23,12 +23,14 @@ def test_leading_system_opens_the_first_user_turn():
 
 def test_system_after_the_last_user_turn_is_read_not_dropped():
     """Claude Code's first request: [user, system(environment)]; the environment was dropped before the fix."""
-    msgs = [{"role": "system", "content": "S0"}, {"role": "user", "content": "U1"}, {"role": "system", "content": "ENV"}]
+    msgs = [{"role": "system", "content": "S0"}, {"role": "user", "content": "U1"},
+            {"role": "system", "content": "ENV"}]
     assert render(msgs) == "<bos><start_of_turn>user\nS0\n\nU1\n\nENV<end_of_turn>\n<start_of_turn>model\n"
 
 
 def test_system_after_a_model_turn_opens_the_next_user_turn_or_stands_alone():
-    base = [{"role": "user", "content": "U1"}, {"role": "assistant", "content": "A1"}, {"role": "system", "content": "S"}]
+    base = [{"role": "user", "content": "U1"}, {"role": "assistant", "content": "A1"},
+            {"role": "system", "content": "S"}]
     assert render(base + [{"role": "user", "content": "U2"}]).endswith(
         "<start_of_turn>model\nA1<end_of_turn>\n<start_of_turn>user\nS\n\nU2<end_of_turn>\n<start_of_turn>model\n")
     assert render(base).endswith(
