@@ -12,7 +12,8 @@ the request it sent: a 49 KB body, 11 tools and a deferred-tool placeholder; 19,
 fallback when ``defer_loading`` was refused) and Codex's 8,903 (a 40 KB body: 17 KB of base instructions, 8
 tools with an 11 KB multi-agent namespace, web_search; counted as the chat request it becomes); neither first
 prefill finished within 118 s (Claude Code) or 60 s (Codex) of wall time on this loaded 2-core machine.
-The tests shrink them with the agents' own options, and keep one real tool each so that tool schemas are part of the cached prefix:
+The tests shrink them with the agents' own options, and keep one real tool each so that tool schemas are part
+of the cached prefix:
 
 * Claude Code: ``--system-prompt`` (a short one instead of the default), ``--tools Read`` (one built-in tool),
   ``--strict-mcp-config`` and ``--setting-sources ""`` (no MCP servers, no settings files), a fresh
