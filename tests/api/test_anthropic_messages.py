@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from tests.utils.serverproc import running_server
 
 from kvkeeper.api.anthropic.protocol import MessagesRequest
-from kvkeeper.api.anthropic.serving import chat_body, usage_of
+from kvkeeper.api.anthropic.serving import chat_body, check_fields, deferred_tools, usage_of
+from kvkeeper.api.common.context import RequestContext
 from kvkeeper.api.common.errors import APIError
 
 anthropic = pytest.importorskip("anthropic")
@@ -310,6 +311,26 @@ def test_the_body_becomes_the_chat_request():
     with pytest.raises(APIError) as e:
         chat_body(bad, 8)
     assert e.value.param == "messages.0.content.0"
+
+
+def test_claude_code_2_1_fields_are_accepted():
+    """What Claude Code 2.1.337 sent that was refused (tests/agents/ runs it): ``thinking.display`` "omitted" (a
+    400: it retried without it) and a tool marked ``defer_loading`` (its placeholder for tool search), and its
+    ``--effort`` offers ``xhigh``.  Accepted; a deferred tool is not offered to the model (no tool search here)."""
+    placeholder = {"name": "DeferredToolPlaceholder", "description": "never call this tool",
+                   "input_schema": {"type": "object", "properties": {}}, "defer_loading": True}
+    body = MessagesRequest.model_validate({
+        "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, placeholder],
+        "thinking": {"type": "adaptive", "display": "omitted"}, "output_config": {"effort": "xhigh"}})
+    assert check_fields(body, RequestContext(served=None)) == ["output_config.effort", "thinking"]
+    chat, _ = chat_body(body, 8)
+    assert [t.function.name for t in chat.tools] == ["get_weather"]
+    assert deferred_tools(body) == ["DeferredToolPlaceholder"]
+    only_deferred = body.model_copy(update={"tools": body.tools[1:]})
+    assert chat_body(only_deferred, 8)[0].tools is None and deferred_tools(only_deferred) == ["DeferredToolPlaceholder"]
+    with pytest.raises(ValueError):  # display is one of Anthropic's two values
+        MessagesRequest.model_validate({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                                        "thinking": {"type": "adaptive", "display": "verbose"}})
 
 
 def test_the_session_headers_are_a_configurable_list():

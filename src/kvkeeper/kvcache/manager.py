@@ -139,11 +139,14 @@ class KVCacheManager:
         Full blocks inside the kept range stay; the block holding position
         ``keep_tokens`` is kept only if this sequence owns it alone and it is
         not in the prefix cache (it will be overwritten), else it is dropped and
-        its tokens recomputed.  Sets ``num_computed`` to what remains valid.
+        its tokens recomputed.  Sets ``num_computed`` to what remains valid.  With a hybrid pool the prefix kept,
+        after that rounding down too, is one whose last window still has its window blocks (:meth:`usable`):
+        rounding down to the block boundary moves the window's start back, possibly onto a block whose window
+        block was released (a session turn resending a conversation whose cut reply the client shortened, as
+        Codex CLI does, failed the next step with "a block inside its window has no window block").
         """
         bs = self.block_size
         keep_tokens = self.usable_prefix(seq.block_table, min(keep_tokens, seq.num_computed))
-        seq.window_released = min(getattr(seq, "window_released", 0), keep_tokens // bs)
         nfull = keep_tokens // bs
         keep_blocks = nfull
         if keep_tokens % bs and nfull < len(seq.block_table):
@@ -151,7 +154,9 @@ class KVCacheManager:
             if b.ref_count == 1 and b.hash is None and len(seq.block_hashes) <= nfull:
                 keep_blocks = nfull + 1
             else:
-                keep_tokens = nfull * bs
+                keep_tokens = self.usable_prefix(seq.block_table, nfull * bs)
+                nfull = keep_blocks = keep_tokens // bs
+        seq.window_released = min(getattr(seq, "window_released", 0), keep_tokens // bs)
         self.pool.free_all(seq.block_table[keep_blocks:])
         del seq.block_table[keep_blocks:]
         del seq.block_hashes[nfull:]

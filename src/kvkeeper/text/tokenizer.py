@@ -22,20 +22,35 @@ from .lazy_tokenizer import LazyTokenizer, qualifies, record_verification
 log = logging.getLogger(__name__)
 
 
-# Gemma's turn format (Gemma 3 model card): <start_of_turn>{user|model}\n{text}<end_of_turn>\n, a system message
-# folded into the first user turn, the generation prompt "<start_of_turn>model\n".  Written here for GGUF files
-# that carry no tokenizer.chat_template (the gemma-3-270m package's file has none).
+# Gemma's turn format (Gemma 3 model card): <start_of_turn>{user|model}\n{text}<end_of_turn>\n, the generation prompt
+# "<start_of_turn>model\n".  Written here for GGUF files that carry no tokenizer.chat_template (the gemma-3-270m
+# package's file has none).  Gemma has no system role, so a system message's text goes into a user turn:
+# - after a user (or tool) turn: appended to that turn, which stays open until the next message (Claude Code sends
+#   its environment as a system message after the first user message);
+# - otherwise (first, or after a model turn): it opens the next user (or tool) turn, or, when a model turn or the
+#   end comes first, is a user turn of its own.
+# Either way nothing is dropped, and a conversation's prompt followed by the reply and "<end_of_turn>\n" is the
+# prefix of the next request's prompt (the agent resends the conversation with the reply and new turns appended),
+# which is what keeps a session's KV reusable (tests/unit/text/test_gemma_template.py).
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% set sys = namespace(text='') %}"
+    "{% set st = namespace(sys='', open=false) %}"
     "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{% set sys.text = sys.text + m['content'] + '\n\n' %}"
+    "{% set text = (m['content'] or '') | trim %}"
+    "{% if m['role'] == 'system' %}"
+    "{% if st.open %}{{ '\n\n' + text }}{% else %}{% set st.sys = st.sys + text + '\n\n' %}{% endif %}"
     "{% else %}"
-    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n' }}"
-    "{% if m['role'] == 'user' %}{{ sys.text }}{% set sys.text = '' %}{% endif %}"
-    "{{ (m['content'] or '') | trim }}<end_of_turn>\n"
+    "{% if st.open %}<end_of_turn>\n{% set st.open = false %}{% endif %}"
+    "{% if m['role'] == 'assistant' %}"
+    "{% if st.sys %}{{ '<start_of_turn>user\n' + (st.sys | trim) }}<end_of_turn>\n{% set st.sys = '' %}{% endif %}"
+    "{{ '<start_of_turn>model\n' + text }}<end_of_turn>\n"
+    "{% else %}"
+    "{{ '<start_of_turn>user\n' + st.sys + text }}{% set st.sys = '' %}{% set st.open = true %}"
+    "{% endif %}"
     "{% endif %}"
     "{% endfor %}"
+    "{% if st.open %}<end_of_turn>\n{% endif %}"
+    "{% if st.sys %}{{ '<start_of_turn>user\n' + (st.sys | trim) }}<end_of_turn>\n{% endif %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 
@@ -46,8 +61,11 @@ def cache_dir(folder: str | os.PathLike | None = None) -> Path:
 
 
 def _gguf_key(path: Path) -> str:
+    """The cache folder name of a GGUF file's tokenizer: its path, size and mtime, and the chat template this
+    module writes into a conversion (a changed template makes a new conversion, not a stale cached one)."""
     st = path.stat()
-    h = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()
+    template = hashlib.sha256(GEMMA_CHAT_TEMPLATE.encode()).hexdigest()[:8]
+    h = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}:{template}".encode()).hexdigest()
     return h[:16]
 
 

@@ -239,3 +239,13 @@ def call_grammar(functions: list[dict], required: bool, parallel: bool) -> str:
         body = _call_rule(call_prefix(f["name"])[len(CALL_OPEN):], f.get("parameters"))
         lines += [f"{tag}_trig[lazy]: TAG_TEXT {json.dumps(CALL_OPEN)}", f"{tag}: {tag}_trig {body}"]
     return "\n".join(lines) + "\n"
+
+
+def format_or_calls_grammar(schema: dict, functions: list[dict], parallel: bool) -> str:
+    """A Lark grammar for tool_choice ``auto`` with a JSON output format (OpenAI's ``text.format`` /
+    ``response_format`` beside tools, as Codex CLI's ``--output-schema`` sends them): the output is either one JSON
+    value of ``schema`` (the final answer) or calls of ``functions`` as :func:`call_grammar` with ``required``
+    gives them (``parallel``: several calls allowed)."""
+    alts = " | ".join(_call_rule(call_prefix(f["name"]), f.get("parameters")) for f in functions)
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    return f"start: reply | {calls}\nreply: %json {json.dumps(with_json_format(schema))}\ncall: {alts}\n"

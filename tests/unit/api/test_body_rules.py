@@ -52,11 +52,20 @@ def test_sampling_params_of_a_completion_body_seed_each_choice_and_check_stop():
      text_format, tool_use_of_body, "text.format"),
 ])
 def test_one_clash_rule_for_tools_and_an_output_format(body, fmt_of, tools_of, param):
+    """A JSON format beside tool_choice auto is the final answer's (the output: that JSON or calls; Codex CLI's
+    --output-schema); with tool_choice required or named, and a non-JSON format with any choice, a 400."""
     fmt, tools = fmt_of(body), tools_of(body)
     assert fmt is not None and tools is not None
-    with pytest.raises(APIError) as e:
-        output_constraint(fmt, tools)
-    assert (e.value.status, e.value.param) == (400, param) and "both constrain the output" in e.value.message
+    json_format = fmt.kind in ("json_schema", "json_object")
+    for choice in ("auto", "required"):
+        tools.choice = choice
+        if choice == "auto" and json_format:
+            both = output_constraint(fmt, tools)
+            assert (both.kind, both.param) == ("lark", param) and "%json" in both.spec and "reply | call" in both.spec
+            continue
+        with pytest.raises(APIError) as e:
+            output_constraint(fmt, tools)
+        assert (e.value.status, e.value.param) == (400, param) and "both constrain the output" in e.value.message
     assert output_constraint(fmt, None) is fmt
     assert output_constraint(None, tools).kind == "lark"
     tools.choice = "none"  # tool_choice "none": the calls constrain nothing, the format applies

@@ -853,6 +853,24 @@ def test_truncate_drops_a_shared_or_cached_partial_block():
     pool.check_invariants()
 
 
+def test_truncate_in_a_hybrid_pool_keeps_a_prefix_whose_window_is_there():
+    """A truncation inside a cached block rounds down to the block boundary; in a hybrid pool the window of the
+    prefix kept must still have its window blocks, after the rounding too (window 8, blocks of 4: the next
+    token's window after a 15-token prefix starts in block 2, after the 12-token boundary in block 1)."""
+    pool = BlockPool(16, 4, window_blocks=8)
+    kv = KVCacheManager(pool, window=8)
+    a = make_seq(list(range(18)))
+    run_prompt(kv, a)  # 18 tokens computed, full blocks 0-3 cached
+    kv.release_out_of_window(a)  # blocks 0 and 1 lie wholly before the window of token 18: no window blocks
+    assert [pool.window_id(b) is None for b in a.block_table] == [True, True, False, False, False]
+    assert not kv.usable(a.block_table, 12) and kv.usable(a.block_table, 15)
+    kv.truncate(a, 15)  # inside cached block 3: rounded down to 12, whose window needs block 1: not there
+    assert a.num_computed % 4 == 0 and kv.usable(a.block_table, a.num_computed)
+    assert a.num_computed == 0 and a.block_table == []  # no block boundary below keeps a whole window
+    kv.free(a)
+    pool.check_invariants()
+
+
 def test_match_stops_at_a_missing_block_even_if_later_blocks_are_cached():
     pool = BlockPool(8, 2)
     kv = KVCacheManager(pool)

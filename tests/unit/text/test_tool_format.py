@@ -9,8 +9,8 @@ import pytest
 
 from kvkeeper.errors import InvalidRequestError
 from kvkeeper.sampling.structured import GrammarCompiler, StructuredOutput
-from kvkeeper.text.tool_format import (CallParser, call_grammar, call_text, prepare_messages, split_calls,
-                                       template_has_tools, tools_system_text)
+from kvkeeper.text.tool_format import (CallParser, call_grammar, call_text, format_or_calls_grammar, prepare_messages,
+                                       split_calls, template_has_tools, tools_system_text)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -85,6 +85,26 @@ def test_call_grammar(grammars, required, parallel):
     assert not _accepts(tok, m, call_text("get_weather", '{"town": "Paris"}'))  # wrong arguments
     assert not _accepts(tok, m, call_text("nope", "{}"))  # unknown function
     assert not _accepts(tok, m, call_text("get_weather", '{"city":"Paris"}'))  # not the canonical layout
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_format_or_calls_grammar(grammars, parallel):
+    """tool_choice auto beside a JSON output format (Codex CLI's --output-schema): one JSON value of the format (the
+    final answer, compact) or calls, nothing else."""
+    tok, gc = grammars
+    schema = {"type": "object", "properties": {"answer": {"enum": ["OK"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    m = gc.matcher(StructuredOutput("lark", format_or_calls_grammar(schema, [WEATHER["function"], ADD["function"]],
+                                                                    parallel), "text.format"))
+    one, two = call_text("get_weather", '{"city": "Paris"}'), call_text("add", '{"a": 1, "b": 2}')
+    assert _accepts(tok, m, '{"answer": "OK"}')
+    assert _accepts(tok, m, one)
+    assert _accepts(tok, m, one + "\n" + two) == parallel
+    assert not _accepts(tok, m, '{"answer": "no"}')  # not the format
+    assert not _accepts(tok, m, '{"answer":"OK"}')  # not the compact layout
+    assert not _accepts(tok, m, "Hello there.")  # free text is neither
+    assert not _accepts(tok, m, '{"answer": "OK"}' + one)  # the answer ends the output
+    assert not _accepts(tok, m, call_text("get_weather", '{"town": "Paris"}'))
 
 
 def test_bad_grammars_name_their_field(grammars):

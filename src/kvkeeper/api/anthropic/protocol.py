@@ -77,6 +77,10 @@ class Tool(BaseModel):
     input_schema: dict[str, Any]
     cache_control: CacheControl | None = None
     strict: bool | None = None  # calls are always constrained to the schema
+    # Anthropic's tool search: a deferred tool is not in the model's context until a tool search finds it.  This
+    # server runs no tool search, so a deferred tool is not offered to the model (Claude Code sends its MCP tools
+    # and a placeholder this way); X-KVKeeper-Tools-Not-Offered names them.
+    defer_loading: bool | None = None
 
 
 class ToolChoice(BaseModel):
@@ -93,6 +97,7 @@ class Thinking(BaseModel):
     model_config = _OPEN
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=1)
+    display: Literal["summarized", "omitted"] | None = None  # Claude Code sends "omitted"; no thinking to display
 
 
 class Metadata(BaseModel):
@@ -108,7 +113,7 @@ class OutputFormat(BaseModel):
 
 class OutputConfig(BaseModel):
     model_config = _OPEN
-    effort: Literal["low", "medium", "high", "max"] | None = None  # not applied: no reasoning mode
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # not applied: no reasoning mode
     format: OutputFormat | None = None  # the reply constrained to the schema
 
 

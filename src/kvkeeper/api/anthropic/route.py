@@ -12,7 +12,8 @@ answer does not depend on them).  Errors have Anthropic's shape ``{"type": "erro
 
 Response headers: ``X-KVKeeper-Max-Tokens-Clamped`` (``<asked> -> <served>``: ``max_tokens`` was more than the
 context left after the prompt, as llama.cpp clamps it), ``X-KVKeeper-Not-Applied`` (the accepted fields that
-change nothing: :data:`~kvkeeper.api.anthropic.protocol.NOT_APPLIED`), and the chat route's
+change nothing: :data:`~kvkeeper.api.anthropic.protocol.NOT_APPLIED`), ``X-KVKeeper-Tools-Not-Offered`` (the tools
+marked ``defer_loading``, not offered to the model: there is no tool search), and the chat route's
 ``X-KVKeeper-Trimmed-Turns`` / ``X-KVKeeper-Context``.
 """
 
@@ -40,7 +41,7 @@ from ..common.errors import APIError, validation_body, from_kvkeeper_error
 from ..common.context import request_context
 from ..common.streams import EngineDeadError, GenerationRequest, RequestStream
 from .protocol import CountTokensRequest, MessagesRequest
-from .serving import Rendered, breakpoint_ttl, chat_body, check_fields, message_id, usage_of
+from .serving import Rendered, breakpoint_ttl, chat_body, check_fields, deferred_tools, message_id, usage_of
 
 log = logging.getLogger("kvkeeper.api")
 
@@ -124,6 +125,8 @@ async def _plan(request: Request, body: MessagesRequest, who: Caller) -> tuple[G
     record_usage(request.scope, user=chat.user)
     ids = await aeng.encode_chat(gen.messages, **gen.chat)
     headers = {"X-KVKeeper-Not-Applied": ", ".join(not_applied)} if not_applied else {}
+    if deferred_tools(body):
+        headers["X-KVKeeper-Tools-Not-Offered"] = ", ".join(deferred_tools(body))
     room = ctx.served.max_model_len - len(ids)
     if 0 < room < body.max_tokens:  # as llama.cpp: the reply may use the context left, and the response says so
         gen.params = [dataclasses.replace(p, max_tokens=room) for p in gen.params]

@@ -161,13 +161,20 @@ def chat_messages(body: MessagesRequest) -> tuple[list[dict], int]:
     return out, last
 
 
+def deferred_tools(body: MessagesRequest) -> list[str]:
+    """The names of the tools marked ``defer_loading`` (not offered to the model: this server runs no tool search,
+    the only way Anthropic's API brings a deferred tool into the context)."""
+    return [t.name for t in body.tools or [] if t.defer_loading]
+
+
 def _tools(body: MessagesRequest) -> dict:
-    if not body.tools:
+    offered = [t for t in body.tools or [] if not t.defer_loading]
+    if not offered:
         tc = body.tool_choice
         return {"tool_choice": "none"} if tc is not None and tc.type == "none" else {}
     out: dict = {"tools": [{"type": "function", "function": {
         "name": t.name, **({"description": t.description} if t.description is not None else {}),
-        "parameters": t.input_schema}} for t in body.tools]}
+        "parameters": t.input_schema}} for t in offered]}
     tc = body.tool_choice
     if tc is not None:
         if tc.type == "tool" and tc.name is None:

@@ -252,8 +252,12 @@ def sampling_params(body, max_tokens: int | None, logprobs: int | None = None,
 def output_constraint(fmt: StructuredOutput | None, tools: ToolUse | None) -> StructuredOutput | None:
     """The output's grammar, the one rule of every endpoint: the requested format's (``fmt``: from
     ``response_format``, ``guided_*``, ``structured_outputs`` or the Responses API's ``text.format``) or the tool
-    calls' (None for neither).  Both at once is a 400 naming the format's field."""
+    calls' (None for neither).  A JSON format (``json_schema``, ``json_object``) beside tool_choice ``auto`` is the
+    final answer's: the output is either one JSON value of the format or calls (OpenAI's rule; Codex CLI's
+    ``--output-schema`` sends its tools with it).  Any other pair is a 400 naming the format's field."""
     calls = tools.structured() if tools is not None else None
+    if fmt is not None and calls is not None and tools.choice == "auto" and fmt.kind in ("json_schema", "json_object"):
+        return tools.structured_or_json(fmt.spec if fmt.kind == "json_schema" else {"type": "object"}, fmt.param)
     if fmt is not None and calls is not None:
         raise APIError(400, f"{fmt.param} and tools (tool_choice {tools.choice}) both constrain the output; send "
                             f"tool_choice \"none\" or drop {fmt.param}", param=fmt.param)

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ...sampling.structured import StructuredOutput
-from ...text.tool_format import CallParser, call_grammar
+from ...text.tool_format import CallParser, call_grammar, format_or_calls_grammar
 from .errors import APIError
 
 
@@ -45,6 +45,12 @@ class ToolUse:
             return None
         fns = [t["function"] for t in self.tools if self.choice != "named" or t["function"]["name"] == self.name]
         return StructuredOutput("lark", call_grammar(fns, self.choice != "auto", self.parallel), "tool_choice")
+
+    def structured_or_json(self, schema: dict, param: str) -> StructuredOutput:
+        """``auto`` beside a JSON output format (the request field ``param``): the grammar of an output that is
+        either one JSON value of ``schema`` or calls of the tools."""
+        fns = [t["function"] for t in self.tools]
+        return StructuredOutput("lark", format_or_calls_grammar(schema, fns, self.parallel), param)
 
 
 def tool_use_of(body) -> ToolUse | None:
