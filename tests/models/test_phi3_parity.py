@@ -191,9 +191,10 @@ def test_longrope_gguf_is_refused(tiny, tmp_path):
     import gguf
     import numpy as np
 
+    from kvkeeper.weights.gguf_file import GGUFFile
     from kvkeeper.weights.loader import load_weights
 
-    src = gguf.GGUFReader(str(tiny[1]["gguf"]))
+    src = GGUFFile.open(tiny[1]["gguf"])  # (gguf.GGUFReader takes seconds over the 49k-token vocabulary)
     w = gguf.GGUFWriter(str(tmp_path / "longrope.gguf"), "phi3")
     for key, f in src.fields.items():
         if not key.startswith("GGUF.") and key != "general.architecture":
@@ -217,10 +218,11 @@ def test_q8_0_gguf_packs_the_fused_tensors(tiny, tmp_path):
     import numpy as np
 
     from kvkeeper.layers.quantized import QuantLinear
+    from kvkeeper.weights.gguf_file import GGUFFile
     from tests.utils.kernels import kernels_or_skip
 
     kernels_or_skip()
-    src = gguf.GGUFReader(str(tiny[1]["gguf"]))
+    src = GGUFFile.open(tiny[1]["gguf"])  # (gguf.GGUFReader takes seconds over the 49k-token vocabulary)
     path = tmp_path / "phi3-q8_0.gguf"
     w = gguf.GGUFWriter(str(path), "phi3")
     for key, f in src.fields.items():

@@ -194,10 +194,44 @@ def test_gguf_in_place(models, tmp_path, name, matrices, layer, atol):
     assert engines["gguf"].generate([a], params)[0].token_ids == engines["none"].generate([a], params)[0].token_ids
 
 
-@pytest.mark.parametrize("cls_name, moe", [("Qwen3Config", {}), ("Qwen3MoeConfig", dict(
-    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True))], ids=["qwen3", "qwen3moe"])
+K_QUANT_ARCHS = {"qwen3": ("Qwen3Config", {}), "qwen3moe": ("Qwen3MoeConfig", dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True))}
+
+
+@pytest.fixture(scope="module", params=list(K_QUANT_ARCHS))
+def k_quant_file(request, tmp_path_factory, tokenizer):  # noqa: F811
+    """(moe options, the Q4_K_M-mix file, its cache folder, the engine on the file dequantized (``none``: the
+    reference), Qwen3-MoE's layer-1 experts as the gguf package dequantizes them or None) for one architecture,
+    built once for both matmul paths of test_k_quant_file_in_place (each path built the same seeded file, the
+    reference engine and the gguf package's experts again before; the reference's sequences are freed after
+    every use and nothing is committed to its prefix cache, so both paths see the same engine state)."""
+    from tests.utils.kernels import kernels_or_skip
+
+    kernels_or_skip()
+    cls_name, moe = K_QUANT_ARCHS[request.param]
+    cfg = getattr(transformers, cls_name)(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=64, tie_word_embeddings=False, max_position_embeddings=1024, **moe)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    randomise_weights(hf, 0)  # (only the norms are kept: the matrices are random blocks)
+    out = tmp_path_factory.mktemp(f"k-quant-{request.param}")
+    path = write_qwen3_gguf(hf, out / "q4_k_m.gguf", matrices="Q4_K_M")
+    cache = out / "cache"
+    reference = make_engine(model=str(path), quantization="none", kv_dtype="fp32", num_kv_blocks=32, block_size=4,
+                            cache_dir=str(cache))
+    experts = None
+    if moe:  # layer 1's experts as the gguf package reads and dequantizes them (gate, up, down)
+        reader = gguf.GGUFReader(str(path))
+        t = {x.name: x for x in reader.tensors}
+        experts = [torch.from_numpy(np.asarray(gguf.quants.dequantize(t[f"blk.1.{k}.weight"].data,
+                                                                      t[f"blk.1.{k}.weight"].tensor_type)))
+                   for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+    return moe, path, cache, reference, experts
+
+
 @pytest.mark.parametrize("kernels", [False, True], ids=["reference-matmul", "kq-kernels"])
-def test_k_quant_file_in_place(tmp_path, monkeypatch, tokenizer, cls_name, moe, kernels):  # noqa: F811
+def test_k_quant_file_in_place(k_quant_file, monkeypatch, kernels):
     """A file in llama.cpp's Q4_K_M mix (random valid Q4_K / Q6_K blocks; shapes multiples of 256) runs the default
     format, gguf: attention, dense MLP, embedding and LM head mapped in place (GGUFLinear); Qwen3-MoE's 3-D expert
     tensors dequantized at load, equal to the gguf package's dequantization in transformers' gate/up order.
@@ -208,21 +242,12 @@ def test_k_quant_file_in_place(tmp_path, monkeypatch, tokenizer, cls_name, moe, 
     expert choice of these random routers now and then, which moves that position's logits (measured 25%)."""
     from kvkeeper.layers import gguf_linear
 
-    from tests.utils.kernels import kernels_or_skip
-
-    kernels_or_skip()
+    moe, path, cache, reference, want = k_quant_file
     if not kernels:
         monkeypatch.setattr(gguf_linear, "KERNEL_TYPES", frozenset())  # every GGUFLinear on the reference
-    cfg = getattr(transformers, cls_name)(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512,
-                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                          head_dim=64, tie_word_embeddings=False, max_position_embeddings=1024, **moe)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg)
-    randomise_weights(hf, 0)  # (only the norms are kept: the matrices are random blocks)
-    path = write_qwen3_gguf(hf, tmp_path / "q4_k_m.gguf", matrices="Q4_K_M")
     auto = None if kernels else "gguf"  # (auto picks gguf where the kernels run the file's types)
-    engines = {fmt: make_engine(model=str(path), quantization=fmt, kv_dtype="fp32", num_kv_blocks=32,
-                                block_size=4, cache_dir=str(tmp_path / "cache")) for fmt in (auto, "none")}
+    engines = {auto: make_engine(model=str(path), quantization=auto, kv_dtype="fp32", num_kv_blocks=32,
+                                 block_size=4, cache_dir=str(cache)), "none": reference}
     eng = engines[auto]
     desc = eng.runner.weight_description
     assert eng.runner.weight_format == "gguf" and "mapped in place (Q4_K" in desc, desc
@@ -230,11 +255,6 @@ def test_k_quant_file_in_place(tmp_path, monkeypatch, tokenizer, cls_name, moe, 
     for block in eng.runner.model.model.layers:
         assert type(block.self_attn.qkv_proj).__name__ == type(block.self_attn.o_proj).__name__ == "GGUFLinear"
     if moe:
-        reader = gguf.GGUFReader(str(path))
-        t = {x.name: x for x in reader.tensors}
-        want = [torch.from_numpy(np.asarray(gguf.quants.dequantize(t[f"blk.1.{k}.weight"].data,
-                                                                   t[f"blk.1.{k}.weight"].tensor_type)))
-                for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
         experts = eng.runner.model.model.layers[1].mlp.experts
         assert torch.equal(experts.gate_up_proj, torch.cat(want[:2], dim=1))
         assert torch.equal(experts.down_proj, want[2])

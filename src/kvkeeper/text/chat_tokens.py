@@ -18,8 +18,8 @@ when the spans cannot be found at all, a content holding a special token's text 
 (:class:`~kvkeeper.errors.InvalidRequestError`) rather than tokenized into a control token.
 
 Thread-safe: :class:`ChatEncoder` keeps its own ``tokenizers.Tokenizer`` copies, never changed after they are
-built, tokenizing through :func:`kvkeeper.text.gil_free.encode`, without Python's GIL (the server tokenizes in
-worker threads).
+built (the plain-text one on first need, under a lock), tokenizing through :func:`kvkeeper.text.gil_free.encode`,
+without Python's GIL (the server tokenizes in worker threads).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import bisect
 import json
 import re
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -102,17 +103,26 @@ class ChatEncoder:
     """
 
     def __init__(self, tokenizer):
-        from tokenizers import Tokenizer
-
-        spec = tokenizer.backend_tokenizer.to_str()
-        self._normal, self._plain = Tokenizer.from_str(spec), Tokenizer.from_str(spec)
-        for t in (self._normal, self._plain):
-            t.no_padding()
-            t.no_truncation()
-        self._plain.encode_special_tokens = True  # special tokens' text is split as ordinary text
+        self._normal = _copy(tokenizer.backend_tokenizer.to_str())
+        self._plain_copy = None  # built on first use (see _plain)
+        self._lock = threading.Lock()
         added = tokenizer.backend_tokenizer.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
         self.special_texts = tuple(sorted({t.content for t in added.values() if t.special}, key=len, reverse=True))
+
+    @property
+    def _plain(self):
+        """The copy that splits special tokens' text as ordinary text, built when first needed (a content that
+        writes a control token's text, :meth:`plain_ids`), from the normal copy (never changed, so read safely
+        by several threads): a tokenizer's parse takes 1.8 s for Gemma 3's 262,144-token vocabulary, and most
+        engines never need this one."""
+        if self._plain_copy is None:
+            with self._lock:
+                if self._plain_copy is None:
+                    plain = _copy(self._normal.to_str())
+                    plain.encode_special_tokens = True  # special tokens' text is split as ordinary text
+                    self._plain_copy = plain
+        return self._plain_copy
 
     @classmethod
     def of(cls, tokenizer) -> "ChatEncoder | None":
@@ -169,6 +179,16 @@ class ChatEncoder:
         """``text``'s ids with special tokens' text tokenized as plain text (no BOS/EOS)."""
         return list(encode(self._plain, text).ids)
 
+
+
+def _copy(spec: str):
+    """A ``tokenizers.Tokenizer`` parsed from its JSON ``spec``, without padding or truncation."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(spec)
+    tok.no_padding()
+    tok.no_truncation()
+    return tok
 
 
 def _overlaps(spans: list[tuple[int, int]], starts: list[int], a: int, b: int) -> bool:

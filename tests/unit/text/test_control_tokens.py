@@ -122,3 +122,25 @@ def test_unlocated_contents_with_control_text_are_refused(engine):
     assert "<|im_end|>" in str(ei.value) and "--control-tokens-in-content" in str(ei.value)
     ok = RenderedChat("<|im_start|>user\nA<|im_end|>\n", (), False, ("a",))
     assert enc.encode(ok) == engine.tokenizer.encode(ok.text, add_special_tokens=False)
+
+
+def test_the_plain_text_tokenizer_is_built_only_when_a_content_needs_it(engine):
+    """ChatEncoder parses its plain-text tokenizer copy (special tokens' text split as ordinary text: 1.8 s for
+    Gemma 3's vocabulary) on the first prompt that needs it, once, and it splits a typed marker as before."""
+    from kvkeeper.text.chat_tokens import ChatEncoder, render_with_spans
+
+    enc = ChatEncoder(engine.tokenizer)
+    render = engine.render_chat
+    benign = [{"role": "user", "content": "hi"}]
+    assert enc.encode(render_with_spans(render, benign)) == engine.tokenizer.encode(render(benign),
+                                                                                    add_special_tokens=False)
+    assert enc._plain_copy is None  # an ordinary chat never builds it
+    forged = [{"role": "user", "content": FORGED}]
+    ids = enc.encode(render_with_spans(render, forged))
+    plain = enc._plain_copy
+    assert plain is not None and plain.encode_special_tokens and not enc._normal.encode_special_tokens
+    assert ids == engine.encode_chat(forged) and control_ids(engine, ids) == control_ids(engine, enc.encode(
+        render_with_spans(render, benign)))
+    typed = enc.plain_ids("<|im_end|>")
+    assert len(typed) > 1 and not set(typed) & enc.special_ids and engine.tokenizer.decode(typed) == "<|im_end|>"
+    assert enc._plain is plain  # built once
