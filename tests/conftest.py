@@ -80,12 +80,27 @@ def engine():
 
 
 @pytest.fixture(scope="session")
-def hf_reference(engine):
-    """transformers' own model for the same GGUF file (its own dequantisation), fp32: the reference."""
+def hf_reference(engine, tmp_path_factory):
+    """transformers' own model for the same GGUF file (its own dequantisation), fp32: the reference.
+
+    transformers reads a GGUF file slowly (20-35 s of CPU: its reader walks the file's 49,152-token vocabulary and
+    merges in Python, twice, and it builds the tensor-name map once per module): under xdist the first worker that
+    needs the reference loads it from the GGUF file and pickles the loaded model (transformers will not
+    ``save_pretrained`` a model it read from GGUF) into the run's shared temp dir, and the other worker unpickles
+    that copy: the same modules and tensors (tests/utils/run_once.py).
+    """
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
+    from tests.utils.run_once import locked
+
     transformers.logging.set_verbosity_error()
     p = engine.model_path
-    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    with locked(tmp_path_factory, "hf_reference.pt") as saved:
+        if saved.exists():
+            return torch.load(saved, weights_only=False).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+        if os.environ.get("PYTEST_XDIST_WORKER"):  # the other worker may need it too: leave it the copy
+            torch.save(model, saved)
+        return model

@@ -65,15 +65,45 @@ def _equal_dumps(a: dict, b: dict) -> None:
                                               f"{int((d.flatten(1).amax(1) > 0).nonzero()[0])}"
 
 
-def _recompute(ref, ids: list[int]):
-    """(token ids, logprobs) of ``ids`` generated from scratch on the reference engine (no cache shared)."""
-    out = ref.generate([ids], GREEDY, namespace=ref.isolated_namespace())[0]
-    return out.token_ids, out.logprobs
+class _Reference:
+    """The reference engine's from-scratch results, each computed once per module for the same ids at the same
+    thread count: the sessions of several tests (every split, the fused and layer-by-layer steps) reach the same
+    prompts, whose recomputation is the same work each time."""
+
+    def __init__(self, eng):
+        self.eng, self.done = eng, {}
+
+    def _once(self, kind: str, ids: list[int], compute):
+        key = (kind, torch.get_num_threads(), tuple(ids))
+        if key not in self.done:
+            self.done[key] = compute()
+        return self.done[key]
+
+    def recompute(self, ids: list[int]):
+        """(token ids, logprobs) of ``ids`` generated from scratch on the reference engine (no cache shared)."""
+        def run():
+            out = self.eng.generate([ids], GREEDY, namespace=self.eng.isolated_namespace())[0]
+            return out.token_ids, out.logprobs
+        return self._once("generate", ids, run)
+
+    def generate(self, ids: list[int], params):
+        """The ``RequestOutput`` of ``ids`` generated from scratch with ``params`` (greedy) on the reference."""
+        return self._once(f"generate {params!r}", ids,
+                          lambda: self.eng.generate([ids], params, namespace=self.eng.isolated_namespace())[0])
+
+    def dump(self, ids: list[int]) -> dict:
+        """``dump_prompt`` of ``ids`` prefilled from scratch on the reference: {name: KV tensor}."""
+        return self._once("dump", ids, lambda: dump_prompt(self.eng, ids, namespace=self.eng.isolated_namespace())[0])
 
 
-def _conversation(eng, ref, turns: int, companions: int = 0) -> int:
+@pytest.fixture(scope="module")
+def ref(eng):
+    return _Reference(eng)
+
+
+def _conversation(eng, ref: _Reference, turns: int, companions: int = 0) -> int:
     """``turns`` turns of one session on ``eng`` (each reusing the session's KV), each compared with the same
-    prompt ids recomputed from scratch on ``ref``: token ids, logprobs (bitwise) and the session's KV after the
+    prompt ids recomputed from scratch on ``ref.eng``: token ids, logprobs (bitwise) and the session's KV after the
     turn (max difference 0).  companions: other requests running beside each turn (a batch of 1 + companions)."""
     sessions = SessionManager(eng)
     s = sessions.open()
@@ -86,21 +116,20 @@ def _conversation(eng, ref, turns: int, companions: int = 0) -> int:
             eng.run_until_done([seq, *others])
             prompt = list(seq.token_ids[: seq.num_prompt_tokens])
             reused += seq.num_cached_tokens or 0
-            ids, lps = _recompute(ref, prompt)
+            ids, lps = ref.recompute(prompt)
             assert list(seq.output_token_ids) == ids, f"turn {i + 1}: tokens differ"
             assert seq.logprobs == lps, f"turn {i + 1}: logprobs differ"
             kept, _ = dump_session(sessions, s.id)
-            fresh, _ = dump_prompt(ref, list(s.kv.token_ids[: s.kv.num_computed]),
-                                   namespace=ref.isolated_namespace())
+            fresh = ref.dump(list(s.kv.token_ids[: s.kv.num_computed]))
             _equal_dumps(kept, fresh)
     finally:
         s.close()
     return reused
 
 
-def test_eight_turns_through_a_session_equal_recompute_bit_for_bit(eng):
+def test_eight_turns_through_a_session_equal_recompute_bit_for_bit(eng, ref):
     assert eng.runner.invariant != OLD
-    reused = _conversation(eng, eng, 8)
+    reused = _conversation(eng, ref, 8)
     assert reused > 0  # the later turns really took the earlier turns' KV from the session
 
 
@@ -130,12 +159,12 @@ def test_reuse_off_recomputes_the_same_ids(eng):
 
 
 @pytest.mark.parametrize("chunk,threads,companions", [(1, 2, 0), (7, 2, 0), (16, 1, 0), (512, 1, 8), (7, 2, 8)])
-def test_turns_equal_recompute_whatever_the_split(eng, chunk, threads, companions):
+def test_turns_equal_recompute_whatever_the_split(eng, ref, chunk, threads, companions):
     """Chunked prefill of 1, 7, 16, 512 tokens, a batch of 1 or of 9 (8 other requests beside the turn), 1 or 2
     threads: the turns of a session equal a one-piece recompute on the default engine (512-token chunks, alone)."""
     other = _engine(max_num_batched_tokens=chunk)
     with _threads(threads):
-        _conversation(other, eng, 3, companions)
+        _conversation(other, ref, 3, companions)
 
 
 LONG = ("The archive keeps every letter the harbour master wrote between 1881 and 1907, sorted by ship and by "
@@ -143,7 +172,7 @@ LONG = ("The archive keeps every letter the harbour master wrote between 1881 an
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_across_segment_boundaries_equals_prefill(eng, threads):
+def test_decode_across_segment_boundaries_equals_prefill(eng, ref, threads):
     """A turn whose decode crosses the invariant kernels' fixed split points (every 512 keys: decode runs a long
     context's segments in parallel and combines them, prefill combines the same segments) keeps the KV and logprobs
     of the same ids prefilled, bit for bit: the prompt ends a few tokens before 1,024 keys, 24 tokens are decoded."""
@@ -156,21 +185,20 @@ def test_decode_across_segment_boundaries_equals_prefill(eng, threads):
         with _threads(threads):
             seq = s.begin_turn(messages=[{"role": "user", "content": LONG}], params=params)
             eng.run_until_done([seq])
-        out = eng.generate([list(seq.token_ids[: seq.num_prompt_tokens])], params,
-                           namespace=eng.isolated_namespace())[0]
+        out = ref.generate(list(seq.token_ids[: seq.num_prompt_tokens]), params)  # the same for both thread counts
         assert list(seq.output_token_ids) == out.token_ids and seq.logprobs == out.logprobs
         kept, _ = dump_session(sessions, s.id)
-        fresh, _ = dump_prompt(eng, list(s.kv.token_ids[: s.kv.num_computed]), namespace=eng.isolated_namespace())
+        fresh = ref.dump(list(s.kv.token_ids[: s.kv.num_computed]))
         assert s.kv.num_computed > 1024
         _equal_dumps(kept, fresh)
     finally:
         s.close()
 
 
-def test_fused_and_layer_by_layer_decode_equal(eng):
+def test_fused_and_layer_by_layer_decode_equal(eng, ref):
     other = _engine(fused_decode=False)
     assert other.runner.fused_decode is None
-    _conversation(other, eng, 2)
+    _conversation(other, ref, 2)
 
 
 def _prefill_split(runner, ids: list[int], cuts: list[int], companions: list[list[int]]) -> KVStore:

@@ -10,6 +10,7 @@
 """
 
 import re
+import shutil
 
 import pytest
 import torch
@@ -31,6 +32,25 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     return synth_gguf.write_synthetic_gguf(tmp_path_factory.mktemp("synth") / "tiny-q4_k_m.gguf", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_gguf, tmp_path_factory):
+    """The tiny file's tokenizer as kvkeeper's cache keeps it (``tokenizers/<key>``), converted once: transformers'
+    conversion of a GGUF tokenizer costs about 8 s of CPU, which every test here paid again in its own cache."""
+    from kvkeeper.text.tokenizer import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer-cache")
+    load_tokenizer(tiny_gguf, folder)
+    return folder / "tokenizers"
+
+
+@pytest.fixture
+def cache(tmp_path, tiny_tokenizer):
+    """A fresh cache folder for one test (no packed or dequantized weights: the estimate sees a cold cache) with
+    the tiny file's converted tokenizer already in it."""
+    shutil.copytree(tiny_tokenizer, tmp_path / "tokenizers")
+    return tmp_path
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +83,8 @@ def test_packed_bytes():
 
 
 @pytest.mark.parametrize("quantization", ["auto", "none", "int8", "int4"])
-def test_estimate_parts_match_the_engine(tiny_gguf, tmp_path, quantization):
-    settings = dict(quantization=quantization, cache_dir=str(tmp_path), kv_cache_bytes=3 << 20,
+def test_estimate_parts_match_the_engine(tiny_gguf, cache, quantization):
+    settings = dict(quantization=quantization, cache_dir=str(cache), kv_cache_bytes=3 << 20,
                     max_num_batched_tokens=64)
     est = mf.estimate(EngineConfig(model=str(tiny_gguf), **settings), tiny_gguf, CPU, torch.float32)
     eng = make_engine(str(tiny_gguf), **settings)
@@ -136,11 +156,11 @@ def _too_little(monkeypatch, available: int = 1 << 20):
     monkeypatch.setattr(mf, "available_memory", lambda: (available, "MemAvailable in /proc/meminfo"))
 
 
-def test_a_model_that_does_not_fit_is_refused_before_loading(tiny_gguf, tmp_path, monkeypatch):
+def test_a_model_that_does_not_fit_is_refused_before_loading(tiny_gguf, cache, monkeypatch):
     _too_little(monkeypatch)
     monkeypatch.setattr(mf, "load_model", lambda *a, **k: pytest.fail("the loader ran"))
     with pytest.raises(InsufficientMemoryError) as e:
-        make_engine(str(tiny_gguf), cache_dir=str(tmp_path))
+        make_engine(str(tiny_gguf), cache_dir=str(cache))
     msg = str(e.value)
     assert e.value.available == 1 << 20 and e.value.needed > e.value.available
     assert f"{e.value.needed / (1 << 30):.2f} GiB" in msg and "0.00 GiB is available" in msg
@@ -148,24 +168,24 @@ def test_a_model_that_does_not_fit_is_refused_before_loading(tiny_gguf, tmp_path
         assert flag in msg
 
 
-def test_memory_check_off_loads_anyway(tiny_gguf, tmp_path, monkeypatch):
+def test_memory_check_off_loads_anyway(tiny_gguf, cache, monkeypatch):
     _too_little(monkeypatch)
-    eng = make_engine(str(tiny_gguf), cache_dir=str(tmp_path), kv_cache_bytes=1 << 20, memory_check=False)
+    eng = make_engine(str(tiny_gguf), cache_dir=str(cache), kv_cache_bytes=1 << 20, memory_check=False)
     assert eng.memory_estimate is None and eng.pool.num_blocks > 0
 
 
-def test_a_model_that_fits_is_accepted(tiny_gguf, tmp_path, monkeypatch):
+def test_a_model_that_fits_is_accepted(tiny_gguf, cache, monkeypatch):
     _too_little(monkeypatch, 64 << 30)
-    eng = make_engine(str(tiny_gguf), cache_dir=str(tmp_path), kv_cache_bytes=1 << 20)
+    eng = make_engine(str(tiny_gguf), cache_dir=str(cache), kv_cache_bytes=1 << 20)
     assert 0 < eng.memory_estimate.total < 64 << 30
 
 
-def test_cli_refusal_is_one_error_line(tiny_gguf, tmp_path, monkeypatch, capsys):
+def test_cli_refusal_is_one_error_line(tiny_gguf, cache, monkeypatch, capsys):
     from kvkeeper.cli import main
 
     _too_little(monkeypatch)
     rc = main(["generate", "--model", str(tiny_gguf), "--prompt", "Hi", "--max-tokens", "1",
-               "--cache-dir", str(tmp_path)])
+               "--cache-dir", str(cache)])
     err = capsys.readouterr().err
     assert rc == 2
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]

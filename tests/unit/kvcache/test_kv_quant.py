@@ -21,9 +21,7 @@ from kvkeeper.engine.sequence import Sequence
 from kvkeeper.kvcache.formats.base import FORMATS, PagedKV, parse_kv_format
 from kvkeeper.kvcache.formats.int8 import dequantize, quantize
 from tests.utils.engines import make_engine
-from tests.utils.paths import DATA
-
-BOOK = DATA / "gutenberg_pride_and_prejudice" / "1342-0.txt"
+from tests.utils.book import BOOK, book_ids_2k, float32_perplexity_2k
 
 
 # ---- quantize / dequantize ----------------------------------------------------------------
@@ -160,11 +158,11 @@ def test_perplexity_matches_transformers_at_fp32(engine, hf_reference):
 
 
 @pytest.mark.slow
-def test_int8_kv_perplexity_within_one_percent_at_2k_with_a_quarter_of_the_bytes(engine):
-    from kvkeeper.eval.perplexity import perplexity, read_text_tokens
+def test_int8_kv_perplexity_within_one_percent_at_2k_with_a_quarter_of_the_bytes(engine, tmp_path_factory):
+    from kvkeeper.eval.perplexity import perplexity
 
-    ids = read_text_tokens(engine, BOOK, 2048, skip_tokens=2000)  # 4k: benchmarks/kv/kv_bench.py
-    fp32 = perplexity(engine, ids)
+    ids = book_ids_2k(engine)  # 4k: benchmarks/kv/kv_bench.py
+    fp32 = float32_perplexity_2k(engine, tmp_path_factory)  # perplexity(engine, ids), shared with test_quant_engine
     q = make_engine(kv_dtype="int8", kv_cache_bytes=256 << 20, quantization="none")
     int8 = perplexity(q, ids)
     assert int8["kv_dtype"] == "int8" and int8["kv_bytes_per_token"] * 4 <= fp32["kv_bytes_per_token"] * 1.04

@@ -183,7 +183,7 @@ def test_tiny_q4_k_m_loads_mapped_without_a_float32_copy(tiny_gguf, tmp_path):
     assert desc == "float32 weights" and warm[0] is not ref
 
 
-def test_tiny_q4_k_m_logits_equal_the_float32_path(tiny_gguf, tmp_path):
+def test_tiny_q4_k_m_logits_equal_the_float32_path(tiny_gguf, tiny_cache):
     from kvkeeper import SamplingParams
     from tests.utils.engines import make_engine
 
@@ -194,7 +194,7 @@ def test_tiny_q4_k_m_logits_equal_the_float32_path(tiny_gguf, tmp_path):
     greedy = SamplingParams(max_tokens=6, temperature=0)
     out = {}
     for q in ("gguf", "none"):
-        eng = make_engine(str(tiny_gguf), quantization=q, num_kv_blocks=32, cache_dir=str(tmp_path / "cache"),
+        eng = make_engine(str(tiny_gguf), quantization=q, num_kv_blocks=32, cache_dir=str(tiny_cache),
                         kv_dtype="float32")
         assert eng.runner.weight_format == q
         norms = []
@@ -251,7 +251,7 @@ def test_kernels_with_kq_matmul_are_used_and_make_k_quants_the_default(synth, mo
 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
-def test_fused_decode_over_mapped_k_quants_equals_the_layer_path(tiny_gguf, tmp_path, kv):
+def test_fused_decode_over_mapped_k_quants_equals_the_layer_path(tiny_gguf, tiny_cache, kv):
     """The tiny Q4_K_M file (Q4_K and Q6_K matrices in place, llama q/k rows permuted) takes the fused decode step
     (one C++ call per step over the mapped bytes).  Within that engine a sequence's tokens and logprobs are the same
     bit for bit alone (every decode step fused) and with a prefill landing in the middle of its decode (those mixed
@@ -270,7 +270,7 @@ def test_fused_decode_over_mapped_k_quants_equals_the_layer_path(tiny_gguf, tmp_
     runs = {}
     for fused in (True, False):
         eng = make_engine(str(tiny_gguf), quantization="gguf", num_kv_blocks=32, kv_dtype=kv, fused_decode=fused,
-                          cache_dir=str(tmp_path / "cache"))
+                          cache_dir=str(tiny_cache))
         assert (eng.runner.fused_decode is not None) is fused and eng.runner.attention_backend == "cpu"
         alone, s1, s2 = alone_and_mixed(eng, p1, p2, params)
         runs[fused] = (alone.token_ids, [lp["top"] for lp in alone.logprobs], list(s1.output_token_ids),
@@ -283,7 +283,7 @@ def test_fused_decode_over_mapped_k_quants_equals_the_layer_path(tiny_gguf, tmp_
     assert diff < {"bf16": 1e-3, "int8": 2e-2}[kv], diff
 
 
-def test_lora_over_mapped_k_quants(tiny_gguf, tmp_path):
+def test_lora_over_mapped_k_quants(tiny_gguf, tiny_cache, tmp_path):
     """A PEFT adapter on every projection of the tiny Q4_K_M file run in place: it changes the logits by the same
     low-rank term as on the float32 path of the same file (within the kernels' rounding), and a batch mixing the
     adapter and the base model gives each sequence what it gets alone, bit for bit (a step with an adapter runs layer
@@ -311,7 +311,7 @@ def test_lora_over_mapped_k_quants(tiny_gguf, tmp_path):
     delta, alone = {}, {}
     for q in ("gguf", "none"):
         eng = make_engine(str(tiny_gguf), quantization=q, num_kv_blocks=32, kv_dtype="float32",
-                          cache_dir=str(tmp_path / "cache"))
+                          cache_dir=str(tiny_cache))
         eng.load_lora("a", tmp_path / "adapter")
         eng.capture_first_logits = True
         runs = {}

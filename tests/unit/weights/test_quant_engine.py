@@ -146,13 +146,13 @@ def test_fused_step_equals_layer_by_layer(gguf_engine):
 
 
 @pytest.mark.slow
-def test_gguf_perplexity_within_one_percent_of_float32_at_2k(engine, gguf_engine):
-    from kvkeeper.eval.perplexity import perplexity, read_text_tokens
+def test_gguf_perplexity_within_one_percent_of_float32_at_2k(engine, gguf_engine, tmp_path_factory):
+    from kvkeeper.eval.perplexity import perplexity
 
-    from tests.unit.kvcache.test_kv_quant import BOOK
+    from tests.utils.book import book_ids_2k, float32_perplexity_2k
 
-    ids = read_text_tokens(engine, BOOK, 2048, skip_tokens=2000)
-    fp32 = perplexity(engine, ids)["ppl"]
+    ids = book_ids_2k(engine)
+    fp32 = float32_perplexity_2k(engine, tmp_path_factory)["ppl"]  # perplexity(engine, ids), shared with test_kv_quant
     q = perplexity(gguf_engine, ids)["ppl"]
     assert abs(q / fp32 - 1) < 0.01, (q, fp32)
     assert q != fp32  # the activations really were rounded
