@@ -34,9 +34,10 @@ demo: setup
 	$(VPY) -m kvkeeper.cli converse data/topical_chat/test_freq_conversations_first20.jsonl --compare --limit 1 \
 		--turns 16 --max-tokens 64 --json demo_turns.json
 
-# Two workers (pytest-xdist), each test file on one of them so that its module fixtures are built once; many tests
-# wait on a server subprocess, so a second worker helps even on two cores.  TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 2
+# Three workers (pytest-xdist), each test file on one of them so that its module fixtures are built once; many tests
+# wait on a server subprocess, a Ray cluster or a poll, so on two cores two workers left about a quarter of the CPU
+# idle (docs/testing.md).  TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 3
 test: setup
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 

@@ -12,6 +12,12 @@ os.environ.setdefault("KVKEEPER_QUANTIZATION", "none")
 # tests/unit/worker/test_gpu_path.py): it must be set before anything imports triton, whichever test file pytest
 # collects first (the NVIDIA compile test, tests/kernels/test_triton_compile.py, removes it for its subprocess).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# OpenMP threads that wait for work sleep instead of spinning, in the workers and in every process they start: the
+# suite always runs beside other busy processes (its other worker, servers), and a spinning thread burns the time
+# slice another process needed.  Measured on the 2-core AMD EPYC (2026-12-07, a 2-thread engine, three 24-token
+# generations of a 400-token prompt): beside one busy loop, 14.5 s wall and 17.0 s CPU spinning, 10.0 s and 10.3 s
+# passive; alone, 7.7 s and 11.2 s spinning, 8.9 s and 12.0 s passive.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The servers, CLI runs and Ray workers the tests start each import kvkeeper, torch and the rest;
 # where the environment says PYTHONDONTWRITEBYTECODE (this machine's does), each recompiled every module it
 # imported that had no bytecode yet: ~0.8 s of CPU a process on the 2-core AMD EPYC (`import kvkeeper.api.app`:
