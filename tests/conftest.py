@@ -34,7 +34,7 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 
 from kvkeeper.weights.heap import release_free_heap  # noqa: E402
-from tests.utils.engines import make_engine  # noqa: E402
+from tests.utils.engines import make_engine, worker_threads  # noqa: E402
 from tests.utils.paths import DATA  # noqa: E402
 
 
@@ -52,9 +52,7 @@ def pytest_configure(config):
     if workers > 1:
         import torch
 
-        from kvkeeper.worker.cpu_threads import available_cpus
-
-        torch.set_num_threads(max(1, available_cpus() // workers))
+        torch.set_num_threads(worker_threads(workers))
 
 
 @pytest.fixture(scope="module", autouse=True)

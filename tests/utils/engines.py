@@ -27,6 +27,14 @@ def default_validate_every() -> int:
     return int(os.environ.get("KVKEEPER_VALIDATE", "1"))
 
 
+def worker_threads(workers: int) -> int:
+    """Threads for one of ``workers`` pytest-xdist workers, or for a server one of them starts: its share of the
+    CPUs this process may use, at least 1 (tests/conftest.py's ``pytest_configure`` says why)."""
+    from kvkeeper.worker.cpu_threads import available_cpus
+
+    return max(1, available_cpus() // workers)
+
+
 def make_engine(*args, **settings) -> LLMEngine:
     """``LLMEngine(*args, **settings)`` with the suite's defaults for ``quantization`` and ``validate_every``.
 

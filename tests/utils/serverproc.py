@@ -50,9 +50,9 @@ def default_threads(extra_args: tuple[str, ...]) -> tuple[str, ...]:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     if workers <= 1 or "--threads" in extra_args:
         return ()
-    from kvkeeper.worker.cpu_threads import available_cpus
+    from tests.utils.engines import worker_threads
 
-    return ("--threads", str(max(1, available_cpus() // workers)))
+    return ("--threads", str(worker_threads(workers)))
 
 
 @contextlib.contextmanager

@@ -60,12 +60,14 @@ def cache_dir(folder: str | os.PathLike | None = None) -> Path:
     return Path(folder) if folder is not None else Path.home() / ".cache" / "kvkeeper"
 
 
+_TEMPLATE_KEY = hashlib.sha256(GEMMA_CHAT_TEMPLATE.encode()).hexdigest()[:8]
+
+
 def _gguf_key(path: Path) -> str:
     """The cache folder name of a GGUF file's tokenizer: its path, size and mtime, and the chat template this
     module writes into a conversion (a changed template makes a new conversion, not a stale cached one)."""
     st = path.stat()
-    template = hashlib.sha256(GEMMA_CHAT_TEMPLATE.encode()).hexdigest()[:8]
-    h = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}:{template}".encode()).hexdigest()
+    h = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}:{_TEMPLATE_KEY}".encode()).hexdigest()
     return h[:16]
 
 

@@ -221,6 +221,13 @@ def _call_rule(head: str, parameters: dict | None) -> str:
     return f"{json.dumps(head)} %json {json.dumps(schema)} {json.dumps('}' + chr(10) + CALL_CLOSE)}"
 
 
+def _calls_rules(top: str, functions: list[dict], parallel: bool) -> str:
+    """Lark rules: ``top`` is one call of ``functions`` (several, one a line, if ``parallel``), nothing else."""
+    alts = " | ".join(_call_rule(call_prefix(f["name"]), f.get("parameters")) for f in functions)
+    seq = 'call ("\\n" call)*' if parallel else "call"
+    return f"{top}: {seq}\ncall: {alts}\n"
+
+
 def call_grammar(functions: list[dict], required: bool, parallel: bool) -> str:
     """A Lark grammar (llguidance's dialect) for calls of ``functions`` (``{"name", "parameters"}`` dicts).
 
@@ -229,9 +236,7 @@ def call_grammar(functions: list[dict], required: bool, parallel: bool) -> str:
     allowed, else at most one (nothing follows it).  Each call's arguments follow its function's schema.
     """
     if required:
-        alts = " | ".join(_call_rule(call_prefix(f["name"]), f.get("parameters")) for f in functions)
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
-        return f"{start}\ncall: {alts}\n"
+        return _calls_rules("start", functions, parallel)
     tags = [f"tag_{i}" for i in range(len(functions))]
     lines = ["%llguidance {}", ("start: (" + " | ".join(tags) + ")* tag_end") if parallel else
              "start: tag_end | " + " | ".join(tags), "tag_end: TAG_TEXT", "TAG_TEXT: /(.|\\n)*/"]
@@ -246,6 +251,5 @@ def format_or_calls_grammar(schema: dict, functions: list[dict], parallel: bool)
     ``response_format`` beside tools, as Codex CLI's ``--output-schema`` sends them): the output is either one JSON
     value of ``schema`` (the final answer) or calls of ``functions`` as :func:`call_grammar` with ``required``
     gives them (``parallel``: several calls allowed)."""
-    alts = " | ".join(_call_rule(call_prefix(f["name"]), f.get("parameters")) for f in functions)
-    calls = 'call ("\\n" call)*' if parallel else "call"
-    return f"start: reply | {calls}\nreply: %json {json.dumps(with_json_format(schema))}\ncall: {alts}\n"
+    reply = f"reply: %json {json.dumps(with_json_format(schema))}\n"
+    return "start: reply | calls\n" + reply + _calls_rules("calls", functions, parallel)

@@ -125,8 +125,8 @@ async def _plan(request: Request, body: MessagesRequest, who: Caller) -> tuple[G
     record_usage(request.scope, user=chat.user)
     ids = await aeng.encode_chat(gen.messages, **gen.chat)
     headers = {"X-KVKeeper-Not-Applied": ", ".join(not_applied)} if not_applied else {}
-    if deferred_tools(body):
-        headers["X-KVKeeper-Tools-Not-Offered"] = ", ".join(deferred_tools(body))
+    if deferred := deferred_tools(body):
+        headers["X-KVKeeper-Tools-Not-Offered"] = ", ".join(deferred)
     room = ctx.served.max_model_len - len(ids)
     if 0 < room < body.max_tokens:  # as llama.cpp: the reply may use the context left, and the response says so
         gen.params = [dataclasses.replace(p, max_tokens=room) for p in gen.params]
