@@ -71,8 +71,11 @@ def test_token_exact_router_on_two_replicas(tmp_path):
     # the default path (GGUF blocks in place, bf16 KV; named here because the suite's KVKEEPER_QUANTIZATION=none reaches
     # the server): each replica loads and runs it in a third of the fp32 path's memory, and the router's subject, which
     # replica holds which blocks, does not depend on the weights' format
+    # --affinity-wait-s 120: a session's turn waits for its replica however busy the machine (at the default 2 s, a
+    # full run beside a build sent all 16 sessions to one replica while the other was slow to answer its probes)
     with server_process(tmp_path / "server.log", "--replicas", "2", "--kv-events-config", json.dumps(events),
-                        "--no-access-log", "--quantization", "gguf", timeout_s=300, env=env) as (base, _proc):
+                        "--no-access-log", "--quantization", "gguf", "--affinity-wait-s", "120", timeout_s=300,
+                        env=env) as (base, _proc):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=180)
         model = client.models.list().data[0].id
         # Ray Serve hands the router its second replica a while after the app is up (seen: a whole run on one

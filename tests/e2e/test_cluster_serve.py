@@ -100,8 +100,11 @@ def test_sessions_route_to_their_replica_and_survive_its_death(tmp_path):
     # KVKEEPER_QUANTIZATION=none reaches the server): a token's greedy choice does not depend on the batch
     # (tests/unit/engine/test_invariance.py), so the sessions run concurrently (the replicas batch them) and their
     # replies still equal the uninterrupted references' bit for bit
+    # --affinity-wait-s 120: a session's turn waits for its replica however busy the machine (at the default 2 s, a
+    # full run beside a build sent all 16 sessions to one replica while the other was slow to answer its probes)
     with server_process(tmp_path / "server.log", "--replicas", "2", "--data-dir", str(data), "--checkpoint-every",
-                        "0.2", "--no-access-log", "--quantization", "gguf", timeout_s=300, env=env) as (base, _proc):
+                        "0.2", "--no-access-log", "--quantization", "gguf", "--affinity-wait-s", "120", timeout_s=300,
+                        env=env) as (base, _proc):
         c = Client(base)
         # the router learns its second replica a while after the app is up (tests/e2e/test_cluster_exact.py): a
         # bounded poll until both have answered, so that the sessions' ring holds both from their first turn

@@ -39,6 +39,10 @@ class ClusterConfig:
     router: str = field(default="kvkeeper", metadata=option(
         "--router", "request router: kvkeeper (session, prefix, then load) or default (Ray Serve's power of two "
         "choices)", choices=ROUTERS))
+    affinity_wait_s: float = field(default=2.0, metadata=option(
+        "--affinity-wait-s", "seconds a request routed by affinity (session, prompt_cache_key, cached prefix) waits "
+        "for its replica before the other replicas are offered (default: 2; longer on a busy machine keeps sessions "
+        "home, shorter moves them sooner)", type=_positive_float, metavar="S"))
     routing_stats_period_s: float = 1.0
     summary_size: int = DEFAULT_SUMMARY_SIZE
     max_ongoing_requests: int = 64

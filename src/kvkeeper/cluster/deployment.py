@@ -62,8 +62,6 @@ REPLICA_HEADER = b"x-kvkeeper-replica"
 KV_SEQ_KEY = "kvkeeper_kv_seq"  # (replica id, KV event seq) on a response's last ASGI message, replica to gateway
 FLUSH_WAIT_S = 0.5  # at most this long a replica waits for its KV events to go out before a response's last message,
 # and the router for its index to apply them before routing the next request (KVKeeperRequestRouter)
-AFFINITY_WAIT_S = 2.0  # a request routed by affinity (session, cache key, cached prefix) waits this long for its
-# replica before the other replicas are offered (KVKeeperRequestRouter._ranks)
 _SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "root_path", "query_string",
                "headers", "server", "client")
 
@@ -81,6 +79,7 @@ class KVKeeperRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs):
         vnodes = int(kwargs.get("vnodes", 64))
         self.policy = Policy(vnodes=vnodes)
+        self.affinity_wait_s = float(kwargs.get("affinity_wait_s", ClusterConfig.affinity_wait_s))
         self._sets: dict[str, tuple[int, frozenset]] = {}
         self.exact = ClusterExactRouter(vnodes=vnodes, **kwargs.get("exact_weights", {})) if kwargs.get("exact") \
             else None
@@ -117,22 +116,23 @@ class KVKeeperRequestRouter(RequestRouter):
             if d is not None:
                 self.exact.export({r.replica_id.unique_id: r.routing_stats["replica"] for r in candidate_replicas
                                    if (r.routing_stats or {}).get("replica")})
-                return [[by_id[i] for i in rank] for rank in self._ranks(d, pending_request) if rank]
+                return [[by_id[i] for i in rank] for rank in self._ranks(d, pending_request, self.affinity_wait_s)
+                        if rank]
         d = self.policy.choose([self._candidate(r) for r in candidate_replicas], hint.get("session"),
                                hint.get("prefix") or (), hint.get("cache_key"))
-        return [[by_id[i] for i in rank] for rank in self._ranks(d, pending_request) if rank]
+        return [[by_id[i] for i in rank] for rank in self._ranks(d, pending_request, self.affinity_wait_s) if rank]
 
     @staticmethod
-    def _ranks(d, pending_request, now: float | None = None) -> list[list[str]]:
+    def _ranks(d, pending_request, wait_s: float, now: float | None = None) -> list[list[str]]:
         """The ranks Ray Serve may try now.  A decision by affinity (``session``, ``cache_key``, ``prefix``) offers
-        only its first rank during the request's first :data:`AFFINITY_WAIT_S` seconds: Ray Serve moves to the
+        only its first rank during the request's first ``wait_s`` seconds (``--affinity-wait-s``): Ray Serve moves to the
         next rank when a replica's queue-length probe misses its 0.1 s deadline, which a busy CPU causes without
         the replica being full, and a session's KV would then be recomputed elsewhere.  After the wait (the
         replica really full or stuck) every rank is offered: availability before affinity."""
         if d.reason == "load" or pending_request is None:
             return d.ranks
         waited = (time.time() if now is None else now) - pending_request.created_at
-        return d.ranks if waited >= AFFINITY_WAIT_S else d.ranks[:1]
+        return d.ranks if waited >= wait_s else d.ranks[:1]
 
 
 @ray.remote(num_cpus=0)
@@ -411,7 +411,7 @@ def build_app(spec: ReplicaSpec, cluster: ClusterConfig):
     ours = cluster.router == "kvkeeper"
     router = RequestRouterConfig(
         request_router_class=KVKeeperRequestRouter if ours else DEFAULT_REQUEST_ROUTER_PATH,
-        request_router_kwargs={"exact": exact} if ours else {},
+        request_router_kwargs={"exact": exact, "affinity_wait_s": cluster.affinity_wait_s} if ours else {},
         request_routing_stats_period_s=cluster.routing_stats_period_s,
         request_routing_stats_timeout_s=max(5.0, 3 * cluster.routing_stats_period_s))
     threads = str(spec.torch_threads)

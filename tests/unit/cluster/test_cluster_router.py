@@ -210,19 +210,24 @@ def test_one_prompt_cache_key_goes_to_one_replica_and_keys_spread():
 def test_affinity_waits_for_its_replica_then_offers_the_others():
     """Ray Serve falls to the next rank when a queue-length probe misses its 0.1 s deadline (a busy CPU, seen in
     CI moving a session's second turn to the other replica): affinity decisions offer only their replica for
-    AFFINITY_WAIT_S, then every rank."""
+    ``--affinity-wait-s`` seconds, then every rank."""
     deployment = pytest.importorskip("kvkeeper.cluster.deployment")
     router = deployment.KVKeeperRequestRouter
     req = types.SimpleNamespace(created_at=100.0)
-    wait = deployment.AFFINITY_WAIT_S
-    for reason in ("session", "cache_key", "prefix"):
-        d = Decision([["a"], ["b", "c"]], reason)
-        assert router._ranks(d, req, now=100.0) == [["a"]]
-        assert router._ranks(d, req, now=100.0 + wait * 0.9) == [["a"]]
-        assert router._ranks(d, req, now=100.0 + wait) == [["a"], ["b", "c"]]
-    load = Decision([["a", "b"], ["c"]], "load")
-    assert router._ranks(load, req, now=100.0) == [["a", "b"], ["c"]]
-    assert router._ranks(Decision([["a"], ["b"]], "session"), None) == [["a"], ["b"]]
+    from kvkeeper.cluster.config import ClusterConfig
+
+    for wait in (ClusterConfig.affinity_wait_s, 60.0):
+        for reason in ("session", "cache_key", "prefix"):
+            d = Decision([["a"], ["b", "c"]], reason)
+            assert router._ranks(d, req, wait, now=100.0) == [["a"]]
+            assert router._ranks(d, req, wait, now=100.0 + wait * 0.9) == [["a"]]
+            assert router._ranks(d, req, wait, now=100.0 + wait) == [["a"], ["b", "c"]]
+        load = Decision([["a", "b"], ["c"]], "load")
+        assert router._ranks(load, req, wait, now=100.0) == [["a", "b"], ["c"]]
+        assert router._ranks(Decision([["a"], ["b"]], "session"), None, wait) == [["a"], ["b"]]
+    r = router.__new__(router)
+    r.initialize_state(affinity_wait_s=60.0)
+    assert r.affinity_wait_s == 60.0
 
 
 def test_a_session_stays_home_when_a_replica_joins():
