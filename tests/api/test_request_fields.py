@@ -22,6 +22,7 @@ from tests.utils.serverproc import running_server, wait_for_log
 from kvkeeper.api.chat.protocol import ChatCompletionRequest
 from kvkeeper.api.common.schemas import REFUSED
 from kvkeeper.api.completions.protocol import CompletionRequest
+from tests.utils.engines import default_weight_format  # noqa: F401 (autouse: the default weights)
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -468,34 +469,33 @@ def test_each_logprobs_field_keeps_its_own_count(client):
     assert all(t in top and len(top) <= 2 for t, top in zip(s.tokens, s.top_logprobs))
 
 
-def test_prompt_logprobs_independent_of_the_cache(tmp_path):
-    # On the default path (GGUF blocks in place, bf16 KV) every kernel route is batch invariant, so the logprobs of
-    # a prompt are equal bit for bit cold, after a prefix hit and batched with other prompts.  The module's server
-    # runs the float32 path (the suite's default), whose GEMM is torch's: its rounding depends on the number of
-    # rows in the batch on some CPUs (seen on an Intel Xeon with MKL: 3.05e-5 on these logprobs), as documented.
+def test_prompt_logprobs_independent_of_the_cache(server):
+    # On the default path (GGUF blocks in place, bf16 KV), which the module's server runs (default_weight_format),
+    # every kernel route is batch invariant, so the logprobs of a prompt are equal bit for bit cold, after a prefix
+    # hit and batched with other prompts (on the float32 path torch's GEMM rounding depends on the number of rows in
+    # the batch on some CPUs: seen on an Intel Xeon with MKL, 3.05e-5 on these logprobs, as documented).  A salt of
+    # its own keeps the module's other requests out of its cache.
     # The client waits as long as the slowest CPU needs: without AVX-512 the C++ kernels run their portable scalar
     # path, where each of these 49-token prompts takes about 30 s on a 2-core AMD EPYC (the wait bounds a hang only).
-    with running_server(tmp_path / "server.log", "--max-model-len", "1024",
-                        "--quantization", "gguf") as base:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=900)
-        prompt = "The history of cartography spans many centuries, from clay tablets to satellite images. " * 3
-        salt = {"cache_salt": f"plp-{uuid.uuid4().hex}"}
+    client = openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0, timeout=900)
+    prompt = "The history of cartography spans many centuries, from clay tablets to satellite images. " * 3
+    salt = {"cache_salt": f"plp-{uuid.uuid4().hex}"}
 
-        def score():
-            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
-                                          extra_body={"prompt_logprobs": 2, **salt})
-            plp = r.choices[0].model_extra["prompt_logprobs"]
-            assert plp[0] is None and len(plp) == r.usage.prompt_tokens
-            return [(k, v["logprob"], v["rank"]) for d in plp[1:] for k, v in sorted(d.items())]
+    def score():
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body={"prompt_logprobs": 2, **salt})
+        plp = r.choices[0].model_extra["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == r.usage.prompt_tokens
+        return [(k, v["logprob"], v["rank"]) for d in plp[1:] for k, v in sorted(d.items())]
 
-        cold = score()
-        warm_up = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=salt)
-        assert warm_up.usage.prompt_tokens_details.cached_tokens > 0  # the prefix is in the cache now
-        warm = score()
-        with cf.ThreadPoolExecutor(4) as ex:  # batched with each other and with another prompt, in any order
-            other = ex.submit(lambda: client.completions.create(model=MODEL, prompt="Other words " * 40, max_tokens=8))
-            batched = list(ex.map(lambda _: score(), range(3)))
-            other.result()
+    cold = score()
+    warm_up = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=salt)
+    assert warm_up.usage.prompt_tokens_details.cached_tokens > 0  # the prefix is in the cache now
+    warm = score()
+    with cf.ThreadPoolExecutor(4) as ex:  # batched with each other and with another prompt, in any order
+        other = ex.submit(lambda: client.completions.create(model=MODEL, prompt="Other words " * 40, max_tokens=8))
+        batched = list(ex.map(lambda _: score(), range(3)))
+        other.result()
     for got in [warm] + batched:
         assert got == cold  # token ids, logprobs (bit for bit) and ranks
 
