@@ -305,6 +305,23 @@ def test_prompt_of_exactly_the_context_length(server, client):
     assert _chat(client, "Hello", max_tokens=2).usage.completion_tokens >= 1  # still serving
 
 
+def test_max_tokens_over_the_room_left_is_clamped_and_said(server, client):
+    """A ``max_tokens`` that fits the context window but not the room the prompt leaves (Qwen Code sends 32000 for a
+    model it does not know, whatever its prompt) is cut to that room, as llama.cpp's server does and ``/v1/messages``
+    does, and ``X-KVKeeper-Max-Tokens-Clamped`` says so; one of the whole window or more is still a 400
+    (``test_context_overflow_is_400_with_numbers``)."""
+    text = "The quick brown fox jumps over the lazy dog near the river bank. " * 120
+    ids = httpx.post(server + "/tokenize", json={"prompt": text}).json()["tokens"][: CTX - 6]  # room for 6 tokens
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=ids, max_tokens=CTX - 1, temperature=0,
+                                                      extra_body={"ignore_eos": True})
+    r = raw.parse()
+    assert raw.headers["x-kvkeeper-max-tokens-clamped"] == f"{CTX - 1} -> 6", raw.headers
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length", r.usage
+    msgs = [{"role": "user", "content": "Hello."}]
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+    assert "x-kvkeeper-max-tokens-clamped" not in raw.headers  # within the room: as asked
+
+
 # ---- n > 1: one shared prompt prefix ------------------------------------------------------
 
 
