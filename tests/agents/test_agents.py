@@ -219,23 +219,31 @@ def _qwen(qwen: str, prompt: str, session: list[str], work, env) -> dict:
     return result
 
 
-def test_qwen_code_session_is_served_from_the_cache(server, tmp_path):
-    """Qwen Code through its OpenAI-compatible provider (``/v1/chat/completions``), with the ``max_tokens`` it sends
-    by default for a model it does not know (32000: more than the context left after its prompt, cut to it and
-    named in ``X-KVKeeper-Max-Tokens-Clamped``).  One run: Qwen Code answers the reply cut at the server's cap by
-    sending the same request again, which reads the first one's prompt from the prefix cache (Qwen Code names no
-    session).  A ``--resume`` run is not used: Qwen Code rewrites the first user message of a resumed session (its
-    system reminders), so that prompt parts from the first within its first message."""
+def test_qwen_code_runs_a_session_on_the_server(server, tmp_path):
+    """Qwen Code through its OpenAI-compatible provider (``/v1/chat/completions``): two runs of one session
+    (``--session-id``, then ``--resume``), each served (no 4xx / 5xx, each request with its usage), the resumed
+    prompt holding the first exchange.  ``QWEN_CODE_MAX_OUTPUT_TOKENS=1`` (as the Claude Code test asks for one
+    token): by default Qwen Code asks for 32000 (served: cut to the room the prompt leaves, see
+    ``test_max_tokens_over_the_room_left_is_clamped_and_said``) and retries a cut reply with 64000, a whole
+    context window or more, which the chat route refuses.
+
+    The 90% cache check of Claude Code and Codex does not apply: Qwen Code names no session, and a resumed session
+    rewrites its first user message (its system reminders), so the second prompt parts from the first inside that
+    message; on gemma-3-270m the shared head was computed again (measured: 1,013 then 1,033 prompt tokens, 0
+    cached), for the reason aider's is (docs/serving/anthropic.md, "What was tested")."""
     qwen = agent_cli("qwen")
     base, log = server
     home, work, sid = tmp_path / "home", tmp_path / "work", str(uuid.uuid4())
     work.mkdir()
-    env = _env(HOME=str(home), OPENAI_API_KEY="sk-kvkeeper-test", OPENAI_BASE_URL=f"{base}/v1", OPENAI_MODEL=MODEL)
+    env = _env(HOME=str(home), OPENAI_API_KEY="sk-kvkeeper-test", OPENAI_BASE_URL=f"{base}/v1", OPENAI_MODEL=MODEL,
+               QWEN_CODE_MAX_OUTPUT_TOKENS="1")
     start = len(log.read_text())
-    result = _qwen(qwen, "Reply with the word OK.", ["--session-id", sid], work, env)
-    assert result["session_id"] == sid
+    first = _qwen(qwen, "Reply with the word OK.", ["--session-id", sid], work, env)
+    second = _qwen(qwen, "Once more: reply with the word OK.", ["--resume", sid], work, env)
+    assert first["session_id"] == second["session_id"] == sid
     requests = _session_requests(log, start, "/v1/chat/completions", 2)
-    _check_cached(requests)
+    assert len(requests) >= 2 and all(a.prompt_tokens for a in requests), requests
+    assert requests[-1].prompt_tokens > requests[0].prompt_tokens, requests  # the first exchange was resent
     print(f"qwen code: {[(a.prompt_tokens, a.cached_tokens) for a in requests]}")
 
 
