@@ -276,7 +276,7 @@ def test_aider_runs_a_session_on_the_server(server, tmp_path):
     home, work = tmp_path / "home", tmp_path / "work"
     work.mkdir()
     env = _env(HOME=str(home), OPENAI_API_KEY="sk-kvkeeper-test", OPENAI_API_BASE=f"{base}/v1",
-               LITELLM_LOCAL_MODEL_COST_MAP="True")
+               LITELLM_LOCAL_MODEL_COST_MAP="True", BROWSER="true")  # its token-limit notice offers to open a URL
     start = len(log.read_text())
     _aider(aider, "Reply with the word OK.", [], work, env)
     _aider(aider, "Once more: reply with the word OK.", ["--restore-chat-history"], work, env)
