@@ -44,9 +44,16 @@ test: setup
 # The coding agents that tests/agents/ drives against `kvkeeper serve`: npm packages at pinned versions, installed
 # outside the repository (AGENTS_DIR; the tests read KVKEEPER_AGENTS_DIR, the same default).  .ci/run runs this before
 # `make test`.  Without npm it says so and stops (an error under CI=true); the tests then skip, or fail under CI.
+# aider is a PyPI package: its own virtual environment there (aider-venv; it needs no torch), from $(PY).
 AGENTS_DIR ?= $(HOME)/.cache/kvkeeper/agents
-AGENT_PKGS := @anthropic-ai/claude-code@2.1.337 @openai/codex@0.171.0
+AGENT_PKGS := @anthropic-ai/claude-code@2.1.337 @openai/codex@0.171.0 @qwen-code/qwen-code@0.24.4
+AIDER_PKG := aider-chat==0.86.2
 agents:
+	@if [ "$$(cat $(AGENTS_DIR)/aider-venv/.kvkeeper-agents 2>/dev/null)" != "$(AIDER_PKG)" ]; then \
+		$(PY) -m venv $(AGENTS_DIR)/aider-venv && \
+		$(AGENTS_DIR)/aider-venv/bin/pip install --quiet --disable-pip-version-check "$(AIDER_PKG)" && \
+		echo "$(AIDER_PKG)" > $(AGENTS_DIR)/aider-venv/.kvkeeper-agents; \
+	fi
 	@if ! command -v npm >/dev/null 2>&1; then \
 		echo "make agents: npm not found (install Node.js 18+ with npm); the agent tests will skip"; \
 		test "$${CI:-}" != true; \

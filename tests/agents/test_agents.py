@@ -1,6 +1,8 @@
 """The coding agents themselves against ``kvkeeper serve --model gemma-3-270m``: Claude Code (``claude -p``, the
-Anthropic Messages API) and Codex CLI (``codex exec``, the Responses API), installed by ``make agents``
-(:mod:`tests.utils.agents`: a missing program skips, and fails under CI).
+Anthropic Messages API), Codex CLI (``codex exec``, the Responses API), and through their OpenAI-compatible
+providers (``/v1/chat/completions``) Qwen Code (``qwen``) and aider (``aider --message``), installed by ``make
+agents`` (:mod:`tests.utils.agents`: a missing program skips, and fails under CI).  OpenCode is not run: see
+docs/serving/anthropic.md, "What was tested".
 
 Each agent runs a session of at least two model requests; the server's access log must show no 4xx / 5xx and
 every request after the first served at least 90% from the cache (``cached_tokens / prompt_tokens``, the
@@ -199,3 +201,86 @@ def test_codex_session_is_served_from_the_cache(server, tmp_path):
     _check_cached(requests)
     _check_session(base, thread, len(requests))  # its session-id header: the thread id
     print(f"codex: {[(a.prompt_tokens, a.cached_tokens) for a in requests]}")
+
+
+QWEN_TOOLS_OFF = "run_shell_command,edit,notebook_edit,get_goal,update_goal"  # read_file stays
+
+
+def _qwen(qwen: str, prompt: str, session: list[str], work, env) -> dict:
+    """``qwen prompt`` (Qwen Code, non-interactive) in the session ``session`` names: its JSON result.  The run
+    ended on 200s: a success, or an error that is not an HTTP one (a reply cut at the server's cap)."""
+    run = subprocess.run([qwen, "--auth-type", "openai", "-m", MODEL, "--bare", "--output-format", "json",
+                          "--system-prompt", "You are a terse coding assistant.", "--exclude-tools", QWEN_TOOLS_OFF,
+                          "--max-session-turns", "2", *session, prompt],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    result = json.loads(run.stdout)[-1]
+    assert result["type"] == "result" and "API Error" not in json.dumps(result), (run.returncode, result,
+                                                                                   run.stderr[-3000:])
+    return result
+
+
+def test_qwen_code_runs_a_session_on_the_server(server, tmp_path):
+    """Qwen Code through its OpenAI-compatible provider (``/v1/chat/completions``): two runs of one session
+    (``--session-id``, then ``--resume``), each served (no 4xx / 5xx, each request with its usage), the resumed
+    prompt holding the first exchange.  ``QWEN_CODE_MAX_OUTPUT_TOKENS=1`` (as the Claude Code test asks for one
+    token): by default Qwen Code asks for 32000 (served: cut to the room the prompt leaves, see
+    ``test_max_tokens_over_the_room_left_is_clamped_and_said``) and retries a cut reply with 64000, a whole
+    context window or more, which the chat route refuses.
+
+    The 90% cache check of Claude Code and Codex does not apply: Qwen Code names no session, and a resumed session
+    rewrites its first user message (its system reminders), so the second prompt parts from the first inside that
+    message; on gemma-3-270m the shared head was computed again (measured: 1,013 then 1,033 prompt tokens, 0
+    cached), for the reason aider's is (docs/serving/anthropic.md, "What was tested")."""
+    qwen = agent_cli("qwen")
+    base, log = server
+    home, work, sid = tmp_path / "home", tmp_path / "work", str(uuid.uuid4())
+    work.mkdir()
+    env = _env(HOME=str(home), OPENAI_API_KEY="sk-kvkeeper-test", OPENAI_BASE_URL=f"{base}/v1", OPENAI_MODEL=MODEL,
+               QWEN_CODE_MAX_OUTPUT_TOKENS="1")
+    start = len(log.read_text())
+    first = _qwen(qwen, "Reply with the word OK.", ["--session-id", sid], work, env)
+    second = _qwen(qwen, "Once more: reply with the word OK.", ["--resume", sid], work, env)
+    assert first["session_id"] == second["session_id"] == sid
+    requests = _session_requests(log, start, "/v1/chat/completions", 2)
+    assert len(requests) >= 2 and all(a.prompt_tokens for a in requests), requests
+    assert requests[-1].prompt_tokens > requests[0].prompt_tokens, requests  # the first exchange was resent
+    print(f"qwen code: {[(a.prompt_tokens, a.cached_tokens) for a in requests]}")
+
+
+AIDER_ARGS = ["--model", f"openai/{MODEL}", "--edit-format", "whole", "--map-tokens", "0", "--yes-always", "--no-git",
+              "--no-auto-commits", "--no-check-update", "--no-show-model-warnings", "--analytics-disable",
+              "--no-pretty", "--no-fancy-input"]
+
+
+def _aider(aider: str, message: str, extra: list[str], work, env) -> None:
+    """``aider --message`` (one request, then exit); it exits 0 on a reply cut at the server's cap too."""
+    run = subprocess.run([aider, *AIDER_ARGS, *extra, "--message", message], cwd=work, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.returncode, run.stdout[-3000:], run.stderr[-3000:])
+
+
+def test_aider_runs_a_session_on_the_server(server, tmp_path):
+    """aider (PyPI ``aider-chat``, through litellm's OpenAI provider) sends one chat request per ``--message``; a
+    second run with ``--restore-chat-history`` resends the first exchange and adds a message.  Both are served
+    (no 4xx / 5xx, each with its usage).  ``LITELLM_LOCAL_MODEL_COST_MAP``: litellm reads its bundled model table
+    instead of fetching it at start-up.
+
+    The 90% cache check of the other agents does not apply: aider's second prompt is not an extension of its first.
+    It resends the first message without the edit-format reminders the first request appended to it, and puts the
+    restored exchange before its "no files shared" messages, so the two prompts share only aider's system prompt
+    and examples (measured: about 330 of 645 and 665 tokens); on gemma-3-270m even that prefix is computed again,
+    as the first request's early blocks gave back their sliding-window KV once its prompt passed the 512-token
+    window (docs/serving/anthropic.md, "What was tested")."""
+    aider = agent_cli("aider")
+    base, log = server
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    env = _env(HOME=str(home), OPENAI_API_KEY="sk-kvkeeper-test", OPENAI_API_BASE=f"{base}/v1",
+               LITELLM_LOCAL_MODEL_COST_MAP="True", BROWSER="true")  # its token-limit notice offers to open a URL
+    start = len(log.read_text())
+    _aider(aider, "Reply with the word OK.", [], work, env)
+    _aider(aider, "Once more: reply with the word OK.", ["--restore-chat-history"], work, env)
+    requests = _session_requests(log, start, "/v1/chat/completions", 2)
+    assert len(requests) == 2 and all(a.prompt_tokens for a in requests), requests
+    assert requests[1].prompt_tokens > requests[0].prompt_tokens, requests  # the first exchange was resent
+    print(f"aider: {[(a.prompt_tokens, a.cached_tokens) for a in requests]}")

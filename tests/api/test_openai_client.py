@@ -164,6 +164,41 @@ def test_cache_salt_isolation(client):
     assert via_header.usage.prompt_tokens_details.cached_tokens > 0  # same tenant b: its own prefix
 
 
+def test_cache_write_tokens_are_the_prompt_kv_the_request_stored(server, client):
+    """``cache_write_tokens`` beside ``cached_tokens`` (chat and completions' ``prompt_tokens_details``, the Responses
+    API's ``input_tokens_details``, as the ``openai`` types have it): the prompt tokens the request computed and left
+    in the cache.  Without a session: its full prompt blocks newly stored in the prefix cache (none when they were
+    already there); in a session: every prompt token it computed (the session keeps its KV, last block included)."""
+    bs = 16  # the server's block size
+    system = {"role": "system", "content": f"{uuid.uuid4()} You answer in one word."}  # a fresh first block
+    msgs = [system, {"role": "user", "content": LONG_PROMPT}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0)
+    p, d = first.usage.prompt_tokens, first.usage.prompt_tokens_details
+    assert d.cached_tokens == 0 and d.cache_write_tokens == p // bs * bs, first.usage
+    again = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0)
+    d = again.usage.prompt_tokens_details
+    assert d.cached_tokens == (p - 1) // bs * bs and d.cache_write_tokens == 0, again.usage  # all there already
+
+    h = {"X-Session-ID": f"write-{uuid.uuid4().hex[:8]}"}
+    t1 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, extra_headers=h)
+    d = t1.usage.prompt_tokens_details
+    assert d.cache_write_tokens == t1.usage.prompt_tokens - d.cached_tokens and d.cached_tokens > 0, t1.usage
+    msgs += [{"role": "assistant", "content": t1.choices[0].message.content}, {"role": "user", "content": "Why?"}]
+    t2 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0, extra_headers=h)
+    d = t2.usage.prompt_tokens_details
+    assert d.cached_tokens >= t1.usage.prompt_tokens - bs, t2.usage  # the session's KV: turn 1's prompt and reply
+    assert d.cache_write_tokens == t2.usage.prompt_tokens - d.cached_tokens > 0, t2.usage
+    httpx.delete(f"{server}/v1/sessions/{h['X-Session-ID']}")
+
+    text = client.completions.create(model=MODEL, prompt=f"{uuid.uuid4()} {LONG_PROMPT}", max_tokens=1)
+    d = text.usage.prompt_tokens_details
+    assert d.cached_tokens == 0 and d.cache_write_tokens == text.usage.prompt_tokens // bs * bs, text.usage
+    r = client.responses.create(model=MODEL, instructions=f"{uuid.uuid4()} Be brief.", input=LONG_PROMPT,
+                                max_output_tokens=1, temperature=0, store=False)
+    d = r.usage.input_tokens_details
+    assert d.cached_tokens == 0 and d.cache_write_tokens == r.usage.input_tokens // bs * bs, r.usage
+
+
 # ---- errors ---------------------------------------------------------------------------
 
 
@@ -268,6 +303,23 @@ def test_prompt_of_exactly_the_context_length(server, client):
     assert r.usage.prompt_tokens == CTX - 1 and r.usage.completion_tokens == 1
     assert r.choices[0].finish_reason == "length"
     assert _chat(client, "Hello", max_tokens=2).usage.completion_tokens >= 1  # still serving
+
+
+def test_max_tokens_over_the_room_left_is_clamped_and_said(server, client):
+    """A ``max_tokens`` that fits the context window but not the room the prompt leaves (Qwen Code sends 32000 for a
+    model it does not know, whatever its prompt) is cut to that room, as llama.cpp's server does and ``/v1/messages``
+    does, and ``X-KVKeeper-Max-Tokens-Clamped`` says so; one of the whole window or more is still a 400
+    (``test_context_overflow_is_400_with_numbers``)."""
+    text = "The quick brown fox jumps over the lazy dog near the river bank. " * 120
+    ids = httpx.post(server + "/tokenize", json={"prompt": text}).json()["tokens"][: CTX - 6]  # room for 6 tokens
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=ids, max_tokens=CTX - 1, temperature=0,
+                                                      extra_body={"ignore_eos": True})
+    r = raw.parse()
+    assert raw.headers["x-kvkeeper-max-tokens-clamped"] == f"{CTX - 1} -> 6", raw.headers
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length", r.usage
+    msgs = [{"role": "user", "content": "Hello."}]
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+    assert "x-kvkeeper-max-tokens-clamped" not in raw.headers  # within the room: as asked
 
 
 # ---- n > 1: one shared prompt prefix ------------------------------------------------------

@@ -1,6 +1,6 @@
 """The coding agents' command-line programs for ``tests/agents/`` and the server's access log they are judged by.
 
-``make agents`` installs the agents from npm at pinned versions into ``~/.cache/kvkeeper/agents``
+``make agents`` installs the agents from npm (aider from PyPI) at pinned versions into ``~/.cache/kvkeeper/agents``
 (``KVKEEPER_AGENTS_DIR`` overrides it here, ``AGENTS_DIR`` in the Makefile); ``.ci/run`` runs it before
 ``make test``.  A missing program skips its test with the reason, and fails it under CI (``CI=true``), since CI
 must install them.
@@ -20,13 +20,15 @@ AGENTS_DIR = Path(os.environ.get("KVKEEPER_AGENTS_DIR", Path.home() / ".cache" /
 
 
 def agent_cli(name: str) -> str:
-    """The path of the agent program ``name`` (``claude``, ``codex``) that ``make agents`` installed; skips the
-    test (fails it under CI) when it, or ``node`` that runs the npm packages' launchers, is missing."""
-    path = AGENTS_DIR / "node_modules" / ".bin" / name
-    if shutil.which("node") is None:
+    """The path of the agent program ``name`` (``claude``, ``codex``, ``qwen``: npm packages; ``aider``: a PyPI
+    package in its own virtual environment, ``aider-venv``) that ``make agents`` installed; skips the test (fails it
+    under CI) when it, or ``node`` that runs the npm packages' launchers, is missing."""
+    npm = name != "aider"
+    path = AGENTS_DIR / "node_modules" / ".bin" / name if npm else AGENTS_DIR / "aider-venv" / "bin" / name
+    if npm and shutil.which("node") is None:
         why = "node (Node.js) is not installed: the coding agents are npm packages (make agents installs them)"
     elif not path.exists():
-        why = f"{path} is missing: run `make agents` (npm) to install the coding agents"
+        why = f"{path} is missing: run `make agents` (npm, pip) to install the coding agents"
     else:
         return str(path)
     if os.environ.get("CI"):

@@ -191,7 +191,9 @@ class InputProcessor(ChatRenderer):
     def prompt_ids(self, prompt: str | list[int], params: SamplingParams, strict_max_tokens: bool = False) -> list[int]:
         """The checked token ids of a text or token-id prompt.  Raises :class:`InvalidRequestError` for an
         empty prompt or a token id outside the vocabulary, :class:`ContextLengthError` when the prompt
-        leaves no room for a token (or, with ``strict_max_tokens``, for ``params.max_tokens``)."""
+        leaves no room for a token (or, with ``strict_max_tokens``, when ``params.max_tokens`` alone is at least the
+        context window: no prompt leaves room for it; one that fits the window but not the room this prompt leaves
+        is cut to that room by :meth:`sequence`, as llama.cpp's server does)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty: give at least one token of text")
@@ -207,7 +209,7 @@ class InputProcessor(ChatRenderer):
         ctx = self.context_length
         if len(ids) >= ctx:
             raise ContextLengthError(len(ids), ctx)
-        if strict_max_tokens and params.max_tokens is not None and len(ids) + params.max_tokens > ctx:
+        if strict_max_tokens and params.max_tokens is not None and params.max_tokens >= ctx:
             raise ContextLengthError(len(ids), ctx, params.max_tokens)
         return ids
 

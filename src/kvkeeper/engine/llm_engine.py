@@ -105,9 +105,9 @@ class LLMEngine:
                     lora: str | None = None) -> Sequence:
         """Queue a request; returns its :class:`Sequence` (until the next :meth:`step` a caller may give it KV
         it holds, as a session's turn does).  ``max_tokens`` beyond the context window is cut to fit, unless
-        ``strict_max_tokens`` (the server's rule: refuse); the other arguments and the errors: ``inputs``'
-        :meth:`~InputProcessor.prompt_ids` and :meth:`~InputProcessor.sequence`, plus InvalidRequestError
-        for a request id in use."""
+        ``strict_max_tokens`` (the server's rule: refuse a ``max_tokens`` of the whole window or more); the other
+        arguments and the errors: ``inputs``' :meth:`~InputProcessor.prompt_ids` and
+        :meth:`~InputProcessor.sequence`, plus InvalidRequestError for a request id in use."""
         params = params or SamplingParams()
         ids = self.inputs.prompt_ids(prompt, params, strict_max_tokens)
         request_id = request_id or f"req-{next(self._req_ids)}"

@@ -41,6 +41,9 @@ class Sequence:
         hand-over, what it holds came from the prefix cache).
     num_cached_tokens: tokens whose KV the request held when first admitted (prefix-cache hits or a
         session's hand-over); None until then.
+    num_cache_written: prompt tokens whose KV it stored in the prefix cache: its full prompt blocks that it
+        registered first (:meth:`kvkeeper.kvcache.manager.KVCacheManager.commit`; a block another request had
+        already stored under the same hash is not counted).
     kv_holder: called with the sequence when it finishes, to take its blocks over (a session's end of
         turn); None: the engine frees them.
     processors: its logits processors (:class:`kvkeeper.sampling.processors.RequestProcessors`), None
@@ -64,6 +67,7 @@ class Sequence:
     num_handed_over: int = 0
     reuse_source: str | None = None
     num_cached_tokens: int | None = None
+    num_cache_written: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None

@@ -8,8 +8,8 @@ from .block_pool import BlockPool
 class KVCacheManager:
     """Gives sequences blocks for their tokens and shares full blocks through the prefix cache.
 
-    A sequence here is anything with ``token_ids``, ``num_computed``,
-    ``block_table``, ``block_hashes`` and ``namespace`` (see ``engine.sequence``).
+    A sequence here is anything with ``token_ids``, ``num_prompt_tokens``, ``num_computed``,
+    ``block_table``, ``block_hashes``, ``namespace`` and ``num_cache_written`` (see ``engine.sequence``).
     Prefix-cache statistics are counted in tokens: ``query_tokens``, ``hit_tokens``.
     """
 
@@ -111,15 +111,20 @@ class KVCacheManager:
         return len(extra)
 
     def commit(self, seq) -> None:
-        """Register blocks that became full and computed in the prefix cache."""
+        """Register blocks that became full and computed in the prefix cache; adds the prompt tokens of the
+        blocks this sequence stored first (not already cached under their hash) to ``seq.num_cache_written``."""
         if seq.kv_offset:  # compressed KV is never shared
             return
         bs = self.block_size
         full = seq.num_computed // bs
         for i in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
+            block = self.pool.blocks[seq.block_table[i]]
+            fresh = block.hash is None
             h = self.pool.register(seq.block_table[i], parent, seq.namespace, seq.token_ids[i * bs : (i + 1) * bs])
             seq.block_hashes.append(h)
+            if fresh and block.hash == h and (i + 1) * bs <= seq.num_prompt_tokens:
+                seq.num_cache_written += bs
         self.release_out_of_window(seq)
 
     def free(self, seq) -> None:

@@ -177,6 +177,7 @@ async def respond(request: Request, engine, gen: GenerationRequest | list[Genera
     s = await engine.submit(gen) if not isinstance(gen, list) else await submit_all(engine, gens)
     n = sum(len(g.params) for g in gens)
     headers = {"X-KVKeeper-Trimmed-Turns": str(s.trimmed_turns)} if s.trimmed_turns else {}
+    headers |= clamped_header(gens, s.prompt_token_ids if len(gens) == 1 else None, engine.served.max_model_len)
     if s.context is not None:
         headers["X-KVKeeper-Context"] = s.context
     if stream:
@@ -192,6 +193,16 @@ async def respond(request: Request, engine, gen: GenerationRequest | list[Genera
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     got = await collect(request, s, n)
     return JSONResponse(render.body(s, got), headers={**headers, **miss_header(got.usage)})
+
+
+def clamped_header(gens: list[GenerationRequest], prompt_ids: list[int] | None, context: int) -> dict:
+    """``{"X-KVKeeper-Max-Tokens-Clamped": "<asked> -> <served>"}`` when one prompt's ``max_tokens`` (fewer tokens
+    than the ``context`` window, else it was refused) is more than the room its prompt leaves, which the engine
+    cuts it to (as llama.cpp's server does; Qwen Code sends 32000 for a model it does not know), else empty."""
+    asked = gens[0].params[0].max_tokens
+    if prompt_ids is None or asked is None or asked <= context - len(prompt_ids):
+        return {}
+    return {"X-KVKeeper-Max-Tokens-Clamped": f"{asked} -> {context - len(prompt_ids)}"}
 
 
 def miss_header(usage: Usage | None) -> dict:

@@ -82,11 +82,13 @@ class Usage:
     rejected_prediction_tokens: int | None = None
     session_compression: dict | None = None  # a session turn's compression report (kvkeeper.sessions.compress)
     cache_miss: Any = None  # why the request read less than its predecessor (cache_miss.CacheMiss), not in to_dict
+    cache_write_tokens: int = 0  # prompt tokens it computed and left in the cache (tracker._cache_written)
 
     def to_dict(self) -> dict:
         out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                "total_tokens": self.prompt_tokens + self.completion_tokens,
-               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens,
+                                         "cache_write_tokens": self.cache_write_tokens}}
         if self.accepted_prediction_tokens is not None:
             out["completion_tokens_details"] = {"accepted_prediction_tokens": self.accepted_prediction_tokens,
                                                 "rejected_prediction_tokens": self.rejected_prediction_tokens}
@@ -220,7 +222,7 @@ class MergedStream:
 def _summed(usages: list[Usage | None]) -> Usage:
     got = [u for u in usages if u is not None]
     return Usage(sum(u.prompt_tokens for u in got), sum(u.completion_tokens for u in got),
-                 sum(u.cached_tokens for u in got))
+                 sum(u.cached_tokens for u in got), cache_write_tokens=sum(u.cache_write_tokens for u in got))
 
 
 async def submit_all(engine, gens) -> MergedStream:

@@ -249,6 +249,7 @@ class RequestTracker:
         self.metrics.observe_usage(lead, usage.prompt_tokens, usage.cached_tokens)
         sid = None if t.req.session_id is None else session_key(t.req.tenant, t.req.session_id)
         s = self.sessions.sessions.get(sid) if sid is not None and self.sessions is not None else None
+        usage.cache_write_tokens = _cache_written(lead, usage.cached_tokens, s is not None and s.kv is lead and s.reuse)
         if s is not None and s.kv is lead and s.compression.active and s.last_compression is not None:
             usage.session_compression = s.last_compression.to_dict()
         if t.opened_session and lead.finish_reason == "error" and sid in self.sessions \
@@ -318,3 +319,11 @@ class RequestTracker:
         put(t.loop, t.q, EngineDeadError(message))
         del self.tracked[rid]
 
+
+def _cache_written(lead: Sequence, cached: int, session_holds: bool) -> int:
+    """Prompt tokens whose KV the request computed and left in the cache for later requests (usage's
+    ``cache_write_tokens``): with its session holding its KV, every prompt token it computed (the session keeps its
+    KV whole, a partial last block included) but those a compression dropped; otherwise the tokens of the full prompt
+    blocks it stored first in the prefix cache (``Sequence.num_cache_written``).  At most the tokens it computed."""
+    computed = max(0, lead.num_prompt_tokens - cached)
+    return max(0, computed - lead.num_kv_dropped) if session_holds else min(lead.num_cache_written, computed)

@@ -22,7 +22,7 @@ from ..common.access_log import record_usage
 from ..common.auth import Caller, caller
 from ..common.context import request_context
 from ..common.errors import error_body
-from ..common.rendering import collect
+from ..common.rendering import clamped_header, collect
 from ..common.streams import EngineDeadError, RequestStream, Usage
 from .deps import Paging, close_sessions, conversation_store, response_store
 from .events import ResponseEvents
@@ -84,6 +84,7 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller 
         raise
     hosted = tools_not_offered(body)  # hosted tools this server cannot run: not offered to the model, named here
     headers = {"X-KVKeeper-Tools-Not-Offered": ", ".join(hosted)} if hosted else {}
+    headers |= clamped_header([run.gen], s.prompt_token_ids, aeng.served.max_model_len)
     if body.stream:
         return StreamingResponse(_events(request, run, s), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
