@@ -116,7 +116,7 @@ def tool_schemas() -> str:
             "content": {"type": "string", "description": "the text to write, search for or run"},
             "limit": {"type": "integer", "description": "the most lines to return"}}, "required": ["path"]}}}
         for name in TOOLS]
-    return json.dumps(schemas, indent=1)
+    return json.dumps(schemas)
 
 
 def build_sessions(texts: Texts, a) -> list[dict]:
@@ -240,7 +240,7 @@ async def run_session(http, srv: Server, a, plan: dict, texts: Texts, started: d
         if turn:
             messages.append({"role": "user", "content": plan["tools"][turn - 1]})
             sizes.append(texts.ntok(messages[-1]["content"]) + MSG_OVERHEAD)
-        cleared = fit_context(messages, sizes, a.ctx - plan["replies"][turn] - 64)
+        cleared = fit_context(messages, sizes, int(0.95 * a.ctx) - plan["replies"][turn])
         rec = await one_request(http, srv, a, messages, plan["replies"][turn], sid)
         recs.append({"turn": turn + 1, "status": rec["status"], "ttft_s": rec["ttft_s"], "end_s": rec["end_s"],
                      "cleared": cleared, "error": rec.get("error"), "timings": rec.get("timings"),
@@ -249,8 +249,8 @@ async def run_session(http, srv: Server, a, plan: dict, texts: Texts, started: d
             started[plan["session"]].set()
         if rec["status"] != 200:
             break
-        messages.append({"role": "assistant", "content": rec["text"]})
-        sizes.append(texts.ntok(rec["text"]) + MSG_OVERHEAD)
+        messages.append({"role": "assistant", "content": rec["text"] or "(no reply)"})  # no empty text blocks
+        sizes.append(texts.ntok(messages[-1]["content"]) + MSG_OVERHEAD)
     started.setdefault(plan["session"], asyncio.Event()).set()  # a failed parent releases its subagents
     return {"session": plan["session"], "parent": plan["parent"], "wall_s": time.perf_counter() - t0, "turns": recs}
 
@@ -415,15 +415,15 @@ def ratios(servers: list[dict]) -> dict:
 
 def markdown(res: dict) -> str:
     w = res["workload"]
-    quiet = max(max(s["loadavg_before"][0], s["loadavg_after"][0]) for s in res["servers"]) if res["servers"] else 0
+    quiet = max([res["loadavg_start"][0], *(s["loadavg_before"][0] for s in res["servers"])])
     lines = [f"# Agent-session replay{' (' + res['label'] + ')' if res['label'] else ''} ({res['date']})", "",
              f"{res['machine']}; model `{res['model']}`; API `{res['api']}`; {w['sessions']} sessions "
              f"({w['subagents']} subagents sharing a parent's prefix) x {w['turns']} turns; prefix {w['prefix_tokens']} "
              f"tokens; tool outputs {w['tool_tokens']} tokens; replies {w['reply_tokens']} tokens; context {w['ctx']}; "
              f"{res['threads']} threads; workload digest `{w['digest']}`.", ""]
     if quiet > 0.5 * (os.cpu_count() or 1):
-        lines += [f"**Not a quiet machine** (1-min load average up to {quiet:.1f} on {os.cpu_count()} CPUs): these "
-                  "timings are not a speed claim.", ""]
+        lines += [f"**Not a quiet machine** (1-min load average up to {quiet:.1f} before the runs, on "
+                  f"{os.cpu_count()} CPUs): these timings are not a speed claim.", ""]
     lines += ["| server | TTFT turn 1 p50 | later TTFT p50 | later TTFT p99 | run wall | session mean | computed / "
               "prompt tokens | output tokens | peak RSS | start-up | load before -> after | ok |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -494,19 +494,25 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"no llama-server at {a.llama_server}: build it with benchmarks/peers/build_llama_server.sh")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()
     texts = Texts(gguf)
     plans = build_sessions(texts, a)
     notes, servers = [], []
     for name, cmd, env in server_specs(a, gguf):
         print(f"{name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        servers.append(run_server(name, cmd, env, a, plans, texts, out))
+        try:
+            servers.append(run_server(name, cmd, env, a, plans, texts, out))
+        except (RuntimeError, httpx.HTTPError) as e:
+            notes.append(f"{name}: not measured ({type(e).__name__}: {e})")
+            print(notes[-1], file=sys.stderr, flush=True)
+            continue
         print(json.dumps({k: v for k, v in servers[-1].items() if k not in ("sessions", "by_turn")}), flush=True)
     if "llama-server" in a.servers:
         ver = subprocess.run([a.llama_server, "--version"], capture_output=True, text=True, timeout=60)
         notes.append("llama-server " + " ".join((ver.stdout + ver.stderr).split()[-12:]))
     model = a.model if a.model in ("gemma-3-270m", "smollm2-135m-instruct") else Path(gguf).stem
     res = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "label": a.label, "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
-           "model": model, "gguf": gguf, "api": a.api, "threads": a.threads, "session_header": a.session_header,
+           "loadavg_start": load_start, "model": model, "gguf": gguf, "api": a.api, "threads": a.threads, "session_header": a.session_header,
            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
            "workload": {"prefix_tokens": a.prefix_tokens, "turns": a.turns, "sessions": a.sessions,
                         "subagents": a.subagents, "tool_tokens": a.tool_tokens, "reply_tokens": a.reply_tokens,
