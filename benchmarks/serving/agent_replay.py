@@ -267,28 +267,40 @@ async def run_workload(srv: Server, a, plans: list[dict], texts: Texts) -> tuple
 
 
 class TreeRSS:
-    """Samples the summed RSS (bytes) of a process and all its descendants every ``every`` s, on a thread."""
+    """Samples the summed RSS (bytes, from /proc) of a process and all its descendants every ``every`` s, on a
+    thread; ``stop()`` returns the peak."""
 
     def __init__(self, pid: int, every: float = 0.1):
-        import psutil
-
-        self.root, self.every, self.peak = psutil.Process(pid), every, 0
+        self.root, self.every, self.peak = pid, every, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def sample(self) -> int:
-        import psutil
+    @staticmethod
+    def _children() -> dict[int, list[int]]:
+        kids: dict[int, list[int]] = {}
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                stat = (d / "stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+        return kids
 
-        total = 0
-        try:
-            for p in [self.root, *self.root.children(recursive=True)]:
-                try:
-                    total += p.memory_info().rss
-                except psutil.Error:
-                    pass
-        except psutil.Error:
-            pass
+    def sample(self) -> int:
+        kids, todo, total = self._children(), [self.root], 0
+        while todo:
+            pid = todo.pop()
+            todo += kids.get(pid, [])
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            except (OSError, ValueError):
+                pass
         return total
 
     def _run(self):
