@@ -85,9 +85,9 @@ bench-files: setup
 # Issues 43 and 45: kvkeeper beside the servers users would pick instead (benchmark only: never in `make test` or CI).
 # Each peer is built as its users get it, pinned, under PEERS_DIR: llama.cpp's own `llama-server` from the source
 # vendored in the llama-cpp-python 0.3.36 sdist (benchmarks/peers/build_llama_server.sh: -DGGML_NATIVE=ON, the
-# llama-server target only, 6-15 min on two cores, once).  Then the agent-session replay (issue 45's Measure) at its
-# full form, through the chat API and the Messages API, one server after the other.  Run it on a quiet machine;
-# BENCH_NICE="nice -n 19" to run it beside other work (its timings then mean nothing).
+# llama-server target only, once; issue 43 saw 6-15 min on two quiet cores).  Then the agent-session replay (issue
+# 45's Measure) at its full form, through the chat API and the Messages API, one server after the other.  Run it on a
+# quiet machine; BENCH_NICE="nice -n 19" to run it beside other work (its timings then mean nothing).
 PEERS_DIR ?= $(HOME)/.cache/kvkeeper/peers
 LLAMA_SERVER := $(PEERS_DIR)/llama-server-0.3.36/bin/llama-server
 AGENT_REPLAY_ARGS ?= --model gemma-3-270m --prefix-tokens 12000 --turns 30 --sessions 4 --subagents 2

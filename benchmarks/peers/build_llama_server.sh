@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own `llama-server` binary from the llama.cpp source vendored in the llama-cpp-python sdist
 # (pinned below), for benchmarks only (`make bench-peers`; never the test suite or CI).  Idempotent: a build whose
-# stamp matches the pinned sdist is reused.  Runs under `nice -n 19` with -j2 (6-15 minutes on two cores).
+# stamp matches the pinned sdist is reused; an interrupted build resumes.  Runs under `nice -n 19` with -j2 (issue 43:
+# 6-15 minutes on two quiet cores; far longer beside other work).
 #   usage: benchmarks/peers/build_llama_server.sh [PEERS_DIR]   (default ~/.cache/kvkeeper/peers)
 # Prints the binary's path on its last line.
 set -euo pipefail
