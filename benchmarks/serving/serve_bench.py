@@ -157,10 +157,12 @@ async def stream_chat(http: httpx.AsyncClient, url: str, body: dict, headers: di
     """POST a streamed chat completion (``stream_options.include_usage``) and time it.
 
     Returns status, ttft_s and end_s (seconds from the request), chunks (with content), text, usage (the final
-    chunk's), and error (the body's first 300 characters) when the status is not 200."""
+    chunk's), timings (llama-server's last ``timings`` object: ``prompt_n`` tokens computed, ``cache_n`` reused;
+    None from other servers), and error (the body's first 300 characters) when the status is not 200."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    rec = {"ttft_s": None, "end_s": None, "chunks": 0, "text": "", "usage": None, "status": None}
+    rec = {"ttft_s": None, "end_s": None, "chunks": 0, "text": "", "usage": None, "timings": None,
+           "status": None}
     async with http.stream("POST", url, json=body, headers=headers) as r:
         rec["status"] = r.status_code
         if r.status_code != 200:
@@ -179,6 +181,8 @@ async def stream_chat(http: httpx.AsyncClient, url: str, body: dict, headers: di
                     rec["text"] += piece
             if chunk.get("usage"):
                 rec["usage"] = chunk["usage"]
+            if chunk.get("timings"):
+                rec["timings"] = chunk["timings"]
     rec["end_s"] = time.perf_counter() - t0
     return rec
 
