@@ -35,7 +35,7 @@ from ...errors import KVKeeperError
 from ...sessions.session import common_prefix
 from ..common.access_log import record_usage
 from ..common.auth import LOCAL, Caller, unauthorized, caller
-from ..common.rendering import miss_header
+from ..common.rendering import clamped_header, miss_header
 from ..chat.serving import chat_request
 from ..common.errors import APIError, validation_body, from_kvkeeper_error
 from ..common.context import request_context
@@ -129,8 +129,8 @@ async def _plan(request: Request, body: MessagesRequest, who: Caller) -> tuple[G
         headers["X-KVKeeper-Tools-Not-Offered"] = ", ".join(deferred)
     room = ctx.served.max_model_len - len(ids)
     if 0 < room < body.max_tokens:  # as llama.cpp: the reply may use the context left, and the response says so
+        headers |= clamped_header([gen], ids, ctx.served.max_model_len)
         gen.params = [dataclasses.replace(p, max_tokens=room) for p in gen.params]
-        headers["X-KVKeeper-Max-Tokens-Clamped"] = f"{body.max_tokens} -> {room}"
     bp, ttl = await _breakpoint_end(aeng, gen, ids, last), breakpoint_ttl(body)
     if bp and ttl is not None:  # the prefix up to the last breakpoint stays in the cache for the ttl
         gen.retention = (bp, ttl)

@@ -196,9 +196,10 @@ async def respond(request: Request, engine, gen: GenerationRequest | list[Genera
 
 
 def clamped_header(gens: list[GenerationRequest], prompt_ids: list[int] | None, context: int) -> dict:
-    """``{"X-KVKeeper-Max-Tokens-Clamped": "<asked> -> <served>"}`` when one prompt's ``max_tokens`` (fewer tokens
-    than the ``context`` window, else it was refused) is more than the room its prompt leaves, which the engine
-    cuts it to (as llama.cpp's server does; Qwen Code sends 32000 for a model it does not know), else empty."""
+    """``{"X-KVKeeper-Max-Tokens-Clamped": "<asked> -> <served>"}`` when one prompt's ``max_tokens`` is more than
+    the room its prompt leaves in the ``context`` window, which the reply is cut to (as llama.cpp's server does;
+    Qwen Code sends 32000 for a model it does not know; the OpenAI routes refuse a value of the whole window or
+    more, the Messages route cuts every value), else empty."""
     asked = gens[0].params[0].max_tokens
     if prompt_ids is None or asked is None or asked <= context - len(prompt_ids):
         return {}
