@@ -164,7 +164,8 @@ for batch_size in (1, 4):
                         model_args=f"base_url={base}/v1/completions,model={model},num_concurrent=1,max_retries=1,"
                                    f"auth_token={key}", batch_size=batch_size, log_samples=True)
     runs[batch_size] = {"results": r["results"],
-                        "samples": [[s["doc"]["question"], task, s["resps"]] for task, ss in r["samples"].items() for s in ss]}
+                        "samples": [[s["doc"]["question"], task, s["resps"]]
+                                    for task, ss in r["samples"].items() for s in ss]}
 json.dump(runs, open(out, "w"))
 """
 

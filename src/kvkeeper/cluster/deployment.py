@@ -125,9 +125,9 @@ class KVKeeperRequestRouter(RequestRouter):
     @staticmethod
     def _ranks(d, pending_request, wait_s: float, now: float | None = None) -> list[list[str]]:
         """The ranks Ray Serve may try now.  A decision by affinity (``session``, ``cache_key``, ``prefix``) offers
-        only its first rank during the request's first ``wait_s`` seconds (``--affinity-wait-s``): Ray Serve moves to the
-        next rank when a replica's queue-length probe misses its 0.1 s deadline, which a busy CPU causes without
-        the replica being full, and a session's KV would then be recomputed elsewhere.  After the wait (the
+        only its first rank during the request's first ``wait_s`` seconds (``--affinity-wait-s``): Ray Serve moves
+        to the next rank when a replica's queue-length probe misses its 0.1 s deadline, which a busy CPU causes
+        without the replica being full, and a session's KV would then be recomputed elsewhere.  After the wait (the
         replica really full or stuck) every rank is offered: availability before affinity."""
         if d.reason == "load" or pending_request is None:
             return d.ranks
