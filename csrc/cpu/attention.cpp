@@ -128,7 +128,7 @@ void attend_query_generic(const float* qr, float scale, const void* k, const voi
     float dot = 0.f;
     for (int64_t d = 0; d < D; ++d) dot += qr[d] * scale * (load_scalar(k, row * D + d, kind) * kscale);
     const float mnew = std::max(mx, dot);
-    const float alpha = std::exp(mx - mnew), pw = std::exp(dot - mnew);
+    const float alpha = exp_portable(mx - mnew), pw = exp_portable(dot - mnew);
     sm = sm * alpha + pw;
     for (int64_t d = 0; d < D; ++d) o[d] = o[d] * alpha + pw * (load_scalar(v, row * D + d, kind) * vscale);
     mx = mnew;
@@ -140,8 +140,8 @@ void attend_query_generic(const float* qr, float scale, const void* k, const voi
 // row (one query head of one token) over its keys [lo, hi) of KV head h; every lane of a call reads the same
 // sequence (block table bt).  Each lane's arithmetic is the portable routine's, in its order: the score a sequential
 // sum over d of (q[d] * scale) * (k[d] * kscale), separate multiplies and adds (no fused multiply-add: the file is
-// built with -ffp-contract=off and the code uses none), the running maximum as std::max, std::exp lane by lane
-// (exp(0) = 1 exactly is not called), the sum and outputs updated key by key in key order.  Only the layout
+// built with -ffp-contract=off and the code uses none), the running maximum as std::max, exp_portable lane by lane
+// (exp256, common.h), the sum and outputs updated key by key in key order.  Only the layout
 // differs: 16 keys are converted to float32 once for all the lanes, four keys' scores are computed side by side.
 struct Lane {
   const float* q;  // D floats, not scaled
@@ -180,44 +180,51 @@ struct LaneGroup {
   int nl;
 };
 
-// The online softmax update of one key (score s) for the group's lanes in `mask` (every lane when full).
-KVK_AVX2 inline void lane_update(LaneGroup& g, __m256 s, const float* vrow, int64_t D, bool full, __m256 mask) {
+// The online softmax step of one key (score s) for the group's lanes in `mask` (every lane when full): the running
+// maxima and sums updated, the key's weights returned: alpha for the outputs so far, p for the key's value row.
+KVK_AVX2 inline void lane_softmax(LaneGroup& g, __m256 s, bool full, __m256 mask, __m256& alpha, __m256& p) {
   const __m256 m = _mm256_load_ps(g.m), mnew = _mm256_max_ps(s, m);  // std::max(m, s): s > m ? s : m
-  alignas(32) float da[8], dp[8], al[8], pw[8];
-  _mm256_store_ps(da, _mm256_sub_ps(m, mnew));
-  _mm256_store_ps(dp, _mm256_sub_ps(s, mnew));
-  bool ones = true;
-  for (int j = 0; j < 8; ++j) {
-    al[j] = j < g.nl && da[j] != 0.f ? std::exp(da[j]) : 1.f;
-    pw[j] = j < g.nl && dp[j] != 0.f ? std::exp(dp[j]) : 1.f;
-    ones = ones && al[j] == 1.f;
-  }
-  const __m256 alpha = _mm256_load_ps(al), p = _mm256_load_ps(pw);
+  // exp256 lane by lane is exp_portable, the portable routine's exp; lanes past the group's last, and a difference
+  // of 0 (exp_portable(0) = 1 exactly), take 1 without it
+  const __m256 da = _mm256_sub_ps(m, mnew), dp = _mm256_sub_ps(s, mnew), one = _mm256_set1_ps(1.f);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(g.nl), lane));
+  const __m256 zero = _mm256_setzero_ps();
+  alpha = _mm256_blendv_ps(one, exp256(da), _mm256_and_ps(live, _mm256_cmp_ps(da, zero, _CMP_NEQ_UQ)));
+  p = _mm256_blendv_ps(one, exp256(dp), _mm256_and_ps(live, _mm256_cmp_ps(dp, zero, _CMP_NEQ_UQ)));
   const __m256 l = _mm256_add_ps(_mm256_mul_ps(_mm256_load_ps(g.l), alpha), p);
-  if (full) {
-    _mm256_store_ps(g.m, mnew);
-    _mm256_store_ps(g.l, l);
-    for (int64_t d = 0; d < D; ++d) {
-      const __m256 o = _mm256_load_ps(g.o + d * 8), pv = _mm256_mul_ps(p, _mm256_broadcast_ss(vrow + d));
-      _mm256_store_ps(g.o + d * 8, _mm256_add_ps(ones ? o : _mm256_mul_ps(o, alpha), pv));  // o * 1 = o
-    }
-    return;
-  }
-  _mm256_store_ps(g.m, _mm256_blendv_ps(m, mnew, mask));
-  _mm256_store_ps(g.l, _mm256_blendv_ps(_mm256_load_ps(g.l), l, mask));
-  for (int64_t d = 0; d < D; ++d) {
-    const __m256 o = _mm256_load_ps(g.o + d * 8);
-    const __m256 u = _mm256_add_ps(_mm256_mul_ps(o, alpha), _mm256_mul_ps(p, _mm256_broadcast_ss(vrow + d)));
-    _mm256_store_ps(g.o + d * 8, _mm256_blendv_ps(o, u, mask));
-  }
+  _mm256_store_ps(g.m, full ? mnew : _mm256_blendv_ps(m, mnew, mask));
+  _mm256_store_ps(g.l, full ? l : _mm256_blendv_ps(_mm256_load_ps(g.l), l, mask));
 }
 
-// Keys [a, b) of the converted chunk (rows kf, vf (16, D) from key k0 on) for one group: four scores side by side,
-// then the updates in key order.
+// ND dims of the group's outputs (o: (ND, 8) floats) over the n keys whose weights are given, held in registers
+// across the keys: o = o * alpha + p * v[d] key by key in key order (the portable routine's update of one output),
+// a lane outside a partial key's mask kept.  v: the first key's value row at the first of the ND dims (stride D).
+template <int ND>
+KVK_AVX2 inline void lane_outputs(float* o, const float* v, int64_t D, int n, const __m256* alpha, const __m256* p,
+                                  const bool* full, const __m256* mask) {
+  __m256 acc[ND];
+#pragma GCC unroll 8
+  for (int j = 0; j < ND; ++j) acc[j] = _mm256_load_ps(o + j * 8);
+  for (int t = 0; t < n; ++t, v += D) {
+#pragma GCC unroll 8
+    for (int j = 0; j < ND; ++j) {
+      const __m256 u = _mm256_add_ps(_mm256_mul_ps(acc[j], alpha[t]), _mm256_mul_ps(p[t], _mm256_broadcast_ss(v + j)));
+      acc[j] = full[t] ? u : _mm256_blendv_ps(acc[j], u, mask[t]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < ND; ++j) _mm256_store_ps(o + j * 8, acc[j]);
+}
+
+// Keys [a, b) of the converted chunk (rows kf, vf (16, D) from key k0 on; b - a <= 16) for one group: four scores
+// side by side, the softmax steps in key order, then the outputs eight dims at a time over all the keys.
 KVK_AVX2 void lane_group_keys(LaneGroup& g, const float* kf, const float* vf, int64_t k0, int64_t a, int64_t b,
                               int64_t D) {
   const __m256i lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.lo));
   const __m256i hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(g.hi));
+  __m256 alpha[16], p[16], mask[16];
+  bool full[16];
   for (int64_t t0 = a; t0 < b; t0 += 4) {
     const int nk = static_cast<int>(std::min<int64_t>(4, b - t0));
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -228,13 +235,18 @@ KVK_AVX2 void lane_group_keys(LaneGroup& g, const float* kf, const float* vf, in
         if (c < nk) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(q, _mm256_broadcast_ss(kr + c * D + d)));
     }
     for (int c = 0; c < nk; ++c) {
-      const int64_t p = t0 + c;
-      const bool full = p >= g.all_from && p < g.all_to;
-      const __m256i pv = _mm256_set1_epi32(static_cast<int32_t>(p));
-      const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(lo, pv), _mm256_cmpgt_epi32(hi, pv));
-      lane_update(g, acc[c], vf + (p - k0) * D, D, full, _mm256_castsi256_ps(in));
+      const int64_t t = t0 + c, i = t - a;
+      full[i] = t >= g.all_from && t < g.all_to;
+      const __m256i tv = _mm256_set1_epi32(static_cast<int32_t>(t));
+      mask[i] = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(lo, tv), _mm256_cmpgt_epi32(hi, tv)));
+      lane_softmax(g, acc[c], full[i], mask[i], alpha[i], p[i]);
     }
   }
+  const int n = static_cast<int>(b - a);
+  const float* v = vf + (a - k0) * D;
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) lane_outputs<8>(g.o + d * 8, v + d, D, n, alpha, p, full, mask);
+  for (; d < D; ++d) lane_outputs<1>(g.o + d * 8, v + d, D, n, alpha, p, full, mask);
 }
 
 // Sets up group `gi` (lanes [8 gi, 8 gi + 8) of `lanes`) in the scratch buffer `buf` ((D, 8) queries, then outputs).

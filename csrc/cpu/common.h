@@ -1,6 +1,7 @@
 // kvkeeper CPU kernels: matmul over 4-/8-bit weight blocks computed in place, paged attention, and the element-wise
 // parts of a layer.  This header holds what the kernel files share (includes, the AVX-512 target, the KV storage
-// formats, exp of 16 floats) and the declarations of every kernel, in namespace kvk.
+// formats, exp of 16 floats, of 8 and of one with the same bits) and the declarations of every kernel, in namespace
+// kvk.
 //
 // Built by `make setup` (kvkeeper.kernels.build) with torch.utils.cpp_extension; loaded by
 // kvkeeper.kernels.cpu.  Every kernel has a portable C++ path and an AVX-512 path (AVX512F/BW/VL +
@@ -110,6 +111,49 @@ KVK_AVX512 inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, fx);
+}
+
+// exp of one float for the portable attention routine, and exp256 below for its AVX2 twin: the same range reduction
+// and polynomial as exp512 (Cephes' expf), in separate multiplies and adds (no fused multiply-add: these files are
+// built with -ffp-contract=off), 2^n applied by one multiply with a float built from its exponent bits.  Every step
+// is an IEEE operation whose AVX2 instruction rounds the same way, so exp256 gives these floats lane by lane and the
+// portable and AVX2 paths agree bit for bit; relative error ~3 ulp.  exp(0) = 1 exactly; an input below -87.3
+// (-inf included) gives exp(-87.3) ~ 1.2e-38, not 0.  The clamps take the bound for a NaN, as MAXPS / MINPS do.
+inline float exp_portable(float x) {
+  x = x > -87.3f ? x : -87.3f;
+  x = x < 88.3f ? x : 88.3f;
+  const float fx = std::nearbyint(x * 1.44269504088896341f);  // round half to even, as VROUNDPS below
+  float r = x - fx * 0.693359375f;
+  r = r - fx * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + (r + 1.f);
+  const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;  // 2^fx, fx in [-126, 127]
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+KVK_AVX2 inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 // ---------------------------------------------------------------------------------------------------
