@@ -1,4 +1,6 @@
-"""End-to-end checks of the engine on the real embedded model (SmolLM2-135M-Instruct, fp32 weights)."""
+"""End-to-end checks of the engine on the real embedded model (SmolLM2-135M-Instruct): against transformers on
+float32 weights (the ``engine`` fixture), and against itself (reuse with recompute, a batch with its requests alone,
+a small pool with a large one) on the library's default weight format (``eng``)."""
 
 import pytest
 import torch
@@ -16,6 +18,14 @@ RAW_PROMPTS = [
     "Once upon a time, in a small village,",
     "Photosynthesis is the process by which",
 ]
+
+
+@pytest.fixture(scope="module")
+def eng():
+    """The embedded model on the library's default weight format (its GGUF blocks in place, bf16 KV), where a token
+    depends only on the ids before it, bit for bit (tests/unit/engine/test_invariance.py), and a decode token costs
+    13 ms of CPU against 43 ms on float32 (one thread, the 2-core AMD EPYC, quiet)."""
+    return make_engine(quantization=None)
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +67,10 @@ def test_greedy_and_logits_match_transformers(engine, hf_reference, parity_promp
     assert worst < 1e-3, f"last-position logits differ by {worst}"
 
 
-def test_turn_reuse_equals_full_recompute(engine, mt_bench):
+def test_turn_reuse_equals_full_recompute(eng, mt_bench):
     params = SamplingParams(max_tokens=32)
     for q in mt_bench[10:13]:
-        s = sessions_of(engine).open()
+        s = sessions_of(eng).open()
         prev = None
         try:
             for i, turn in enumerate(q["turns"] + ["Summarise your answers in one sentence."]):
@@ -74,13 +84,13 @@ def test_turn_reuse_equals_full_recompute(engine, mt_bench):
                     assert r.prompt_token_ids[: len(history)] == history
                     assert r.cached_tokens == len(history) - 1
                 # the same prompt recomputed from scratch, with no cache at all
-                full = engine.generate([r.prompt_token_ids], params, namespace=engine.isolated_namespace())[0]
+                full = eng.generate([r.prompt_token_ids], params, namespace=eng.isolated_namespace())[0]
                 assert full.cached_tokens == 0
                 assert full.token_ids == r.token_ids, f"turn {i + 1} of question {q['question_id']}"
                 prev = r
         finally:
             s.close()
-    assert engine.pool.num_used == 0, "closed sessions must release every block"
+    assert eng.pool.num_used == 0, "closed sessions must release every block"
 
 
 def _first_divergence(a, b):
@@ -101,38 +111,38 @@ def _assert_same_or_near_tie(alone, other, label):
         f"{label}: token {i} differs ({alone.token_ids[i]} vs {other.token_ids[i]}) with top-2 gap {gap}")
 
 
-def test_batch_invariance(engine, mt_bench):
-    prompts = [engine.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in mt_bench[20:28]]
+def test_batch_invariance(eng, mt_bench):
+    prompts = [eng.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in mt_bench[20:28]]
     assert len({len(p) for p in prompts}) >= 6, "prompts of different lengths"
     params = SamplingParams(max_tokens=12, logprobs=2)
-    alone = [engine.generate([p], params, namespace=engine.isolated_namespace())[0] for p in prompts]
-    sched = engine.scheduler
-    saved = (sched.enable_chunked_prefill, sched.max_num_batched_tokens, engine.validate_every)
-    engine.validate_every = 0  # the test itself holds raw pool blocks, which no block table owns
+    alone = [eng.generate([p], params, namespace=eng.isolated_namespace())[0] for p in prompts]
+    sched = eng.scheduler
+    saved = (sched.enable_chunked_prefill, sched.max_num_batched_tokens, eng.validate_every)
+    eng.validate_every = 0  # the test itself holds raw pool blocks, which no block table owns
     try:
         for chunked, budget in ((True, 64), (True, 512), (False, 512)):
             sched.enable_chunked_prefill, sched.max_num_batched_tokens = chunked, budget
             # move the blocks: hold a varying number of blocks so the batch lands elsewhere in the pool
-            held = engine.pool.allocate(17 if chunked else 113)
+            held = eng.pool.allocate(17 if chunked else 113)
             try:
                 order = list(range(len(prompts)))[::-1]
-                outs = engine.generate([prompts[i] for i in order], params, namespace=engine.isolated_namespace())
+                outs = eng.generate([prompts[i] for i in order], params, namespace=eng.isolated_namespace())
             finally:
-                engine.pool.free_all(held)
+                eng.pool.free_all(held)
             for i, out in zip(order, outs):
                 _assert_same_or_near_tie(alone[i], out, f"prompt {i}, chunked={chunked}, budget={budget}")
     finally:
-        sched.enable_chunked_prefill, sched.max_num_batched_tokens, engine.validate_every = saved
-    assert engine.pool.num_used == 0
+        sched.enable_chunked_prefill, sched.max_num_batched_tokens, eng.validate_every = saved
+    assert eng.pool.num_used == 0
 
 
-def test_preemption_small_pool_completes_with_same_outputs(engine, mt_bench):
-    prompts = [engine.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in mt_bench[30:35]]
+def test_preemption_small_pool_completes_with_same_outputs(eng, mt_bench):
+    prompts = [eng.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in mt_bench[30:35]]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    big = engine.generate(prompts, params, namespace=engine.isolated_namespace())
+    big = eng.generate(prompts, params, namespace=eng.isolated_namespace())
     need = sum(-(-(len(p) + 24) // 16) for p in prompts)
     small = make_engine(num_kv_blocks=max(len(max(prompts, key=len)) // 16 + 4, need // 3), max_num_batched_tokens=128,
-                      quantization="none")
+                        quantization=None)
     assert small.pool.num_blocks < need
     outs = small.generate(prompts, params)
     assert small.scheduler.num_preemptions > 0, "the pool was meant to be too small for all requests at once"
