@@ -1,13 +1,12 @@
 import json
 import os
 
-# The suite's two defaults, read at their edge by the servers and CLI runs the tests start, and by
-# tests/utils/engines.py's make_engine for the engines the tests build in process:
-# KV integrity validators before every engine step (a test may set validate_every itself);
+# The suite's default, read at their edge by the servers and CLI runs the tests start, and by
+# tests/utils/engines.py's make_engine for the engines the tests build in process: KV integrity validators before
+# every engine step (a test may set validate_every itself).  The weight format is the library's own default (a GGUF
+# file's blocks in place, bf16 KV); the tests that compare with float32 values (transformers' logits, fp32 KV dumps)
+# name quantization "none", as the session-scoped ``engine`` fixture below does.
 os.environ.setdefault("KVKEEPER_VALIDATE", "1")
-# float32 weights (the exact path, the parity reference) unless a test names a --quantization; the tests of the
-# quantized formats pass theirs (tests/unit/weights/test_quant_engine.py).
-os.environ.setdefault("KVKEEPER_QUANTIZATION", "none")
 # Triton's interpreter for the Triton kernels' CPU tests (tests/kernels/test_triton_kernels.py,
 # tests/unit/worker/test_gpu_path.py): it must be set before anything imports triton, whichever test file pytest
 # collects first (the NVIDIA compile test, tests/kernels/test_triton_compile.py, removes it for its subprocess).

@@ -23,7 +23,6 @@ from kvkeeper.api.anthropic.protocol import MessagesRequest
 from kvkeeper.api.anthropic.serving import chat_body, check_fields, deferred_tools, usage_of
 from kvkeeper.api.common.context import RequestContext
 from kvkeeper.api.common.errors import APIError
-from tests.utils.engines import default_weight_format  # noqa: F401 (autouse: the default weights)
 
 anthropic = pytest.importorskip("anthropic")
 

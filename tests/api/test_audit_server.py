@@ -29,7 +29,8 @@ def test_server_counters_and_session_dump(tmp_path):
 
     from kvkeeper.cli import main
 
-    with running_server(tmp_path / "server.log", "--audit-fraction", "1", "--kv-blocks", "256") as base:
+    with running_server(tmp_path / "server.log", "--audit-fraction", "1", "--kv-blocks", "256",
+                        "--quantization", "none") as base:
         m0 = _metrics(base)
         assert m0["kvkeeper:kv_audit_total"] == 0 and m0["kvkeeper:kv_audit_mismatch_total"] == 0
         msgs = [{"role": "user", "content": "Name three colours."}]

@@ -12,7 +12,6 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tests.utils.serverproc import running_server
-from tests.utils.engines import default_weight_format  # noqa: F401 (autouse: the default weights)
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,6 @@ pytest.importorskip("langchain_openai")
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
-from tests.utils.engines import default_weight_format  # noqa: F401, E402 (autouse: the default weights)
 
 pytestmark = pytest.mark.slow
 

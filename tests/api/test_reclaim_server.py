@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from tests.utils.serverproc import running_server
-from tests.utils.engines import default_weight_format  # noqa: F401 (autouse: the default weights)
 
 pytestmark = pytest.mark.slow
 

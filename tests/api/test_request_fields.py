@@ -22,7 +22,6 @@ from tests.utils.serverproc import running_server, wait_for_log
 from kvkeeper.api.chat.protocol import ChatCompletionRequest
 from kvkeeper.api.common.schemas import REFUSED
 from kvkeeper.api.completions.protocol import CompletionRequest
-from tests.utils.engines import default_weight_format  # noqa: F401 (autouse: the default weights)
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -470,7 +469,7 @@ def test_each_logprobs_field_keeps_its_own_count(client):
 
 
 def test_prompt_logprobs_independent_of_the_cache(server):
-    # On the default path (GGUF blocks in place, bf16 KV), which the module's server runs (default_weight_format),
+    # On the default path (GGUF blocks in place, bf16 KV), which the module's server runs (the suite's default),
     # every kernel route is batch invariant, so the logprobs of a prompt are equal bit for bit cold, after a prefix
     # hit and batched with other prompts (on the float32 path torch's GEMM rounding depends on the number of rows in
     # the batch on some CPUs: seen on an Intel Xeon with MKL, 3.05e-5 on these logprobs, as documented).  A salt of

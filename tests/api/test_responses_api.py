@@ -16,7 +16,6 @@ import uuid
 import httpx
 import pytest
 from tests.utils.serverproc import running_server
-from tests.utils.engines import default_weight_format  # noqa: F401 (autouse: the default weights)
 
 openai = pytest.importorskip("openai")
 

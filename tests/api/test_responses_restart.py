@@ -13,7 +13,6 @@ import time
 import httpx
 import pytest
 from tests.utils.serverproc import server_process
-from tests.utils.engines import default_weight_format  # noqa: F401 (autouse: the default weights)
 
 openai = pytest.importorskip("openai")
 

@@ -20,7 +20,6 @@ import sys
 
 import pytest
 from tests.utils.cli import main_in_process
-from tests.utils.engines import default_weight_format  # noqa: F401 (autouse: the default weights)
 
 MT_BENCH = [
     {"question_id": 901, "category": "writing", "turns": ["Name three colours of the rainbow.", "Now name two more."]},

@@ -68,9 +68,9 @@ def test_token_exact_router_on_two_replicas(tmp_path):
     events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}",
               "replay_endpoint": f"tcp://127.0.0.1:{port + 1}"}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # the default path (GGUF blocks in place, bf16 KV; named here because the suite's KVKEEPER_QUANTIZATION=none reaches
-    # the server): each replica loads and runs it in a third of the fp32 path's memory, and the router's subject, which
-    # replica holds which blocks, does not depend on the weights' format
+    # the default path (GGUF blocks in place, bf16 KV; named here so that a $KVKEEPER_QUANTIZATION of the caller's
+    # does not change it): each replica loads and runs it in a third of the fp32 path's memory, and the router's
+    # subject, which replica holds which blocks, does not depend on the weights' format
     # --affinity-wait-s 120: a session's turn waits for its replica however busy the machine (at the default 2 s, a
     # full run beside a build sent all 16 sessions to one replica while the other was slow to answer its probes)
     with server_process(tmp_path / "server.log", "--replicas", "2", "--kv-events-config", json.dumps(events),

@@ -96,8 +96,8 @@ def _assert_reuse(log: list, first: int = 1) -> None:
 def test_sessions_route_to_their_replica_and_survive_its_death(tmp_path):
     data = tmp_path / "data"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # the default path (GGUF blocks in place, bf16 KV, the invariant C++ kernels; named here because the suite's
-    # KVKEEPER_QUANTIZATION=none reaches the server): a token's greedy choice does not depend on the batch
+    # the default path (GGUF blocks in place, bf16 KV, the invariant C++ kernels; named here so that a
+    # $KVKEEPER_QUANTIZATION of the caller's does not change it): a token's greedy choice does not depend on the batch
     # (tests/unit/engine/test_invariance.py), so the sessions run concurrently (the replicas batch them) and their
     # replies still equal the uninterrupted references' bit for bit
     # --affinity-wait-s 120: a session's turn waits for its replica however busy the machine (at the default 2 s, a

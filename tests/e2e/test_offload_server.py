@@ -38,8 +38,8 @@ def _chat(base, sid, msgs, salt=None, max_tokens=10):
 def test_sigkill_during_offload_write_loses_no_saved_session(tmp_path):
     data = tmp_path / "data"
     env = {**os.environ, "KVKEEPER_TEST_OFFLOAD_DELAY": "1.5"}
-    # the default path (GGUF blocks in place, bf16 KV; named because the suite's KVKEEPER_QUANTIZATION=none reaches the
-    # servers): each start loads a third of the fp32 path's memory; a reply continued from disk equals the reference
+    # the default path (GGUF blocks in place, bf16 KV; named so that a $KVKEEPER_QUANTIZATION of the caller's does not
+    # change it): each start loads a third of the fp32 path's memory; a reply continued from disk equals the reference
     # there as well (reuse equals recompute bit for bit on it, tests/unit/engine/test_invariance.py)
     args = ("--kv-blocks", "128", "--data-dir", str(data), "--quantization", "gguf")
     m1 = [{"role": "user", "content": "Name three colours."}]

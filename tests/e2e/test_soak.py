@@ -27,8 +27,9 @@ def test_short_soak_passes(tmp_path):
     # the audit samples requests with a seeded draw (seed 0) that restarts with each server life: at a fraction of
     # 0.25 the first audited request of a life is its 26th, which a loaded machine may not reach in a short run
     # (a two-minute run here had 29 requests and no audit); at 0.5 it is the 3rd
-    # the default path (GGUF blocks in place, bf16 KV, the invariant C++ kernels; named here because the suite's
-    # KVKEEPER_QUANTIZATION=none reaches the server): reuse equals recompute bit for bit there, so the audit is exact
+    # the default path (GGUF blocks in place, bf16 KV, the invariant C++ kernels; named here so that a
+    # $KVKEEPER_QUANTIZATION of the caller's does not change it): reuse equals recompute bit for bit there, so the
+    # audit is exact
     # (tolerance 0) and any difference in any cached value is a mismatch (the verdict carries the server log's lines).
     # A 2-minute run with every request audited: 69 audits, 0 mismatches (docs/benchmarks.md, Soak test)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serving" / "soak.py"), "--minutes", MINUTES, "--users", "3",

@@ -14,7 +14,7 @@ from kvkeeper.errors import SessionBusyError
 from kvkeeper.sessions import SessionManager
 from kvkeeper.sessions.disk import MANIFEST
 from tests.utils.serverproc import running_server
-from tests.utils.engines import default_weight_format, make_engine  # noqa: F401 (autouse: the default weights)
+from tests.utils.engines import make_engine
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,8 @@
 """``make_engine``: an in-process ``LLMEngine`` with the suite's two defaults, as the CLI applies them at its edge.
 
-* weight format: ``$KVKEEPER_QUANTIZATION`` (the root conftest makes it ``none``: float32 weights, the exact
-  path and the parity reference) unless the test names ``quantization`` or passes an ``EngineConfig``;
+* weight format: ``$KVKEEPER_QUANTIZATION`` if set, else the library's default (a GGUF file's blocks in place, bf16
+  KV), unless the test names ``quantization`` (``"none"``: float32 weights, the exact path and the parity reference)
+  or passes an ``EngineConfig``;
 * ``validate_every``: ``$KVKEEPER_VALIDATE`` (default 1: the KV integrity validators before every engine step)
   unless the test names its own.
 
@@ -13,32 +14,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 from kvkeeper import LLMEngine
 from kvkeeper.engine.config import EngineConfig
 
 
 def default_quantization() -> str | None:
-    """The weight format of the suite's engines: ``$KVKEEPER_QUANTIZATION``, ``none`` if unset (empty: auto)."""
-    return os.environ.get("KVKEEPER_QUANTIZATION", "none") or None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def default_weight_format():
-    """Imported into a test module (``from tests.utils.engines import default_weight_format  # noqa: F401``), an
-    autouse fixture that runs the module's engines, servers and CLI runs on the library's default weight format
-    (``--quantization`` auto: a GGUF file's blocks in place, bf16 KV) instead of the suite's float32, unless a test
-    names its own.  For modules whose assertions compare nothing with the float32 reference: the API and session
-    tests, which mostly decode (about 3.7x faster a token on that path: 22 against 82 ms of CPU, the embedded model
-    on one thread of the 2-core AMD EPYC; its prefill is slower, so the float32 suite default stays)."""
-    old = os.environ.get("KVKEEPER_QUANTIZATION")
-    os.environ["KVKEEPER_QUANTIZATION"] = ""  # empty: auto (default_quantization, the CLI's edge)
-    yield
-    if old is None:
-        os.environ.pop("KVKEEPER_QUANTIZATION", None)
-    else:
-        os.environ["KVKEEPER_QUANTIZATION"] = old
+    """The weight format of the suite's engines: ``$KVKEEPER_QUANTIZATION``, None (the library's default) if unset or
+    empty."""
+    return os.environ.get("KVKEEPER_QUANTIZATION") or None
 
 
 def default_validate_every() -> int:

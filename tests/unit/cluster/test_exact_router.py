@@ -41,8 +41,8 @@ def cluster():
     engines, feeds = {}, []
     for name in ("r0", "r1"):
         pub, rep = free_port(), free_port()
-        # the default weight format (GGUF blocks in place): what a replica serves by default; its prefill costs about
-        # half the CPU of the suite's float32 path, and which blocks a replica holds does not depend on the format
+        # the default weight format (GGUF blocks in place): what a replica serves by default; which blocks a replica
+        # holds does not depend on the format
         engines[name] = make_engine(quantization="gguf", num_kv_blocks=256, kv_events_config={
             "enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{pub}",
             "replay_endpoint": f"tcp://127.0.0.1:{rep}"})

@@ -26,8 +26,8 @@ from tests.utils.engines import make_engine  # noqa: E402
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
-# the default weight format (GGUF blocks in place): what a replica serves by default, and its prefill costs about half
-# the CPU of the suite's float32 path (KVKEEPER_QUANTIZATION=none); the stream's events do not depend on the format
+# the default weight format (GGUF blocks in place): what a replica serves by default; the stream's events do not
+# depend on the format
 QUANT = "gguf"
 TENANT, SALT = "acme-corp-tenant", "client-salt-4242"
 

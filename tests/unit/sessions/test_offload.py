@@ -17,7 +17,7 @@ from kvkeeper.kvcache.validate import check_engine
 from kvkeeper.sessions import SessionManager
 from kvkeeper.sessions.disk import MANIFEST, session_dir_name
 from kvkeeper.sessions.offload import SessionStore
-from tests.utils.engines import default_weight_format, make_engine  # noqa: F401 (autouse: the default weights)
+from tests.utils.engines import make_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 SHORT = SamplingParams(max_tokens=2, temperature=0)
@@ -28,7 +28,7 @@ TURNS = ["Name three colours.", "And three animals?", "Which of them is the larg
 
 @pytest.fixture(scope="module")
 def eng():
-    """SmolLM2 on 256 blocks, on the default weight format (GGUF blocks in place, bf16 KV: default_weight_format)."""
+    """SmolLM2 on 256 blocks, on the default weight format (GGUF blocks in place, bf16 KV)."""
     return make_engine(num_kv_blocks=256)
 
 

@@ -6,8 +6,7 @@
   perplexity at 4k tokens within 1% of float32, top-1 agreement with float32 on the parity prompts;
 * without the C++ kernels the engine runs float32 and says so.
 
-conftest.py makes KVKEEPER_QUANTIZATION=none the default of the rest of the suite (the in-process engines of
-tests/utils/engines.py's make_engine, and the servers and CLI runs, which read it at their edge); these tests name
+The rest of the suite runs the library's default format unless a test names ``none`` (float32); these tests name
 their format.
 """
 
