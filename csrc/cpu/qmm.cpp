@@ -241,64 +241,83 @@ KVK_AVX512 void qmm_group_avx512(const uint8_t* qs, const uint16_t* sc, int64_t 
 //    An 8-bit code is taken as two 4-bit halves, u = 16 uh + ul.  VPMADDWD by ones then adds the int16 pairs
 //    of a row into its int32 block sum (exact).
 // ---------------------------------------------------------------------------------------------------
-template <int BITS>
-KVK_AVX2 inline __m256i block_sums_avx2(const __m256i* w, const int8_t* xb8) {
-  // lane i: sum over the block's 32 elements k of u(row i, k) * q(k); w: 4-bit codes of slices j = 0..7 (elements
-  // 4j..4j+3), for 8-bit the low nibbles then (w[8 + j]) the high nibbles
-  const __m256i ones = _mm256_set1_epi16(1);
-  int32_t xb[8];
-  std::memcpy(xb, xb8, sizeof(xb));
-  __m256i lo = _mm256_setzero_si256();
+// Four activation bytes broadcast to every 32-bit lane.
+KVK_AVX2 inline __m256i bcast(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+// One half (8 rows) of a group over every block, for MT rows of x.  Slice by slice: the slice's codes are split into
+// their 4-bit halves once and multiplied with each row's activation bytes, broadcast straight from xq, into int16
+// accumulators per row (one per activation byte, and per code half for 8-bit codes); at the end of a block each
+// accumulator becomes the int32 block sum (VPMADDWD by ones, exact) and the float updates follow.  The accumulators
+// and the row's float sums stay in registers (a row's int16 additions come in another order than slice by slice of
+// one code half, and are exact either way: nothing wraps).
+template <int BITS, int MT, bool A16>
+KVK_AVX2 inline void qmm_half_avx2(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* xq,
+                                   const float* dx, const float* sx, int64_t K, int h, __m256* acc) {
+  const int64_t xs = A16 ? 2 * K : K;
+  constexpr int BYTES = BITS == 4 ? 256 : 512, SLICES = BITS == 4 ? 4 : 8;
+  constexpr int NA = A16 ? 2 : 1;  // activation bytes: high (then low) of each 16-bit code
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = qs + b * BYTES + 32 * h;
+    // 4-bit codes: lo[m][a] sums over all 32 elements; 8-bit codes: lo the low code halves, hi the high ones
+    __m256i lo[MT][NA], hi[MT][NA];
 #pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xb[j])));
-  if (BITS == 4) return _mm256_madd_epi16(lo, ones);
-  __m256i hi = _mm256_setzero_si256();
+    for (int m = 0; m < MT; ++m)
+      for (int a = 0; a < NA; ++a) lo[m][a] = hi[m][a] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(w[8 + j], _mm256_set1_epi32(xb[j])));
-  return _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi, ones), 4), _mm256_madd_epi16(lo, ones));
+    for (int s = 0; s < SLICES; ++s) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s));
+      const __m256i wl = _mm256_and_si256(v, low4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+#pragma GCC unroll 2
+        for (int a = 0; a < NA; ++a) {
+          const int8_t* x = xq + m * xs + a * K + b * QK;
+          if (BITS == 4) {  // the low halves: elements 4s..4s+3; the high halves: elements 16+4s..16+4s+3
+            lo[m][a] = _mm256_add_epi16(lo[m][a], _mm256_maddubs_epi16(wl, bcast(x + 4 * s)));
+            lo[m][a] = _mm256_add_epi16(lo[m][a], _mm256_maddubs_epi16(wh, bcast(x + 16 + 4 * s)));
+          } else {  // both halves of elements 4s..4s+3
+            const __m256i xb = bcast(x + 4 * s);
+            lo[m][a] = _mm256_add_epi16(lo[m][a], _mm256_maddubs_epi16(wl, xb));
+            hi[m][a] = _mm256_add_epi16(hi[m][a], _mm256_maddubs_epi16(wh, xb));
+          }
+        }
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 32 + 8 * h)));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 32 + 16 + 8 * h)));
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      __m256i sum[NA];
+#pragma GCC unroll 2
+      for (int a = 0; a < NA; ++a) {
+        sum[a] = _mm256_madd_epi16(lo[m][a], ones);
+        if (BITS == 8) sum[a] = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi[m][a], ones), 4), sum[a]);
+      }
+      const __m256i is = A16 ? _mm256_add_epi32(_mm256_slli_epi32(sum[0], 8), sum[NA - 1]) : sum[0];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(dw, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
+      acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[m * nb + b]), acc[m]);
+    }
+  }
 }
 
 template <int BITS, int MT, bool A16>
 KVK_AVX2 inline void qmm_tile_avx2(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* xq,
                                    const float* dx, const float* sx, int64_t K, float* y, int64_t N, int64_t n0,
                                    int rows) {
-  const int64_t xs = A16 ? 2 * K : K;
-  constexpr int BYTES = BITS == 4 ? 256 : 512;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256 acc[MT][2];
+  alignas(32) float out[MT][16];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MT];
 #pragma GCC unroll 8
-  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = qs + b * BYTES;
-    for (int h = 0; h < 2; ++h) {
-      __m256i w[BITS == 4 ? 8 : 16];
-      constexpr int SLICES = BITS == 4 ? 4 : 8, HI = BITS == 4 ? 4 : 8;
-#pragma GCC unroll 8
-      for (int s = 0; s < SLICES; ++s) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32 * h));
-        w[s] = _mm256_and_si256(v, low4);
-        w[s + HI] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      }
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 32 + 8 * h)));
-      const __m256 mw =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 32 + 16 + 8 * h)));
-#pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m) {
-        __m256i is = block_sums_avx2<BITS>(w, xq + m * xs + b * QK);
-        if (A16)
-          is = _mm256_add_epi32(_mm256_slli_epi32(is, 8), block_sums_avx2<BITS>(w, xq + m * xs + K + b * QK));
-        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(dw, _mm256_set1_ps(dx[m * nb + b])),
-                                    acc[m][h]);
-        acc[m][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[m * nb + b]), acc[m][h]);
-      }
-    }
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+    qmm_half_avx2<BITS, MT, A16>(qs, sc, nb, xq, dx, sx, K, h, acc);
+    for (int m = 0; m < MT; ++m) _mm256_store_ps(out[m] + 8 * h, acc[m]);
   }
-  for (int m = 0; m < MT; ++m) {
-    float out[16];
-    _mm256_storeu_ps(out, acc[m][0]);
-    _mm256_storeu_ps(out + 8, acc[m][1]);
-    std::memcpy(y + m * N + n0, out, sizeof(float) * rows);
-  }
+  for (int m = 0; m < MT; ++m) std::memcpy(y + m * N + n0, out[m], sizeof(float) * rows);
 }
 
 template <int BITS, bool A16>
@@ -306,7 +325,10 @@ KVK_AVX2 void qmm_group_avx2(const uint8_t* qs, const uint16_t* sc, int64_t nb, 
                              const float* sx, int64_t M, int64_t K, float* y, int64_t N, int64_t n0) {
   const int rows = static_cast<int>(std::min<int64_t>(16, N - n0));
   const int64_t xs = A16 ? 2 * K : K;
-  constexpr int MT = 4;
+  // rows of x per tile: what the int16 accumulators (per row: 1 for 4-bit codes, 2 for 8-bit, twice that for 16-bit
+  // activations) and the float sums leave of the 16 vector registers (4-bit codes, 16-bit activations, a 1000-token
+  // prefill of the embedded model on the AMD EPYC: 3 rows a tile beat 4 and 6)
+  constexpr int MT = BITS == 8 && A16 ? 2 : 3;
   int64_t r = 0;
   for (; r + MT <= M; r += MT)
     qmm_tile_avx2<BITS, MT, A16>(qs, sc, nb, xq + r * xs, dx + r * nb, sx + r * nb, K, y + r * N, N, n0, rows);
@@ -317,8 +339,7 @@ KVK_AVX2 void qmm_group_avx2(const uint8_t* qs, const uint16_t* sc, int64_t nb, 
   switch (M - r) {
     case 0: break;
     case 1: qmm_tile_avx2<BITS, 1, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, rows); break;
-    case 2: qmm_tile_avx2<BITS, 2, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, rows); break;
-    default: qmm_tile_avx2<BITS, 3, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, rows); break;
+    default: qmm_tile_avx2<BITS, 2, A16>(qs, sc, nb, xr, dr, sr, K, yr, N, n0, rows); break;  // 2 left of MT = 3
   }
 }
 
