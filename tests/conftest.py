@@ -1,6 +1,5 @@
 import json
 import os
-from collections import Counter
 
 # The suite's default, read at their edge by the servers and CLI runs the tests start, and by
 # tests/utils/engines.py's make_engine for the engines the tests build in process: KV integrity validators before
@@ -53,26 +52,6 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(worker_threads(workers))
-    if hasattr(config.option, "loadscopereorder"):  # xdist's scheduler keeps the order of pytest_collection_modifyitems
-        config.option.loadscopereorder = False
-
-
-# Test files of one long test each (two Ray clusters, the one-minute soak), handed out first: --dist loadfile's own
-# order (most tests a file first) ran them last, and the run then waited on them (a full run on the 2-core AMD EPYC
-# ended with two of the three workers each in one of the cluster tests, 80-100 s).
-FIRST_FILES = ("tests/e2e/test_cluster_exact.py", "tests/e2e/test_cluster_serve.py", "tests/e2e/test_soak.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Files in the order xdist's ``--dist loadfile`` hands them out: FIRST_FILES, then the others by their number of
-    tests, most first (xdist's own order, which pytest_configure turns off so that this one holds); a file's tests
-    keep their order."""
-    files = [item.nodeid.split("::")[0] for item in items]
-    count = Counter(files)
-    first_seen = {f: i for i, f in reversed(list(enumerate(files)))}
-    rank = {f: i for i, f in enumerate(FIRST_FILES)}
-    key = {id(item): (rank.get(f, len(FIRST_FILES)), -count[f], first_seen[f]) for item, f in zip(items, files)}
-    items.sort(key=lambda item: key[id(item)])
 
 
 @pytest.fixture(scope="module", autouse=True)
