@@ -95,20 +95,27 @@ void set_isa(const std::string& name);  // auto, generic, avx2 or avx512_vnni (r
 
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
+// Cephes' expf, shared by exp512, exp_portable and exp256: the input's clamp, log2(e), ln 2 in two parts, and the
+// polynomial's coefficients from the highest power down.
+constexpr float kExpMin = -87.3f, kExpMax = 88.3f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                            5.0000001201e-1f};
+
 // exp of 16 floats (Cephes-style: range reduction by ln 2, degree-6 polynomial, scalef); relative error ~2 ulp.
 KVK_AVX512 inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3f));
-  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpMin));
+  x = _mm512_min_ps(x, _mm512_set1_ps(kExpMax));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpP[0]);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[1]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[2]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[3]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[4]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[5]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, fx);
 }
@@ -120,17 +127,17 @@ KVK_AVX512 inline __m512 exp512(__m512 x) {
 // portable and AVX2 paths agree bit for bit; relative error ~3 ulp.  exp(0) = 1 exactly; an input below -87.3
 // (-inf included) gives exp(-87.3) ~ 1.2e-38, not 0.  The clamps take the bound for a NaN, as MAXPS / MINPS do.
 inline float exp_portable(float x) {
-  x = x > -87.3f ? x : -87.3f;
-  x = x < 88.3f ? x : 88.3f;
-  const float fx = std::nearbyint(x * 1.44269504088896341f);  // round half to even, as VROUNDPS below
-  float r = x - fx * 0.693359375f;
-  r = r - fx * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  x = x > kExpMin ? x : kExpMin;
+  x = x < kExpMax ? x : kExpMax;
+  const float fx = std::nearbyint(x * kLog2e);  // round half to even, as VROUNDPS below
+  float r = x - fx * kLn2Hi;
+  r = r - fx * kLn2Lo;
+  float p = kExpP[0];
+  p = p * r + kExpP[1];
+  p = p * r + kExpP[2];
+  p = p * r + kExpP[3];
+  p = p * r + kExpP[4];
+  p = p * r + kExpP[5];
   p = p * (r * r) + (r + 1.f);
   const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;  // 2^fx, fx in [-126, 127]
   float scale;
@@ -139,18 +146,18 @@ inline float exp_portable(float x) {
 }
 
 KVK_AVX2 inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpMin));
+  x = _mm256_min_ps(x, _mm256_set1_ps(kExpMax));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_sub_ps(r, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(kLn2Hi)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(fx, _mm256_set1_ps(kLn2Lo)));
+  __m256 p = _mm256_set1_ps(kExpP[0]);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kExpP[1]));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kExpP[2]));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kExpP[3]));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kExpP[4]));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kExpP[5]));
   p = _mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
