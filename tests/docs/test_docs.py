@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from tests.utils.paths import ROOT
+from tests.utils.serverproc import free_port
 
 README = ROOT / "README.md"
 MKDOCS_YML = ROOT / "mkdocs.yml"
@@ -78,12 +78,6 @@ def console_commands(code: str) -> str:
     """A console block's commands: its ``$ `` lines without the prompt (all lines when none has one)."""
     cmds = [ln[2:] for ln in code.splitlines() if ln.startswith("$ ")]
     return "\n".join(cmds) + "\n" if cmds else code
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def with_port(code: str, port: int) -> str:

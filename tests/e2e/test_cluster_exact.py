@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import openai  # noqa: E402
 
 from kvkeeper.cluster.kv_index import KVIndex  # noqa: E402
 from kvkeeper.cluster.kv_subscriber import Feed, KVEventSubscriber  # noqa: E402
-from tests.utils.serverproc import server_process  # noqa: E402
+from tests.utils.serverproc import free_ports, server_process  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -33,29 +32,6 @@ DATA = Path(__file__).resolve().parents[2] / "data" / "topical_chat" / "test_fre
 BLOCK = 16
 SYSTEM = ("You are the help desk of a travel company. Answer briefly, name the sources you use, and never invent "
           "prices, dates or opening hours. " * 10)
-
-
-def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free ports on 127.0.0.1."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        if first + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(first, first + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def full_blocks(tokens: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -13,10 +14,51 @@ from pathlib import Path
 import httpx
 
 
-def free_port() -> int:
+_LOWEST = 20000  # above Ray's worker ports (10002-19999 by default)
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux: ``ip_local_port_range``; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int = 1) -> int:
+    """The first of ``n`` consecutive ports on 127.0.0.1 that are free now, below the kernel's ephemeral range,
+    and not handed out before in this process.
+
+    A port the kernel handed out (``bind(("127.0.0.1", 0))``) is in the ephemeral range, where any process may get
+    it next as the local port of an outgoing connection or of its own ``bind(0)`` before the server this port is
+    for binds it.  That happened in a full run: Ray, started after the test chose its KV-event ports, held the
+    first one, and the replica of rank 0 failed to bind it for three minutes (tests/e2e/test_cluster_exact.py).
+    Below the range only a process that names the port takes it."""
+    low = _ephemeral_low()
+    top = low if low - n > _LOWEST + 1000 else 65536
+    rng = random.SystemRandom()
+    for _ in range(500):
+        first = rng.randrange(_LOWEST, top - n)
+        ports = range(first, first + n)
+        if not _handed_out.intersection(ports) and all(_bindable(p) for p in ports):
+            _handed_out.update(ports)
+            return first
+    raise RuntimeError(f"no {n} consecutive free ports in [{_LOWEST}, {top})")
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that is free now (:func:`free_ports`)."""
+    return free_ports(1)
 
 
 def _wait_healthy(proc: subprocess.Popen, base: str, log_path: Path, timeout_s: float) -> None:

@@ -7,7 +7,6 @@ conversation that shares a long system prompt lands on the replica holding it; t
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from kvkeeper.cluster.exact_router import ExactRouter, ReplicaLoad, token_block_
 from kvkeeper.cluster.kv_index import KVIndex  # noqa: E402
 from kvkeeper.cluster.kv_subscriber import Feed, KVEventSubscriber  # noqa: E402
 from tests.utils.engines import make_engine  # noqa: E402
+from tests.utils.serverproc import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +28,6 @@ DATA = Path(__file__).resolve().parents[3] / "data" / "topical_chat" / "test_fre
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
 SYSTEM = ("You are a helpful assistant for a travel company. Answer briefly, name the sources you use, and never "
           "invent prices, dates or opening hours. " * 12)  # about 19 blocks: more than one queued request weighs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from kvkeeper.kvcache.kv_events.wire import BlockStored, decode_batch  # noqa: E
 from kvkeeper.kvcache.namespace import tenant_namespace  # noqa: E402
 from kvkeeper.sessions import SessionManager  # noqa: E402
 from tests.utils.engines import make_engine  # noqa: E402
+from tests.utils.serverproc import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +31,6 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0)
 # depend on the format
 QUANT = "gguf"
 TENANT, SALT = "acme-corp-tenant", "client-salt-4242"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def events_config(pub: int, replay: int, **extra) -> dict:
