@@ -203,7 +203,7 @@ def gguf_tensors():
         path = resolve_model_path()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"embedded model not installed: {e}")
-    from kvkeeper.weights.gguf_file import GGUFFile
+    from kvkeeper.gguf_file import GGUFFile
 
     reader = GGUFFile.open(path)  # GGUFReader's tensor table without its views over the vocabulary
     return gguf, {t.name: t for t in reader.tensors}

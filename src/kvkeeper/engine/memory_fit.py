@@ -79,7 +79,7 @@ def model_weights(cfg: EngineConfig, path: Path | None, device: torch.device,
     resolved model file or folder; None with load format dummy).  Raises the loader's errors and
     QuantizationError / InvalidRequestError for a format the model cannot run."""
     from ..weights import dummy
-    from ..weights.gguf_file import GGUFFile
+    from ..gguf_file import GGUFFile
     from ..weights.loader import gguf_model_config
 
     kw = dict(device=device, dtype=dtype)

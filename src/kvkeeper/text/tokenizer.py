@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from ..errors import ModelFormatError
@@ -64,11 +65,44 @@ _TEMPLATE_KEY = hashlib.sha256(GEMMA_CHAT_TEMPLATE.encode()).hexdigest()[:8]
 
 
 def _gguf_key(path: Path) -> str:
-    """The cache folder name of a GGUF file's tokenizer: its path, size and mtime, and the chat template this
-    module writes into a conversion (a changed template makes a new conversion, not a stale cached one)."""
-    st = path.stat()
-    h = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}:{_TEMPLATE_KEY}".encode()).hexdigest()
-    return h[:16]
+    """The cache folder name of a GGUF file's tokenizer: a digest of what transformers converts it from (the
+    ``tokenizer.*`` metadata and ``general.architecture``, as stored) and of the chat template this module writes
+    into a conversion (a changed template makes a new conversion, not a stale cached one).  Files that carry the
+    same tokenizer share one conversion wherever they are (the quantizations of one model; the suite's synthetic
+    files, which carry SmolLM2's).  A file whose header kvkeeper cannot read is keyed by its path, size and
+    modification time (transformers then says what is wrong with it)."""
+    from ..gguf_file import GGUFFile
+
+    try:
+        content = GGUFFile.open(path).metadata_digest(("general.architecture",), ("tokenizer.",))
+    except ModelFormatError:
+        st = path.stat()
+        content = f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+    return hashlib.sha256(f"{content}:{_TEMPLATE_KEY}".encode()).hexdigest()[:16]
+
+
+_conversions: dict[str, Path] = {}  # key (_gguf_key) -> a cache folder holding its conversion, in this process
+
+
+def _share_conversion(folder: Path) -> None:
+    """One conversion per key in a process, whatever cache folders it is asked for: ``folder`` (``tokenizers/<key>``
+    of some cache) is remembered when it holds the conversion, else filled with a copy of one remembered from
+    another cache folder (a few files, against seconds of CPU for transformers' conversion)."""
+    if (folder / "tokenizer_config.json").exists():
+        _conversions.setdefault(folder.name, folder)
+        return
+    src = _conversions.get(folder.name)
+    if src is None or not (src / "tokenizer_config.json").exists():
+        return
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    try:
+        shutil.copytree(src, tmp)
+        if not folder.exists():
+            os.replace(tmp, folder)
+    except OSError as e:  # an optimisation only: the conversion below serves
+        log.warning("could not copy the tokenizer conversion %s to %s: %s", src, folder, e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_tokenizer(model_path: str | os.PathLike, cache: str | os.PathLike | None = None, *, lazy: bool = False):
@@ -82,6 +116,8 @@ def load_tokenizer(model_path: str | os.PathLike, cache: str | os.PathLike | Non
     """
     path = Path(model_path)
     folder = path if path.is_dir() else cache_dir(cache) / "tokenizers" / _gguf_key(path)
+    if not path.is_dir():
+        _share_conversion(folder)
     lazy_got = _open_lazy(path, folder, cache) if lazy else None
     if lazy_got is not None:
         return lazy_got
@@ -127,6 +163,7 @@ def _load_full(path: Path, folder: Path):
             tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
             tok.save_pretrained(str(tmp))
             os.replace(tmp, cached) if not cached.exists() else None
+            _conversions.setdefault(cached.name, cached)
         except OSError as e:  # cache is an optimisation only
             log.warning("could not cache tokenizer: %s", e)
         return tok

@@ -36,7 +36,7 @@ from ..layers.gguf_linear import GGUFWeight, is_gguf_entry, kernel_ops
 from ..layers.quantized import QK, PackedWeight, pack_numpy
 from ..models.registry import capabilities, causal_lm_class
 from ..progress import track
-from .gguf_file import GGUFFile
+from ..gguf_file import GGUFFile
 
 QUANTIZATION_CHOICES = ("none", "gguf", "int8", "int4")
 _ALIASES = {"fp32": "none", "float32": "none", "dequantized": "none"}

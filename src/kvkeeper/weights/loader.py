@@ -24,7 +24,7 @@ from ..models.registry import model_class
 from ..text.tokenizer import load_tokenizer
 from .heap import release_free_heap
 from . import dummy
-from .gguf_file import GGUFFile
+from ..gguf_file import GGUFFile
 from .sources import resolve_model_path
 
 _GGUF_TOP_NAMES = {

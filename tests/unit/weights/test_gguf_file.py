@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvkeeper.errors import ModelFormatError
-from kvkeeper.weights.gguf_file import GGUFFile
+from kvkeeper.gguf_file import GGUFFile
 
 gguf = pytest.importorskip("gguf")
 

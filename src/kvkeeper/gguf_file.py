@@ -12,6 +12,7 @@ for ``GGUFReader`` (``reader.fields[key].contents()``, ``len(field.data)``, ``re
 from __future__ import annotations
 
 import functools
+import hashlib
 import mmap
 import struct
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ModelFormatError
+from .errors import ModelFormatError
 
 __all__ = ["GGUFFile", "MetaField"]
 
@@ -109,13 +110,16 @@ class GGUFFile:
         n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
         off = 24
         self.fields: dict[str, MetaField] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # key -> its bytes in the file (name, type, value)
         for _ in range(n_kv):
+            start = off
             name, off = self._str(off)
             vtype = _U32.unpack_from(buf, off)[0]
             field, off = self._value(name, vtype, off + 4)
             if name in self.fields:
                 raise ValueError(f"duplicate metadata key {name!r}")
             self.fields[name] = field
+            self._spans[name] = (start, off)
         infos = []
         for _ in range(n_tensors):
             name, off = self._str(off)
@@ -134,6 +138,16 @@ class GGUFFile:
         self.tensors = [self._tensor(gguf, *info) for info in infos]
         if len({t.name for t in self.tensors}) != len(self.tensors):
             raise ValueError("duplicate tensor names")
+
+    def metadata_digest(self, keys: tuple[str, ...], prefixes: tuple[str, ...] = ()) -> str:
+        """SHA-256 (hex) of the stored bytes (name, type and value) of the metadata keys named in ``keys`` or
+        starting with one of ``prefixes``, in file order: two files whose selected keys are stored alike share it,
+        whatever their tensors, paths or modification times."""
+        h = hashlib.sha256()
+        for name, (start, end) in self._spans.items():
+            if name in keys or name.startswith(prefixes):
+                h.update(self._mm[start:end])
+        return h.hexdigest()
 
     def _str(self, off: int) -> tuple[str, int]:
         n = _U64.unpack_from(self._mm, off)[0]
