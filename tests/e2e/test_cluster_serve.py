@@ -102,8 +102,10 @@ def test_sessions_route_to_their_replica_and_survive_its_death(tmp_path):
     # replies still equal the uninterrupted references' bit for bit
     # --affinity-wait-s 120: a session's turn waits for its replica however busy the machine (at the default 2 s, a
     # full run beside a build sent all 16 sessions to one replica while the other was slow to answer its probes)
+    # timeout_s=600: at the start of a full run (three workers on two cores, every one starting models) Ray took
+    # 168 s from its start to the app's readiness (2026-12-08, AMD EPYC); this whole test took 95 s in another run
     with server_process(tmp_path / "server.log", "--replicas", "2", "--data-dir", str(data), "--checkpoint-every",
-                        "0.2", "--no-access-log", "--quantization", "gguf", "--affinity-wait-s", "120", timeout_s=300,
+                        "0.2", "--no-access-log", "--quantization", "gguf", "--affinity-wait-s", "120", timeout_s=600,
                         env=env) as (base, _proc):
         c = Client(base)
         # the router learns its second replica a while after the app is up (tests/e2e/test_cluster_exact.py): a
