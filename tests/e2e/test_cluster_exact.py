@@ -50,7 +50,7 @@ def test_token_exact_router_on_two_replicas(tmp_path):
     # --affinity-wait-s 120: a session's turn waits for its replica however busy the machine (at the default 2 s, a
     # full run beside a build sent all 16 sessions to one replica while the other was slow to answer its probes)
     # timeout_s=600: at the start of a full run (three workers on two cores, every one starting models) Ray took
-    # 168 s from its start to the app's readiness (2026-12-08, AMD EPYC); this whole test took 95 s in another run
+    # 168 s from its start to the app's readiness (2026-12-08, AMD EPYC); this whole test took 60 s in another run
     with server_process(tmp_path / "server.log", "--replicas", "2", "--kv-events-config", json.dumps(events),
                         "--no-access-log", "--quantization", "gguf", "--affinity-wait-s", "120", timeout_s=600,
                         env=env) as (base, _proc):
