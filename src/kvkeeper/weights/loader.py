@@ -9,9 +9,11 @@ replaces matrices by packed blocks (``--quantization``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -262,13 +264,15 @@ def _generation_eos(path: Path) -> list[int]:
 def _cached_gguf(path: Path, cache=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """GGUF weights, dequantised once and kept as safetensors under the kvkeeper cache folder.
 
-    The cache is keyed by the file's content id; a damaged cache file is rebuilt.
+    The cache is keyed by the file's content id; a damaged cache file is rebuilt.  Processes that start on the same
+    file at once (the replicas of ``serve --replicas``, a test run's workers) build it once: one dequantises and
+    writes while the others wait on a lock file beside the cache file, then read it.
     """
     import dataclasses
     import logging
     import os
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from ..text.tokenizer import cache_dir
 
@@ -276,30 +280,64 @@ def _cached_gguf(path: Path, cache=None) -> tuple[ModelConfig, dict[str, torch.T
     folder = cache_dir(cache) / "weights"
     st_path, cfg_path = folder / f"{rev}.safetensors", folder / f"{rev}.json"
     types_path = folder / f"{rev}.types.json"
-    if st_path.exists() and cfg_path.exists():
+    got = _read_cached_gguf(path, st_path, cfg_path, types_path)
+    if got is not None:
+        return got
+    with _exclusive(st_path):
+        got = _read_cached_gguf(path, st_path, cfg_path, types_path)  # built while this process waited
+        if got is not None:
+            return got
+        cfg, state = load_gguf(path)
         try:
-            cfg = ModelConfig(**json.loads(cfg_path.read_text()))
-            if types_path.exists():
-                types = json.loads(types_path.read_text())
-            else:  # a cache written before the types were kept
-                types = {t.name: t.tensor_type.name for t in GGUFFile(path).tensors}
-                _write_json(types_path, types)
-            return cfg, ModelWeights(load_file(str(st_path)), "gguf", path, types)
-        except Exception as e:  # rebuilt below
-            logging.getLogger(__name__).warning("weights cache %s unreadable (%s); rebuilding", st_path, e)
-    cfg, state = load_gguf(path)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = st_path.with_name(f"{st_path.name}.tmp{os.getpid()}")
-        save_file(state, str(tmp))
-        os.replace(tmp, st_path)
-        tmp = cfg_path.with_name(f"{cfg_path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(dataclasses.asdict(cfg)))
-        os.replace(tmp, cfg_path)
-        _write_json(types_path, state.gguf_types)
-    except OSError as e:  # the cache is an optimisation only
-        logging.getLogger(__name__).warning("could not cache dequantised weights: %s", e)
+            tmp = st_path.with_name(f"{st_path.name}.tmp{os.getpid()}")
+            save_file(state, str(tmp))
+            os.replace(tmp, st_path)
+            tmp = cfg_path.with_name(f"{cfg_path.name}.tmp{os.getpid()}")
+            tmp.write_text(json.dumps(dataclasses.asdict(cfg)))
+            os.replace(tmp, cfg_path)
+            _write_json(types_path, state.gguf_types)
+        except OSError as e:  # the cache is an optimisation only
+            logging.getLogger(__name__).warning("could not cache dequantised weights: %s", e)
     return cfg, state
+
+
+def _read_cached_gguf(path: Path, st_path: Path, cfg_path: Path, types_path: Path):
+    """(config, weights) from the dequantised cache of ``path``, or None when it is missing or unreadable."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    if not (st_path.exists() and cfg_path.exists()):
+        return None
+    try:
+        cfg = ModelConfig(**json.loads(cfg_path.read_text()))
+        if types_path.exists():
+            types = json.loads(types_path.read_text())
+        else:  # a cache written before the types were kept
+            types = {t.name: t.tensor_type.name for t in GGUFFile(path).tensors}
+            _write_json(types_path, types)
+        return cfg, ModelWeights(load_file(str(st_path)), "gguf", path, types)
+    except Exception as e:  # rebuilt by the caller
+        logging.getLogger(__name__).warning("weights cache %s unreadable (%s); rebuilding", st_path, e)
+        return None
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Held by one process at a time: an exclusive ``flock`` on ``<path>.lock`` (the folder made if missing).
+    Where the folder cannot be written, or without ``fcntl`` (not POSIX), nothing is held: each process then
+    builds for itself, as before the lock."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(f"{path}.lock", "w")
+    except (ImportError, OSError):
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def _write_json(path: Path, obj) -> None:
