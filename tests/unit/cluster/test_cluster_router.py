@@ -250,22 +250,28 @@ def test_a_session_stays_home_when_a_replica_joins():
     assert len(policy._homes) == 16
 
 
-def test_the_ray_it_starts_gives_serves_proxy_a_minute_to_come_up(monkeypatch):
+def test_the_ray_it_starts_gives_serves_proxy_time_to_come_up(monkeypatch):
     """Ray Serve kills an HTTP proxy that misses three 5-s readiness checks and ``serve.start`` then fails: the Ray
-    that ``deployment.start`` starts is given 60-s bounds through its environment (seen failing on a busy 2-core
-    machine); a value the environment already names is kept."""
+    that ``deployment.start`` starts is given a 300-s readiness bound through its environment (seen failing on a busy
+    2-core machine at 5 s, then at 60 s); a value the environment already names is kept.  When ``serve.start``'s own
+    60-s wait for the proxy runs out (TimeoutError), the application is deployed all the same."""
     pytest.importorskip("ray.serve", reason="needs the cluster extra: pip install -e '.[cluster]'")
     from kvkeeper.cluster import deployment
 
-    seen = {}
+    seen, ran = {}, []
+
+    def start_times_out(**kw):
+        raise TimeoutError("HTTP proxies not available after 60s.")
+
     monkeypatch.setattr(deployment.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(deployment.ray, "init", lambda **kw: seen.update(
         {k: deployment.os.environ.get(k) for k in deployment.SERVE_PROXY_BOUNDS_S}))
-    monkeypatch.setattr(deployment.serve, "start", lambda **kw: None)
-    monkeypatch.setattr(deployment.serve, "run", lambda *a, **kw: None)
+    monkeypatch.setattr(deployment.serve, "start", start_times_out)
+    monkeypatch.setattr(deployment.serve, "run", lambda *a, **kw: ran.append(kw["name"]))
     monkeypatch.setattr(deployment, "build_app", lambda spec, cluster: None)
     for name in deployment.SERVE_PROXY_BOUNDS_S:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "90")
     deployment.start(None, types.SimpleNamespace(ray_address=None), "127.0.0.1", 0)
-    assert seen == {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "90"}
+    assert ran == [deployment.APP_NAME]
+    assert seen == {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "300", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "90"}
