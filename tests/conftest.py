@@ -58,7 +58,7 @@ def pytest_configure(config):
 
 
 # The longest test files, longest first (wall seconds in a full run of `make test` on the 2-core AMD EPYC, three
-# workers, 2026-12-08: 109 s down to 30 s, 1,790 s of the 2,589 s all files took).  `--dist loadfile` hands files out
+# workers, 2026-12-08: 109 s down to 30 s, 1,795 s of the 2,589 s all files took).  `--dist loadfile` hands files out
 # in this order, so that the run ends on short files: in xdist's own order (most tests first) the one-test files of
 # the Ray cluster, the soak and the Triton compile came last, and the CPUs were half idle for the run's last 150 s
 # (a sampler of /proc/stat beside it).  The order changes how long the run takes, never what a test checks; a file

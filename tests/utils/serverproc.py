@@ -41,8 +41,9 @@ def free_ports(n: int = 1) -> int:
 
     A port the kernel handed out (``bind(("127.0.0.1", 0))``) is in the ephemeral range, where any process may get
     it next as the local port of an outgoing connection or of its own ``bind(0)`` before the server this port is
-    for binds it.  That happened in a full run: Ray, started after the test chose its KV-event ports, held the
-    first one, and the replica of rank 0 failed to bind it for three minutes (tests/e2e/test_cluster_exact.py).
+    for binds it.  A full run failed so: something, most likely the Ray started after the test chose its KV-event
+    ports, held the first one, and the replica of rank 0 failed to bind it for three minutes
+    (tests/e2e/test_cluster_exact.py).
     Below the range only a process that names the port takes it."""
     low = _ephemeral_low()
     top = low if low - n > _LOWEST + 1000 else 65536
