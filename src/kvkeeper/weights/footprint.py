@@ -1,6 +1,6 @@
 """The bytes a model's weights will hold in memory, known before any weight is read.
 
-From a model file's header alone (a GGUF file's tensor table, :class:`~kvkeeper.weights.gguf_file.GGUFFile`;
+From a model file's header alone (a GGUF file's tensor table, :class:`~kvkeeper.gguf_file.GGUFFile`;
 the JSON headers of a Hugging Face folder's safetensors files; the shapes of a dummy config), and the weight
 format the file will run (:func:`kvkeeper.weights.formats.resolve_quantization`, as the loader resolves it):
 

@@ -125,7 +125,7 @@ def gguf_model_config(path: Path, reader: GGUFFile | None = None):
 
 
 def load_gguf(path: Path, in_place: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
-    """Read a GGUF file (its header with :class:`~kvkeeper.weights.gguf_file.GGUFFile`) and dequantise every
+    """Read a GGUF file (its header with :class:`~kvkeeper.gguf_file.GGUFFile`) and dequantise every
     tensor to float32 with the ``gguf`` package.
 
     in_place: keep every 2-D matrix that is not F32 (projections, embedding, LM head) of a file whose family has
@@ -324,20 +324,21 @@ def _read_cached_gguf(path: Path, st_path: Path, cfg_path: Path, types_path: Pat
 
 @contextlib.contextmanager
 def _exclusive(path: Path) -> Iterator[None]:
-    """Held by one process at a time: an exclusive ``flock`` on ``<path>.lock`` (the folder made if missing).
-    Where the folder cannot be written, or without ``fcntl`` (not POSIX), nothing is held: each process then
-    builds for itself, as before the lock."""
-    try:
-        import fcntl
+    """Held by one process at a time: ``filelock``'s lock on ``<path>.lock`` (the folder made if missing).  Where
+    the folder cannot be written nothing is held: each process then builds for itself, as before the lock."""
+    from filelock import FileLock
 
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(f"{path}.lock", "w")
-    except (ImportError, OSError):
+        lock = FileLock(f"{path}.lock")
+        lock.acquire()
+    except OSError:
         yield
         return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def _write_json(path: Path, obj) -> None:

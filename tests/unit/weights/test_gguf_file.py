@@ -1,4 +1,4 @@
-"""kvkeeper.weights.gguf_file.GGUFFile: a GGUF header read without touching tensor data, equal to gguf.GGUFReader.
+"""kvkeeper.gguf_file.GGUFFile: a GGUF header read without touching tensor data, equal to gguf.GGUFReader.
 
 * every metadata key (value, value types, element count) and every tensor (name, type, shape, byte count,
   offset, the bytes themselves) equal ``gguf.GGUFReader``'s, on the tiny synthetic Q4_K_M file, the embedded
